@@ -1,0 +1,32 @@
+"""Engine settings: the one place where their defaults live (the CLI flags are generated from it)."""
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model; else a GGUF path or an HF folder
+    dtype: str = "auto"  # "auto" (bfloat16 where the CPU has native bf16, else float32), "float32", "bfloat16"
+    max_model_len: int | None = None  # default: the model's context length, at most 8192, at most the KV pool
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None  # default: enough for max_num_seqs x max_model_len, capped at 1 GiB
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None  # compute threads; default: torch's choice
+
+    def __post_init__(self):
+        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+
+
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
+
+DEFAULT_KV_CACHE_CAP_BYTES = 1 << 30
+DEFAULT_MAX_MODEL_LEN_CAP = 8192

@@ -1,0 +1,86 @@
+"""The pool of KV blocks: reference counts, an LRU free queue, and the prefix-cache index.
+
+Plain integers only (no torch): the tensors that hold the keys and values belong to the model
+runner; this module decides which block ids are whose.
+
+Invariants:
+- a block with ref_count 0 is in the free queue exactly once; a block with ref_count > 0 is not in it;
+- a block has a hash only while its contents are a known full block of tokens; `cached` maps each
+  such hash to exactly one block;
+- the free queue pops least recently freed blocks first, so a cached block keeps its identity
+  (and can be hit) until it is the oldest free block and gets reused.
+"""
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids, extra=None) -> BlockHash:
+    """Chained sha256 of (parent hash, this block's token ids, extra keys such as cache_salt)."""
+    return hashlib.sha256(pickle.dumps((parent, tuple(token_ids), extra), protocol=5)).digest()
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, Block] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take n blocks from the head of the free queue (the oldest freed), dropping their cached identity."""
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot allocate {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on blocks found in the prefix cache (pulling free ones out of the queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks) -> None:
+        """Drop one reference each, in the given order; blocks reaching 0 join the queue's tail."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise AssertionError(f"block {block.block_id} freed with ref_count {block.ref_count}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
+        """Give a full block its identity, unless another block already holds that content."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block

@@ -1,0 +1,65 @@
+"""Sampling parameters with vLLM's names and defaults."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token, beside the sampled one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, message: str):
+            if not ok:
+                raise ValueError(f"{name} {message}")
+
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (off), 0 (off) or at least 1, got {self.top_k}")
+        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
+        check(all(s for s in self.stop_strings), "stop", "must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,134 @@
+"""Iteration-level continuous batching under a token budget (vLLM v1's rule, no phases).
+
+Each step every request tries to close the gap between its known tokens and its computed ones:
+running requests first (a decode token, or the next chunk of a long prompt), then waiting
+requests in order (a prefix-cache hit skips part of their prompt). A prompt longer than the
+budget left is chunked across steps. When the pool runs out of blocks, the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later.
+
+Guarantees of one `schedule()`:
+- the step's tokens sum to at most max_num_batched_tokens; at most max_num_seqs are running;
+- every scheduled request has blocks for all its tokens up to num_computed + num_new;
+- no request appears twice; preempted requests are back at the head of the waiting queue.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: each request with how many of its tokens to compute."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of those, found cached
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(block_copies=self.pending_copies)
+        self.pending_copies = []
+        budget = self.max_num_batched_tokens
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+
+        # No admissions in a step that had to preempt: memory is short.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_cached
+            req.num_computed_tokens += num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+
+    def admit_forked(self, parent: Request, child: Request) -> None:
+        """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is free."""
+        copy = self.kv.fork(parent, child)
+        if copy is False:
+            self.waiting.appendleft(child)
+            return
+        if copy is not None:
+            self.pending_copies.append(copy)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req)

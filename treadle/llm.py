@@ -1,0 +1,118 @@
+"""The offline interface: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from dataclasses import replace
+
+from .config import EngineConfig
+from .engine.llm_engine import LLMEngine
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        device: str = "cpu",
+        threads: int | None = None,
+    ):
+        self.config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            device=device,
+            threads=threads,
+        )
+        self.engine = LLMEngine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *, cache_salt=None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params, add_special_tokens=True, cache_salt=cache_salt)
+
+    def chat(
+        self,
+        messages,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)
+            for c in conversations
+        ]
+        # The template writes any BOS itself.
+        return self._run(prompts, params, add_special_tokens=False)
+
+    def _run(self, prompts, params, add_special_tokens: bool, cache_salt=None) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        for prompt, p in zip(prompts, params):
+            ids.append(engine.add_request(None, prompt, p, cache_salt=cache_salt, add_special_tokens=add_special_tokens))
+        results = {rid: None for rid in ids}
+        pending = set(ids)
+        while pending:
+            for delta in engine.step():
+                if delta.request_id not in results:
+                    continue
+                results[delta.request_id] = _merge(results[delta.request_id], delta)
+                if delta.finished:
+                    pending.discard(delta.request_id)
+        for out in results.values():
+            out.outputs.sort(key=lambda c: c.index)
+        return [results[rid] for rid in ids]
+
+
+def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    if acc is None:
+        acc = replace(delta, outputs=[])
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            prev = CompletionOutput(c.index, "", [], logprobs=[] if c.logprobs is not None else None)
+            acc.outputs.append(prev)
+            by_index[c.index] = prev
+        prev.text += c.text
+        prev.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            prev.logprobs.extend(c.logprobs)
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason = c.finish_reason
+        prev.stop_reason = c.stop_reason
+    acc.finished = delta.finished
+    acc.num_cached_tokens = delta.num_cached_tokens
+    return acc

@@ -1,0 +1,81 @@
+"""Paged attention: keys and values live in fixed-size blocks addressed by block tables.
+
+Layout of one layer's cache: [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+block_id * block_size + offset. Every layer first writes the step's new keys/values to their slots,
+then reads: so a request may attend to blocks another request of the same step just filled.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """A run of `num_tokens` query tokens of one request, at positions context_len - num_tokens ..."""
+
+    start: int  # first row of this chunk in the flattened batch
+    num_tokens: int
+    context_len: int  # tokens of this request with KV after this step (cached prefix + chunk)
+    block_table: torch.Tensor  # block ids covering context_len
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, None for plain causal over the chunk alone
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flattened batch maps onto the KV cache for one step (shared by every layer)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each token
+    num_decode_tokens: int = 0  # the first rows: one query token per request
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(-1, kv_heads, head_dim)
+    flat_v = v_cache.view(-1, kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    n = meta.num_decode_tokens
+    if n:
+        tables = meta.decode_block_tables
+        length = tables.shape[1] * block_size
+        keys = k_cache[tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:n] = o.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        query = q[rows].transpose(0, 1).unsqueeze(0)
+        if chunk.mask is None:  # nothing cached before this chunk: attend to the fresh keys
+            keys, values = k[rows], v[rows]
+        else:
+            keys = k_cache[chunk.block_table].view(-1, kv_heads, head_dim)[: chunk.context_len]
+            values = v_cache[chunk.block_table].view(-1, kv_heads, head_dim)[: chunk.context_len]
+        o = F.scaled_dot_product_attention(
+            query,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,41 @@
+"""The hyperparameters of one Llama-style decoder, whatever file they came from."""
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelLoadError(ValueError):
+    """A model file or folder that treadle cannot load; the message names file, item and reason."""
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    # None, "linear" or "llama3" (HF names); llama.cpp's rope_freqs tensor arrives as `freq_factors`.
+    scaling_type: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    freq_factors: list[float] | None = None
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k and v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    sliding_window: int | None = None
+    name: str = ""

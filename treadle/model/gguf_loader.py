@@ -1,0 +1,195 @@
+"""Read a GGUF file: hyperparameters, weights (dequantized to float) under HF names, tokenizer.
+
+The `gguf` package parses the container and dequantizes blocks; this module maps llama.cpp's
+names and layouts onto the Hugging Face ones the model code uses, and turns every failure into a
+`ModelLoadError` that names the file, the item and the reason.
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeConfig
+from .tokenizer import Tokenizer, tokenizer_from_gguf
+
+# Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp permutes Q and K rows of these architectures for its RoPE layout; we undo it.
+PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _open(path: str):
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot open: {e}") from e
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF header: {type(e).__name__}: {e}") from e
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"{path}: tensor {t.name}: data runs past the end of the file (truncated)")
+    return reader
+
+
+def read_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception as e:
+            raise ModelLoadError(f"{reader.data.filename}: metadata {key}: unreadable: {e}") from e
+    return meta
+
+
+def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def get(key, default=None, required=False):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            if required:
+                raise ModelLoadError(f"{path}: {full}: missing")
+            return default
+        return meta[full]
+
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv: per-layer head counts are not supported")
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path}: {arch}.attention.value_length: differs from key_length, not supported")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count = {rope_dim}: partial rotary embeddings are not supported")
+    if get("expert_count", 0):
+        raise ModelLoadError(f"{path}: {arch}.expert_count: mixture-of-experts models are not supported")
+
+    rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)))
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ModelLoadError(f"{path}: {arch}.rope.scaling.type = {scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)")
+        rope.scaling_type = "linear"
+        rope.factor = float(get("rope.scaling.factor", 1.0))
+    vocab = meta.get("tokenizer.ggml.tokens")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(get("vocab_size", len(vocab) if vocab else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length", required=True)),
+        num_layers=int(get("block_count", required=True)),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope=rope,
+        max_position=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=get("attention.sliding_window"),
+        name=str(meta.get("general.name") or os.path.basename(path)),
+    )
+
+
+def _hf_name(path: str, name: str) -> str:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    raise ModelLoadError(f"{path}: tensor {name}: unknown tensor for this architecture (unsupported feature)")
+
+
+def _undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert-time permute (HF rows (head, 2, half) -> interleaved (head, half, 2))."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(path: str, tensor) -> np.ndarray:
+    import gguf
+
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name}: type {type_name} is not supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest first
+    try:
+        if type_name == "F32":
+            data = np.asarray(tensor.data, dtype=np.float32)
+        elif type_name == "F16":
+            data = np.asarray(tensor.data).astype(np.float32)
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return data.reshape(shape)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot decode {type_name} data: {e}") from e
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    reader = _open(path)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = _config_from_metadata(path, meta, names)
+    tokenizer = tokenizer_from_gguf(path, meta)
+
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            # Llama-3 style scaling stored as per-frequency divisors.
+            config.rope.freq_factors = _dequantize(path, tensor).reshape(-1).tolist()
+            continue
+        hf = _hf_name(path, tensor.name)
+        data = _dequantize(path, tensor)
+        if config.architecture in PERMUTED_QK_ARCHITECTURES:
+            if tensor.name.endswith("attn_q.weight") or tensor.name.endswith("attn_q.bias"):
+                data = _undo_qk_permutation(data, config.num_heads)
+            elif tensor.name.endswith("attn_k.weight") or tensor.name.endswith("attn_k.bias"):
+                data = _undo_qk_permutation(data, config.num_kv_heads)
+        weights[hf] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memmap
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
+    config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    return config, weights, tokenizer

@@ -1,0 +1,85 @@
+"""Read a Hugging Face model folder: config.json, *.safetensors, tokenizer files."""
+
+import glob
+import json
+import os
+
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeConfig
+from .tokenizer import Tokenizer, tokenizer_from_hf_folder
+
+
+def _config_from_json(folder: str, cfg: dict) -> ModelConfig:
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{folder}/config.json: model_type = {arch!r}: unsupported architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        rope_params = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or rope_params or {}
+        rope = RopeConfig(theta=float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("llama3", "linear"):
+            rope.scaling_type = kind
+            rope.factor = float(scaling.get("factor", 1.0))
+            rope.low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+            rope.high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+            rope.original_max_position = int(scaling.get("original_max_position_embeddings", 8192))
+        elif kind not in (None, "default"):
+            raise ModelLoadError(f"{folder}/config.json: rope_scaling type {kind!r}: unsupported (supported: linear, llama3)")
+        sliding = cfg.get("sliding_window")
+        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_window=int(sliding) if sliding else None,
+            name=os.path.basename(os.path.normpath(folder)),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{folder}/config.json: {e.args[0]}: missing") from e
+
+
+def load_hf_folder(folder: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{folder}: config.json: missing, not a Hugging Face model folder")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{config_path}: cannot parse: {e}") from e
+    config = _config_from_json(folder, raw)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{folder}: *.safetensors: no weight files (treadle reads safetensors only)")
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            for name, tensor in load_file(path).items():
+                weights[name] = tensor.float()
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{path}: corrupt or truncated safetensors file: {e}") from e
+    if "lm_head.weight" not in weights and not config.tie_word_embeddings:
+        config.tie_word_embeddings = True
+    tokenizer = tokenizer_from_hf_folder(folder, raw)
+    return config, weights, tokenizer

@@ -1,0 +1,88 @@
+"""One Llama-style decoder for Llama / SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k norm).
+
+It runs a flattened batch: every token of every scheduled request in one [T, hidden] tensor;
+attention alone looks at request boundaries, through `AttentionMetadata`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig, ModelLoadError
+from .layers import RotaryEmbedding, rms_norm
+
+
+class DecoderLayer:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device):
+        def take(name):
+            key = prefix + name
+            if key not in w:
+                raise ModelLoadError(f"weight {key}: missing")
+            return w.pop(key).to(device=device, dtype=dtype)
+
+        self.input_norm = take("input_layernorm.weight")
+        self.post_attention_norm = take("post_attention_layernorm.weight")
+        # q, k, v in one projection and gate, up in another: one matrix product each.
+        self.qkv = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")])
+        self.qkv_bias = None
+        if config.attention_bias:
+            self.qkv_bias = torch.cat(
+                [take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")]
+            )
+        self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
+        self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
+        self.o_proj = take("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
+        self.down = take("mlp.down_proj.weight")
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
+        self.config = config
+        self.dtype = dtype
+        w = dict(weights)
+        self.embed = w.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        self.norm = w.pop("model.norm.weight").to(device=device, dtype=dtype)
+        head = w.pop("lm_head.weight", None)
+        tied = config.tie_word_embeddings or head is None
+        self.lm_head = self.embed if tied else head.to(device=device, dtype=dtype)
+        self.layers = [DecoderLayer(config, w, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
+        w.pop("model.rotary_emb.inv_freq", None)
+        if w:
+            raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position).to(device)
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the step's T tokens; return float32 logits of the rows in `logits_indices`."""
+        cfg = self.config
+        t = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, cfg.num_heads, cfg.head_dim)
+            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = self.rotary(positions, q, k)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.view(t, self.q_size), layer.o_proj)
+            x = rms_norm(h, layer.post_attention_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,24 @@
+"""One entry point for every model source: None (the embedded default), a GGUF path, an HF folder."""
+
+import os
+
+import torch
+
+from .config import ModelConfig, ModelLoadError
+from .default_model import default_model_path
+from .gguf_loader import load_gguf
+from .hf_loader import load_hf_folder
+from .tokenizer import Tokenizer
+
+
+def resolve_model_path(model: str | None) -> str:
+    return default_model_path() if model is None else os.path.expanduser(model)
+
+
+def load_model_files(model: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return load_hf_folder(path)
+    if os.path.isfile(path):
+        return load_gguf(path)
+    raise ModelLoadError(f"{path}: no such file or folder (expected a .gguf file or a Hugging Face model folder)")

@@ -1,0 +1,133 @@
+"""Turns one scheduled step into tensors, runs the model, samples.
+
+The runner owns the model weights and the KV cache tensors; it knows nothing of scheduling. Its
+input is a `StepBatch` (which request computes which of its tokens into which blocks, and which
+requests sample from the step's logits); its output is one `SampleResult` per sampling request.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.request import Request
+from .attention import AttentionMetadata, PrefillChunk
+from .config import ModelConfig
+from .llama import LlamaModel
+from .sampler import SampleResult, Sampler
+
+
+@dataclass
+class StepBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]
+    block_tables: list[list[int]]
+    # For each request whose known tokens are all computed after this step: the requests that
+    # sample from its last row (itself, or all choices of an n > 1 group at its first token).
+    samplers: dict[int, list[Request]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: frozenset[int],
+        seed: int,
+        device: str = "cpu",
+    ):
+        self.config = config
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.model = LlamaModel(config, weights, dtype, self.device)
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(config.num_layers)
+        ]
+        self.sampler = Sampler(eos_token_ids, seed, self.device)
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> dict[str, SampleResult]:
+        self._copy_blocks(batch.block_copies)
+        bs = self.block_size
+        window = self.config.sliding_window
+        # Single-token queries first (one batched attention call), then prompt chunks.
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
+        ids, positions, slots = [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        last_row = {}
+        row = 0
+        for i in order:
+            req, n, table = batch.requests[i], batch.num_new_tokens[i], batch.block_tables[i]
+            start = req.num_computed_tokens
+            end = start + n
+            ids.extend(req.all_token_ids[start:end])
+            pos = torch.arange(start, end)
+            positions.append(pos)
+            table_t = torch.tensor(table, dtype=torch.long)
+            slots.append(table_t[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(table_t)
+                decode_lens.append(end)
+            else:
+                mask = None
+                if start > 0 or (window is not None and end > window):
+                    q_pos = pos.unsqueeze(1)
+                    k_pos = torch.arange(end).unsqueeze(0)
+                    mask = k_pos <= q_pos
+                    if window is not None:
+                        mask &= k_pos > q_pos - window
+                    mask = mask.to(self.device)
+                prefills.append(PrefillChunk(row, n, end, table_t.to(self.device), mask))
+            row += n
+            last_row[i] = row - 1
+
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills)
+        if decode_tables:
+            meta.num_decode_tokens = len(decode_tables)
+            width = max(len(t) for t in decode_tables)
+            tables = torch.zeros(len(decode_tables), width, dtype=torch.long)
+            for j, t in enumerate(decode_tables):
+                tables[j, : len(t)] = t
+            lens = torch.tensor(decode_lens).unsqueeze(1)
+            k_pos = torch.arange(width * bs).unsqueeze(0)
+            mask = k_pos < lens
+            if window is not None:
+                mask &= k_pos >= lens - window
+            meta.decode_block_tables = tables.to(self.device)
+            meta.decode_mask = mask[:, None, None, :].to(self.device)
+
+        sample_rows = sorted(batch.samplers)
+        logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = torch.cat(positions).to(self.device)
+        logits = self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices)
+        if not sample_rows:
+            return {}
+        rows, reqs = [], []
+        for j, i in enumerate(sample_rows):
+            for r in batch.samplers[i]:
+                rows.append(j)
+                reqs.append(r)
+        logits = logits[torch.tensor(rows, device=self.device)]
+        results = self.sampler.sample(logits, reqs)
+        return {r.request_id: res for r, res in zip(reqs, results)}

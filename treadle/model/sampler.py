@@ -1,0 +1,118 @@
+"""The one sampler: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Greedy rows take the argmax. Random rows draw by the exponential-race trick (argmax of p / E with
+E ~ Exp(1)), which samples exactly from p and lets each seeded request draw from its own generator,
+so its tokens do not depend on what else is in the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.outputs import Logprob
+from ..engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # raw-distribution logprob of the sampled token (when logprobs were asked)
+    top_logprobs: dict[int, Logprob] | None
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: frozenset[int], seed: int, device="cpu"):
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        if req.sampler_state is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(req.params.seed)
+            req.sampler_state = g
+        return req.sampler_state
+
+    def _adjust(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """In place: logit bias, min_tokens, repetition / presence / frequency penalties."""
+        vocab = logits.shape[1]
+        for i, req in enumerate(reqs):
+            p = req.params
+            row = logits[i]
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab], dtype=row.dtype)
+                row.index_add_(0, ids.to(row.device), vals.to(row.device))
+            if p.min_tokens and req.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                if stops:
+                    row[torch.tensor(sorted(stops), device=row.device)] = -float("inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and req.num_output_tokens:
+                out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+        """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1)."""
+        want_logprobs = [r.params.logprobs is not None for r in reqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = logits.clone()
+        self._adjust(logits, reqs)
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in random_rows], device=logits.device).unsqueeze(1)
+            sub = self._filter(sub, [reqs[i].params for i in random_rows])
+            probs = torch.softmax(sub, dim=-1)
+            race = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                race[j].exponential_(generator=self._generator(reqs[i]) or self.generator)
+            tokens[idx] = (probs / race).argmax(dim=-1)
+
+        results = []
+        token_list = tokens.tolist()
+        for i, req in enumerate(reqs):
+            token = token_list[i]
+            if not want_logprobs[i]:
+                results.append(SampleResult(token, None, None))
+                continue
+            row = raw_logprobs[i]
+            chosen = row[token].item()
+            top = {token: Logprob(chosen, rank=int((row > chosen).sum().item()) + 1)}
+            k = req.params.logprobs
+            if k:
+                values, ids = row.topk(k)
+                for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+                    if t not in top:
+                        top[t] = Logprob(v, rank=rank)
+            results.append(SampleResult(token, chosen, top))
+        return results
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params) -> torch.Tensor:
+        """Mask out tokens outside top-k, top-p and min-p, row by row settings, in one sort."""
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if all(k == -1 for k in top_k) and all(p == 1.0 for p in top_p) and all(m == 0 for m in min_p):
+            return logits
+        vocab = logits.shape[1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k = torch.tensor([vocab if v == -1 else min(v, vocab) for v in top_k], device=logits.device).unsqueeze(1)
+        remove = ranks >= k
+        probs = torch.softmax(sorted_logits.masked_fill(remove, -float("inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+        remove |= before >= torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+        remove |= probs < torch.tensor(min_p, device=logits.device, dtype=probs.dtype).unsqueeze(1) * probs[:, :1]
+        remove[:, 0] = False  # the best token always survives
+        return logits.scatter(1, order, sorted_logits.masked_fill(remove, -float("inf")))

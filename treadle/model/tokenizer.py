@@ -1,0 +1,324 @@
+"""Text <-> token ids, and chat templates, for GGUF files and Hugging Face folders.
+
+Both sources end up as one `tokenizers.Tokenizer` plus the few facts the engine needs:
+BOS/EOS ids, the stop set (eos + eot/eom, + generation_config's eos list) and the chat template.
+"""
+
+import json
+import os
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+
+from .config import ModelLoadError
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _smollm_pre_tokenizer():
+    # SmolLM's own tokenizer.json: every digit alone, then GPT-2's byte-level split.
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+
+
+# tokenizer.ggml.pre -> the pre-tokenizer llama.cpp applies for it.
+BPE_PRE_TOKENIZERS = {
+    "default": lambda: _split_then_bytes(_GPT2_SPLIT),
+    "gpt-2": lambda: _split_then_bytes(_GPT2_SPLIT),
+    "smollm": _smollm_pre_tokenizer,
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama-v3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "smaug-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": lambda: _split_then_bytes(_QWEN2_SPLIT),
+}
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special ids, stop set and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        stop_token_ids: set[int],
+        chat_template: str | None,
+        source: str,
+    ):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.chat_template = chat_template
+        self.source = source
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+        )
+
+    @property
+    def bos_token(self) -> str:
+        return self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+
+    @property
+    def eos_token(self) -> str:
+        return self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs,
+    ) -> str:
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError(f"the model {self.source} has no chat template; pass chat_template=")
+        context = dict(kwargs)
+        context.update(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        try:
+            return _compile_template(template).render(**context)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+
+def _raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+_template_cache: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Templates run sandboxed (they come from model files) with HF's conventions."""
+    template = _template_cache.get(source)
+    if template is None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template does not parse: {e}") from e
+        _template_cache[source] = template
+    return template
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
+    """Build the tokenizer a GGUF file describes under `tokenizer.ggml.*`."""
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.model/tokens: missing, the file carries no tokenizer")
+    token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_bpe(path, meta, tokens)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(path, meta, tokens, token_types)
+    else:
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')"
+        )
+
+    specials = [
+        AddedToken(tok, special=(tt == TOKEN_CONTROL), normalized=False)
+        for tok, tt in zip(tokens, token_types)
+        if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+    ]
+    backend.add_special_tokens([t for t in specials if t.special])
+    backend.add_tokens([t for t in specials if not t.special])
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
+
+    stop = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")) if i is not None}
+    return Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        stop_token_ids=stop,
+        chat_template=meta.get("tokenizer.chat_template"),
+        source=path,
+    )
+
+
+def _byte_level_bpe(path: str, meta: dict, tokens: list[str]) -> HFTokenizer:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in BPE_PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})"
+        )
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=False))
+    backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: list[int]) -> HFTokenizer:
+    """llama.cpp's SPM vocabulary: BPE whose merge order is the merged piece's score, with byte fallback."""
+    scores = meta.get("tokenizer.ggml.scores")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        if scores is None:
+            raise ModelLoadError(f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges")
+        pairs = _merges_from_scores(tokens, scores, token_types, vocab)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
+    backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prepend == "first":
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(tokens, scores, token_types, vocab) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two pieces of the vocabulary, best merged score first."""
+    merges = []
+    for tok, score, tt in zip(tokens, scores, token_types):
+        if tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED):
+            continue
+        local = [(tok[:i], tok[i:], score) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _set_post_processor(backend: HFTokenizer, tokens, bos: int | None, eos: int | None) -> None:
+    if bos is None and eos is None:
+        return
+    head = [f"{tokens[bos]}:0"] if bos is not None else []
+    tail = [f"{tokens[eos]}:0"] if eos is not None else []
+    special = [(tokens[i], i) for i in {bos, eos} if i is not None]
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join(head + ["$A:0"] + tail),
+        pair=" ".join(head + ["$A:0"] + tail + head + ["$B:1"] + tail),
+        special_tokens=special,
+    )
+
+
+# ---------------------------------------------------------------- Hugging Face folder
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+
+
+def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{folder}: tokenizer.json: missing (treadle reads fast-tokenizer files only)")
+    try:
+        backend = HFTokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise ModelLoadError(f"{path}: cannot parse: {e}") from e
+    tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+    gen_config = _read_json(os.path.join(folder, "generation_config.json"))
+
+    def token_id(entry) -> int | None:
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        return backend.token_to_id(entry) if isinstance(entry, str) else None
+
+    bos = token_id(tok_config.get("bos_token"))
+    if bos is None:
+        bos = _first_id(config.get("bos_token_id"))
+    eos = token_id(tok_config.get("eos_token"))
+    if eos is None:
+        eos = _first_id(config.get("eos_token_id"))
+    stop = {eos} if eos is not None else set()
+    for source in (gen_config.get("eos_token_id"), config.get("eos_token_id")):
+        stop.update(_as_list(source))
+
+    chat_template = tok_config.get("chat_template")
+    if isinstance(chat_template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
+        chat_template = named.get("default") or next(iter(named.values()), None)
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if chat_template is None and os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            chat_template = f.read()
+    if chat_template is None:
+        chat_template = _read_json(os.path.join(folder, "chat_template.json")).get("chat_template")
+    return Tokenizer(
+        backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder
+    )
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _first_id(value) -> int | None:
+    ids = _as_list(value)
+    return ids[0] if ids else None

@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+
+from treadle.model.default_model import default_model_path
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model in float32: the configuration the reference tests compare."""
+    from treadle import LLM
+
+    return LLM(dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)

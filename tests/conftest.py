@@ -37,3 +37,23 @@ def hf_tokenizer(gguf_path):
 
     folder, name = os.path.split(gguf_path)
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def make_llm():
+    """Build engines with other settings without re-reading the model file each time."""
+    import functools
+
+    from treadle import LLM
+    from treadle.engine import llm_engine
+
+    cached = functools.lru_cache(maxsize=4)(llm_engine.load_model_files)
+    original = llm_engine.load_model_files
+    llm_engine.load_model_files = cached
+
+    def build(**kwargs):
+        kwargs.setdefault("dtype", "float32")
+        return LLM(**kwargs)
+
+    yield build
+    llm_engine.load_model_files = original

@@ -7,17 +7,20 @@ names and layouts onto the Hugging Face ones the model code uses, and turns ever
 
 import os
 
+import gguf
 import numpy as np
 import torch
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeConfig
+from .config import ModelConfig, ModelLoadError, RopeConfig
 from .tokenizer import Tokenizer, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
+# general.architecture values we read. llama.cpp writes Mistral models as "llama".
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # llama.cpp permutes Q and K rows of these architectures for its RoPE layout; we undo it.
-PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+PERMUTED_QK_ARCHITECTURES = ("llama",)
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -42,9 +45,31 @@ _GLOBAL_TENSORS = {
 }
 
 
-def _open(path: str):
-    import gguf
+class _TensorProblem(Exception):
+    pass
 
+
+class _CheckedReader(gguf.GGUFReader):
+    """GGUFReader that checks each tensor's type and extent before mapping it, so a truncated
+    file is reported by tensor name instead of as a reshape error."""
+
+    def _build_tensors(self, start_offs, fields):
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise _TensorProblem(f"tensor {name}: unknown tensor type id {int(raw_dtype[0])}") from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise _TensorProblem(f"tensor {name}: data runs past the end of the file ({size} bytes): truncated")
+        super()._build_tensors(start_offs, fields)
+
+
+def _open(path: str):
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -53,14 +78,11 @@ def _open(path: str):
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        return _CheckedReader(path, "r")
+    except _TensorProblem as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF header: {type(e).__name__}: {e}") from e
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"{path}: tensor {t.name}: data runs past the end of the file (truncated)")
-    return reader
 
 
 def read_metadata(reader) -> dict:
@@ -77,9 +99,9 @@ def read_metadata(reader) -> dict:
 
 def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
 
     def get(key, default=None, required=False):
@@ -148,8 +170,6 @@ def _undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _dequantize(path: str, tensor) -> np.ndarray:
-    import gguf
-
     type_name = tensor.tensor_type.name
     if type_name not in SUPPORTED_TENSOR_TYPES:
         raise ModelLoadError(

@@ -1,0 +1,153 @@
+"""GGUF loading: every tensor type against transformers' own dequantizer, and clear errors for bad files."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from treadle.model.config import ModelLoadError
+from treadle.model.gguf_loader import _dequantize, load_gguf
+from treadle.model.loader import load_model_files
+
+from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
+
+# offsets of the fp16 scale fields inside one block, per type (the rest is free-form bits)
+F16_FIELDS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid random data of a quantized type: random bits, finite small fp16 scales."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    for off in F16_FIELDS[type_name]:
+        scales = rng.uniform(-0.05, 0.05, size=n_blocks).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(rows, cols // block * size)
+
+
+def reference_q5(raw: np.ndarray, with_min: bool) -> np.ndarray:
+    """ggml's Q5_0 / Q5_1 written out (transformers has no decoder for them)."""
+    size = 24 if with_min else 22
+    blocks = raw.reshape(-1, size)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if with_min else None
+    off = 4 if with_min else 2
+    qh = blocks[:, off : off + 4].copy().view(np.uint32)
+    qs = blocks[:, off + 4 :]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
+    q = low | high
+    return (d * q + m) if with_min else d * (q - 16)
+
+
+def reference_decode(tensor, type_name: str) -> np.ndarray:
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    raw = np.array(tensor.data).view(np.uint8).reshape(-1)
+    if type_name == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    if type_name == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if type_name in ("Q5_0", "Q5_1"):
+        return reference_q5(raw, type_name == "Q5_1")
+    return hf_dequantize(torch.from_numpy(raw), int(tensor.tensor_type)).numpy()
+
+
+@pytest.mark.parametrize("type_name", ["F16", "BF16", *F16_FIELDS])
+def test_every_tensor_type_decodes_as_an_independent_decoder_does(tmp_path, type_name):
+    rng = np.random.default_rng(0)
+    rows, cols = 4, 512
+    path = str(tmp_path / "t.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    if type_name == "F16":
+        w.add_tensor("t", rng.standard_normal((rows, cols)).astype(np.float16))
+    elif type_name == "BF16":
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        w.add_tensor("t", (values.view(np.uint32) >> 16).astype(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        w.add_tensor("t", random_blocks(type_name, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[type_name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tensor,) = gguf.GGUFReader(path).tensors
+    ours = _dequantize(path, tensor)
+    assert ours.shape == (rows, cols)
+    ref = reference_decode(tensor, type_name).reshape(rows, cols)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("llama"))
+    return save_hf_model(folder, "llama")
+
+
+def write(tmp_path, model, name="m.gguf", arch="llama", **kw):
+    path = str(tmp_path / name)
+    write_gguf(path, arch, model, tiny_tokenizer(), **kw)
+    return path
+
+
+def test_truncated_file_names_the_file_and_the_tensor(tmp_path, gguf_path):
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(os.path.getsize(gguf_path) // 2))
+    with pytest.raises(ModelLoadError) as e:
+        load_model_files(str(cut))
+    assert str(cut) in str(e.value) and "truncated" in str(e.value) and "tensor" in str(e.value)
+
+
+def test_truncated_header_is_reported(tmp_path, gguf_path):
+    cut = tmp_path / "head.gguf"
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(5000))
+    with pytest.raises(ModelLoadError, match="head.gguf"):
+        load_model_files(str(cut))
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model_files(str(bad))
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_model_files("/nonexistent/model.gguf")
+
+
+def test_unsupported_architecture(tmp_path, tiny_llama):
+    path = write(tmp_path, tiny_llama, arch="phi3")
+    with pytest.raises(ModelLoadError, match=r"general.architecture = 'phi3': unsupported architecture"):
+        load_gguf(path)
+
+
+def test_unsupported_tokenizer_model(tmp_path, tiny_llama):
+    path = write(tmp_path, tiny_llama, tokenizer_model="bert")
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.model = 'bert': unsupported tokenizer model"):
+        load_gguf(path)
+
+
+def test_unsupported_pre_tokenizer(tmp_path, tiny_llama):
+    path = write(tmp_path, tiny_llama, pre="no-such-pre")
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.pre = 'no-such-pre': unsupported pre-tokenizer"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type(tmp_path, tiny_llama):
+    qtype = gguf.GGMLQuantizationType.Q8_1
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((64, 96 // block * size), dtype=np.uint8)  # ffn_down is [hidden 64, ffn 96]
+    path = write(tmp_path, tiny_llama, raw_tensors={"blk.0.ffn_down.weight": (raw, qtype)})
+    with pytest.raises(ModelLoadError) as e:
+        load_gguf(path)
+    assert path in str(e.value) and "blk.0.ffn_down.weight" in str(e.value) and "Q8_1 is not supported" in str(e.value)

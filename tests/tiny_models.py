@@ -1,0 +1,206 @@
+"""Small randomly initialised models of every supported architecture, saved as HF folders and GGUF files."""
+
+import json
+import os
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level BPE over the 256-byte alphabet with a handful of merges, plus ChatML specials."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok
+
+
+def hf_config(arch: str, vocab_size: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        eos_token_id=vocab_size - 1,
+        bos_token_id=None,
+    )
+    if arch == "llama":
+        return LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False, rope_theta=10000.0)
+    raise ValueError(arch)
+
+
+def save_hf_model(folder: str, arch: str, seed: int = 0):
+    """Random model + tokenizer files in `folder`; returns the transformers model (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, tok.get_vocab_size()), dtype=torch.float32)
+    model.eval()
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f)
+    return model
+
+
+# ---------------------------------------------------------------- GGUF writing
+
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GGUF_NAMES:
+        return _GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER[rest]}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K of Llama-architecture models."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    path: str,
+    arch: str,
+    model,
+    tok: Tokenizer,
+    *,
+    pre: str = "default",
+    tokenizer_model: str = "gpt2",
+    raw_tensors=None,
+):
+    """Write `model` (a transformers model) as llama.cpp would, in float32."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_vocab_size(cfg.vocab_size)
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    rope_factors = _llama3_rope_factors(cfg, head_dim) if arch == "llama" and rope.get("rope_type") == "llama3" else None
+    if rope_factors is not None:
+        w.add_tensor("rope_freqs.weight", rope_factors)
+    for name, tensor in model.state_dict().items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy().copy()
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            data = llama_cpp_permute(data, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        if raw_tensors and gguf_name(name) in raw_tensors:
+            raw, qtype = raw_tensors[gguf_name(name)]
+            w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
+            continue
+        w.add_tensor(gguf_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _llama3_rope_factors(cfg, head_dim: int) -> np.ndarray:
+    """llama.cpp stores Llama-3 scaling as per-frequency divisors in rope_freqs.weight."""
+    from treadle.model.config import RopeConfig
+    from treadle.model.layers import rope_inverse_frequencies
+
+    rope = cfg.rope_parameters
+    plain = rope_inverse_frequencies(RopeConfig(theta=rope["rope_theta"]), head_dim)
+    scaled = rope_inverse_frequencies(
+        RopeConfig(
+            theta=rope["rope_theta"],
+            scaling_type="llama3",
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position=rope["original_max_position_embeddings"],
+        ),
+        head_dim,
+    )
+    return (plain / scaled).numpy().astype(np.float32)

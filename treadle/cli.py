@@ -1,6 +1,7 @@
-"""The `treadle` command: `treadle run` (one prompt, streamed to the terminal)."""
+"""The `treadle` command: `serve` (the OpenAI-compatible server) and `run` (one prompt, streamed)."""
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -79,9 +80,55 @@ def cmd_run(args) -> int:
     return 0
 
 
+def default_served_name(model: str | None) -> str:
+    from .model.default_model import MODEL_NAME
+
+    if model is None:
+        return MODEL_NAME
+    name = os.path.basename(os.path.normpath(model))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def cmd_serve(args) -> int:
+    from .model.loader import resolve_model_path
+    from .server.serve import read_chat_template, serve
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        print("treadle: error: give the model once (positional or --model)", file=sys.stderr)
+        return 2
+    args.model = args.model_pos or args.model
+    config = engine_config_from_args(args)
+    return serve(
+        config,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or default_served_name(args.model),
+        model_root=resolve_model_path(args.model),
+        api_key=args.api_key or os.environ.get("TREADLE_API_KEY") or None,
+        chat_template=read_chat_template(args.chat_template),
+        max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description="An LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (and the web chat)")
+    srv.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
+    srv.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /stats (default: $TREADLE_API_KEY, else none)")
+    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
+    srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
+    srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="generate from one prompt, streaming to the terminal")
     run.add_argument("prompt", help="the prompt text")

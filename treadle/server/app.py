@@ -1,0 +1,490 @@
+"""The OpenAI-compatible HTTP API: routes, authentication, errors, streaming."""
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..engine.outputs import RequestOutput
+from .async_engine import AsyncEngine, EngineDead
+from .metrics import RequestTimer, ServerMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+    error_body,
+    new_id,
+)
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/stats")
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailableError"}
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_root: str
+    api_key: str | None = None
+    max_waiting: int = 1024
+    chat_template: str | None = None
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    draining: bool = False
+    in_flight: set = field(default_factory=set)
+
+
+def error_response(status: int, message: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
+    err_type = ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    return JSONResponse(error_body(message, err_type, param, code if code is not None else status), status_code=status, headers=headers)
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None)
+    state = ServerState(async_engine, settings, ServerMetrics(async_engine))
+    app.state.treadle = state
+
+    # ------------------------------------------------------------ errors
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"invalid JSON body: {first.get('msg')}"
+        elif first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        else:
+            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return error_response(400, message, param)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        key = settings.api_key
+        if key and request.url.path.startswith(PROTECTED_PREFIXES):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        return await call_next(request)
+
+    # ------------------------------------------------------------ plain endpoints
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[_model_card(state)]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return _model_card(state).model_dump()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats():
+        _require_ready(state)
+        return async_engine.engine.stats()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _require_ready(state)
+        _check_model(state, body.model)
+        tok = async_engine.engine.tokenizer
+        if body.content is not None:  # llama.cpp's shape
+            add = True if body.add_special is None else body.add_special
+            ids = tok.encode(body.content, add_special_tokens=add)
+            if body.with_pieces:
+                return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
+            return {"tokens": ids}
+        if body.messages is not None:
+            text = _render_chat(state, [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt, None)
+            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        elif body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok.encode(body.prompt, add_special_tokens=add)
+        else:
+            raise RequestError("one of prompt, messages or content is required", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _require_ready(state)
+        _check_model(state, body.model)
+        _check_token_ids(state, body.tokens, "tokens")
+        text = async_engine.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return {"prompt": text, "content": text}
+
+    # ------------------------------------------------------------ generation
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
+        _require_ready(state)
+        _check_model(state, body.model)
+        body.check()
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        for m in messages:
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(p["text"] for p in m["content"])
+        text = _render_chat(state, messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        ids = async_engine.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        prompts = [ids]
+        params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
+        job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival)
+        return await job.respond(request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        _require_ready(state)
+        _check_model(state, body.model)
+        body.check()
+        tok = async_engine.engine.tokenizer
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append((p, tok.encode(p, add_special_tokens=body.add_special_tokens)))
+            else:
+                _check_token_ids(state, p, "prompt")
+                prompts.append((None, list(p)))
+        params = [_params(state, body, ids, body.max_tokens, body.logprobs, "prompt") for _, ids in prompts]
+        job = _Job(state, new_id("cmpl"), "completion", body, prompts, params, arrival)
+        return await job.respond(request)
+
+    return app
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    engine = state.engine.engine
+    return ModelCard(
+        id=state.settings.served_model_name,
+        root=state.settings.model_root,
+        max_model_len=engine.max_model_len if engine else 0,
+    )
+
+
+def _require_ready(state: ServerState) -> None:
+    if not state.engine.ready:
+        raise RequestError("the model is still loading", status=503, code="model_loading")
+    if state.draining:
+        raise RequestError("the server is shutting down", status=503, code="shutting_down")
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.settings.served_model_name:
+        raise RequestError(f"The model `{model}` does not exist.", "model", status=404, code="model_not_found")
+
+
+def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    vocab = state.engine.engine.model_config.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", param)
+
+
+def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
+    tok = state.engine.engine.tokenizer
+    template = state.settings.chat_template or tok.chat_template
+    if not template:
+        raise RequestError(
+            "this model has no chat template; use /v1/completions or start the server with --chat-template", "messages"
+        )
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt, template, **(kwargs or {}))
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from None
+
+
+def _params(state: ServerState, body, ids: list[int], requested: int | None, logprobs: int | None, prompt_param: str):
+    engine = state.engine.engine
+    room = engine.max_model_len - len(ids)
+    if room < 1:
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens; this model's maximum context length is {engine.max_model_len}", prompt_param
+        )
+    if requested is not None and requested > room:
+        raise RequestError(
+            f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has {len(ids)} "
+            f"and max_tokens asks for {requested} more",
+            "max_tokens",
+        )
+    params = body.sampling_params(requested if requested is not None else room, logprobs)
+    try:
+        engine.validate_prompt(ids, params)
+    except ValueError as e:
+        raise RequestError(str(e), prompt_param) from None
+    return params
+
+
+class _Job:
+    """One HTTP generation request: one engine request per prompt, all choices, one response."""
+
+    def __init__(self, state: ServerState, job_id: str, kind: str, body, prompts, params, arrival: float):
+        self.state = state
+        self.id = job_id
+        self.kind = kind
+        self.body = body
+        self.prompts = prompts  # [(text or None, ids)]
+        self.params = params
+        self.n = body.n
+        self.created = int(time.time())
+        self.model = state.settings.served_model_name
+        self.timer = RequestTimer(state.metrics, arrival)
+        self.request_ids = [f"{job_id}-{i}" for i in range(len(prompts))]
+        self.finished: set[str] = set()
+        self.cached_tokens: dict[str, int] = {}
+
+    def _submit(self) -> asyncio.Queue:
+        engine = self.state.engine
+        if engine.num_waiting + len(self.prompts) > self.state.settings.max_waiting:
+            raise RequestError("too many requests are waiting; retry later", status=503, code="queue_full")
+        try:
+            q: asyncio.Queue = asyncio.Queue()
+            for rid, (_, ids), params in zip(self.request_ids, self.prompts, self.params):
+                engine.add_request(rid, ids, params, self.body.cache_salt, out_queue=q)
+        except EngineDead as e:
+            raise RequestError(str(e), status=503) from None
+        self.state.in_flight.add(self)
+        return q
+
+    def _abort_unfinished(self) -> None:
+        for rid in self.request_ids:
+            if rid not in self.finished:
+                self.state.engine.abort(rid)
+        self.state.in_flight.discard(self)
+
+    async def respond(self, request: Request):
+        q = self._submit()
+        if self.body.stream:
+            return StreamingResponse(self._stream(q), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            return await self._collect(q, request)
+        finally:
+            self._abort_unfinished()
+
+    async def _next(self, q: asyncio.Queue) -> RequestOutput:
+        item = await q.get()
+        if isinstance(item, BaseException):
+            raise item
+        now = time.monotonic()
+        self.timer.tokens_arrived(sum(len(c.token_ids) for c in item.outputs), now)
+        if item.finished:
+            self.finished.add(item.request_id)
+        self.cached_tokens[item.request_id] = item.num_cached_tokens
+        return item
+
+    def _index(self, request_id: str, choice: int) -> int:
+        return self.request_ids.index(request_id) * self.n + choice
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
+
+    def _finish_metrics(self, reasons: dict[int, str]) -> None:
+        reason = reasons.get(0) or next(iter(reasons.values()), "abort")
+        self.timer.finished(reason, time.monotonic())
+
+    # ------------------------------------------------------------ non-streaming
+
+    async def _collect(self, q: asyncio.Queue, request: Request):
+        total = len(self.prompts) * self.n
+        texts = {i: "" for i in range(total)}
+        token_counts = {i: 0 for i in range(total)}
+        reasons: dict[int, str] = {}
+        logprobs: dict[int, list] = {i: [] for i in range(total)}
+        while len(self.finished) < len(self.request_ids):
+            try:
+                out = await asyncio.wait_for(self._next(q), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            except EngineDead as e:
+                raise RequestError(str(e), status=503) from None
+            for c in out.outputs:
+                i = self._index(out.request_id, c.index)
+                texts[i] += c.text
+                token_counts[i] += len(c.token_ids)
+                if c.logprobs:
+                    logprobs[i].extend(zip(c.token_ids, c.logprobs))
+                if c.finish_reason:
+                    reasons[i] = c.finish_reason
+        self._finish_metrics(reasons)
+        choices = []
+        for i in range(total):
+            prompt_text = self.prompts[i // self.n][0]
+            if self.kind == "chat":
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": self._chat_logprobs(logprobs[i]) if self.body.logprobs else None,
+                        "finish_reason": reasons.get(i, "abort"),
+                    }
+                )
+            else:
+                text = texts[i]
+                if self.body.echo:
+                    prompt_ids = self.prompts[i // self.n][1]
+                    text = (prompt_text if prompt_text is not None else self.state.engine.engine.tokenizer.decode(prompt_ids)) + text
+                choices.append(
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": self._completion_logprobs(logprobs[i], 0) if self.body.logprobs is not None else None,
+                        "finish_reason": reasons.get(i, "abort"),
+                    }
+                )
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(sum(token_counts.values())),
+        }
+
+    # ------------------------------------------------------------ streaming
+
+    async def _stream(self, q: asyncio.Queue):
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        total = len(self.prompts) * self.n
+        completion_tokens = 0
+        reasons: dict[int, str] = {}
+        text_offsets = {i: 0 for i in range(total)}
+
+        def chunk(choices, usage=None) -> str:
+            payload = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        try:
+            if self.kind == "chat":
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(total)])
+            elif self.body.echo:
+                tok = self.state.engine.engine.tokenizer
+                for i in range(total):
+                    text, ids = self.prompts[i // self.n]
+                    yield chunk([{"index": i, "text": text if text is not None else tok.decode(ids), "logprobs": None, "finish_reason": None}])
+            while len(self.finished) < len(self.request_ids):
+                try:
+                    out = await self._next(q)
+                except EngineDead as e:
+                    yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', None, 503))}\n\n"
+                    return
+                choices = []
+                for c in out.outputs:
+                    i = self._index(out.request_id, c.index)
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and not c.finish_reason and not (c.logprobs and self._wants_logprobs()):
+                        continue
+                    if c.finish_reason:
+                        reasons[i] = c.finish_reason
+                    pairs = list(zip(c.token_ids, c.logprobs or []))
+                    if self.kind == "chat":
+                        delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                        lp = self._chat_logprobs(pairs) if self.body.logprobs else None
+                        choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason})
+                    else:
+                        lp = self._completion_logprobs(pairs, text_offsets[i]) if self.body.logprobs is not None else None
+                        text_offsets[i] += len(c.text)
+                        choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+                if choices:
+                    yield chunk(choices)
+            self._finish_metrics(reasons)
+            if include_usage:
+                yield chunk([], self._usage(completion_tokens))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort_unfinished()
+
+    def _wants_logprobs(self) -> bool:
+        return bool(self.body.logprobs) if self.kind == "chat" else self.body.logprobs is not None
+
+    # ------------------------------------------------------------ logprobs formats
+
+    def _top(self, entry: dict, k: int) -> list:
+        return sorted((lp for lp in entry.items() if lp[1].rank is not None and lp[1].rank <= k), key=lambda kv: kv[1].rank)
+
+    def _chat_logprobs(self, pairs) -> dict:
+        k = self.body.top_logprobs or 0
+        content = []
+        for token_id, entry in pairs:
+            chosen = entry[token_id]
+            token = chosen.decoded_token or ""
+            content.append(
+                {
+                    "token": token,
+                    "logprob": chosen.logprob,
+                    "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": lp.decoded_token or "", "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode("utf-8"))}
+                        for _, lp in self._top(entry, k)
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _completion_logprobs(self, pairs, offset: int) -> dict:
+        k = self.body.logprobs or 0
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in pairs:
+            chosen = entry[token_id]
+            tokens.append(chosen.decoded_token or "")
+            token_logprobs.append(chosen.logprob)
+            top.append({lp.decoded_token or "": lp.logprob for _, lp in self._top(entry, k)} if k else {tokens[-1]: chosen.logprob})
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

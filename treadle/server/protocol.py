@@ -1,0 +1,271 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic), and their checks.
+
+Requests forbid unknown fields: a parameter treadle does not know gets a 400 that names it, like
+OpenAI's own "Unrecognized request argument". Known parameters that treadle does not support yet
+(tools, response_format other than text, ...) are declared so that the 400 can say why.
+"""
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..engine.sampling_params import SamplingParams
+
+Number = StrictInt | StrictFloat
+
+
+class RequestError(ValueError):
+    """A client mistake: becomes a 400 (or `status`) with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+class SamplingFields(StrictModel):
+    """Parameters shared by chat and completions (OpenAI's set plus vLLM's extras)."""
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    n: StrictInt = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logit_bias: dict[str, Number] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # vLLM extras
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    cache_salt: StrictStr | None = None
+    # known but not supported: refused with a 400 naming them when set
+    response_format: ResponseFormat | None = None
+    best_of: StrictInt | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+
+    def check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(
+                f"response_format type {self.response_format.type!r} is not supported (only 'text')", "response_format"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of is not supported", "best_of")
+        if self.store:
+            raise RequestError("store is not supported", "store")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.n < 1 or self.n > 128:
+            raise RequestError(f"n must be between 1 and 128, got {self.n}", "n")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
+            if any(not -100 <= v <= 100 for v in bias.values()):
+                raise RequestError("logit_bias values must be in [-100, 100]", "logit_bias")
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else float(self.temperature),
+                top_p=1.0 if self.top_p is None else float(self.top_p),
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else float(self.min_p),
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=float(self.presence_penalty),
+                frequency_penalty=float(self.frequency_penalty),
+                repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+                logit_bias=bias,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            param = str(e).split(" ", 1)[0]
+            raise RequestError(str(e), param) from None
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: StrictStr | dict[str, Any] | None = None
+    modalities: list[StrictStr] | None = None
+    reasoning_effort: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise RequestError("messages must not be empty", "messages")
+        if self.tools:
+            raise RequestError("tools are not supported", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice other than 'none' is not supported", "tool_choice")
+        if self.functions or self.function_call not in (None, "none"):
+            raise RequestError("functions are not supported", "functions")
+        if self.modalities and self.modalities != ["text"]:
+            raise RequestError("only the text modality is supported", "modalities")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise RequestError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise RequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_completion_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptType = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptType
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs (prompt logprobs) is not supported", "echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("prompt must not be empty", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's shape (prompt or messages, add_special_tokens) or llama.cpp's (content, add_special)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    content: StrictStr | None = None
+    add_special: StrictBool | None = None
+    with_pieces: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "treadle"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+

@@ -1,0 +1,101 @@
+"""`treadle serve`: uvicorn around the app, with treadle's own graceful shutdown.
+
+On SIGINT/SIGTERM: stop accepting generation requests (503), let in-flight ones finish for up to
+`shutdown_timeout` seconds, abort the rest (their clients get finish_reason "abort"), then let
+uvicorn close. A second signal skips the wait. The process exits 0 without a traceback.
+"""
+
+import logging
+import os
+import threading
+import time
+
+import uvicorn
+
+from ..config import EngineConfig
+from .app import ServerSettings, build_app
+from .async_engine import AsyncEngine
+
+log = logging.getLogger("treadle.server")
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state, shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:  # noqa: ARG002 (uvicorn's signature)
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown.
+        if self._draining:
+            self.state.engine.abort_all()
+            self.should_exit = True
+            return
+        self._draining = True
+        self.state.draining = True
+        threading.Thread(target=self._drain, name="treadle-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        engine = self.state.engine
+        deadline = time.monotonic() + self.shutdown_timeout
+        while engine.num_unfinished and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        if engine.num_unfinished:
+            log.info("shutdown: aborting %d unfinished requests", engine.num_unfinished)
+            engine.abort_all()
+        deadline = time.monotonic() + 5
+        while (engine.num_unfinished or self.state.in_flight) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.should_exit = True
+
+
+def serve(
+    engine_config: EngineConfig,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str,
+    model_root: str,
+    api_key: str | None,
+    chat_template: str | None,
+    max_waiting: int,
+    shutdown_timeout: float,
+    log_level: str = "info",
+) -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(engine_config)
+    engine.start()
+    settings = ServerSettings(
+        served_model_name=served_model_name,
+        model_root=model_root,
+        api_key=api_key,
+        max_waiting=max_waiting,
+        chat_template=chat_template,
+    )
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+    server = GracefulServer(config, app.state.treadle, shutdown_timeout)
+
+    def watch_load():
+        engine.wait_ready()
+        if engine.load_error is not None:
+            log.error("cannot load the model: %s", engine.load_error)
+            server.should_exit = True
+        else:
+            log.info("model %s ready (max_model_len %d)", served_model_name, engine.engine.max_model_len)
+
+    threading.Thread(target=watch_load, name="treadle-load-watch", daemon=True).start()
+    server.run()
+    engine.stop()
+    return 1 if engine.load_error is not None else 0
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value

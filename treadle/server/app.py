@@ -3,6 +3,7 @@
 import asyncio
 import hmac
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from .protocol import (
     new_id,
 )
 
+# Union members show up in pydantic error locations ("temperature.int"); they are not parameters.
+_PYDANTIC_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|.*\[.*\].*|function-.*)$")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/stats")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailableError"}
 
@@ -65,7 +68,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def on_validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _PYDANTIC_TYPE_TAG.match(str(x))]
         param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
             message = f"invalid JSON body: {first.get('msg')}"
@@ -77,7 +80,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -278,11 +281,14 @@ class _Job:
         self.request_ids = [f"{job_id}-{i}" for i in range(len(prompts))]
         self.finished: set[str] = set()
         self.cached_tokens: dict[str, int] = {}
+        self.recorded = False
 
     def _submit(self) -> asyncio.Queue:
         engine = self.state.engine
         if engine.num_waiting + len(self.prompts) > self.state.settings.max_waiting:
-            raise RequestError("too many requests are waiting; retry later", status=503, code="queue_full")
+            raise RequestError(
+                "too many requests are waiting; retry later", status=503, code="queue_full", headers={"Retry-After": "1"}
+            )
         try:
             q: asyncio.Queue = asyncio.Queue()
             for rid, (_, ids), params in zip(self.request_ids, self.prompts, self.params):
@@ -293,9 +299,12 @@ class _Job:
         return q
 
     def _abort_unfinished(self) -> None:
+        """Whatever way the response ended (done, client gone, error): nothing stays in the engine."""
         for rid in self.request_ids:
             if rid not in self.finished:
                 self.state.engine.abort(rid)
+        if not self.recorded:
+            self._finish_metrics({})
         self.state.in_flight.discard(self)
 
     async def respond(self, request: Request):
@@ -331,6 +340,7 @@ class _Job:
         }
 
     def _finish_metrics(self, reasons: dict[int, str]) -> None:
+        self.recorded = True
         reason = reasons.get(0) or next(iter(reasons.values()), "abort")
         self.timer.finished(reason, time.monotonic())
 

@@ -19,12 +19,13 @@ Number = StrictInt | StrictFloat
 class RequestError(ValueError):
     """A client mistake: becomes a 400 (or `status`) with OpenAI's error body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None, headers=None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.code = code
+        self.headers = headers
 
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:

@@ -1,0 +1,370 @@
+"""The OpenAI-compatible server, driven with the official `openai` client and raw HTTP."""
+
+import concurrent.futures
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from .server_process import ServerProcess
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--api-key", KEY, "--max-num-seqs", "32")
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+def metric(http, name: str, labels: str = "") -> float:
+    text = http.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    assert m, f"{name}{labels} not in /metrics"
+    return float(m.group(1))
+
+
+def chat(content):
+    return [{"role": "user", "content": content}]
+
+
+# ---------------------------------------------------------------- surfaces
+
+
+def test_health_version_models(server, http):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "version" in httpx.get(server.url + "/version").json()
+    models = http.get("/v1/models").json()
+    card = models["data"][0]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert {"created", "owned_by", "root"} <= card.keys() and card["max_model_len"] > 0
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    kw = dict(model=MODEL, messages=chat("What is the capital of France?"), temperature=0, max_tokens=24)
+    full = client.chat.completions.create(**kw)
+    stream = client.chat.completions.create(**kw, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content and text
+    assert finishes == [full.choices[0].finish_reason]
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def test_completions_streamed_equals_non_streamed(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", temperature=0, max_tokens=20)
+    full = client.completions.create(**kw)
+    text = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert text == full.choices[0].text
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+
+
+def test_completions_prompt_shapes_and_echo(client, http):
+    ids = http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt="Hello there", temperature=0, max_tokens=5)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=5)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    several = client.completions.create(model=MODEL, prompt=[ids, ids], temperature=0, max_tokens=5)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[1].text == by_text.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt="Hello there", temperature=0, max_tokens=5, echo=True)
+    assert echoed.choices[0].text == "Hello there" + by_text.choices[0].text
+
+
+def test_n_choices(client):
+    r = client.chat.completions.create(model=MODEL, messages=chat("Name a fruit."), n=2, temperature=1.0, seed=3, max_tokens=12)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content for c in r.choices)
+    assert r.usage.completion_tokens >= 2
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=16).choices[0].text
+    assert " 7" in full
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=16, stop=[" 7"])
+    assert stopped.choices[0].text == full[: full.index(" 7")]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=chat("Hi!"), temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the top token
+    c = client.completions.create(model=MODEL, prompt="The sky is", temperature=0, max_tokens=3, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == c.choices[0].text
+
+
+def test_seed_reproduces(client):
+    kw = dict(model=MODEL, messages=chat("Write one line about the sea."), temperature=1.0, max_tokens=16, seed=42)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+
+
+def test_usage_reports_cached_prefix(client):
+    prefix = "You are a careful assistant. " * 20
+    kw = dict(model=MODEL, temperature=0, max_tokens=2)
+    first = client.completions.create(prompt=prefix + "Question one?", **kw)
+    second = client.completions.create(prompt=prefix + "Question two?", **kw)
+    assert first.usage.prompt_tokens > 100
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 96 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+
+
+def test_include_usage_chunk(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=chat("Hi!"), temperature=0, max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sixteen_concurrent_streams(client, http):
+    running_seen = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            running_seen.append(metric(http, "treadle:num_requests_running"))
+            time.sleep(0.05)
+
+    def one(i):
+        stream = client.completions.create(
+            model=MODEL, prompt=f"Story number {i}:", temperature=0, max_tokens=24, stream=True, extra_body={"ignore_eos": True}
+        )
+        text, reasons = "", []
+        for c in stream:
+            text += c.choices[0].text
+            if c.choices[0].finish_reason:
+                reasons.append(c.choices[0].finish_reason)
+        return text, reasons
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    done.set()
+    watcher.join()
+    assert all(reasons == ["length"] and text for text, reasons in results)
+    assert max(running_seen) >= 2
+    solo = client.completions.create(model=MODEL, prompt="Story number 3:", temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+    assert results[3][0] == solo.choices[0].text
+
+
+# ---------------------------------------------------------------- tokenize
+
+
+def test_tokenize_both_shapes(http):
+    v = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert v["count"] == len(v["tokens"]) and v["max_model_len"] > 0
+    l = http.post("/tokenize", json={"content": "Hello world"}).json()
+    assert l["tokens"] == v["tokens"]
+    m = http.post("/tokenize", json={"messages": chat("Hi")}).json()
+    assert m["count"] > v["count"]
+    d = http.post("/detokenize", json={"tokens": v["tokens"]}).json()
+    assert d["prompt"] == "Hello world" and d["content"] == "Hello world"
+
+
+# ---------------------------------------------------------------- errors
+
+
+def assert_error(resp, status, param=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+BAD_CHAT = [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**7}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ({"temperature": "hot"}, "temperature"),
+    ({"n": "two"}, "n"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"no_such_param": 1}, "no_such_param"),
+    ({"logit_bias": {"999999999": 5}}, None),
+    ({"stop_token_ids": [10**9]}, None),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD_CHAT)
+def test_bad_chat_parameters_are_400(http, change, param):
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 4, **change}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_bad_completion_inputs_are_400(http):
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**8]}), 400, "prompt")
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 50000, "max_tokens": 5}), 400)
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": []}), 400, "prompt")
+    assert_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    assert_error(http.post("/v1/completions", json={"model": MODEL}), 400, "prompt")
+
+
+def test_unknown_model_is_404(http):
+    assert_error(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": chat("hi")}), 404, "model")
+
+
+def test_chat_without_template_is_400(tmp_path):
+    """A model whose file has no chat template."""
+    from .tiny_models import save_hf_model
+
+    folder = tmp_path / "notemplate"
+    save_hf_model(str(folder), "llama")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    s = ServerProcess(str(folder))
+    try:
+        s.wait_healthy()
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": "notemplate", "messages": chat("hi")})
+        assert_error(r, 400, "messages")
+        assert "chat template" in r.json()["error"]["message"]
+        ok = httpx.post(s.url + "/v1/completions", json={"model": "notemplate", "prompt": "hi", "max_tokens": 3})
+        assert ok.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_auth_scope(server):
+    for path in ("/v1/models", "/stats"):
+        assert_error(httpx.get(server.url + path), 401)
+        assert_error(httpx.get(server.url + path, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "x"}), 401)
+    assert_error(httpx.post(server.url + "/detokenize", json={"tokens": [1]}), 401)
+    assert_error(httpx.post(server.url + "/v1/chat/completions", json={"messages": chat("x")}), 401)
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.url + path).status_code == 200
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_disconnect_mid_stream_frees_everything(server, http):
+    before = metric(http, "treadle:request_success_total", '{finished_reason="abort"}') if "abort" in http.get("/metrics").text else 0
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+        timeout=60,
+    ) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if metric(http, "treadle:num_requests_running") == 0 and metric(http, "treadle:kv_blocks_used") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(http, "treadle:num_requests_running") == 0
+    assert metric(http, "treadle:num_requests_waiting") == 0
+    assert metric(http, "treadle:kv_blocks_used") == 0
+    assert http.get("/stats").json()["kv_blocks_free"] == http.get("/stats").json()["kv_blocks_total"]
+    assert metric(http, "treadle:request_success_total", '{finished_reason="abort"}') == before + 1
+
+
+def test_metrics_names(http):
+    text = http.get("/metrics").text
+    for name in (
+        "treadle:num_requests_running",
+        "treadle:num_requests_waiting",
+        "treadle:kv_cache_usage_perc",
+        "treadle:kv_blocks_used",
+        "treadle:kv_blocks_total",
+        "treadle:prefix_cache_queries_total",
+        "treadle:prefix_cache_hits_total",
+        "treadle:num_preemptions_total",
+        "treadle:prompt_tokens_total",
+        "treadle:generation_tokens_total",
+        "treadle:request_success_total",
+        "treadle:time_to_first_token_seconds_bucket",
+        "treadle:inter_token_latency_seconds_bucket",
+        "treadle:request_time_per_output_token_seconds_bucket",
+        "treadle:e2e_request_latency_seconds_bucket",
+    ):
+        assert re.search(rf"^{re.escape(name)}[{{ ]", text, re.M), name
+    assert metric(http, "treadle:generation_tokens_total") > 0
+
+
+# ---------------------------------------------------------------- queue limit and shutdown
+
+
+def test_full_queue_is_503_and_sigterm_drains_then_aborts():
+    s = ServerProcess("--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "2")
+    try:
+        s.wait_healthy()
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        results = {}
+
+        def long_stream(name):
+            chunks = []
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[6:]))
+                    if line == "data: [DONE]":
+                        chunks.append("DONE")
+            results[name] = chunks
+
+        threads = [threading.Thread(target=long_stream, args=(n,)) for n in ("running", "waiting")]
+        for t in threads:
+            t.start()
+            time.sleep(0.5)
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False})
+        assert_error(r, 503)
+        assert "retry-after" in {k.lower() for k in r.headers}
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        for t in threads:
+            t.join(10)
+        for name in ("running", "waiting"):
+            chunks = results[name]
+            assert chunks[-1] == "DONE"
+            assert chunks[-2]["choices"][0]["finish_reason"] == "abort"
+        output = s.proc.stdout.read().decode()
+        assert "Traceback" not in output
+    finally:
+        s.stop()

@@ -10,7 +10,7 @@ from datetime import datetime
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from .config import ModelLoadError
 
@@ -224,10 +224,15 @@ def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: li
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
     backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    # As SentencePiece and llama.cpp: a space is prepended to every text fragment (the start, and
+    # after each special token) even when it already starts with spaces. (tokenizers' Metaspace
+    # skips the prefix on text that starts with a space, so it is not used here.)
+    steps = [normalizers.Prepend("\u2581")] if add_prefix else []
+    backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prepend == "first":
+    if add_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
     return backend

@@ -1,0 +1,113 @@
+"""A SentencePiece (`tokenizer.ggml.model = llama`) vocabulary in a GGUF file, as llama.cpp writes one.
+
+A real SentencePiece BPE model is trained here on a small corpus with byte fallback; its pieces,
+scores and types go into GGUF metadata. treadle's tokenizer built from that metadata must agree with
+SentencePiece itself and with transformers' GGUF tokenizer.
+"""
+
+import gguf
+import pytest
+
+from treadle.model.gguf_loader import read_metadata
+from treadle.model.tokenizer import tokenizer_from_gguf
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, this is a small corpus for a tokenizer test.",
+    "Numbers like 12345 and 3.14 appear here, and so do words like tokenization.",
+    "Le renard brun saute par-dessus le chien paresseux.",
+    "the cat sat on the mat; the dog sat on the log.",
+] * 20
+
+TEXTS = [
+    "Hello world",
+    "the lazy cat jumps",
+    "  two leading spaces",
+    "tokenization of 98765",
+    "émigré naïve café",
+    "unseen ☃ snowman and 中文",
+    "line one\nline two",
+    " one leading space",
+]
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    folder = tmp_path_factory.mktemp("spm")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    prefix = str(folder / "sp")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=prefix,
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        character_coverage=1.0,
+        add_dummy_prefix=True,
+        normalization_rule_name="identity",  # as Llama's SentencePiece models: no NFKC, spaces kept
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        # llama.cpp's token types: 1 normal, 2 unknown, 3 control, 6 byte
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1)
+    path = str(folder / "spm.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, sp
+
+
+@pytest.fixture(scope="module")
+def ours(spm_gguf):
+    path, _ = spm_gguf
+    return tokenizer_from_gguf(path, read_metadata(gguf.GGUFReader(path)))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_matches_sentencepiece(spm_gguf, ours, text):
+    _, sp = spm_gguf
+    assert ours.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert ours.encode(text) == [sp.bos_id()] + sp.encode(text)
+
+
+# transformers' GGUF tokenizer skips the space prefix on text that already starts with a space
+# (SentencePiece and llama.cpp do not), so leading-space texts are compared with SentencePiece only.
+@pytest.mark.parametrize("text", [t for t in TEXTS if not t.startswith(" ")])
+def test_matches_transformers_gguf_tokenizer(spm_gguf, ours, text):
+    from transformers import AutoTokenizer
+
+    path, _ = spm_gguf
+    folder, name = path.rsplit("/", 1)
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert ours.encode(text) == hf.encode(text)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decodes_back(spm_gguf, ours, text):
+    _, sp = spm_gguf
+    ids = sp.encode(text)
+    assert ours.decode(ids) == sp.decode(ids)
+
+
+def test_space_prefix_after_special_tokens_as_llama_cpp(ours, spm_gguf):
+    """llama.cpp prefixes a space to each text fragment after a special token."""
+    _, sp = spm_gguf
+    eos = sp.id_to_piece(sp.eos_id())
+    assert ours.encode(f"hi{eos}there", add_special_tokens=False) == sp.encode("hi") + [sp.eos_id()] + sp.encode("there")

@@ -8,6 +8,23 @@ from treadle.model.default_model import default_model_path
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One real `treadle serve` (float32, API key set) for the server and bench tests."""
+    from .server_process import ServerProcess
+
+    s = ServerProcess("--api-key", KEY, "--max-num-seqs", "32")
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     return default_model_path()

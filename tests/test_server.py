@@ -13,18 +13,7 @@ import pytest
 
 from .server_process import ServerProcess
 
-KEY = "test-key"
-MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--api-key", KEY, "--max-num-seqs", "32")
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
+from .conftest import KEY, MODEL
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from .bench.serve import add_serve_args, cmd_bench_serve
+    from .bench.sweep import add_sweep_args, cmd_bench_sweep
+    from .bench.throughput import add_throughput_args, cmd_bench_throughput
+
+    b_serve = bench_sub.add_parser("serve", help="drive an OpenAI-compatible server; vllm bench serve's flags and report")
+    add_serve_args(b_serve)
+    b_serve.set_defaults(func=cmd_bench_serve)
+    b_sweep = bench_sub.add_parser("sweep", help="bench serve over concurrency levels for named servers; CSV, JSON, plots")
+    add_serve_args(b_sweep)
+    add_sweep_args(b_sweep)
+    b_sweep.set_defaults(func=cmd_bench_sweep, num_prompts=None, save_result=True, result_dir="bench-results")
+    b_tp = bench_sub.add_parser("throughput", help="the engine alone, no HTTP")
+    b_tp.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
+    add_throughput_args(b_tp)
+    add_engine_args(b_tp)
+    b_tp.set_defaults(func=cmd_bench_throughput)
+
     run = sub.add_parser("run", help="generate from one prompt, streaming to the terminal")
     run.add_argument("prompt", help="the prompt text")
     run.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])

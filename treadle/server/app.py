@@ -421,9 +421,8 @@ class _Job:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
         try:
-            if self.kind == "chat":
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(total)])
-            elif self.body.echo:
+            role_sent = False
+            if self.kind == "completion" and self.body.echo:
                 tok = self.state.engine.engine.tokenizer
                 for i in range(total):
                     text, ids = self.prompts[i // self.n]
@@ -434,6 +433,10 @@ class _Job:
                 except EngineDead as e:
                     yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', None, 503))}\n\n"
                     return
+                if self.kind == "chat" and not role_sent:
+                    # with the first engine output, as vLLM does, so a client's TTFT means a token is coming
+                    role_sent = True
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(total)])
                 choices = []
                 for c in out.outputs:
                     i = self._index(out.request_id, c.index)

@@ -1,0 +1,155 @@
+"""Benchmark workloads with exact token lengths: random, prefix_repetition, sharegpt.
+
+Prompts are built from token ids of the served model's tokenizer, then decoded and re-encoded until
+the text is exactly the asked number of tokens, so that the server sees the length we report.
+Each seed gives fresh prompts (a sweep changes the seed per level), so a prefix cache cannot
+flatter a figure with prompts it has already seen.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+# Text used to learn a server's token ids when only its /tokenize is available.
+_SAMPLE_TEXT = (
+    "The history of science is the study of the development of science and scientific knowledge, "
+    "including both the natural and social sciences. Science is a body of empirical, theoretical, and "
+    "practical knowledge about the natural world, produced by scientists who emphasize the observation, "
+    "explanation, and prediction of real-world phenomena. Mathematics, music, cooking, travel, weather, "
+    "gardens, rivers, mountains, computers, languages, markets, cities, stories and games all appear in "
+    "ordinary writing; numbers such as 1, 2, 3, 42, 1999 and 2025 do too. Quick brown foxes jump over lazy "
+    "dogs while engineers measure latency, throughput, memory and energy in careful experiments."
+)
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def sample_ids(self) -> list[int]: ...
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    prompt_len: int  # tokens of the prompt (content tokens for chat)
+    output_len: int
+
+
+class LocalTokenizer:
+    """A GGUF file's or HF folder's tokenizer, without loading weights."""
+
+    def __init__(self, path: str):
+        import os
+
+        if os.path.isdir(path):
+            from ..model.hf_loader import _read_json
+            from ..model.tokenizer import tokenizer_from_hf_folder
+
+            self.tok = tokenizer_from_hf_folder(path, _read_json(os.path.join(path, "config.json")))
+        else:
+            from ..model.gguf_loader import _open, read_metadata
+            from ..model.tokenizer import tokenizer_from_gguf
+
+            self.tok = tokenizer_from_gguf(path, read_metadata(_open(path)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def sample_ids(self) -> list[int]:
+        special = set(self.tok.special_token_ids) | set(self.tok.stop_token_ids)
+        return [i for i in range(self.tok.vocab_size) if i not in special]
+
+
+class ServerTokenizer:
+    """A server's /tokenize and /detokenize (vLLM's or llama.cpp's shape)."""
+
+    def __init__(self, base_url: str, headers: dict | None = None):
+        import httpx
+
+        self.client = httpx.Client(base_url=base_url, headers=headers or {}, timeout=60)
+
+    def encode(self, text: str) -> list[int]:
+        r = self.client.post("/tokenize", json={"content": text, "add_special": False})
+        r.raise_for_status()
+        return [t["id"] if isinstance(t, dict) else t for t in r.json()["tokens"]]
+
+    def decode(self, ids: list[int]) -> str:
+        r = self.client.post("/detokenize", json={"tokens": ids})
+        r.raise_for_status()
+        body = r.json()
+        return body.get("content", body.get("prompt", ""))
+
+    def sample_ids(self) -> list[int]:
+        return sorted(set(self.encode(_SAMPLE_TEXT)))
+
+
+def exact_text(tok: TokenizerLike, ids: list[int], length: int, rng: random.Random, pool: list[int]) -> str:
+    """Text that the tokenizer encodes to exactly `length` tokens, starting from `ids`."""
+    for _ in range(20):
+        text = tok.decode(ids)
+        again = tok.encode(text)
+        if len(again) == length:
+            return text
+        ids = again[:length] if len(again) > length else again + [rng.choice(pool) for _ in range(length - len(again))]
+    # Rare: merges keep shifting the length. Fall back on a run of one known single-token word.
+    raise RuntimeError(f"could not build a prompt of exactly {length} tokens")
+
+
+def _lengths(base: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    lo, hi = max(1, int(base * (1 - ratio))), max(1, int(base * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_dataset(tok, num, input_len, output_len, range_ratio=0.0, prefix_len=0, seed=0) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    pool = tok.sample_ids()
+    prefix = exact_text(tok, [rng.choice(pool) for _ in range(prefix_len)], prefix_len, rng, pool) if prefix_len else ""
+    out = []
+    for in_len, out_len in zip(_lengths(input_len, range_ratio, num, rng), _lengths(output_len, range_ratio, num, rng)):
+        body = exact_text(tok, [rng.choice(pool) for _ in range(in_len)], in_len, rng, pool)
+        text = prefix + body
+        n = len(tok.encode(text)) if prefix else in_len
+        out.append(BenchRequest(text, n, out_len))
+    return out
+
+
+def prefix_repetition_dataset(tok, num, prefix_len, suffix_len, num_prefixes, output_len, seed=0) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    pool = tok.sample_ids()
+    prefixes = [exact_text(tok, [rng.choice(pool) for _ in range(prefix_len)], prefix_len, rng, pool) for _ in range(num_prefixes)]
+    out = []
+    for i in range(num):
+        suffix = exact_text(tok, [rng.choice(pool) for _ in range(suffix_len)], suffix_len, rng, pool)
+        text = prefixes[i % num_prefixes] + suffix
+        out.append(BenchRequest(text, len(tok.encode(text)), output_len))
+    rng.shuffle(out)
+    return out
+
+
+def sharegpt_dataset(tok, path: str, num, output_len: int | None = None, seed=0) -> list[BenchRequest]:
+    """ShareGPT layout: [{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}]."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    rng = random.Random(seed)
+    rng.shuffle(data)
+    out = []
+    for entry in data:
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        if len(turns) < 2:
+            continue
+        prompt, reply = turns[0].get("value", ""), turns[1].get("value", "")
+        p_len = len(tok.encode(prompt))
+        o_len = output_len or len(tok.encode(reply))
+        # vLLM's filter: drop very short pairs and very long ones
+        if p_len < 4 or o_len < 4 or p_len > 1024 or p_len + o_len > 2048:
+            continue
+        out.append(BenchRequest(prompt, p_len, o_len))
+        if len(out) == num:
+            break
+    if len(out) < num:
+        raise ValueError(f"{path}: only {len(out)} usable conversations, {num} asked")
+    return out

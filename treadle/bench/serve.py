@@ -1,0 +1,266 @@
+"""`treadle bench serve`: drive an OpenAI-compatible server the way `vllm bench serve` does."""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from datetime import datetime
+
+import httpx
+from tqdm import tqdm
+
+from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, prefix_repetition_dataset, random_dataset, sharegpt_dataset
+from .metrics import METRIC_TITLES, RequestResult, compute_metrics, parse_goodput
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["openai", "openai-chat"], default="openai")
+    p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default=None, help="/v1/completions (openai) or /v1/chat/completions (openai-chat)")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
+    p.add_argument("--tokenizer", default=None, help="a GGUF file or HF folder (default: the server's /tokenize)")
+    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt"], default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals; else gamma")
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
+    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def base_url(args) -> str:
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+
+
+def headers(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
+    if args.dataset_name == "random":
+        return random_dataset(
+            tok, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len, seed
+        )
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_dataset(
+            tok,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            seed,
+        )
+    if not args.dataset_path:
+        raise SystemExit("treadle bench: --dataset-path is required for sharegpt")
+    return sharegpt_dataset(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len, seed)
+
+
+async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, chat: bool, args) -> RequestResult:
+    payload = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        payload["ignore_eos"] = True
+    if chat:
+        payload["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        payload["prompt"] = req.prompt
+    result = RequestResult(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    result.start = start
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("error"):
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("choices"):
+                    if not result.ttft:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    result.chunk_times.append(now)
+                    last = now
+                usage = chunk.get("usage")
+                if usage:
+                    result.output_len = usage.get("completion_tokens", 0)
+                    result.server_prompt_len = usage.get("prompt_tokens", 0)
+        result.latency = last - start
+        result.success = result.ttft > 0
+        if not result.success:
+            result.error = "no tokens were streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed)
+    theta = 1.0 / (rate * burstiness)
+    return [rng.gammavariate(burstiness, theta) for _ in range(n)]
+
+
+async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
+    chat = args.backend == "openai-chat"
+    endpoint = args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
+    url = base_url(args) + endpoint
+    limit = args.max_concurrency or len(requests) or 1
+    semaphore = asyncio.Semaphore(limit)
+    timeout = httpx.Timeout(None, connect=30)
+    async with httpx.AsyncClient(headers=headers(args), timeout=timeout, limits=httpx.Limits(max_connections=limit + 4)) as client:
+        for i in range(args.num_warmups):
+            warm = await send_request(client, url, model, requests[i % len(requests)], chat, args)
+            if not warm.success:
+                raise SystemExit(f"treadle bench: warm-up request failed: {warm.error}")
+        bar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
+
+        async def limited(req):
+            async with semaphore:
+                r = await send_request(client, url, model, req, chat, args)
+            if bar:
+                bar.update(1)
+            return r
+
+        start = time.perf_counter()
+        tasks = []
+        for req, gap in zip(requests, _arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if bar:
+            bar.close()
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    metrics = compute_metrics(results, duration, percentiles, parse_goodput(args.goodput))
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": args.backend,
+        "model_id": model,
+        "endpoint": endpoint,
+        "base_url": base_url(args),
+        "dataset_name": args.dataset_name,
+        "num_prompts": len(requests),
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": args.burstiness,
+        **metrics,
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft for r in results],
+        "e2els": [r.latency for r in results],
+        "itls": [r.itl for r in results],
+        "errors": [r.error for r in results],
+    }
+
+
+def print_report(result: dict, args) -> None:
+    line = "{:<40} {:<10}".format
+    num = "{:<40} {:<10.2f}".format
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    print(line("Successful requests:", result["completed"]))
+    print(line("Failed requests:", result["failed"]))
+    if result["max_concurrency"] is not None:
+        print(line("Maximum request concurrency:", result["max_concurrency"]))
+    print(num("Benchmark duration (s):", result["duration"]))
+    print(line("Total input tokens:", result["total_input_tokens"]))
+    if args.backend == "openai-chat":
+        print(line("Total input tokens (server, templated):", result["total_server_input_tokens"]))
+    print(line("Total generated tokens:", result["total_output_tokens"]))
+    print(num("Request throughput (req/s):", result["request_throughput"]))
+    if result["request_goodput"] is not None:
+        print(num("Request goodput (req/s):", result["request_goodput"]))
+    print(num("Output token throughput (tok/s):", result["output_throughput"]))
+    print(num("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]))
+    print(num("Peak concurrent requests:", result["max_concurrent_requests"]))
+    print(num("Total token throughput (tok/s):", result["total_token_throughput"]))
+    for name in args.percentile_metrics.split(","):
+        title, short = METRIC_TITLES[name]
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        print(num(f"Mean {short} (ms):", result[f"mean_{name}_ms"]))
+        print(num(f"Median {short} (ms):", result[f"median_{name}_ms"]))
+        for p in args.metric_percentiles.split(","):
+            key = f"p{p}" if not float(p).is_integer() else f"p{int(float(p))}"
+            print(num(f"P{p} {short} (ms):", result[f"{key}_{name}_ms"]))
+    print("=" * 50)
+    errors = [e for e in result["errors"] if e]
+    if errors:
+        print(f"{len(errors)} requests failed; first errors:")
+        for e in sorted(set(errors))[:5]:
+            print("  " + e)
+
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    r = httpx.get(base_url(args) + "/v1/models", headers=headers(args), timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def make_tokenizer(args):
+    return LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenizer(base_url(args), headers(args))
+
+
+def bench_serve(args, seed: int | None = None, tok=None) -> dict:
+    model = resolve_model(args)
+    tok = tok or make_tokenizer(args)
+    requests = build_dataset(args, tok, args.seed if seed is None else seed)
+    result = asyncio.run(run_benchmark(args, requests, model))
+    return result
+
+
+def cmd_bench_serve(args) -> int:
+    result = bench_serve(args)
+    print_report(result, args)
+    if args.save_result:
+        name = args.result_filename or f"{args.backend}-{result['max_concurrency'] or 'inf'}qps-{result['model_id'].replace('/', '_')}-{result['date']}.json"
+        os.makedirs(args.result_dir, exist_ok=True)
+        path = os.path.join(args.result_dir, name)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"saved {path}")
+    return 0 if result["failed"] == 0 else 1

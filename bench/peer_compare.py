@@ -1,0 +1,156 @@
+"""treadle next to llama.cpp's llama-server on one machine, in one run, on the same GGUF.
+
+    python bench/peer_compare.py [--concurrency 1 2 4 8 16] [--out bench-results/peer]
+
+- llama-server comes from PATH, or is built once (cmake, target llama-server) from the C++ sources
+  vendored in the llama-cpp-python sdist on PyPI, into ~/.cache/treadle/llama.cpp. Never committed.
+- Both get the same slots and KV capacity: llama-server -np 16 -c 16384 -kvu -cram 0 -t 2;
+  treadle --max-num-seqs 16 --num-kv-blocks 1024 --block-size 16 --threads 2.
+- The seed article's workload: random 512-token prompts, 256 output tokens with ignore_eos,
+  concurrency 1, 2, 4, 8, 16, fresh prompts per level (the same prompts for both servers at a level).
+- transformers cannot serve a GGUF (`transformers serve` needs an HF folder), so its figure is an
+  offline static batch of the same prompt/output lengths, printed apart and labelled as not comparable.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+
+LLAMA_CPP_PYTHON = "0.3.36"
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "treadle", "llama.cpp")
+
+
+def find_or_build_llama_server() -> str:
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    src = os.path.join(CACHE, f"llama_cpp_python-{LLAMA_CPP_PYTHON}", "vendor", "llama.cpp")
+    binary = os.path.join(src, "build", "bin", "llama-server")
+    if os.path.exists(binary):
+        return binary
+    os.makedirs(CACHE, exist_ok=True)
+    sdist = os.path.join(CACHE, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")
+    if not os.path.exists(sdist):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", CACHE],
+            check=True,
+        )
+    with tarfile.open(sdist) as t:
+        t.extractall(CACHE, filter="data")
+    build = os.path.join(src, "build")
+    subprocess.run(
+        ["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+         "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+        check=True,
+    )  # fmt: skip
+    subprocess.run(["cmake", "--build", build, "--target", "llama-server", f"-j{os.cpu_count()}"], check=True)
+    return binary
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy")
+
+
+def peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):  # peak resident set size
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--out", default="bench-results/peer")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--treadle-args", default="", help="extra flags for treadle serve")
+    args = ap.parse_args()
+
+    from treadle.model.default_model import default_model_path
+
+    gguf = default_model_path()
+    llama_server = find_or_build_llama_server()
+    os.makedirs(args.out, exist_ok=True)
+    t_port, l_port = free_port(), free_port()
+    treadle_cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(t_port), "--max-num-seqs", "16", "--num-kv-blocks", "1024",
+                   "--block-size", "16", "--threads", "2", *args.treadle_args.split()]  # fmt: skip
+    llama_cmd = [llama_server, "-m", gguf, "--port", str(l_port), "-np", "16", "-c", "16384", "-kvu", "-cram", "0", "-t", "2"]
+    print("machine:", platform.platform(), f"{os.cpu_count()} cores")
+    print("treadle:", " ".join(treadle_cmd))
+    print("llama.cpp:", " ".join(llama_cmd), flush=True)
+    logs = {name: open(os.path.join(args.out, f"{name}.log"), "w") for name in ("treadle", "llama")}
+    t_proc = subprocess.Popen(treadle_cmd, stdout=logs["treadle"], stderr=subprocess.STDOUT)
+    l_proc = subprocess.Popen(llama_cmd, stdout=logs["llama"], stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{t_port}", t_proc)
+        wait_healthy(f"http://127.0.0.1:{l_port}", l_proc)
+        sweep = [sys.executable, "-m", "treadle", "bench", "sweep",
+                 "--server", f"treadle=http://127.0.0.1:{t_port}", "--server", f"llama.cpp=http://127.0.0.1:{l_port}",
+                 "--tokenizer", gguf, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                 "--random-output-len", str(args.output_len), "--ignore-eos", "--concurrency", *map(str, args.concurrency),
+                 "--result-dir", args.out, "--plot-title", f"{args.input_len} in / {args.output_len} out, 2 threads", "--disable-tqdm"]  # fmt: skip
+        print(" ".join(sweep), flush=True)
+        subprocess.run(sweep, check=False)
+        memory = {"treadle": peak_rss_mb(t_proc.pid), "llama.cpp": peak_rss_mb(l_proc.pid)}
+    finally:
+        for p in (t_proc, l_proc):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    with open(os.path.join(args.out, "sweep.json")) as f:
+        rows = json.load(f)["rows"]
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    print("\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms | llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        t, l = by[("treadle", c)], by[("llama.cpp", c)]
+        ratio = t["output_throughput"] / l["output_throughput"] if l["output_throughput"] else float("nan")
+        print(f"| {c} | {t['output_throughput']:.1f} | {l['output_throughput']:.1f} | {ratio:.2f} | {t['median_tpot_ms']:.1f} | "
+              f"{l['median_tpot_ms']:.1f} | {t['median_ttft_ms']:.0f} | {l['median_ttft_ms']:.0f} |")  # fmt: skip
+    print(f"\npeak RSS: treadle {memory['treadle']:.0f} MB, llama-server {memory['llama.cpp']:.0f} MB")
+    with open(os.path.join(args.out, "memory.json"), "w") as f:
+        json.dump(memory, f)
+
+    if not args.skip_transformers:
+        print("\ntransformers (offline static batch of 16, NOT comparable with the served figures):", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "treadle", "bench", "throughput", "--num-prompts", "16", "--random-input-len", str(args.input_len),
+             "--random-output-len", str(args.output_len), "--threads", "2", "--max-num-seqs", "16", "--compare-transformers"],
+            check=False,
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,13 +3,15 @@
 import asyncio
 import hmac
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -30,6 +32,7 @@ from .protocol import (
 
 # Union members show up in pydantic error locations ("temperature.int"); they are not parameters.
 _PYDANTIC_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|.*\[.*\].*|function-.*)$")
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/stats")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailableError"}
 
@@ -99,6 +102,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
                 return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
         return await call_next(request)
+
+    # ------------------------------------------------------------ the web chat (no key needed to load it)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
     # ------------------------------------------------------------ plain endpoints
 

@@ -1,0 +1,292 @@
+// treadle web chat: conversations in localStorage, streaming replies, stop, settings, engine panel.
+(function () {
+  "use strict";
+  const $ = (id) => document.getElementById(id);
+  const STORE = "treadle.conversations";
+  const SETTINGS = "treadle.settings";
+  const KEY = "treadle.apiKey";
+
+  let conversations = load(STORE, []);
+  let settings = Object.assign({ system: "", temperature: 0.7, top_p: 1, max_tokens: 512 }, load(SETTINGS, {}));
+  let currentId = conversations.length ? conversations[0].id : null;
+  let model = null;
+  let controller = null;
+
+  function load(key, fallback) {
+    try { const v = JSON.parse(localStorage.getItem(key)); return v == null ? fallback : v; } catch (e) { return fallback; }
+  }
+  function save() { localStorage.setItem(STORE, JSON.stringify(conversations)); }
+  function headers() {
+    const h = { "Content-Type": "application/json" };
+    const key = localStorage.getItem(KEY);
+    if (key) h["Authorization"] = "Bearer " + key;
+    return h;
+  }
+  function current() { return conversations.find((c) => c.id === currentId) || null; }
+
+  // ---------------------------------------------------------------- rendering
+
+  function renderList() {
+    const ul = $("conversations");
+    ul.textContent = "";
+    for (const c of conversations) {
+      const li = document.createElement("li");
+      li.className = c.id === currentId ? "active" : "";
+      const title = document.createElement("span");
+      title.className = "title";
+      title.textContent = c.title || "New chat";
+      title.onclick = () => { currentId = c.id; renderAll(); closeSidebarOnPhone(); };
+      const del = document.createElement("button");
+      del.className = "delete";
+      del.type = "button";
+      del.title = "Delete chat";
+      del.setAttribute("aria-label", "Delete chat");
+      del.textContent = "×";
+      del.onclick = () => deleteChat(c.id);
+      li.append(title, del);
+      ul.append(li);
+    }
+  }
+
+  function messageNode(m) {
+    const div = document.createElement("div");
+    div.className = "msg " + m.role;
+    const body = document.createElement("div");
+    body.className = "body";
+    // Markdown renderer escapes all model text before adding its own tags.
+    if (m.role === "assistant") body.innerHTML = TreadleMarkdown.render(m.content || "");
+    else body.textContent = m.content;
+    div.append(body);
+    if (m.stats) {
+      const st = document.createElement("div");
+      st.className = "stats";
+      st.textContent = statsText(m.stats);
+      div.append(st);
+    }
+    return div;
+  }
+
+  function statsText(s) {
+    const parts = [];
+    if (s.prompt_tokens != null) parts.push(s.prompt_tokens + " prompt tokens");
+    if (s.cached_tokens != null) parts.push(s.cached_tokens + " cached");
+    if (s.ttft_ms != null) parts.push("TTFT " + Math.round(s.ttft_ms) + " ms");
+    if (s.tokens_per_s != null) parts.push(s.tokens_per_s.toFixed(1) + " tok/s");
+    if (s.finish_reason) parts.push(s.finish_reason);
+    return parts.join(" · ");
+  }
+
+  function renderMessages() {
+    const box = $("messages");
+    box.textContent = "";
+    const c = current();
+    $("chat-title").textContent = c ? c.title || "New chat" : "New chat";
+    if (!c) return;
+    for (const m of c.messages) box.append(messageNode(m));
+    box.scrollTop = box.scrollHeight;
+  }
+
+  function renderAll() { renderList(); renderMessages(); }
+
+  // ---------------------------------------------------------------- conversations
+
+  function newChat() {
+    const c = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "", messages: [] };
+    conversations.unshift(c);
+    currentId = c.id;
+    save();
+    renderAll();
+    $("input").focus();
+  }
+
+  function deleteChat(id) {
+    conversations = conversations.filter((c) => c.id !== id);
+    if (currentId === id) currentId = conversations.length ? conversations[0].id : null;
+    save();
+    renderAll();
+  }
+
+  // ---------------------------------------------------------------- sending
+
+  async function send(text) {
+    if (!current()) newChat();
+    const c = current();
+    c.messages.push({ role: "user", content: text });
+    if (!c.title) c.title = text.slice(0, 40);
+    const reply = { role: "assistant", content: "", stats: null };
+    c.messages.push(reply);
+    save();
+    renderAll();
+    const node = $("messages").lastChild;
+    const body = node.querySelector(".body");
+
+    const messages = [];
+    if (settings.system) messages.push({ role: "system", content: settings.system });
+    for (const m of c.messages.slice(0, -1)) messages.push({ role: m.role, content: m.content });
+    const payload = {
+      model: model || undefined,
+      messages: messages,
+      temperature: Number(settings.temperature),
+      top_p: Number(settings.top_p),
+      max_tokens: Number(settings.max_tokens),
+      stream: true,
+      stream_options: { include_usage: true },
+    };
+
+    controller = new AbortController();
+    setBusy(true);
+    const start = performance.now();
+    let first = null, tokens = 0, finish = null, usage = null;
+    try {
+      const resp = await fetch("/v1/chat/completions", {
+        method: "POST", headers: headers(), body: JSON.stringify(payload), signal: controller.signal,
+      });
+      if (!resp.ok) {
+        const err = await resp.json().catch(() => ({}));
+        if (resp.status === 401) askForKey();
+        throw new Error((err.error && err.error.message) || resp.statusText);
+      }
+      const reader = resp.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const event = buffer.slice(0, cut).trim();
+          buffer = buffer.slice(cut + 2);
+          if (!event.startsWith("data:")) continue;
+          const data = event.slice(5).trim();
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.usage) usage = chunk.usage;
+          for (const choice of chunk.choices || []) {
+            const piece = choice.delta && choice.delta.content;
+            if (piece) {
+              if (first === null) first = performance.now();
+              tokens += 1;
+              reply.content += piece;
+              body.innerHTML = TreadleMarkdown.render(reply.content);
+              $("messages").scrollTop = $("messages").scrollHeight;
+            }
+            if (choice.finish_reason) finish = choice.finish_reason;
+          }
+        }
+      }
+    } catch (e) {
+      if (e.name === "AbortError") finish = "stopped";
+      else { reply.content += (reply.content ? "\n\n" : "") + "⚠ " + e.message; finish = "error"; }
+    } finally {
+      controller = null;
+      setBusy(false);
+    }
+    const end = performance.now();
+    const generated = usage ? usage.completion_tokens : tokens;
+    reply.stats = {
+      prompt_tokens: usage ? usage.prompt_tokens : null,
+      cached_tokens: usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : null,
+      ttft_ms: first !== null ? first - start : null,
+      tokens_per_s: first !== null && generated > 1 ? (generated - 1) / ((end - first) / 1000) : null,
+      finish_reason: finish,
+    };
+    save();
+    renderMessages();
+  }
+
+  function setBusy(busy) {
+    $("send").hidden = busy;
+    $("stop").hidden = !busy;
+    $("input").disabled = false;
+  }
+
+  function askForKey() {
+    $("settings").hidden = false;
+    $("set-api-key").focus();
+  }
+
+  // ---------------------------------------------------------------- engine panel
+
+  let lastTokens = null, lastTime = null;
+  async function pollStats() {
+    try {
+      const r = await fetch("/stats", { headers: headers() });
+      if (r.ok) {
+        const s = await r.json();
+        const used = s.kv_blocks_total - s.kv_blocks_free;
+        $("st-running").textContent = s.num_running;
+        $("st-waiting").textContent = s.num_waiting;
+        $("st-kv").textContent = used + " / " + s.kv_blocks_total;
+        $("st-kvbar").style.width = (100 * used / Math.max(1, s.kv_blocks_total)).toFixed(1) + "%";
+        $("st-hits").textContent = s.prefix_cache_queries ? (100 * s.prefix_cache_hits / s.prefix_cache_queries).toFixed(1) + "%" : "–";
+        $("st-preempt").textContent = s.num_preemptions;
+        const now = performance.now();
+        if (lastTokens !== null) {
+          const tps = (s.generation_tokens - lastTokens) / ((now - lastTime) / 1000);
+          $("st-tps").textContent = tps.toFixed(1);
+        }
+        lastTokens = s.generation_tokens;
+        lastTime = now;
+      }
+    } catch (e) { /* server restarting: try again next tick */ }
+    setTimeout(pollStats, 1000);
+  }
+
+  async function loadModel() {
+    try {
+      const r = await fetch("/v1/models", { headers: headers() });
+      if (r.status === 401) { askForKey(); return; }
+      const body = await r.json();
+      model = body.data[0].id;
+      $("model-name").textContent = model;
+    } catch (e) { setTimeout(loadModel, 2000); }
+  }
+
+  // ---------------------------------------------------------------- wiring
+
+  function closeSidebarOnPhone() { document.body.classList.remove("sidebar-open"); }
+
+  function bindSettings() {
+    $("set-system").value = settings.system;
+    $("set-temperature").value = settings.temperature;
+    $("set-top-p").value = settings.top_p;
+    $("set-max-tokens").value = settings.max_tokens;
+    $("set-api-key").value = localStorage.getItem(KEY) || "";
+    const update = () => {
+      settings = {
+        system: $("set-system").value,
+        temperature: $("set-temperature").value,
+        top_p: $("set-top-p").value,
+        max_tokens: $("set-max-tokens").value,
+      };
+      localStorage.setItem(SETTINGS, JSON.stringify(settings));
+    };
+    for (const id of ["set-system", "set-temperature", "set-top-p", "set-max-tokens"]) $(id).addEventListener("input", update);
+    $("set-api-key").addEventListener("change", () => {
+      const v = $("set-api-key").value.trim();
+      if (v) localStorage.setItem(KEY, v); else localStorage.removeItem(KEY);
+      loadModel();
+    });
+  }
+
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("input").value.trim();
+    if (!text || controller) return;
+    $("input").value = "";
+    send(text);
+  });
+  $("input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+  });
+  $("stop").addEventListener("click", () => { if (controller) controller.abort(); });
+  $("new-chat").addEventListener("click", newChat);
+  $("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });
+  $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+
+  bindSettings();
+  renderAll();
+  loadModel();
+  pollStats();
+})();

@@ -1,4 +1,4 @@
-"""The `treadle` command: `serve` (the OpenAI-compatible server) and `run` (one prompt, streamed)."""
+"""The `treadle` command: serve (the OpenAI-compatible server), chat (terminal), run (one prompt), bench."""
 
 import argparse
 import os
@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(b_tp)
     add_engine_args(b_tp)
     b_tp.set_defaults(func=cmd_bench_throughput)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (no server needed)")
+    chat.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
+    chat.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
+    add_engine_args(chat)
+    from .chat import cmd_chat
+
+    chat.set_defaults(func=cmd_chat)
 
     run = sub.add_parser("run", help="generate from one prompt, streaming to the terminal")
     run.add_argument("prompt", help="the prompt text")

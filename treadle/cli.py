@@ -17,6 +17,7 @@ ENGINE_HELP = {
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",

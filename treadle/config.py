@@ -14,6 +14,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    quantized_weights: bool = True  # keep GGUF Q4_0/Q4_1 weights 4-bit for small batches (bfloat16 only)
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # compute threads; default: torch's choice

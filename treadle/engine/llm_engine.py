@@ -59,7 +59,8 @@ class LLMEngine:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        model_config, weights, self.tokenizer = load_model_files(config.model)
+        files = load_model_files(config.model)
+        model_config, self.tokenizer = files.config, files.tokenizer
         self.model_config = model_config
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
         self.dtype = resolve_dtype(config.dtype, config.device)
@@ -67,7 +68,8 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.stop_token_ids
         self.runner = ModelRunner(
             model_config,
-            weights,
+            files.weights,
+            int4=files.int4 if config.quantized_weights else None,
             dtype=self.dtype,
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -75,7 +77,7 @@ class LLMEngine:
             seed=config.seed,
             device=config.device,
         )
-        del weights
+        del files
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, RequestGroup] = {}

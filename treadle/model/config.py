@@ -39,3 +39,29 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     sliding_window: int | None = None
     name: str = ""
+
+
+@dataclass
+class Int4Weight:
+    """A linear weight kept as 4-bit integers in groups of 32 along the input dimension.
+
+    Dequantized value: (q - 8) * scale + zero, which is exactly GGUF's Q4_0 (zero = 0) and Q4_1
+    (scale = d, zero = m + 8 d) block formula, so no precision is lost by keeping it this way.
+    """
+
+    q: "torch.Tensor"  # [out, in] int32 in 0..15
+    scale: "torch.Tensor"  # [out, in // 32] float32
+    zero: "torch.Tensor"  # [out, in // 32] float32
+
+    GROUP = 32
+
+
+@dataclass
+class ModelFiles:
+    """What every loader produces: hyperparameters, float32 weights under HF names, the tokenizer,
+    and (GGUF only) the 4-bit weights as the file stores them, under the same names."""
+
+    config: ModelConfig
+    weights: dict
+    tokenizer: "object"
+    int4: dict = field(default_factory=dict)

@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 import torch
 
-from .config import ModelConfig, ModelLoadError, RopeConfig
-from .tokenizer import Tokenizer, tokenizer_from_gguf
+from .config import Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
+from .tokenizer import tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -188,7 +188,24 @@ def _dequantize(path: str, tensor) -> np.ndarray:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot decode {type_name} data: {e}") from e
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _int4_blocks(tensor) -> Int4Weight | None:
+    """Q4_0 / Q4_1 blocks as integers and per-block scale/zero, without dequantizing."""
+    kind = tensor.tensor_type.name
+    if kind not in ("Q4_0", "Q4_1") or len(tensor.shape) != 2:
+        return None
+    rows = int(tensor.shape[1])
+    size = 18 if kind == "Q4_0" else 20
+    raw = np.asarray(tensor.data).reshape(-1, size)
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    qs = raw[:, size - 16 :]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32).reshape(rows, -1)
+    zero = np.zeros_like(d) if kind == "Q4_0" else raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8 * d
+    return Int4Weight(
+        torch.from_numpy(q), torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(zero.reshape(rows, -1).copy())
+    )
+
+
+def load_gguf(path: str) -> ModelFiles:
     reader = _open(path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
@@ -196,6 +213,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     tokenizer = tokenizer_from_gguf(path, meta)
 
     weights: dict[str, torch.Tensor] = {}
+    int4: dict[str, Int4Weight] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             # Llama-3 style scaling stored as per-frequency divisors.
@@ -203,13 +221,21 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
             continue
         hf = _hf_name(path, tensor.name)
         data = _dequantize(path, tensor)
+        packed = _int4_blocks(tensor) if hf.startswith("model.layers.") else None
+        heads = None
         if config.architecture in PERMUTED_QK_ARCHITECTURES:
-            if tensor.name.endswith("attn_q.weight") or tensor.name.endswith("attn_q.bias"):
-                data = _undo_qk_permutation(data, config.num_heads)
-            elif tensor.name.endswith("attn_k.weight") or tensor.name.endswith("attn_k.bias"):
-                data = _undo_qk_permutation(data, config.num_kv_heads)
+            if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+                heads = config.num_heads
+            elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+                heads = config.num_kv_heads
+        if heads is not None:
+            data = _undo_qk_permutation(data, heads)
+            if packed is not None:
+                packed = Int4Weight(*(torch.from_numpy(_undo_qk_permutation(t.numpy(), heads).copy()) for t in (packed.q, packed.scale, packed.zero)))
         weights[hf] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memmap
+        if packed is not None:
+            int4[hf] = packed
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
     config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
-    return config, weights, tokenizer
+    return ModelFiles(config, weights, tokenizer, int4)

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeConfig
-from .tokenizer import Tokenizer, tokenizer_from_hf_folder
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
+from .tokenizer import tokenizer_from_hf_folder
 
 
 def _config_from_json(folder: str, cfg: dict) -> ModelConfig:
@@ -56,7 +56,7 @@ def _config_from_json(folder: str, cfg: dict) -> ModelConfig:
         raise ModelLoadError(f"{folder}/config.json: {e.args[0]}: missing") from e
 
 
-def load_hf_folder(folder: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_hf_folder(folder: str) -> ModelFiles:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -82,4 +82,4 @@ def load_hf_folder(folder: str) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
         config.tie_word_embeddings = True
     tokenizer = tokenizer_from_hf_folder(folder, raw)
-    return config, weights, tokenizer
+    return ModelFiles(config, weights, tokenizer)

@@ -3,6 +3,7 @@
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .config import RopeConfig
 
@@ -51,15 +52,46 @@ class RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         return self
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, KVH, D] -> rotated (HF's rotate-half layout), in q's dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's position, shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated in HF's rotate-half layout, computed in float32, returned in x's dtype."""
     x32 = x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
     return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class Linear:
+    """y = x W^T (+ b), with the compute path chosen by batch shape.
+
+    A dense weight in the model's dtype serves every batch. When the file stored the weight as
+    4-bit blocks and the model runs in bfloat16, those blocks are also kept packed for torch's
+    int4 weight-only kernel, which reads a quarter of the bytes: it wins when few rows are
+    multiplied (a decode step of one or a few requests is bound by reading weights), and loses
+    to the dense bf16 GEMM beyond `int4_max_rows`.
+    """
+
+    int4_max_rows = 4
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4=None):
+        self.weight = weight
+        self.bias = bias
+        self.int4 = None
+        if int4 is not None:
+            # torch's layout: packed [N, K/8] ints and [K/32, N, 2] (scale, zero) pairs
+            self.int4 = (
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.q.to(weight.device), 1),
+                torch.stack([int4.scale.t(), int4.zero.t()], dim=-1).contiguous().to(device=weight.device, dtype=weight.dtype),
+                int4.GROUP,
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            packed, scales_zeros, group = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)

@@ -9,35 +9,42 @@ import torch.nn.functional as F
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig, ModelLoadError
-from .layers import RotaryEmbedding, rms_norm
+from .layers import Linear, RotaryEmbedding, apply_rotary, rms_norm
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, w: dict, int4: dict, prefix: str, dtype: torch.dtype, device):
         def take(name):
             key = prefix + name
             if key not in w:
                 raise ModelLoadError(f"weight {key}: missing")
             return w.pop(key).to(device=device, dtype=dtype)
 
+        def packed(*names):
+            """The 4-bit form of the concatenation of these weights, if every part has one."""
+            parts = [int4.get(prefix + n) for n in names]
+            if dtype != torch.bfloat16 or any(p is None for p in parts):
+                return None
+            return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
         self.input_norm = take("input_layernorm.weight")
         self.post_attention_norm = take("post_attention_layernorm.weight")
         # q, k, v in one projection and gate, up in another: one matrix product each.
-        self.qkv = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")])
-        self.qkv_bias = None
+        qkv_names = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+        qkv_bias = None
         if config.attention_bias:
-            self.qkv_bias = torch.cat(
-                [take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")]
-            )
+            qkv_bias = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")])
+        self.qkv = Linear(torch.cat([take(n) for n in qkv_names]), qkv_bias, packed(*qkv_names))
         self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
-        self.o_proj = take("self_attn.o_proj.weight")
-        self.gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
-        self.down = take("mlp.down_proj.weight")
+        self.o_proj = Linear(take("self_attn.o_proj.weight"), None, packed("self_attn.o_proj.weight"))
+        gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        self.gate_up = Linear(torch.cat([take(n) for n in gate_up]), None, packed(*gate_up))
+        self.down = Linear(take("mlp.down_proj.weight"), None, packed("mlp.down_proj.weight"))
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", int4=None):
         self.config = config
         self.dtype = dtype
         w = dict(weights)
@@ -46,7 +53,7 @@ class LlamaModel:
         head = w.pop("lm_head.weight", None)
         tied = config.tie_word_embeddings or head is None
         self.lm_head = self.embed if tied else head.to(device=device, dtype=dtype)
-        self.layers = [DecoderLayer(config, w, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
+        self.layers = [DecoderLayer(config, w, int4 or {}, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
@@ -68,9 +75,10 @@ class LlamaModel:
         cfg = self.config
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, cfg.num_heads, cfg.head_dim)
             k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -78,11 +86,11 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = self.rotary(positions, q, k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.view(t, self.q_size), layer.o_proj)
+            h = h + layer.o_proj(attn.view(t, self.q_size))
             x = rms_norm(h, layer.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

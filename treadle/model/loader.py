@@ -2,20 +2,17 @@
 
 import os
 
-import torch
-
-from .config import ModelConfig, ModelLoadError
+from .config import ModelFiles, ModelLoadError
 from .default_model import default_model_path
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf_folder
-from .tokenizer import Tokenizer
 
 
 def resolve_model_path(model: str | None) -> str:
     return default_model_path() if model is None else os.path.expanduser(model)
 
 
-def load_model_files(model: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_model_files(model: str | None) -> ModelFiles:
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return load_hf_folder(path)

@@ -39,11 +39,12 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         seed: int,
         device: str = "cpu",
+        int4: dict | None = None,
     ):
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
-        self.model = LlamaModel(config, weights, dtype, self.device)
+        self.model = LlamaModel(config, weights, dtype, self.device, int4=int4)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
@@ -67,6 +68,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> dict[str, SampleResult]:
+        """Run the step and sample: one result per request in `batch.samplers`."""
+        logits, sample_rows = self.compute_logits(batch)
+        if not sample_rows:
+            return {}
+        rows, reqs = [], []
+        for j, i in enumerate(sample_rows):
+            for r in batch.samplers[i]:
+                rows.append(j)
+                reqs.append(r)
+        logits = logits[torch.tensor(rows, device=self.device)]
+        results = self.sampler.sample(logits, reqs)
+        return {r.request_id: res for r, res in zip(reqs, results)}
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: StepBatch) -> tuple[torch.Tensor, list[int]]:
+        """Run the step; float32 logits of the last row of each request in `batch.samplers`
+        (in the order of the returned request indices)."""
         self._copy_blocks(batch.block_copies)
         bs = self.block_size
         window = self.config.sliding_window
@@ -121,13 +139,4 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.cat(positions).to(self.device)
         logits = self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices)
-        if not sample_rows:
-            return {}
-        rows, reqs = [], []
-        for j, i in enumerate(sample_rows):
-            for r in batch.samplers[i]:
-                rows.append(j)
-                reqs.append(r)
-        logits = logits[torch.tensor(rows, device=self.device)]
-        results = self.sampler.sample(logits, reqs)
-        return {r.request_id: res for r, res in zip(reqs, results)}
+        return logits, sample_rows

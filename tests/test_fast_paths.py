@@ -1,0 +1,88 @@
+"""Every faster path against the float32 path (itself tested against transformers).
+
+For 8 reference prompts, the float32 engine's greedy continuation of 128 tokens is teacher-forced
+through each faster path: bfloat16 with dense weights, and bfloat16 with the GGUF's 4-bit weights
+kept packed (forced here for every decode step). Bound: mean KL(float32 || fast) per token < 0.02.
+Greedy agreement (how often the fast path's argmax is the float32 token) is reported, not bounded.
+"""
+
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+from treadle.engine.request import Request
+from treadle.model.layers import Linear
+from treadle.model.runner import StepBatch
+
+from .test_reference import CHAT, PROMPTS
+
+NUM_TOKENS = 128
+KL_BOUND = 0.02
+
+
+def forced_logprobs(llm: LLM, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """Log-probabilities of every continuation position, teacher-forced: the prompt in one prefill
+    step, then one decode step per token for all sequences together (the engine's own runner)."""
+    engine = llm.engine
+    reqs = [Request(f"forced-{i}", None, p, SamplingParams()) for i, p in enumerate(prompts)]
+    rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+    try:
+        for step in range(NUM_TOKENS):
+            batch = StepBatch([], [], [])
+            for i, r in enumerate(reqs):
+                n = r.num_tokens - r.num_computed_tokens
+                assert engine.kv.allocate_slots(r, n)
+                batch.requests.append(r)
+                batch.num_new_tokens.append(n)
+                batch.block_tables.append(engine.kv.block_table(r.request_id))
+                batch.samplers[i] = [r]
+            logits, order = engine.runner.compute_logits(batch)
+            for j, i in enumerate(order):
+                rows[i].append(torch.log_softmax(logits[j], dim=-1))
+            for r, cont in zip(reqs, continuations):
+                r.num_computed_tokens = r.num_tokens
+                r.all_token_ids.append(cont[step])
+    finally:
+        for r in reqs:
+            engine.kv.free(r)
+    return [torch.stack(r) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    tok = llm.tokenizer
+    prompts = [tok.encode(t) for t in PROMPTS.values()]
+    prompts.append(tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False))
+    assert len(prompts) == 8
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    conts = [o.outputs[0].token_ids for o in outs]
+    return prompts, conts, forced_logprobs(llm, prompts, conts)
+
+
+def compare(fast: LLM, reference) -> tuple[float, float]:
+    prompts, conts, ref = reference
+    got = forced_logprobs(fast, prompts, conts)
+    kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref, got)])
+    agree = torch.cat([(g.argmax(-1) == torch.tensor(c)).float() for g, c in zip(got, conts)])
+    return kl.mean().item(), agree.mean().item()
+
+
+def test_reference_logprobs_agree_with_the_engine_greedy_tokens(reference):
+    _, conts, ref = reference
+    for r, c in zip(ref, conts):
+        assert r.argmax(-1).tolist() == c  # teacher forcing reproduces the float32 greedy run
+
+
+def test_bfloat16_dense_path_within_kl_bound(make_llm, reference):
+    mean_kl, agreement = compare(make_llm(dtype="bfloat16", quantized_weights=False), reference)
+    print(f"bfloat16 dense: mean KL {mean_kl:.4f}, greedy agreement {agreement:.1%}")
+    assert mean_kl < KL_BOUND
+
+
+def test_int4_weights_path_within_kl_bound(make_llm, reference, monkeypatch):
+    fast = make_llm(dtype="bfloat16", quantized_weights=True)
+    assert all(layer.qkv.int4 is not None for layer in fast.engine.runner.model.layers)
+    monkeypatch.setattr(Linear, "int4_max_rows", 64)  # every decode step of this test through int4
+    mean_kl, agreement = compare(fast, reference)
+    print(f"bfloat16 + int4 weights: mean KL {mean_kl:.4f}, greedy agreement {agreement:.1%}")
+    assert mean_kl < KL_BOUND

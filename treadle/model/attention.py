@@ -19,7 +19,7 @@ class PrefillChunk:
     num_tokens: int
     context_len: int  # tokens of this request with KV after this step (cached prefix + chunk)
     block_table: torch.Tensor  # block ids covering context_len
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool, None for plain causal over the chunk alone
+    mask: torch.Tensor | None  # [num_tokens, context_len], 0 or -inf; None for plain causal over the chunk alone
 
 
 @dataclass
@@ -29,7 +29,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each token
     num_decode_tokens: int = 0  # the first rows: one query token per request
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size], 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

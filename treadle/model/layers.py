@@ -72,15 +72,22 @@ class Linear:
     4-bit blocks and the model runs in bfloat16, those blocks are also kept packed for torch's
     int4 weight-only kernel, which reads a quarter of the bytes: it wins when few rows are
     multiplied (a decode step of one or a few requests is bound by reading weights), and loses
-    to the dense bf16 GEMM beyond `int4_max_rows`.
+    to the dense bf16 GEMM beyond `int4_max_rows`. The output head (stored as 8-bit blocks in
+    the default model) can likewise keep a per-channel int8 copy.
     """
 
     int4_max_rows = 4
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4=None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4=None, int8: bool = False):
         self.weight = weight
         self.bias = bias
         self.int4 = None
+        self.int8 = None
+        if int8:
+            # per-output-channel int8 (torch's int8 weight-only kernel): half the bytes of bf16
+            scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
+            q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self.int8 = (q, scale.to(weight.dtype))
         if int4 is not None:
             # torch's layout: packed [N, K/8] ints and [K/32, N, 2] (scale, zero) pairs
             self.int4 = (
@@ -90,6 +97,9 @@ class Linear:
             )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and x.shape[0] <= self.int4_max_rows:
+            y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
+            return y if self.bias is None else y + self.bias
         if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
             packed, scales_zeros, group = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)

@@ -52,7 +52,10 @@ class LlamaModel:
         self.norm = w.pop("model.norm.weight").to(device=device, dtype=dtype)
         head = w.pop("lm_head.weight", None)
         tied = config.tie_word_embeddings or head is None
-        self.lm_head = self.embed if tied else head.to(device=device, dtype=dtype)
+        head = self.embed if tied else head.to(device=device, dtype=dtype)
+        # The head is the largest matrix (vocab x hidden): with quantized weights on, an int8 copy
+        # halves what a decode step of a few requests reads.
+        self.lm_head = Linear(head, None, int8=bool(int4) and dtype == torch.bfloat16)
         self.layers = [DecoderLayer(config, w, int4 or {}, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
@@ -73,24 +76,25 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run the step's T tokens; return float32 logits of the rows in `logits_indices`."""
         cfg = self.config
+        heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, cfg.num_heads, cfg.head_dim)
-            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            qk, v = layer.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(t, heads + kv_heads, cfg.head_dim)
+            v = v.view(t, kv_heads, cfg.head_dim)
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                qk = torch.cat(
+                    [rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps), rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps)],
+                    dim=1,
+                )
+            q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated together
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + layer.o_proj(attn.view(t, self.q_size))
             x = rms_norm(h, layer.post_attention_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -57,6 +57,12 @@ class ModelRunner:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as 0 / -inf in the model's dtype, made once per step: SDPA would
+        otherwise convert a boolean mask again in every layer."""
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
+        return mask.masked_fill_(~allowed, float("-inf")).to(self.device)
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -114,7 +120,7 @@ class ModelRunner:
                     mask = k_pos <= q_pos
                     if window is not None:
                         mask &= k_pos > q_pos - window
-                    mask = mask.to(self.device)
+                    mask = self._additive(mask)
                 prefills.append(PrefillChunk(row, n, end, table_t.to(self.device), mask))
             row += n
             last_row[i] = row - 1
@@ -132,7 +138,7 @@ class ModelRunner:
             if window is not None:
                 mask &= k_pos >= lens - window
             meta.decode_block_tables = tables.to(self.device)
-            meta.decode_mask = mask[:, None, None, :].to(self.device)
+            meta.decode_mask = self._additive(mask[:, None, None, :])
 
         sample_rows = sorted(batch.samplers)
         logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)

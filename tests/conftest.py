@@ -64,9 +64,14 @@ def make_llm():
     from treadle import LLM
     from treadle.engine import llm_engine
 
+    import dataclasses
+
     cached = functools.lru_cache(maxsize=4)(llm_engine.load_model_files)
     original = llm_engine.load_model_files
-    llm_engine.load_model_files = cached
+    # engines consume the weight dicts they are given: hand each one its own dicts (same tensors)
+    llm_engine.load_model_files = lambda model: dataclasses.replace(
+        cached(model), weights=dict(cached(model).weights), int4=dict(cached(model).int4)
+    )
 
     def build(**kwargs):
         kwargs.setdefault("dtype", "float32")

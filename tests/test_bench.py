@@ -91,6 +91,23 @@ def test_range_ratio_and_prefix_repetition_lengths(tok):
         assert abs(len(tok.encode(r.prompt)) - 80) <= 2 and r.prompt_len == len(tok.encode(r.prompt))
 
 
+def test_sharegpt_dataset_from_a_local_file(tok, tmp_path):
+    from treadle.bench.datasets import sharegpt_dataset
+
+    convs = [
+        {"conversations": [{"from": "human", "value": f"Question {i}: why is the sky blue?"}, {"from": "gpt", "value": "Because of Rayleigh scattering. " * (i + 1)}]}
+        for i in range(6)
+    ] + [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}]  # too short: dropped
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    reqs = sharegpt_dataset(tok, str(path), 6, seed=0)
+    assert len(reqs) == 6
+    for r in reqs:
+        assert r.prompt_len == len(tok.encode(r.prompt)) and r.output_len >= 4
+    with pytest.raises(ValueError, match="only 6 usable"):
+        sharegpt_dataset(tok, str(path), 7, seed=0)
+
+
 def test_exact_text_repairs_lengths(tok):
     rng = random.Random(0)
     pool = tok.sample_ids()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treadle.model.config import ModelLoadError
+from treadle.model.gguf_file import GGUFFile
 from treadle.model.gguf_loader import _dequantize, load_gguf
 from treadle.model.loader import load_model_files
 
@@ -77,7 +78,7 @@ def test_every_tensor_type_decodes_as_an_independent_decoder_does(tmp_path, type
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    (tensor,) = gguf.GGUFReader(path).tensors
+    (tensor,) = GGUFFile(path).tensors
     ours = _dequantize(path, tensor)
     assert ours.shape == (rows, cols)
     ref = reference_decode(tensor, type_name).reshape(rows, cols)

@@ -77,7 +77,7 @@ def spm_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(spm_gguf):
     path, _ = spm_gguf
-    return tokenizer_from_gguf(path, read_metadata(gguf.GGUFReader(path)))
+    return tokenizer_from_gguf(path, read_metadata(path))
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -214,13 +214,21 @@ BAD_CHAT = [
     ({"no_such_param": 1}, "no_such_param"),
     ({"logit_bias": {"999999999": 5}}, None),
     ({"stop_token_ids": [10**9]}, None),
+    ({"seed": 10**30}, "seed"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"temperature": float("inf")}, None),
+    ({"min_tokens": 10, "max_tokens": 4}, "min_tokens"),
+    ({"n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
 ]
 
 
 @pytest.mark.parametrize("change,param", BAD_CHAT)
 def test_bad_chat_parameters_are_400(http, change, param):
     body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 4, **change}
-    assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+    # json.dumps writes NaN / Infinity literals, as some clients do; httpx's json= would refuse them
+    raw = json.dumps(body).encode()
+    assert_error(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}), 400, param)
 
 
 def test_bad_completion_inputs_are_400(http):

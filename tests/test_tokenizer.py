@@ -66,3 +66,12 @@ def test_chat_template_is_sandboxed(llm):
     with pytest.raises(Exception) as e:
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template=evil)
     assert "unsafe" in str(e.value).lower() or "access" in str(e.value).lower()
+
+
+def test_failing_chat_template_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="chat template failed"):
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{{ 1 + 'a' }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], chat_template="{{ raise_exception('roles must alternate') }}"
+        )

@@ -72,6 +72,9 @@ def test_chat_streams_stops_and_persists(server, browser):
     assert "dragon" in page.inner_text(".msg.user")
     assert page.inner_text(".msg.assistant .body") == partial
     assert page.locator("#conversations li").count() == 1
+    assert not page.locator("#settings").is_visible()  # the stored key is used; no need to ask again
+    page.click("#toggle-settings")
+    assert page.locator("#settings").is_visible() and page.input_value("#set-max-tokens") == "3000"
     page.screenshot(path=os.path.join(ARTIFACTS, "webui.png"))
 
     page.click("#new-chat")

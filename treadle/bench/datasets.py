@@ -48,10 +48,10 @@ class LocalTokenizer:
 
             self.tok = tokenizer_from_hf_folder(path, _read_json(os.path.join(path, "config.json")))
         else:
-            from ..model.gguf_loader import _open, read_metadata
+            from ..model.gguf_loader import read_metadata
             from ..model.tokenizer import tokenizer_from_gguf
 
-            self.tok = tokenizer_from_gguf(path, read_metadata(_open(path)))
+            self.tok = tokenizer_from_gguf(path, read_metadata(path))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

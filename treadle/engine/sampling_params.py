@@ -1,5 +1,6 @@
 """Sampling parameters with vLLM's names and defaults."""
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -42,6 +43,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            check(math.isfinite(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)}")
+        check(all(math.isfinite(v) for v in (self.logit_bias or {}).values()), "logit_bias", "values must be finite numbers")
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -58,6 +62,7 @@ class SamplingParams:
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
+        check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", f"must fit in 64 bits, got {self.seed}")
         check(all(s for s in self.stop_strings), "stop", "must not contain empty strings")
 
     @property

@@ -49,7 +49,7 @@ class Int4Weight:
     (scale = d, zero = m + 8 d) block formula, so no precision is lost by keeping it this way.
     """
 
-    q: "torch.Tensor"  # [out, in] int32 in 0..15
+    q: "torch.Tensor"  # [out, in] uint8 in 0..15
     scale: "torch.Tensor"  # [out, in // 32] float32
     zero: "torch.Tensor"  # [out, in // 32] float32
 

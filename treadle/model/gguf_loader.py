@@ -11,6 +11,8 @@ import gguf
 import numpy as np
 import torch
 
+from .gguf_file import GGUFFile, GGUFFormatError
+
 from .config import Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
 from .tokenizer import tokenizer_from_gguf
 
@@ -45,56 +47,18 @@ _GLOBAL_TENSORS = {
 }
 
 
-class _TensorProblem(Exception):
-    pass
-
-
-class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader that checks each tensor's type and extent before mapping it, so a truncated
-    file is reported by tensor name instead of as a reshape error."""
-
-    def _build_tensors(self, start_offs, fields):
-        size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorProblem(f"tensor {name}: unknown tensor type id {int(raw_dtype[0])}") from None
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
-            if end > size:
-                raise _TensorProblem(f"tensor {name}: data runs past the end of the file ({size} bytes): truncated")
-        super()._build_tensors(start_offs, fields)
-
-
-def _open(path: str):
+def _open(path: str) -> GGUFFile:
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        return GGUFFile(path)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot open: {e}") from e
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    try:
-        return _CheckedReader(path, "r")
-    except _TensorProblem as e:
+    except GGUFFormatError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
-        raise ModelLoadError(f"{path}: corrupt or truncated GGUF header: {type(e).__name__}: {e}") from e
 
 
-def read_metadata(reader) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as e:
-            raise ModelLoadError(f"{reader.data.filename}: metadata {key}: unreadable: {e}") from e
-    return meta
+def read_metadata(path: str) -> dict:
+    """The metadata key/values of a GGUF file (the tokenizer needs no tensors)."""
+    return _open(path).metadata
 
 
 def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> ModelConfig:
@@ -198,7 +162,7 @@ def _int4_blocks(tensor) -> Int4Weight | None:
     raw = np.asarray(tensor.data).reshape(-1, size)
     d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
     qs = raw[:, size - 16 :]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32).reshape(rows, -1)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, -1)  # uint8; int32 only while packing
     zero = np.zeros_like(d) if kind == "Q4_0" else raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8 * d
     return Int4Weight(
         torch.from_numpy(q), torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(zero.reshape(rows, -1).copy())
@@ -207,7 +171,7 @@ def _int4_blocks(tensor) -> Int4Weight | None:
 
 def load_gguf(path: str) -> ModelFiles:
     reader = _open(path)
-    meta = read_metadata(reader)
+    meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
     tokenizer = tokenizer_from_gguf(path, meta)

@@ -91,7 +91,7 @@ class Linear:
         if int4 is not None:
             # torch's layout: packed [N, K/8] ints and [K/32, N, 2] (scale, zero) pairs
             self.int4 = (
-                torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.q.to(weight.device), 1),
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.q.to(device=weight.device, dtype=torch.int32), 1),
                 torch.stack([int4.scale.t(), int4.zero.t()], dim=-1).contiguous().to(device=weight.device, dtype=weight.dtype),
                 int4.GROUP,
             )

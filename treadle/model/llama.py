@@ -22,7 +22,7 @@ class DecoderLayer:
 
         def packed(*names):
             """The 4-bit form of the concatenation of these weights, if every part has one."""
-            parts = [int4.get(prefix + n) for n in names]
+            parts = [int4.pop(prefix + n, None) for n in names]
             if dtype != torch.bfloat16 or any(p is None for p in parts):
                 return None
             return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
@@ -47,7 +47,10 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", int4=None):
         self.config = config
         self.dtype = dtype
-        w = dict(weights)
+        # Consumes `weights` and `int4`: each float32 tensor is freed as soon as its converted
+        # copy exists, so loading never holds two full copies of the model.
+        w = weights
+        int4 = int4 if int4 is not None else {}
         self.embed = w.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = w.pop("model.norm.weight").to(device=device, dtype=dtype)
         head = w.pop("lm_head.weight", None)
@@ -56,7 +59,7 @@ class LlamaModel:
         # The head is the largest matrix (vocab x hidden): with quantized weights on, an int8 copy
         # halves what a decode step of a few requests reads.
         self.lm_head = Linear(head, None, int8=bool(int4) and dtype == torch.bfloat16)
-        self.layers = [DecoderLayer(config, w, int4 or {}, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
+        self.layers = [DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")

@@ -116,10 +116,11 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+        compiled = _compile_template(template)
         try:
-            return _compile_template(template).render(**context)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template failed: {e}") from e
+            return compiled.render(**context)
+        except Exception as e:  # the template is the model's code: any failure is a bad request, not a crash
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
 def _raise_exception(message):

@@ -1,0 +1,126 @@
+"""The GGUF container: header, metadata key/values, tensor infos, memory-mapped tensor data.
+
+The `gguf` package's reader builds a numpy view per metadata item, which takes seconds for a
+vocabulary of 50k tokens and merges; this parser reads the same layout with `struct` from one
+memory map (tens of milliseconds) and leaves dequantization to `gguf.quants`.
+
+Layout (v2/v3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 kv count; kv pairs
+(string key, u32 type, value); tensor infos (string name, u32 n_dims, u64 dims[n], u32 type,
+u64 offset); tensor data at the next multiple of general.alignment (default 32).
+"""
+
+import mmap
+import struct
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
+          10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+_FLOAT_ARRAYS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+
+
+class GGUFFormatError(ValueError):
+    pass
+
+
+@dataclass
+class GGUFTensor:
+    """The attributes `gguf`'s ReaderTensor has that the loader uses."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: np.ndarray  # dims, fastest-varying first (GGUF order)
+    data: np.ndarray  # floats for F32/F16, else raw bytes shaped [rows, bytes per row]
+    n_bytes: int
+
+
+class _Cursor:
+    def __init__(self, buf):
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, fmt: str):
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFFormatError("string runs past the end of the file")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int):
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("<I"), self.unpack("<Q")
+            if etype in _NUMPY:
+                width = np.dtype(_NUMPY[etype]).itemsize
+                if self.pos + count * width > len(self.buf):
+                    raise GGUFFormatError("array runs past the end of the file")
+                arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
+                self.pos += count * width
+                return arr.tolist()
+            return [self.value(etype) for _ in range(count)]
+        raise GGUFFormatError(f"unknown metadata value type {vtype}")
+
+
+class GGUFFile:
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            try:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:  # empty file
+                raise GGUFFormatError(f"cannot map the file: {e}") from None
+        buf = memoryview(self._map)
+        c = _Cursor(buf)
+        try:
+            if bytes(buf[:4]) != b"GGUF":
+                raise GGUFFormatError(f"not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+            c.pos = 4
+            self.version = c.unpack("<I")
+            if self.version not in (2, 3):
+                raise GGUFFormatError(f"GGUF version {self.version} is not supported (2, 3)")
+            n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
+            self.metadata: dict = {}
+            for _ in range(n_kv):
+                key = c.string()
+                self.metadata[key] = c.value(c.unpack("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = c.string()
+                dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
+                infos.append((name, dims, c.unpack("<I"), c.unpack("<Q")))
+        except struct.error as e:
+            raise GGUFFormatError(f"truncated header: {e}") from None
+        align = int(self.metadata.get("general.alignment", 32))
+        start = -(-c.pos // align) * align
+        self.tensors = [self._tensor(buf, start, *info) for info in infos]
+
+    def _tensor(self, buf, start: int, name: str, dims: list[int], type_id: int, offset: int) -> GGUFTensor:
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            raise GGUFFormatError(f"tensor {name}: unknown tensor type id {type_id}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n = int(np.prod(dims)) if dims else 1
+        n_bytes = n * type_size // block
+        begin = start + offset
+        if begin + n_bytes > len(buf):
+            raise GGUFFormatError(f"tensor {name}: data runs past the end of the file ({len(buf)} bytes): truncated")
+        shape = tuple(reversed(dims))
+        if qtype in _FLOAT_ARRAYS:
+            data = np.frombuffer(buf, dtype=_FLOAT_ARRAYS[qtype], count=n, offset=begin).reshape(shape)
+        else:
+            raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=begin)
+            data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,)) if shape else raw
+        return GGUFTensor(name, qtype, np.array(dims), data, n_bytes)

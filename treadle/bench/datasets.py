@@ -36,22 +36,11 @@ class BenchRequest:
     output_len: int
 
 
-class LocalTokenizer:
-    """A GGUF file's or HF folder's tokenizer, without loading weights."""
+class EngineTokenizer:
+    """treadle's Tokenizer seen as a benchmark tokenizer (no special tokens added or sampled)."""
 
-    def __init__(self, path: str):
-        import os
-
-        if os.path.isdir(path):
-            from ..model.hf_loader import _read_json
-            from ..model.tokenizer import tokenizer_from_hf_folder
-
-            self.tok = tokenizer_from_hf_folder(path, _read_json(os.path.join(path, "config.json")))
-        else:
-            from ..model.gguf_loader import read_metadata
-            from ..model.tokenizer import tokenizer_from_gguf
-
-            self.tok = tokenizer_from_gguf(path, read_metadata(path))
+    def __init__(self, tok):
+        self.tok = tok
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -62,6 +51,24 @@ class LocalTokenizer:
     def sample_ids(self) -> list[int]:
         special = set(self.tok.special_token_ids) | set(self.tok.stop_token_ids)
         return [i for i in range(self.tok.vocab_size) if i not in special]
+
+
+class LocalTokenizer(EngineTokenizer):
+    """A GGUF file's or HF folder's tokenizer, without loading weights."""
+
+    def __init__(self, path: str):
+        import os
+
+        if os.path.isdir(path):
+            from ..model.hf_loader import _read_json
+            from ..model.tokenizer import tokenizer_from_hf_folder
+
+            super().__init__(tokenizer_from_hf_folder(path, _read_json(os.path.join(path, "config.json"))))
+        else:
+            from ..model.gguf_loader import read_metadata
+            from ..model.tokenizer import tokenizer_from_gguf
+
+            super().__init__(tokenizer_from_gguf(path, read_metadata(path)))
 
 
 class ServerTokenizer:
@@ -153,3 +160,39 @@ def sharegpt_dataset(tok, path: str, num, output_len: int | None = None, seed=0)
     if len(out) < num:
         raise ValueError(f"{path}: only {len(out)} usable conversations, {num} asked")
     return out
+
+
+def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> None:
+    """The dataset flags of `vllm bench serve`, shared by bench serve and bench throughput."""
+    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt"], default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--random-input-len", type=int, default=input_len)
+    p.add_argument("--random-output-len", type=int, default=output_len)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+
+
+def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
+    if args.dataset_name == "random":
+        return random_dataset(
+            tok, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len, seed
+        )
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_dataset(
+            tok,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            seed,
+        )
+    if not args.dataset_path:
+        raise SystemExit("treadle bench: --dataset-path is required for sharegpt")
+    return sharegpt_dataset(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len, seed)

@@ -11,7 +11,7 @@ from datetime import datetime
 import httpx
 from tqdm import tqdm
 
-from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, prefix_repetition_dataset, random_dataset, sharegpt_dataset
+from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
 from .metrics import METRIC_TITLES, RequestResult, compute_metrics, parse_goodput
 
 
@@ -24,18 +24,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
     p.add_argument("--tokenizer", default=None, help="a GGUF file or HF folder (default: the server's /tokenize)")
-    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt"], default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--random-prefix-len", type=int, default=0)
-    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=1000)
+    add_dataset_args(p, input_len=1024, output_len=128, num_prompts=1000)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals; else gamma")
@@ -58,26 +47,6 @@ def base_url(args) -> str:
 
 def headers(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
-def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
-    if args.dataset_name == "random":
-        return random_dataset(
-            tok, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len, seed
-        )
-    if args.dataset_name == "prefix_repetition":
-        return prefix_repetition_dataset(
-            tok,
-            args.num_prompts,
-            args.prefix_repetition_prefix_len,
-            args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes,
-            args.prefix_repetition_output_len,
-            seed,
-        )
-    if not args.dataset_path:
-        raise SystemExit("treadle bench: --dataset-path is required for sharegpt")
-    return sharegpt_dataset(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len, seed)
 
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, chat: bool, args) -> RequestResult:

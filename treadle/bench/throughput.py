@@ -2,37 +2,12 @@
 
 import time
 
-from .datasets import random_dataset, prefix_repetition_dataset, sharegpt_dataset
-
-
-class _EngineTokenizer:
-    def __init__(self, tok):
-        self.tok = tok
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def decode(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def sample_ids(self):
-        special = set(self.tok.special_token_ids) | set(self.tok.stop_token_ids)
-        return [i for i in range(self.tok.vocab_size) if i not in special]
+from .datasets import EngineTokenizer, add_dataset_args, build_dataset
 
 
 def add_throughput_args(p) -> None:
-    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt"], default="random")
-    p.add_argument("--dataset-path", default=None)
-    p.add_argument("--random-input-len", type=int, default=128)
-    p.add_argument("--random-output-len", type=int, default=256)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--random-prefix-len", type=int, default=0)
-    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--ignore-eos", action="store_true", default=True)
+    add_dataset_args(p, input_len=128, output_len=256, num_prompts=16)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS (default: ignore it)")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the dataset")
     p.add_argument("--compare-transformers", action="store_true", help="also run transformers (static batch) on the same prompts")
 
@@ -44,16 +19,8 @@ def cmd_bench_throughput(args) -> int:
 
     config = engine_config_from_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
-    tok = _EngineTokenizer(llm.tokenizer)
-    if args.dataset_name == "random":
-        reqs = random_dataset(tok, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len, args.bench_seed)
-    elif args.dataset_name == "prefix_repetition":
-        reqs = prefix_repetition_dataset(
-            tok, args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.bench_seed,
-        )  # fmt: skip
-    else:
-        reqs = sharegpt_dataset(tok, args.dataset_path, args.num_prompts, None, args.bench_seed)
+    tok = EngineTokenizer(llm.tokenizer)
+    reqs = build_dataset(args, tok, args.bench_seed)
     prompts = [tok.encode(r.prompt) for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in reqs]
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up

@@ -156,8 +156,9 @@ class AsyncEngine:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _fail_all(self) -> None:
+        """After a failed step: end every request with an error and free its blocks."""
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
             self._post(request_id, EngineDead("the engine failed while running this request"))
-        self.engine.step()  # flush the abort outputs
+        # the abort outputs come out of the next step; their streams are gone, so they are dropped
 

@@ -219,6 +219,7 @@ BAD_CHAT = [
     ({"temperature": float("inf")}, None),
     ({"min_tokens": 10, "max_tokens": 4}, "min_tokens"),
     ({"n": 0}, "n"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
 ]
 

@@ -1,5 +1,6 @@
 """The engine: requests in, one scheduled step at a time, token and text deltas out."""
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -157,7 +158,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = _with_seed(params, params.seed + i)
+                child_params = dataclasses.replace(params, seed=params.seed + i)
             req = Request(
                 request_id if params.n == 1 else f"{request_id}#{i}",
                 text,
@@ -269,7 +270,7 @@ class LLMEngine:
             if not req.is_finished and req.params.stop_strings:
                 end -= partial_stop_suffix(req.text, req.params.stop_strings)
             end = max(end, req.sent_text_len)
-            new_tokens = req.output_token_ids[req.sent_token_len :]
+            new_tokens = req.all_token_ids[req.num_prompt_tokens + req.sent_token_len :]
             text = req.text[req.sent_text_len : end]
             newly_finished = req.is_finished and not req.final_output_sent
             if not new_tokens and not text and not newly_finished:
@@ -316,11 +317,3 @@ class LLMEngine:
             "generation_tokens": self.generation_tokens,
             "steps": self.num_steps,
         }
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import copy
-
-    p = copy.copy(params)
-    p.seed = seed
-    return p

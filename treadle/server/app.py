@@ -184,7 +184,6 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 m["content"] = "".join(p["text"] for p in m["content"])
         text = _render_chat(state, messages, body.add_generation_prompt, body.chat_template_kwargs or {})
         ids = async_engine.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-        prompts = [ids]
         params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
         job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival)
         return await job.respond(request)

@@ -42,7 +42,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
-        self.step_count = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -123,7 +122,6 @@ class AsyncEngine:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all()
                 continue
-            self.step_count += 1
             for out in outputs:
                 self._post(out.request_id, out)
 

@@ -38,7 +38,6 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: StrictBool | None = False
-    continuous_usage_stats: StrictBool | None = False
 
 
 class ResponseFormat(BaseModel):
@@ -239,17 +238,6 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = None
     tokens: list[StrictInt]
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(BaseModel):

@@ -48,26 +48,34 @@ def paged_attention(
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
-
-    out = torch.empty_like(q)
     n = meta.num_decode_tokens
+    decode_out = None
     if n:
+        # One query per request: the g = H / KVH query heads sharing a KV head become g query rows
+        # of that head, so SDPA needs no GQA expansion of the keys; the mask is the same for every
+        # row. index_select gathers the blocks (advanced indexing is 2-3x slower here).
         tables = meta.decode_block_tables
         length = tables.shape[1] * block_size
-        keys = k_cache[tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[tables].view(n, length, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:n] = o.squeeze(2)
+        flat_tables = tables.view(-1)
+        keys = k_cache.index_select(0, flat_tables).view(n, length, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat_tables).view(n, length, kv_heads, head_dim).transpose(1, 2)
+        group = q.shape[1] // kv_heads
+        decode_out = F.scaled_dot_product_attention(
+            q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
+        ).view(n, q.shape[1], head_dim)
+        if not meta.prefills:
+            return decode_out
+    out = torch.empty_like(q)
+    if decode_out is not None:
+        out[:n] = decode_out
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)
         if chunk.mask is None:  # nothing cached before this chunk: attend to the fresh keys
             keys, values = k[rows], v[rows]
         else:
-            keys = k_cache[chunk.block_table].view(-1, kv_heads, head_dim)[: chunk.context_len]
-            values = v_cache[chunk.block_table].view(-1, kv_heads, head_dim)[: chunk.context_len]
+            keys = k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, head_dim)[: chunk.context_len]
+            values = v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, head_dim)[: chunk.context_len]
         o = F.scaled_dot_product_attention(
             query,
             keys.transpose(0, 1).unsqueeze(0),

@@ -1,4 +1,4 @@
-"""Small building blocks of the decoder: RMSNorm and rotary position embeddings."""
+"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, linear layers."""
 
 import math
 
@@ -8,12 +8,21 @@ import torch.nn.functional as F
 from .config import RopeConfig
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as the reference implementation does."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+class RMSNorm:
+    """weight * x / sqrt(mean(x²) + eps) over the last dimension, in one fused kernel.
+
+    torch has no fused RMSNorm on CPU (F.rms_norm runs ~8 kernels), but layer_norm is one: the
+    row [x, -x] has mean 0 and variance mean(x²), so layer_norm of it, with the weight repeated,
+    is RMSNorm(x) in its first half. It normalizes in float32 and rounds once to x's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight2 = torch.cat((weight, weight))
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        return F.layer_norm(torch.cat((x, x.neg()), dim=-1), (2 * d,), self.weight2, None, self.eps)[..., :d]
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -46,23 +55,25 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
     def to(self, device):
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self.cos, self.signed_sin = self.cos.to(device), self.signed_sin.to(device)
         return self
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of each token's position, shaped [T, 1, D] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin ([-sin, sin] over the two halves) of each token's position, shaped
+        [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated in HF's rotate-half layout, computed in float32, returned in x's dtype."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated in HF's rotate-half layout, computed in float32, returned in x's dtype.
+
+    rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1]; the sign lives in `signed_sin`.
+    """
     x32 = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    return torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), signed_sin).to(x.dtype)
 
 
 class Linear:
@@ -98,10 +109,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and x.shape[0] <= self.int4_max_rows:
-            y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), *self.int8)
             return y if self.bias is None else y + self.bias
         if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
             packed, scales_zeros, group = self.int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig, ModelLoadError
-from .layers import Linear, RotaryEmbedding, apply_rotary, rms_norm
+from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class DecoderLayer:
@@ -27,16 +27,17 @@ class DecoderLayer:
                 return None
             return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
 
-        self.input_norm = take("input_layernorm.weight")
-        self.post_attention_norm = take("post_attention_layernorm.weight")
+        eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(take("input_layernorm.weight"), eps)
+        self.post_attention_norm = RMSNorm(take("post_attention_layernorm.weight"), eps)
         # q, k, v in one projection and gate, up in another: one matrix product each.
         qkv_names = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")])
         self.qkv = Linear(torch.cat([take(n) for n in qkv_names]), qkv_bias, packed(*qkv_names))
-        self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
-        self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
+        self.q_norm = RMSNorm(take("self_attn.q_norm.weight"), eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(take("self_attn.k_norm.weight"), eps) if config.qk_norm else None
         self.o_proj = Linear(take("self_attn.o_proj.weight"), None, packed("self_attn.o_proj.weight"))
         gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
         self.gate_up = Linear(torch.cat([take(n) for n in gate_up]), None, packed(*gate_up))
@@ -52,7 +53,7 @@ class LlamaModel:
         w = weights
         int4 = int4 if int4 is not None else {}
         self.embed = w.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
-        self.norm = w.pop("model.norm.weight").to(device=device, dtype=dtype)
+        self.norm = RMSNorm(w.pop("model.norm.weight").to(device=device, dtype=dtype), config.rms_norm_eps)
         head = w.pop("lm_head.weight", None)
         tied = config.tie_word_embeddings or head is None
         head = self.embed if tied else head.to(device=device, dtype=dtype)
@@ -81,23 +82,17 @@ class LlamaModel:
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual adds below are in place
         cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qk, v = layer.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk, v = layer.qkv(layer.input_norm(h)).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
             v = v.view(t, kv_heads, cfg.head_dim)
             if layer.q_norm is not None:
-                qk = torch.cat(
-                    [rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps), rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps)],
-                    dim=1,
-                )
+                qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
             q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated together
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + layer.o_proj(attn.view(t, self.q_size))
-            x = rms_norm(h, layer.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+            h += layer.o_proj(attn.view(t, self.q_size))
+            gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)
+            h += layer.down(F.silu(gate) * up)
+        return self.lm_head(self.norm(h[logits_indices])).float()

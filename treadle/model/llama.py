@@ -85,12 +85,12 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual adds below are in place
         cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            qk, v = layer.qkv(layer.input_norm(h)).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
             v = v.view(t, kv_heads, cfg.head_dim)
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
-            q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)  # q and k rotated together
+            q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)  # q and k rotated together
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h += layer.o_proj(attn.view(t, self.q_size))
             gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)

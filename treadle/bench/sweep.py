@@ -27,13 +27,18 @@ def cmd_bench_sweep(args) -> int:
         if not sep:
             raise SystemExit(f"treadle bench sweep: --server takes NAME=URL, got {spec!r}")
         servers.append((name, url))
-    rows, results = [], []
+    tokenizers = {}
     for name, url in servers:
         sargs = copy.copy(args)
         sargs.base_url = url
         sargs.model = args.model
-        tok = make_tokenizer(sargs)
-        for c in args.concurrency:
+        tokenizers[name] = (sargs, make_tokenizer(sargs))
+    rows, results = [], []
+    # Level by level, every server in turn: on a shared machine whose load drifts, the figures
+    # compared (two servers at one level) are measured minutes apart, not a whole sweep apart.
+    for c in args.concurrency:
+        for name, _ in servers:
+            sargs, tok = tokenizers[name]
             level = copy.copy(sargs)
             level.max_concurrency = c
             level.num_prompts = args.num_prompts or max(8, 4 * c)
@@ -47,6 +52,8 @@ def cmd_bench_sweep(args) -> int:
             row.update(server=name, concurrency=c, num_prompts=level.num_prompts)
             row["per_user_tok_s"] = 1000.0 / result["median_tpot_ms"] if result["median_tpot_ms"] else None
             rows.append(row)
+    order = [name for name, _ in servers]
+    rows.sort(key=lambda r: (order.index(r["server"]), r["concurrency"]))
     os.makedirs(args.result_dir, exist_ok=True)
     base = os.path.join(args.result_dir, args.result_filename or "sweep")
     with open(base + ".csv", "w", newline="") as f:

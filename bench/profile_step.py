@@ -2,15 +2,73 @@
 
     python bench/profile_step.py [--batch 1] [--context 128] [--dtype bfloat16] [--no-quantized-weights]
     python bench/profile_step.py --prefill 512      # one prefill step of a 512-token prompt instead
+    python bench/profile_step.py --context 640 --compile   # also time the forward under torch.compile
+
+Step times are printed as the median and the 10th percentile of --steps timed steps (the machine is
+shared: the 10th percentile moves least between runs). To compare two commits, run this script from
+both trees in turn (PYTHONPATH=<tree>), a few times each.
+
+--compile is a measurement, not a treadle feature: it compiles the model's forward for the exact
+shapes of one decode step (torch.compile, inductor, static shapes), and times it on a copy of that
+step's inputs beside the eager forward, so that what fusing the small operations would save, and
+what the compilation costs, can be read off.
 """
 
 import argparse
+import copy
+import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from treadle import LLM, SamplingParams
+
+
+def timed(fn, n: int) -> tuple[float, float]:
+    """Median and 10th percentile, in ms, of n calls of fn(i)."""
+    times = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        times.append((time.perf_counter() - t) * 1000)
+    times.sort()
+    return statistics.median(times), times[len(times) // 10]
+
+
+def compare_compiled(engine, steps: int) -> None:
+    """The model's forward for one decode step, eager and compiled, on a copy of that step's inputs."""
+    model = engine.runner.model
+    captured = {}
+    eager = model.forward
+
+    def capture(*inputs):
+        captured["inputs"] = inputs
+        return eager(*inputs)
+
+    model.forward = capture
+    engine.step()
+    model.forward = eager
+    # The runner builds the inputs under inference_mode; torch.compile wants ordinary tensors.
+    input_ids, positions, kv_caches, meta, logits_indices = captured["inputs"]
+    meta = copy.copy(meta)
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.decode_block_tables = meta.decode_block_tables.clone()
+    meta.decode_mask = meta.decode_mask.clone()
+    inputs = (input_ids.clone(), positions.clone(), kv_caches, meta, logits_indices.clone())
+    raw_forward = type(model).forward.__wrapped__  # without its inference_mode decorator
+    compiled = torch.compile(lambda *x: raw_forward(model, *x), dynamic=False)
+    with torch.no_grad():
+        t = time.perf_counter()
+        out = compiled(*inputs)
+        print(f"torch.compile of the forward (static shapes): first call {time.perf_counter() - t:.1f} s "
+              "(compilation, or loading it from the inductor cache)")  # fmt: skip
+        ref = eager(*inputs)
+        print(f"max |logit difference| compiled vs eager: {(out - ref).abs().max().item():.4f}")
+        for _ in range(2):
+            e_med, e_p10 = timed(lambda i: eager(*inputs), steps)
+            c_med, c_p10 = timed(lambda i: compiled(*inputs), steps)
+            print(f"forward alone: eager median {e_med:.2f} ms, p10 {e_p10:.2f} ms; compiled median {c_med:.2f} ms, p10 {c_p10:.2f} ms")
 
 
 def main():
@@ -22,7 +80,8 @@ def main():
     ap.add_argument("--no-quantized-weights", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--rows", type=int, default=15, help="rows of the profile table")
+    ap.add_argument("--rows", type=int, default=15, help="rows of the profile table (0: time only, no profile)")
+    ap.add_argument("--compile", action="store_true", help="also time the decode forward compiled by torch.compile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, max_num_seqs=max(16, args.batch), quantized_weights=not args.no_quantized_weights,
@@ -36,23 +95,21 @@ def main():
             engine.abort_request(f"p{i}")
             engine.step()
         one_step(-1)
-        t = time.perf_counter()
-        for i in range(args.steps):
-            one_step(i)
-        dt = (time.perf_counter() - t) / args.steps
-        print(f"prefill of {args.prefill} tokens: {dt * 1000:.1f} ms ({args.prefill / dt:.0f} tok/s)")
+        med, p10 = timed(one_step, args.steps)
+        print(f"prefill of {args.prefill} tokens: median {med:.1f} ms, p10 {p10:.1f} ms ({args.prefill / med * 1000:.0f} tok/s at the median)")
         step = one_step
     else:
         for i in range(args.batch):
             engine.add_request(f"d{i}", [(i * 131 + j) % 40000 + 100 for j in range(args.context)], greedy)
         while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
             engine.step()
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        dt = (time.perf_counter() - t) / args.steps
-        print(f"decode step, batch {args.batch}, context ~{args.context}: {dt * 1000:.1f} ms ({args.batch / dt:.1f} tok/s)")
         step = lambda i: engine.step()  # noqa: E731
+        med, p10 = timed(step, args.steps)
+        print(f"decode step, batch {args.batch}, context ~{args.context}: median {med:.2f} ms, p10 {p10:.2f} ms ({args.batch / med * 1000:.1f} tok/s at the median)")
+        if args.compile:
+            compare_compiled(engine, args.steps)
+    if args.rows == 0:
+        return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(args.steps):
             step(1000 + i)

@@ -1,0 +1,88 @@
+"""The decoder's building blocks against their textbook definitions (what the fused forms replace)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treadle.model.config import RopeConfig
+from treadle.model.attention import AttentionMetadata, paged_attention
+from treadle.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+
+def reference_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (5, 3, 16)])
+def test_rms_norm_matches_definition(shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    got = RMSNorm(w, 1e-6)(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, reference_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    # bfloat16: normalized in float32, rounded once
+    xb, wb = x.bfloat16(), w.bfloat16()
+    torch.testing.assert_close(RMSNorm(wb, 1e-6)(xb).float(), reference_rms_norm(xb, wb, 1e-6), rtol=1e-2, atol=1e-2)
+
+
+def test_rms_norm_of_a_non_contiguous_slice():
+    x = torch.randn(4, 6, 16)
+    w = torch.randn(16)
+    part = x[:, 2:]  # the k heads of a q/k tensor, as Qwen3's k_norm sees them
+    torch.testing.assert_close(RMSNorm(w, 1e-6)(part), reference_rms_norm(part, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_matches_rotate_half():
+    head_dim = 32
+    rope = RopeConfig(theta=10000.0)
+    emb = RotaryEmbedding(rope, head_dim, 256)
+    positions = torch.tensor([0, 5, 17, 255])
+    x = torch.randn(4, 3, head_dim)
+    cos, signed_sin = emb.tables(positions)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.outer(positions.double(), inv)
+    ang = torch.cat((ang, ang), -1).unsqueeze(1)
+    half = head_dim // 2
+    rotate_half = torch.cat((-x[..., half:], x[..., :half]), -1)
+    expected = x.double() * ang.cos() + rotate_half.double() * ang.sin()
+    torch.testing.assert_close(apply_rotary(x, cos, signed_sin).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (6, 2)])
+def test_decode_attention_matches_dense_attention(heads, kv_heads):
+    """Decode queries over scattered blocks, different lengths, one with a sliding window."""
+    g = torch.Generator().manual_seed(1)
+    head_dim, block_size, num_blocks = 8, 4, 32
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    lengths, window = [9, 14, 3], [None, 6, None]  # tokens with KV after this step (the new one included)
+    tables = [[7, 30, 2], [11, 4, 19, 25], [0]]
+    width = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(tables), width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t)
+    k_pos = torch.arange(width * block_size)
+    allowed = torch.stack(
+        [(k_pos < n) & (k_pos >= n - w if w else True) for n, w in zip(lengths, window)]
+    )
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None, None, :]
+    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lengths)])
+    q = torch.randn(3, heads, head_dim, generator=g)
+    k = torch.randn(3, kv_heads, head_dim, generator=g)
+    v = torch.randn(3, kv_heads, head_dim, generator=g)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3, decode_block_tables=block_tables, decode_mask=mask)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=head_dim**-0.5)
+
+    group = heads // kv_heads
+    for i, (t, n, w) in enumerate(zip(tables, lengths, window)):
+        keys = k_cache[t].reshape(-1, kv_heads, head_dim)[:n]  # the cache, with this step's K written
+        values = v_cache[t].reshape(-1, kv_heads, head_dim)[:n]
+        assert torch.equal(keys[n - 1], k[i]) and torch.equal(values[n - 1], v[i])
+        if w:
+            keys, values = keys[n - w :], values[n - w :]
+        for h in range(heads):
+            scores = keys[:, h // group] @ q[i, h] * head_dim**-0.5
+            expected = F.softmax(scores, dim=0) @ values[:, h // group]
+            torch.testing.assert_close(out[i, h], expected, rtol=1e-5, atol=1e-5)

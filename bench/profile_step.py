@@ -2,16 +2,18 @@
 
     python bench/profile_step.py [--batch 1] [--context 128] [--dtype bfloat16] [--no-quantized-weights]
     python bench/profile_step.py --prefill 512      # one prefill step of a 512-token prompt instead
-    python bench/profile_step.py --context 640 --compile   # also time the forward under torch.compile
+    python bench/profile_step.py --context 640 --compile [static|dynamic]   # also time it under torch.compile
 
 Step times are printed as the median and the 10th percentile of --steps timed steps (the machine is
 shared: the 10th percentile moves least between runs). To compare two commits, run this script from
 both trees in turn (PYTHONPATH=<tree>), a few times each.
 
---compile is a measurement, not a treadle feature: it compiles the model's forward for the exact
-shapes of one decode step (torch.compile, inductor, static shapes), and times it on a copy of that
+--compile is a measurement, not a treadle feature: it compiles the model's forward for one decode
+step (torch.compile, inductor; static shapes by default), and times it on a copy of that
 step's inputs beside the eager forward, so that what fusing the small operations would save, and
-what the compilation costs, can be read off.
+what the compilation costs, can be read off. With "dynamic", one graph serves every context length
+of a batch size class (dynamo still specializes batch 1, and the int4/dense switch at 4 rows makes
+a third class).
 """
 
 import argparse
@@ -36,7 +38,7 @@ def timed(fn, n: int) -> tuple[float, float]:
     return statistics.median(times), times[len(times) // 10]
 
 
-def compare_compiled(engine, steps: int) -> None:
+def compare_compiled(engine, steps: int, dynamic: bool) -> None:
     """The model's forward for one decode step, eager and compiled, on a copy of that step's inputs."""
     model = engine.runner.model
     captured = {}
@@ -57,11 +59,11 @@ def compare_compiled(engine, steps: int) -> None:
     meta.decode_mask = meta.decode_mask.clone()
     inputs = (input_ids.clone(), positions.clone(), kv_caches, meta, logits_indices.clone())
     raw_forward = type(model).forward.__wrapped__  # without its inference_mode decorator
-    compiled = torch.compile(lambda *x: raw_forward(model, *x), dynamic=False)
+    compiled = torch.compile(lambda *x: raw_forward(model, *x), dynamic=dynamic)
     with torch.no_grad():
         t = time.perf_counter()
         out = compiled(*inputs)
-        print(f"torch.compile of the forward (static shapes): first call {time.perf_counter() - t:.1f} s "
+        print(f"torch.compile of the forward ({'dynamic' if dynamic else 'static'} shapes): first call {time.perf_counter() - t:.1f} s "
               "(compilation, or loading it from the inductor cache)")  # fmt: skip
         ref = eager(*inputs)
         print(f"max |logit difference| compiled vs eager: {(out - ref).abs().max().item():.4f}")
@@ -81,7 +83,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=15, help="rows of the profile table (0: time only, no profile)")
-    ap.add_argument("--compile", action="store_true", help="also time the decode forward compiled by torch.compile")
+    ap.add_argument("--compile", nargs="?", const="static", choices=["static", "dynamic"],
+                    help="also time the decode forward compiled by torch.compile (static or dynamic shapes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, max_num_seqs=max(16, args.batch), quantized_weights=not args.no_quantized_weights,
@@ -107,7 +110,7 @@ def main():
         med, p10 = timed(step, args.steps)
         print(f"decode step, batch {args.batch}, context ~{args.context}: median {med:.2f} ms, p10 {p10:.2f} ms ({args.batch / med * 1000:.1f} tok/s at the median)")
         if args.compile:
-            compare_compiled(engine, args.steps)
+            compare_compiled(engine, args.steps, dynamic=args.compile == "dynamic")
     if args.rows == 0:
         return
     with profile(activities=[ProfilerActivity.CPU]) as prof:

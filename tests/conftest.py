@@ -69,8 +69,8 @@ def make_llm():
     cached = functools.lru_cache(maxsize=4)(llm_engine.load_model_files)
     original = llm_engine.load_model_files
     # engines consume the weight dicts they are given: hand each one its own dicts (same tensors)
-    llm_engine.load_model_files = lambda model: dataclasses.replace(
-        cached(model), weights=dict(cached(model).weights), int4=dict(cached(model).int4)
+    llm_engine.load_model_files = lambda model, keep_int4=False: dataclasses.replace(
+        cached(model, keep_int4), weights=dict(cached(model, keep_int4).weights), int4=dict(cached(model, keep_int4).int4)
     )
 
     def build(**kwargs):

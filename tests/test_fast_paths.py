@@ -74,7 +74,10 @@ def test_reference_logprobs_agree_with_the_engine_greedy_tokens(reference):
 
 
 def test_bfloat16_dense_path_within_kl_bound(make_llm, reference):
-    mean_kl, agreement = compare(make_llm(dtype="bfloat16", quantized_weights=False), reference)
+    dense = make_llm(dtype="bfloat16", quantized_weights=False)
+    model = dense.engine.runner.model
+    assert model.lm_head.int8 is None and all(layer.qkv.int4 is None for layer in model.layers)
+    mean_kl, agreement = compare(dense, reference)
     print(f"bfloat16 dense: mean KL {mean_kl:.4f}, greedy agreement {agreement:.1%}")
     assert mean_kl < KL_BOUND
 

@@ -152,3 +152,14 @@ def test_unsupported_tensor_type(tmp_path, tiny_llama):
     with pytest.raises(ModelLoadError) as e:
         load_gguf(path)
     assert path in str(e.value) and "blk.0.ffn_down.weight" in str(e.value) and "Q8_1 is not supported" in str(e.value)
+
+
+def test_four_bit_blocks_are_kept_only_when_asked_and_match_the_dequantized_weights():
+    plain = load_model_files(None)
+    assert plain.int4 == {}
+    files = load_model_files(None, keep_int4=True)
+    assert files.int4  # the default model is Q4_1
+    name, packed = next(iter(files.int4.items()))
+    g = packed.q.shape[1] // packed.scale.shape[1]
+    rebuilt = (packed.q.float() - 8).view(packed.q.shape[0], -1, g) * packed.scale[..., None] + packed.zero[..., None]
+    torch.testing.assert_close(rebuilt.view_as(files.weights[name]), files.weights[name], rtol=1e-6, atol=1e-6)

@@ -27,18 +27,18 @@ def cmd_bench_sweep(args) -> int:
         if not sep:
             raise SystemExit(f"treadle bench sweep: --server takes NAME=URL, got {spec!r}")
         servers.append((name, url))
-    tokenizers = {}
+    per_server = {}  # name -> (its args, its tokenizer)
     for name, url in servers:
         sargs = copy.copy(args)
         sargs.base_url = url
         sargs.model = args.model
-        tokenizers[name] = (sargs, make_tokenizer(sargs))
+        per_server[name] = (sargs, make_tokenizer(sargs))
     rows, results = [], []
     # Level by level, every server in turn: on a shared machine whose load drifts, the figures
     # compared (two servers at one level) are measured minutes apart, not a whole sweep apart.
     for c in args.concurrency:
         for name, _ in servers:
-            sargs, tok = tokenizers[name]
+            sargs, tok = per_server[name]
             level = copy.copy(sargs)
             level.max_concurrency = c
             level.num_prompts = args.num_prompts or max(8, 4 * c)

@@ -60,17 +60,18 @@ class LLMEngine:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        files = load_model_files(config.model)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        # the 4-bit weights serve the bfloat16 decode path only
+        files = load_model_files(config.model, keep_int4=config.quantized_weights and self.dtype == torch.bfloat16)
         model_config, self.tokenizer = files.config, files.tokenizer
         self.model_config = model_config
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
-        self.dtype = resolve_dtype(config.dtype, config.device)
         num_blocks, self.max_model_len = self._size_kv_cache(model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
         self.runner = ModelRunner(
             model_config,
             files.weights,
-            int4=files.int4 if config.quantized_weights else None,
+            int4=files.int4,
             dtype=self.dtype,
             num_blocks=num_blocks,
             block_size=config.block_size,

@@ -11,9 +11,8 @@ import gguf
 import numpy as np
 import torch
 
-from .gguf_file import GGUFFile, GGUFFormatError
-
 from .config import Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
+from .gguf_file import GGUFFile, GGUFFormatError
 from .tokenizer import tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
@@ -169,7 +168,7 @@ def _int4_blocks(tensor) -> Int4Weight | None:
     )
 
 
-def load_gguf(path: str) -> ModelFiles:
+def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
     reader = _open(path)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
@@ -185,7 +184,7 @@ def load_gguf(path: str) -> ModelFiles:
             continue
         hf = _hf_name(path, tensor.name)
         data = _dequantize(path, tensor)
-        packed = _int4_blocks(tensor) if hf.startswith("model.layers.") else None
+        packed = _int4_blocks(tensor) if keep_int4 and hf.startswith("model.layers.") else None
         heads = None
         if config.architecture in PERMUTED_QK_ARCHITECTURES:
             if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):

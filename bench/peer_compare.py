@@ -6,6 +6,8 @@
   vendored in the llama-cpp-python sdist on PyPI, into ~/.cache/treadle/llama.cpp. Never committed.
 - Both get the same slots and KV capacity: llama-server -np 16 -c 16384 -kvu -cram 0 -t 2;
   treadle --max-num-seqs 16 --num-kv-blocks 1024 --block-size 16 --threads 2.
+- treadle is measured once its compiled decode steps are in use (it compiles them in the
+  background after startup, minutes the first time, seconds from ~/.cache/treadle): the wait is printed.
 - The seed article's workload: random 512-token prompts, 256 output tokens with ignore_eos,
   concurrency 1, 2, 4, 8, 16, fresh prompts per level (the same prompts for both servers at a level).
 - transformers cannot serve a GGUF (`transformers serve` needs an HF folder), so its figure is an
@@ -92,6 +94,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise SystemExit(f"{url} did not become healthy")
 
 
+def wait_compiled(url: str, timeout: float = 1200) -> None:
+    """treadle compiles its decode steps in the background (a few minutes the first time, seconds
+    from its cache): measure the server it settles into, and say how long that took."""
+    t = time.time()
+    while time.time() - t < timeout:
+        with urllib.request.urlopen(url + "/stats", timeout=5) as r:
+            status = json.load(r)["compiled_decode"]
+        if status["state"] != "compiling":
+            break
+        time.sleep(2)
+    print(f"treadle compiled decode steps: {status['state']} {status['ready']} after {time.time() - t:.0f} s", flush=True)
+
+
 def peak_rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -128,6 +143,7 @@ def main() -> int:
     try:
         wait_healthy(f"http://127.0.0.1:{t_port}", t_proc)
         wait_healthy(f"http://127.0.0.1:{l_port}", l_proc)
+        wait_compiled(f"http://127.0.0.1:{t_port}")
         sweep = [sys.executable, "-m", "treadle", "bench", "sweep",
                  "--server", f"treadle=http://127.0.0.1:{t_port}", "--server", f"llama.cpp=http://127.0.0.1:{l_port}",
                  "--tokenizer", gguf, "--dataset-name", "random", "--random-input-len", str(args.input_len),

@@ -3,6 +3,7 @@
     python bench/profile_step.py [--batch 1] [--context 128] [--dtype bfloat16] [--no-quantized-weights]
     python bench/profile_step.py --prefill 512      # one prefill step of a 512-token prompt instead
     python bench/profile_step.py --context 640 --compile [static|dynamic]   # also time it under torch.compile
+    python bench/profile_step.py --context 640 --compiled   # the engine's compiled decode path (LLM(compile=True))
 
 Step times are printed as the median and the 10th percentile of --steps timed steps (the machine is
 shared: the 10th percentile moves least between runs). To compare two commits, run this script from
@@ -83,13 +84,20 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=15, help="rows of the profile table (0: time only, no profile)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="build the engine with compile=True and wait for its compiled decode graphs before timing")
     ap.add_argument("--compile", nargs="?", const="static", choices=["static", "dynamic"],
                     help="also time the decode forward compiled by torch.compile (static or dynamic shapes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, max_num_seqs=max(16, args.batch), quantized_weights=not args.no_quantized_weights,
-              max_num_batched_tokens=max(2048, args.prefill))  # fmt: skip
+              max_num_batched_tokens=max(2048, args.prefill), compile=args.compiled)  # fmt: skip
     engine = llm.engine
+    if args.compiled:
+        t = time.perf_counter()
+        while engine.compile_status()["state"] == "compiling":
+            time.sleep(1)
+        print(f"compiled decode graphs: {engine.compile_status()} after {time.perf_counter() - t:.0f} s")
     greedy = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)
     if args.prefill:
         def one_step(i):

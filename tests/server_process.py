@@ -19,7 +19,9 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(self.port), "--dtype", "float32", *args]
+        # Compiling decode steps is off unless a test asks for it: it is tested on its own.
+        compile_flag = [] if "--compile" in args else ["--no-compile"]
+        cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(self.port), "--dtype", "float32", *compile_flag, *args]
         self.log = open(os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 

@@ -128,8 +128,10 @@ def write_gguf(
     pre: str = "default",
     tokenizer_model: str = "gpt2",
     raw_tensors=None,
+    quantize=None,
 ):
-    """Write `model` (a transformers model) as llama.cpp would, in float32."""
+    """Write `model` (a transformers model) as llama.cpp would, in float32; with `quantize` (a
+    GGMLQuantizationType), the decoder layers' projection matrices in that type."""
     import gguf
 
     cfg = model.config
@@ -177,6 +179,9 @@ def write_gguf(
         if raw_tensors and gguf_name(name) in raw_tensors:
             raw, qtype = raw_tensors[gguf_name(name)]
             w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
+            continue
+        if quantize is not None and name.startswith("model.layers.") and name.endswith("proj.weight"):
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, quantize), raw_dtype=quantize)
             continue
         w.add_tensor(gguf_name(name), data)
     w.write_header_to_file()

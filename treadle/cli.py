@@ -18,6 +18,7 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
+    "compile": "torch.compile decode steps in the background after startup (cached under ~/.cache/treadle/inductor); eager until ready",
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",
@@ -36,23 +37,24 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip=("model",)) -> None:
-    """One flag per EngineConfig field, with its default taken from the dataclass."""
+def add_engine_args(parser: argparse.ArgumentParser, skip=("model",), defaults: dict | None = None) -> None:
+    """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{ENGINE_HELP.get(f.name, '')} (default: {f.default})"
+        default = (defaults or {}).get(f.name, f.default)
+        help_text = f"{ENGINE_HELP.get(f.name, '')} (default: {default})"
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif f.name == "kv_cache_memory_bytes":
-            parser.add_argument(flag, type=parse_size, default=f.default, help=help_text)
+            parser.add_argument(flag, type=parse_size, default=default, help=help_text)
         elif f.name in ("dtype",):
-            parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=f.default, help=help_text)
+            parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
         elif f.name == "device":
-            parser.add_argument(flag, default=f.default, help=help_text)
+            parser.add_argument(flag, default=default, help=help_text)
         else:
-            parser.add_argument(flag, type=int, default=f.default, help=help_text)
+            parser.add_argument(flag, type=int, default=default, help=help_text)
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    add_engine_args(srv)
+    add_engine_args(srv, defaults={"compile": True})  # a server runs long enough to profit
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")

@@ -8,8 +8,9 @@ import os
 import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from ..model.compiled import CompiledDecode
 from ..model.default_model import MODEL_NAME
-from ..model.loader import load_model_files
+from ..model.loader import load_model_files, resolve_model_path
 from ..model.runner import ModelRunner, StepBatch
 from .detokenizer import IncrementalDetokenizer, find_stop_string, partial_stop_suffix
 from .kv_cache_manager import KVCacheManager
@@ -80,6 +81,11 @@ class LLMEngine:
             device=config.device,
         )
         del files
+        if config.compile:
+            self.runner.compiled = CompiledDecode(
+                config, self.runner.model, self.runner.kv_caches, config.block_size, resolve_model_path(config.model)
+            )
+            self.runner.compiled.start()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, RequestGroup] = {}
@@ -190,6 +196,11 @@ class LLMEngine:
         self._finished_outside_step.append(self._group_output(group))
         del self.groups[group.request_id]
         return True
+
+    def close(self) -> None:
+        """Stop background work (the decode compiler); the engine stays usable, eagerly."""
+        if self.runner.compiled is not None:
+            self.runner.compiled.stop()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._finished_outside_step)
@@ -317,4 +328,12 @@ class LLMEngine:
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generation_tokens": self.generation_tokens,
             "steps": self.num_steps,
+            "compiled_decode": self.compile_status(),
         }
+
+    def compile_status(self) -> dict:
+        """Which decode classes run compiled: state off / compiling / ready / failed."""
+        c = self.runner.compiled
+        if c is None:
+            return {"state": "off", "classes": [], "ready": [], "error": None}
+        return {"state": c.state(), "classes": [k.name for k in c.classes], "ready": sorted(c.ready), "error": c.failed}

@@ -51,6 +51,7 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(eos_token_ids, seed, self.device)
+        self.compiled = None  # a CompiledDecode, when the engine compiles decode steps
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -144,5 +145,8 @@ class ModelRunner:
         logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.cat(positions).to(self.device)
-        logits = self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices)
+        forward = self.model.forward
+        if self.compiled is not None and decode_tables and not prefills:
+            forward = self.compiled.forward_for(len(decode_tables), width) or forward
+        logits = forward(input_ids, pos_t, self.kv_caches, meta, logits_indices)
         return logits, sample_rows

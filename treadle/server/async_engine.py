@@ -59,6 +59,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout)
+        if self.engine is not None:
+            self.engine.close()
 
     # ------------------------------------------------------------ called from the event loop
 

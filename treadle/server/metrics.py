@@ -27,6 +27,9 @@ class _EngineCollector:
         yield GaugeMetricFamily("treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", value=used / s["kv_blocks_total"])
         yield GaugeMetricFamily("treadle:kv_blocks_used", "KV blocks with ref count > 0.", value=used)
         yield GaugeMetricFamily("treadle:kv_blocks_total", "KV blocks in the pool.", value=s["kv_blocks_total"])
+        yield GaugeMetricFamily(
+            "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", value=len(s["compiled_decode"]["ready"])
+        )
         for name, key, doc in (
             ("treadle:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             ("treadle:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),

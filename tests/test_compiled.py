@@ -1,0 +1,115 @@
+"""Compiled decode steps (treadle/model/compiled.py): the compiler process, the artefact cache, and
+each compiled graph against the eager forward it stands in for."""
+
+import os
+import time
+
+import gguf
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+from treadle.model import compiled
+
+from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    """Artefacts and inductor's cache in a fresh folder (inherited by the compiler process)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache" / "inductor"))
+    return tmp_path / "cache"
+
+
+def wait_settled(engine, timeout: float = 900) -> dict:
+    deadline = time.time() + timeout
+    while engine.compile_status()["state"] == "compiling" and time.time() < deadline:
+        time.sleep(0.5)
+    return engine.compile_status()
+
+
+def prompts(n: int, length: int = 20) -> list[list[int]]:
+    """Token-id prompts long enough that decode steps span two KV blocks of 16."""
+    return [[(7 * i + 3 * j) % 250 + 5 for j in range(length + i)] for i in range(n)]
+
+
+def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home):
+    hf = save_hf_model(str(tmp_path / "hf"), "llama")
+    path = str(tmp_path / "q4.gguf")
+    write_gguf(path, "llama", hf, tiny_tokenizer(), quantize=gguf.GGMLQuantizationType.Q4_1)
+    llm = LLM(path, dtype="bfloat16", compile=True, max_num_seqs=8)
+    engine = llm.engine
+    c = engine.runner.compiled
+    assert [k.name for k in c.classes] == ["1", "2-4", "5+"]  # 4-bit weights: the int4/dense switch splits classes
+    status = wait_settled(engine)
+    assert status["state"] == "ready", status
+    assert sorted(os.listdir(c.dir)) == sorted(["compile.log", "lock", "decode-1.bin", "decode-2-4.bin", "decode-5+.bin"])
+
+    # Run both the compiled graph and the eager forward on every compiled step; compare their logits.
+    seen = {}
+    choose = c.forward_for
+
+    def both(num_decode, width):
+        fn = choose(num_decode, width)
+        if fn is None:
+            return None
+
+        def run(*inputs):
+            out = fn(*inputs)
+            ref = engine.runner.model.forward(*inputs)
+            kl = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+            seen.setdefault(num_decode, []).append((kl.max().item(), (out.argmax(-1) == ref.argmax(-1)).float().mean().item()))
+            return out
+
+        return run
+
+    c.forward_for = both
+    for n in (1, 3, 6):
+        llm.generate(prompts(n), GREEDY)
+    assert {1, 3, 6} <= set(seen), sorted(seen)
+    worst_kl = max(kl for steps in seen.values() for kl, _ in steps)
+    agreement = sum(a for steps in seen.values() for _, a in steps) / sum(len(s) for s in seen.values())
+    # the bound of the other bf16 fast paths (tests/test_fast_paths.py), per row rather than on average
+    assert worst_kl < 0.02, (worst_kl, agreement)
+    assert agreement > 0.9
+
+
+def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, cache_home):
+    folder = str(tmp_path / "hf")
+    save_hf_model(folder, "llama")
+    first = LLM(folder, dtype="float32", compile=True)
+    assert [k.name for k in first.engine.runner.compiled.classes] == ["1", "2+"]  # no 4-bit weights
+    assert wait_settled(first.engine)["state"] == "ready"
+    expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(3), GREEDY)]
+    first.engine.close()
+
+    second = LLM(folder, dtype="float32", compile=True)
+    status = wait_settled(second.engine, timeout=120)
+    assert status["state"] == "ready" and second.engine.runner.compiled.compiler is None
+    outputs = [o.outputs[0].token_ids for o in second.generate(prompts(3), GREEDY)]
+    assert outputs == expected  # float32: the compiled graphs pick the same tokens
+
+
+def test_unusable_artefacts_leave_the_engine_eager(tmp_path, cache_home):
+    folder = str(tmp_path / "hf")
+    save_hf_model(folder, "llama")
+    expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(2), GREEDY)]
+    target = compiled.artefact_dir(folder, torch.float32, False)
+    os.makedirs(target)
+    for name in ("1", "2+"):
+        with open(os.path.join(target, f"decode-{name}.bin"), "wb") as f:
+            f.write(b"not a compiled function")
+    llm = LLM(folder, dtype="float32", compile=True)
+    status = wait_settled(llm.engine, timeout=120)
+    assert status["state"] == "failed" and status["ready"] == [] and status["error"]
+    assert llm.engine.runner.compiled.compiler is None  # every artefact existed: nothing to compile
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(2), GREEDY)] == expected
+
+
+def test_engine_without_compile_reports_off(make_llm):
+    llm = make_llm(max_num_seqs=2)
+    assert llm.engine.runner.compiled is None
+    assert llm.stats()["compiled_decode"] == {"state": "off", "classes": [], "ready": [], "error": None}

@@ -1,0 +1,275 @@
+"""Decode steps through torch.compile, compiled ahead in a separate process and cached on disk.
+
+A decode step of a few requests runs ~1,200 small kernels (norms, rotary, residual adds, casts)
+around the weight-bound matrix products; inductor fuses them, which saves about a fifth of a
+single-request step on this CPU. Compiling costs one to two minutes per graph, so it cannot sit on
+the path to a healthy server, nor in the server's own process: tracing holds the GIL for seconds
+at a time, which would stall every request being served. So:
+
+- the engine starts eager; if the compiled artefacts for this model, dtype, torch and treadle
+  version exist under ~/.cache/treadle/compiled/, a background thread loads them (a few seconds);
+- otherwise it starts `python -m treadle.model.compiled` at the lowest CPU priority, which builds
+  the same model and saves one artefact per batch-size class (torch's precompiled functions:
+  the traced graph, its guards and inductor's generated code), one request first; the thread
+  loads each artefact as it appears. Stopping the engine stops the compiler; finished classes stay
+  cached, so the next start resumes;
+- each loaded graph serves the decode-only steps of its class; steps with prompt tokens, classes
+  not yet loaded, and any failure (no C++ compiler, a torch that cannot load the artefact) stay
+  eager, which computes the same function.
+
+Classes: dynamic shapes make one graph serve every context length and, beyond one request, every
+batch size of its class; the 4-bit/int8 kernels switch to dense products above
+`Linear.int4_max_rows` rows, hence 1 / 2-4 / 5+ requests (1 / 2+ without quantized weights).
+The guards torch would check on every call (~1 ms for this model) are checked once, at load, on
+the engine's real KV cache; after that `forward_for` admits only the shapes they allow.
+"""
+
+import ctypes
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from .attention import AttentionMetadata
+from .layers import Linear
+
+log = logging.getLogger("treadle.compile")
+
+_SOURCES = ("llama.py", "layers.py", "attention.py", "compiled.py", "gguf_loader.py", "hf_loader.py")
+
+
+@dataclass(frozen=True)
+class DecodeClass:
+    low: int
+    high: int | None  # None: no upper bound
+    example: int  # the batch size traced
+
+    @property
+    def name(self) -> str:
+        if self.low == self.high:
+            return str(self.low)
+        return f"{self.low}+" if self.high is None else f"{self.low}-{self.high}"
+
+    def admits(self, n: int) -> bool:
+        return self.low <= n and (self.high is None or n <= self.high)
+
+
+def has_quantized(model) -> bool:
+    return model.lm_head.int8 is not None or any(layer.qkv.int4 is not None for layer in model.layers)
+
+
+def decode_classes(quantized: bool) -> list[DecodeClass]:
+    few = Linear.int4_max_rows
+    if quantized:
+        return [DecodeClass(1, 1, 1), DecodeClass(2, few, min(3, few)), DecodeClass(few + 1, None, few + 3)]
+    return [DecodeClass(1, 1, 1), DecodeClass(2, None, 4)]
+
+
+def cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "treadle")
+
+
+def artefact_dir(model_path: str, dtype: torch.dtype, quantized: bool) -> str:
+    """One folder per model file, compute path, torch and treadle code: any change compiles anew."""
+    h = hashlib.sha256()
+    st = os.stat(model_path)
+    h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}".encode())
+    # inductor's kernels are generated for the number of compute threads
+    h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{Linear.int4_max_rows}|{torch.get_num_threads()}".encode())
+    here = os.path.dirname(__file__)
+    for name in _SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return os.path.join(cache_root(), "compiled", h.hexdigest()[:16])
+
+
+def _configure_torch() -> None:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root(), "inductor"))
+    inductor_config.compile_threads = 1  # no pool of worker processes: the cores are serving
+    dynamo_config.specialize_float = True  # eps and scale are constants, not graph inputs
+    fx_config.use_duck_shape = False  # a context width must not be tied to an unrelated size
+
+
+def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, block: int = 0):
+    """Decode-step inputs of `batch` requests over `width` blocks, every slot in block `block`."""
+    dev = kv_caches[0][0].device
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch,), block * block_size, dtype=torch.long, device=dev),
+        num_decode_tokens=batch,
+        decode_block_tables=torch.full((batch, width), block, dtype=torch.long, device=dev),
+        decode_mask=torch.zeros(batch, 1, 1, width * block_size, dtype=model.dtype, device=dev),
+    )
+    ids = torch.zeros(batch, dtype=torch.long, device=dev)
+    positions = torch.zeros(batch, dtype=torch.long, device=dev)
+    return ids, positions, kv_caches, meta, torch.arange(batch, device=dev)
+
+
+def _decode(model, input_ids, positions, kv_caches, meta, logits_indices):
+    return type(model).forward.__wrapped__(model, input_ids, positions, kv_caches, meta, logits_indices)
+
+
+def compile_class(model, kv_caches, block_size: int, cls: DecodeClass):
+    """torch's precompiled function of one decode class (minutes: run it in the compiler process)."""
+    ids, positions, kv, meta, indices = inputs = example_inputs(model, kv_caches, cls.example, 2, block_size)
+    mark = torch._dynamo.mark_dynamic
+    mark(meta.decode_block_tables, 1)
+    mark(meta.decode_mask, 3)
+    for k_cache, v_cache in kv:
+        mark(k_cache, 0)
+        mark(v_cache, 0)
+    if cls.low != cls.high:
+        bounds = {"min": cls.low, "max": cls.high or 1 << 30}  # torch wants a finite bound
+        for t in (ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_mask, indices):
+            mark(t, 0, **bounds)
+    with torch.no_grad():
+        return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))
+
+
+def _compiler_process_setup() -> None:
+    os.nice(19)  # the lowest priority: serving comes first
+    try:  # and end with the engine's process, even a killed one (Linux: PR_SET_PDEATHSIG)
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class CompiledDecode:
+    """The engine's side: load artefacts (starting the compiler for missing ones) in the background."""
+
+    def __init__(self, engine_config, model, kv_caches, block_size: int, model_path: str):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        quantized = has_quantized(model)
+        self.classes = decode_classes(quantized)
+        self.dir = artefact_dir(model_path, model.dtype, quantized)
+        self.engine_config = engine_config
+        self.ready: dict[str, object] = {}  # class name -> loaded function
+        self.failed: str | None = None
+        self.compiler: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="treadle-compile", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.compiler is not None and self.compiler.poll() is None:
+            self.compiler.terminate()
+
+    @property
+    def done(self) -> bool:
+        return self.failed is not None or len(self.ready) == len(self.classes)
+
+    def state(self) -> str:
+        if self.failed is not None:
+            return "failed"
+        return "ready" if self.done else "compiling"
+
+    def forward_for(self, num_decode: int, width: int):
+        """The compiled forward for a decode-only step, or None. Width (blocks per request) must be
+        at least 2: torch traced it as a size that is never 0 or 1."""
+        if width < 2:
+            return None
+        for cls in self.classes:
+            if cls.admits(num_decode):
+                fn = self.ready.get(cls.name)
+                return None if fn is None else lambda *inputs: fn(self.model, *inputs)
+        return None
+
+    def path(self, cls: DecodeClass) -> str:
+        return os.path.join(self.dir, f"decode-{cls.name}.bin")
+
+    def _run(self) -> None:
+        try:
+            _configure_torch()
+            if not all(os.path.exists(self.path(c)) for c in self.classes):
+                self._start_compiler()
+            for cls in self.classes:
+                while not os.path.exists(self.path(cls)):
+                    if self._stop.wait(1.0):
+                        return
+                    if self.compiler is not None and self.compiler.poll() is not None and not os.path.exists(self.path(cls)):
+                        raise RuntimeError(f"the compiler process exited with status {self.compiler.returncode} (log: {self._log_path()})")
+                self._load(cls)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the eager path, which is correct
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("compiled decode steps unavailable, staying eager: %s", self.failed.splitlines()[0])
+
+    def _log_path(self) -> str:
+        return os.path.join(self.dir, "compile.log")
+
+    def _start_compiler(self) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        config = replace(self.engine_config, compile=False, threads=torch.get_num_threads())
+        spec = json.dumps({**asdict(config), "out": self.dir})
+        logf = open(self._log_path(), "ab")  # noqa: SIM115 - handed to the child
+        self.compiler = subprocess.Popen(
+            [sys.executable, "-c", "from treadle.model.compiled import main; main()", spec],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_compiler_process_setup,
+        )
+        logf.close()
+        log.info("compiling decode steps in the background (pid %d, log %s)", self.compiler.pid, self._log_path())
+
+    def _load(self, cls: DecodeClass) -> None:
+        t = time.perf_counter()
+        with open(self.path(cls), "rb") as f:
+            fn = torch.compiler.load_compiled_function(f)
+        # Check the guards once, on this engine's KV cache, then not on every step.
+        inputs = example_inputs(self.model, self.kv_caches, cls.example, 2, self.block_size)
+        with torch.no_grad():
+            fits = fn.guard_check(self.model, *inputs)
+        if not fits:
+            raise RuntimeError(f"{self.path(cls)} does not fit this engine (torch's guards failed)")
+        fn.disable_guard_check()
+        self.ready[cls.name] = fn
+        log.info("compiled decode steps of %s requests in use (loaded in %.1f s)", cls.name, time.perf_counter() - t)
+
+
+def main() -> None:
+    """The compiler process: build the engine's model, save one artefact per class, in order."""
+    from ..config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+
+    spec = json.loads(sys.argv[1])
+    out = spec.pop("out")
+    _configure_torch()
+    # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
+    # number of blocks as a dynamic size.
+    config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
+    engine = LLMEngine(config)
+    runner = engine.runner
+    # Two compilers of the same artefacts (two servers started at once) take turns.
+    lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    for cls in decode_classes(has_quantized(runner.model)):
+        path = os.path.join(out, f"decode-{cls.name}.bin")
+        if os.path.exists(path):
+            continue
+        t = time.perf_counter()
+        fn = compile_class(runner.model, runner.kv_caches, config.block_size, cls)
+        fn.save_compiled_function(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        print(f"decode class {cls.name}: compiled in {time.perf_counter() - t:.1f} s -> {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

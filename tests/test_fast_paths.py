@@ -1,10 +1,13 @@
 """Every faster path against the float32 path (itself tested against transformers).
 
 For 8 reference prompts, the float32 engine's greedy continuation of 128 tokens is teacher-forced
-through each faster path: bfloat16 with dense weights, and bfloat16 with the GGUF's 4-bit weights
-kept packed (forced here for every decode step). Bound: mean KL(float32 || fast) per token < 0.02.
+through each faster path: bfloat16 with dense weights, bfloat16 with the GGUF's 4-bit weights
+kept packed (forced here for every decode step), and the compiled decode graphs of each batch
+class. Bound: mean KL(float32 || fast) per token < 0.02.
 Greedy agreement (how often the fast path's argmax is the float32 token) is reported, not bounded.
 """
+
+import time
 
 import pytest
 import torch
@@ -89,3 +92,34 @@ def test_int4_weights_path_within_kl_bound(make_llm, reference, monkeypatch):
     mean_kl, agreement = compare(fast, reference)
     print(f"bfloat16 + int4 weights: mean KL {mean_kl:.4f}, greedy agreement {agreement:.1%}")
     assert mean_kl < KL_BOUND
+
+
+def test_compiled_decode_paths_within_kl_bound(make_llm, reference, tmp_path, monkeypatch):
+    """The compiled decode graphs (treadle/model/compiled.py) of every batch class: one request,
+    three (4-bit products), all eight (dense products), against float32, under the same bound."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    fast = make_llm(dtype="bfloat16", quantized_weights=True, compile=True)
+    compiled = fast.engine.runner.compiled
+    deadline = time.time() + 1200
+    while compiled.state() == "compiling" and time.time() < deadline:
+        time.sleep(1)
+    assert compiled.state() == "ready", fast.engine.compile_status()
+    used = {}
+    choose = compiled.forward_for
+
+    def counting(num_decode, width):
+        fn = choose(num_decode, width)
+        if fn is not None:
+            used[num_decode] = used.get(num_decode, 0) + 1
+        return fn
+
+    compiled.forward_for = counting
+    prompts, conts, ref = reference
+    for group in ([0], [1, 2, 3], list(range(8))):
+        got = forced_logprobs(fast, [prompts[i] for i in group], [conts[i] for i in group])
+        kl = torch.cat([(ref[i].exp() * (ref[i] - g)).sum(-1) for i, g in zip(group, got)])
+        agree = torch.cat([(g.argmax(-1) == torch.tensor(conts[i])).float() for i, g in zip(group, got)])
+        print(f"compiled, {len(group)} at once: mean KL {kl.mean():.4f}, greedy agreement {agree.mean():.1%}")
+        assert kl.mean().item() < KL_BOUND
+        assert used.get(len(group), 0) > NUM_TOKENS // 2  # most of the decode steps ran compiled

@@ -18,7 +18,7 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
-    "compile": "torch.compile decode steps in the background after startup (cached under ~/.cache/treadle/inductor); eager until ready",
+    "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",

@@ -139,12 +139,20 @@ def compile_class(model, kv_caches, block_size: int, cls: DecodeClass):
         return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))
 
 
+def _libc_prctl():
+    try:
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _libc_prctl()  # looked up here: the child after fork must not dlopen
+
+
 def _compiler_process_setup() -> None:
     os.nice(19)  # the lowest priority: serving comes first
-    try:  # and end with the engine's process, even a killed one (Linux: PR_SET_PDEATHSIG)
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:  # and end with the engine's process, even a killed one
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class CompiledDecode:

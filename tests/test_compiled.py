@@ -83,21 +83,24 @@ def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, 
     first = LLM(folder, dtype="float32", compile=True)
     assert [k.name for k in first.engine.runner.compiled.classes] == ["1", "2+"]  # no 4-bit weights
     assert wait_settled(first.engine)["state"] == "ready"
-    expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(3), GREEDY)]
+    # A token budget of 1 makes steps of one prompt token whose row does not sample: the graphs,
+    # traced with one sample per row, must not take them.
+    expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32", max_num_batched_tokens=1).generate(prompts(3), GREEDY)]
     first.engine.close()
 
-    second = LLM(folder, dtype="float32", compile=True)
+    second = LLM(folder, dtype="float32", compile=True, max_num_batched_tokens=1)
     status = wait_settled(second.engine, timeout=120)
     assert status["state"] == "ready" and second.engine.runner.compiled.compiler is None
     outputs = [o.outputs[0].token_ids for o in second.generate(prompts(3), GREEDY)]
     assert outputs == expected  # float32: the compiled graphs pick the same tokens
+    assert sorted(second.engine.runner.compiled.ready) == ["1", "2+"]  # none failed and was dropped
 
 
 def test_unusable_artefacts_leave_the_engine_eager(tmp_path, cache_home):
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(2), GREEDY)]
-    target = compiled.artefact_dir(folder, torch.float32, False)
+    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"))
     os.makedirs(target)
     for name in ("1", "2+"):
         with open(os.path.join(target, f"decode-{name}.bin"), "wb") as f:
@@ -113,3 +116,51 @@ def test_engine_without_compile_reports_off(make_llm):
     llm = make_llm(max_num_seqs=2)
     assert llm.engine.runner.compiled is None
     assert llm.stats()["compiled_decode"] == {"state": "off", "classes": [], "ready": [], "error": None}
+
+
+def test_artefacts_are_keyed_by_block_size_and_dtype(tmp_path, cache_home):
+    folder = str(tmp_path / "hf")
+    save_hf_model(folder, "llama")
+    cpu = torch.device("cpu")
+    base = compiled.artefact_dir(folder, torch.float32, False, 16, cpu)
+    assert base == compiled.artefact_dir(folder, torch.float32, False, 16, cpu)
+    assert base != compiled.artefact_dir(folder, torch.float32, False, 32, cpu)  # the graphs bake the block size in
+    assert base != compiled.artefact_dir(folder, torch.bfloat16, False, 16, cpu)
+    assert base != compiled.artefact_dir(folder, torch.float32, True, 16, cpu)
+
+
+def test_a_compiled_graph_that_fails_goes_back_to_eager(tmp_path, cache_home):
+    """No request fails because a graph does: the step reruns eagerly and the class is dropped."""
+    folder = str(tmp_path / "hf")
+    save_hf_model(folder, "llama")
+    expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(1), GREEDY)]
+    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"))
+    os.makedirs(target)
+    for name in ("1", "2+"):  # nothing to compile, and nothing loadable
+        with open(os.path.join(target, f"decode-{name}.bin"), "wb") as f:
+            f.write(b"not a compiled function")
+    llm = LLM(folder, dtype="float32", compile=True)
+    c = llm.engine.runner.compiled
+    wait_settled(llm.engine, timeout=120)
+    calls = []
+
+    def broken(model, *inputs):
+        calls.append(len(inputs[0]))
+        raise RuntimeError("a graph that fails")
+
+    c.ready["1"] = broken
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(1), GREEDY)] == expected
+    assert calls == [1] and "1" not in c.ready
+
+
+def test_close_ends_the_compiler_process(tmp_path, cache_home):
+    folder = str(tmp_path / "hf")
+    save_hf_model(folder, "llama")
+    llm = LLM(folder, dtype="float32", compile=True)
+    c = llm.engine.runner.compiled
+    deadline = time.time() + 30
+    while c.compiler is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert c.compiler is not None and c.compiler.poll() is None
+    llm.engine.close()
+    assert c.compiler.poll() is not None  # ended and reaped

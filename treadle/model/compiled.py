@@ -79,11 +79,13 @@ def cache_root() -> str:
     return os.path.join(base, "treadle")
 
 
-def artefact_dir(model_path: str, dtype: torch.dtype, quantized: bool) -> str:
-    """One folder per model file, compute path, torch and treadle code: any change compiles anew."""
+def artefact_dir(model_path: str, dtype: torch.dtype, quantized: bool, block_size: int, device: torch.device) -> str:
+    """One folder per model file, compute path, KV block size, device, CPU vector unit, torch and
+    treadle code: any change compiles anew."""
     h = hashlib.sha256()
     st = os.stat(model_path)
     h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}".encode())
+    h.update(f"|{block_size}|{device}|{torch.backends.cpu.get_cpu_capability()}".encode())
     # inductor's kernels are generated for the number of compute threads
     h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{Linear.int4_max_rows}|{torch.get_num_threads()}".encode())
     here = os.path.dirname(__file__)
@@ -139,20 +141,14 @@ def compile_class(model, kv_caches, block_size: int, cls: DecodeClass):
         return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))
 
 
-def _libc_prctl():
+def _end_with_parent(parent: int) -> None:
+    """In the compiler process: exit when the engine's process does, even a killed one."""
     try:
-        return ctypes.CDLL(None).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_PRCTL = _libc_prctl()  # looked up here: the child after fork must not dlopen
-
-
-def _compiler_process_setup() -> None:
-    os.nice(19)  # the lowest priority: serving comes first
-    if _PRCTL is not None:  # and end with the engine's process, even a killed one
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before the line above
+        sys.exit(0)
 
 
 class CompiledDecode:
@@ -164,7 +160,7 @@ class CompiledDecode:
         self.block_size = block_size
         quantized = has_quantized(model)
         self.classes = decode_classes(quantized)
-        self.dir = artefact_dir(model_path, model.dtype, quantized)
+        self.dir = artefact_dir(model_path, model.dtype, quantized, block_size, kv_caches[0][0].device)
         self.engine_config = engine_config
         self.ready: dict[str, object] = {}  # class name -> loaded function
         self.failed: str | None = None
@@ -179,6 +175,10 @@ class CompiledDecode:
         self._stop.set()
         if self.compiler is not None and self.compiler.poll() is None:
             self.compiler.terminate()
+            try:
+                self.compiler.wait(5)
+            except subprocess.TimeoutExpired:
+                self.compiler.kill()
 
     @property
     def done(self) -> bool:
@@ -200,6 +200,12 @@ class CompiledDecode:
                 return None if fn is None else lambda *inputs: fn(self.model, *inputs)
         return None
 
+    def discard(self, num_decode: int, error: Exception) -> None:
+        """A compiled graph raised: its class runs eagerly from now on."""
+        for cls in self.classes:
+            if cls.admits(num_decode) and self.ready.pop(cls.name, None) is not None:
+                log.warning("compiled decode steps of %s requests failed, back to eager: %s: %s", cls.name, type(error).__name__, error)
+
     def path(self, cls: DecodeClass) -> str:
         return os.path.join(self.dir, f"decode-{cls.name}.bin")
 
@@ -215,6 +221,8 @@ class CompiledDecode:
                     if self.compiler is not None and self.compiler.poll() is not None and not os.path.exists(self.path(cls)):
                         raise RuntimeError(f"the compiler process exited with status {self.compiler.returncode} (log: {self._log_path()})")
                 self._load(cls)
+            if self.compiler is not None:
+                self.compiler.wait()  # it exits after saving the last class: reap it
         except Exception as e:  # noqa: BLE001 - any failure leaves the eager path, which is correct
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("compiled decode steps unavailable, staying eager: %s", self.failed.splitlines()[0])
@@ -225,16 +233,19 @@ class CompiledDecode:
     def _start_compiler(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
         config = replace(self.engine_config, compile=False, threads=torch.get_num_threads())
-        spec = json.dumps({**asdict(config), "out": self.dir})
+        spec = json.dumps({**asdict(config), "out": self.dir, "parent": os.getpid()})
         logf = open(self._log_path(), "ab")  # noqa: SIM115 - handed to the child
         self.compiler = subprocess.Popen(
             [sys.executable, "-c", "from treadle.model.compiled import main; main()", spec],
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_compiler_process_setup,
         )
         logf.close()
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.compiler.pid, 19)  # the lowest: serving comes first
+        except OSError:
+            pass
         log.info("compiling decode steps in the background (pid %d, log %s)", self.compiler.pid, self._log_path())
 
     def _load(self, cls: DecodeClass) -> None:
@@ -259,15 +270,19 @@ def main() -> None:
 
     spec = json.loads(sys.argv[1])
     out = spec.pop("out")
+    _end_with_parent(spec.pop("parent"))
+    # Two compilers of the same artefacts (two servers started at once) take turns, before either
+    # loads the model.
+    lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
+    fcntl.flock(lock, fcntl.LOCK_EX)
     _configure_torch()
     # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
     # number of blocks as a dynamic size.
     config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
+    if any(all(os.path.exists(os.path.join(out, f"decode-{c.name}.bin")) for c in decode_classes(q)) for q in (True, False)):
+        return  # the other compiler made them
     engine = LLMEngine(config)
     runner = engine.runner
-    # Two compilers of the same artefacts (two servers started at once) take turns.
-    lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
-    fcntl.flock(lock, fcntl.LOCK_EX)
     for cls in decode_classes(has_quantized(runner.model)):
         path = os.path.join(out, f"decode-{cls.name}.bin")
         if os.path.exists(path):

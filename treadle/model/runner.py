@@ -145,8 +145,16 @@ class ModelRunner:
         logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.cat(positions).to(self.device)
-        forward = self.model.forward
-        if self.compiled is not None and decode_tables and not prefills:
-            forward = self.compiled.forward_for(len(decode_tables), width) or forward
-        logits = forward(input_ids, pos_t, self.kv_caches, meta, logits_indices)
-        return logits, sample_rows
+        inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
+        # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
+        # that is not the prompt's last samples nothing, and the graphs were traced with one sample
+        # per row). Should one ever fail, its class goes back to eager and the step reruns eagerly:
+        # it rewrites the same KV slots.
+        if self.compiled is not None and decode_tables and not prefills and len(sample_rows) == len(decode_tables):
+            compiled = self.compiled.forward_for(len(decode_tables), width)
+            if compiled is not None:
+                try:
+                    return compiled(*inputs), sample_rows
+                except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
+                    self.compiled.discard(len(decode_tables), e)
+        return self.model.forward(*inputs), sample_rows

@@ -26,8 +26,10 @@ import tarfile
 import time
 import urllib.request
 
+from treadle.model.compiled import cache_root
+
 LLAMA_CPP_PYTHON = "0.3.36"
-CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "treadle", "llama.cpp")
+CACHE = os.path.join(cache_root(), "llama.cpp")
 
 
 def llama_cpp_cmake_flags() -> list[str]:

@@ -36,6 +36,16 @@ def prompts(n: int, length: int = 20) -> list[list[int]]:
     return [[(7 * i + 3 * j) % 250 + 5 for j in range(length + i)] for i in range(n)]
 
 
+def write_unloadable_artefacts(folder: str) -> None:
+    """Files in every artefact slot of a float32 engine on `folder` (block size 16, CPU) that torch
+    cannot load."""
+    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"))
+    os.makedirs(target)
+    for cls in compiled.decode_classes(quantized=False):
+        with open(compiled.artefact_path(target, cls), "wb") as f:
+            f.write(b"not a compiled function")
+
+
 def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home):
     hf = save_hf_model(str(tmp_path / "hf"), "llama")
     path = str(tmp_path / "q4.gguf")
@@ -100,11 +110,7 @@ def test_unusable_artefacts_leave_the_engine_eager(tmp_path, cache_home):
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(2), GREEDY)]
-    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"))
-    os.makedirs(target)
-    for name in ("1", "2+"):
-        with open(os.path.join(target, f"decode-{name}.bin"), "wb") as f:
-            f.write(b"not a compiled function")
+    write_unloadable_artefacts(folder)
     llm = LLM(folder, dtype="float32", compile=True)
     status = wait_settled(llm.engine, timeout=120)
     assert status["state"] == "failed" and status["ready"] == [] and status["error"]
@@ -134,17 +140,13 @@ def test_a_compiled_graph_that_fails_goes_back_to_eager(tmp_path, cache_home):
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(1), GREEDY)]
-    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"))
-    os.makedirs(target)
-    for name in ("1", "2+"):  # nothing to compile, and nothing loadable
-        with open(os.path.join(target, f"decode-{name}.bin"), "wb") as f:
-            f.write(b"not a compiled function")
+    write_unloadable_artefacts(folder)  # nothing to compile, and nothing loadable
     llm = LLM(folder, dtype="float32", compile=True)
     c = llm.engine.runner.compiled
     wait_settled(llm.engine, timeout=120)
     calls = []
 
-    def broken(model, *inputs):
+    def broken(*inputs):  # the loaded functions are bound to the model
         calls.append(len(inputs[0]))
         raise RuntimeError("a graph that fails")
 

@@ -15,7 +15,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     quantized_weights: bool = True  # keep GGUF Q4_0/Q4_1 weights 4-bit for small batches (bfloat16 only)
-    compile: bool = False  # torch.compile decode steps in a background thread (eager until each graph is ready)
+    compile: bool = False  # torch.compile decode steps in a background process (eager until each graph is ready)
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # compute threads; default: torch's choice

@@ -10,7 +10,7 @@ import torch
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from ..model.compiled import CompiledDecode
 from ..model.default_model import MODEL_NAME
-from ..model.loader import load_model_files, resolve_model_path
+from ..model.loader import load_model_files
 from ..model.runner import ModelRunner, StepBatch
 from .detokenizer import IncrementalDetokenizer, find_stop_string, partial_stop_suffix
 from .kv_cache_manager import KVCacheManager
@@ -82,9 +82,7 @@ class LLMEngine:
         )
         del files
         if config.compile:
-            self.runner.compiled = CompiledDecode(
-                config, self.runner.model, self.runner.kv_caches, config.block_size, resolve_model_path(config.model)
-            )
+            self.runner.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches)
             self.runner.compiled.start()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

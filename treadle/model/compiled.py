@@ -6,9 +6,9 @@ single-request step on this CPU. Compiling costs one to two minutes per graph, s
 the path to a healthy server, nor in the server's own process: tracing holds the GIL for seconds
 at a time, which would stall every request being served. So:
 
-- the engine starts eager; if the compiled artefacts for this model, dtype, torch and treadle
-  version exist under ~/.cache/treadle/compiled/, a background thread loads them (a few seconds);
-- otherwise it starts `python -m treadle.model.compiled` at the lowest CPU priority, which builds
+- the engine starts eager; if the compiled artefacts for this model, its settings, torch and
+  treadle's model code exist under ~/.cache/treadle/compiled/, a background thread loads them;
+- otherwise it starts a compiler process (`main` below) at the lowest CPU priority, which builds
   the same model and saves one artefact per batch-size class (torch's precompiled functions:
   the traced graph, its guards and inductor's generated code), one request first; the thread
   loads each artefact as it appears. Stopping the engine stops the compiler; finished classes stay
@@ -21,11 +21,13 @@ Classes: dynamic shapes make one graph serve every context length and, beyond on
 batch size of its class; the 4-bit/int8 kernels switch to dense products above
 `Linear.int4_max_rows` rows, hence 1 / 2-4 / 5+ requests (1 / 2+ without quantized weights).
 The guards torch would check on every call (~1 ms for this model) are checked once, at load, on
-the engine's real KV cache; after that `forward_for` admits only the shapes they allow.
+the engine's real KV cache; after that `forward_for` and the runner admit only the shapes they
+allow.
 """
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +43,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .layers import Linear
+from .loader import resolve_model_path
 
 log = logging.getLogger("treadle.compile")
 
@@ -93,6 +96,10 @@ def artefact_dir(model_path: str, dtype: torch.dtype, quantized: bool, block_siz
         with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
     return os.path.join(cache_root(), "compiled", h.hexdigest()[:16])
+
+
+def artefact_path(folder: str, cls: DecodeClass) -> str:
+    return os.path.join(folder, f"decode-{cls.name}.bin")
 
 
 def _configure_torch() -> None:
@@ -154,15 +161,17 @@ def _end_with_parent(parent: int) -> None:
 class CompiledDecode:
     """The engine's side: load artefacts (starting the compiler for missing ones) in the background."""
 
-    def __init__(self, engine_config, model, kv_caches, block_size: int, model_path: str):
+    def __init__(self, engine_config, model, kv_caches):
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.block_size = engine_config.block_size
         quantized = has_quantized(model)
         self.classes = decode_classes(quantized)
-        self.dir = artefact_dir(model_path, model.dtype, quantized, block_size, kv_caches[0][0].device)
+        self.dir = artefact_dir(
+            resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device
+        )
         self.engine_config = engine_config
-        self.ready: dict[str, object] = {}  # class name -> loaded function
+        self.ready: dict[str, object] = {}  # class name -> its loaded function, bound to the model
         self.failed: str | None = None
         self.compiler: subprocess.Popen | None = None
         self._stop = threading.Event()
@@ -180,14 +189,10 @@ class CompiledDecode:
             except subprocess.TimeoutExpired:
                 self.compiler.kill()
 
-    @property
-    def done(self) -> bool:
-        return self.failed is not None or len(self.ready) == len(self.classes)
-
     def state(self) -> str:
         if self.failed is not None:
             return "failed"
-        return "ready" if self.done else "compiling"
+        return "ready" if len(self.ready) == len(self.classes) else "compiling"
 
     def forward_for(self, num_decode: int, width: int):
         """The compiled forward for a decode-only step, or None. Width (blocks per request) must be
@@ -196,8 +201,7 @@ class CompiledDecode:
             return None
         for cls in self.classes:
             if cls.admits(num_decode):
-                fn = self.ready.get(cls.name)
-                return None if fn is None else lambda *inputs: fn(self.model, *inputs)
+                return self.ready.get(cls.name)
         return None
 
     def discard(self, num_decode: int, error: Exception) -> None:
@@ -206,19 +210,16 @@ class CompiledDecode:
             if cls.admits(num_decode) and self.ready.pop(cls.name, None) is not None:
                 log.warning("compiled decode steps of %s requests failed, back to eager: %s: %s", cls.name, type(error).__name__, error)
 
-    def path(self, cls: DecodeClass) -> str:
-        return os.path.join(self.dir, f"decode-{cls.name}.bin")
-
     def _run(self) -> None:
         try:
             _configure_torch()
-            if not all(os.path.exists(self.path(c)) for c in self.classes):
+            if not all(os.path.exists(artefact_path(self.dir, c)) for c in self.classes):
                 self._start_compiler()
             for cls in self.classes:
-                while not os.path.exists(self.path(cls)):
+                while not os.path.exists(artefact_path(self.dir, cls)):
                     if self._stop.wait(1.0):
                         return
-                    if self.compiler is not None and self.compiler.poll() is not None and not os.path.exists(self.path(cls)):
+                    if self.compiler is not None and self.compiler.poll() is not None and not os.path.exists(artefact_path(self.dir, cls)):
                         raise RuntimeError(f"the compiler process exited with status {self.compiler.returncode} (log: {self._log_path()})")
                 self._load(cls)
             if self.compiler is not None:
@@ -250,16 +251,16 @@ class CompiledDecode:
 
     def _load(self, cls: DecodeClass) -> None:
         t = time.perf_counter()
-        with open(self.path(cls), "rb") as f:
+        with open(artefact_path(self.dir, cls), "rb") as f:
             fn = torch.compiler.load_compiled_function(f)
         # Check the guards once, on this engine's KV cache, then not on every step.
         inputs = example_inputs(self.model, self.kv_caches, cls.example, 2, self.block_size)
         with torch.no_grad():
             fits = fn.guard_check(self.model, *inputs)
         if not fits:
-            raise RuntimeError(f"{self.path(cls)} does not fit this engine (torch's guards failed)")
+            raise RuntimeError(f"{artefact_path(self.dir, cls)} does not fit this engine (torch's guards failed)")
         fn.disable_guard_check()
-        self.ready[cls.name] = fn
+        self.ready[cls.name] = functools.partial(fn, self.model)
         log.info("compiled decode steps of %s requests in use (loaded in %.1f s)", cls.name, time.perf_counter() - t)
 
 
@@ -275,16 +276,16 @@ def main() -> None:
     # loads the model.
     lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
     fcntl.flock(lock, fcntl.LOCK_EX)
+    if any(all(os.path.exists(artefact_path(out, c)) for c in decode_classes(q)) for q in (True, False)):
+        return  # the other compiler made them
     _configure_torch()
     # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
     # number of blocks as a dynamic size.
     config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
-    if any(all(os.path.exists(os.path.join(out, f"decode-{c.name}.bin")) for c in decode_classes(q)) for q in (True, False)):
-        return  # the other compiler made them
     engine = LLMEngine(config)
     runner = engine.runner
     for cls in decode_classes(has_quantized(runner.model)):
-        path = os.path.join(out, f"decode-{cls.name}.bin")
+        path = artefact_path(out, cls)
         if os.path.exists(path):
             continue
         t = time.perf_counter()

@@ -166,3 +166,58 @@ def test_close_ends_the_compiler_process(tmp_path, cache_home):
     assert c.compiler is not None and c.compiler.poll() is None
     llm.engine.close()
     assert c.compiler.poll() is not None  # ended and reaped
+
+
+def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, cache_home):
+    """`treadle serve --compile`: /stats and the treadle:compiled_decode_classes gauge follow the
+    graphs as they load; the compiler process, done, is reaped (no zombie child of the server)."""
+    import re
+
+    import httpx
+
+    from .server_process import ServerProcess
+
+    folder = str(tmp_path / "hf")
+    save_hf_model(folder, "llama")
+    server = ServerProcess(folder, "--compile", env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": str(cache_home / "inductor")})
+    try:
+        server.wait_healthy()
+        status = httpx.get(server.url + "/stats").json()["compiled_decode"]
+        assert status["classes"] == ["1", "2+"] and status["state"] in ("compiling", "ready")
+        compilers = set()
+        deadline = time.time() + 600
+        while status["state"] == "compiling" and time.time() < deadline:
+            compilers |= {p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == server.proc.pid}
+            time.sleep(0.5)
+            status = httpx.get(server.url + "/stats").json()["compiled_decode"]
+        assert status["state"] == "ready" and status["ready"] == ["1", "2+"], status
+        gauge = re.search(r"^treadle:compiled_decode_classes (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+        assert gauge and float(gauge.group(1)) == 2
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": prompts(1)[0], "max_tokens": 24, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 24
+        assert compilers  # the server had started one
+        deadline = time.time() + 10
+        while any(_state(p) == "Z" for p in compilers) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in compilers if _state(p) is not None], "the finished compiler is still a process (zombie)"
+    finally:
+        server.stop()
+
+
+def _stat(pid: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _parent(pid: str) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else int(fields[1])
+
+
+def _state(pid: str) -> str | None:
+    """A process's state letter (Z: zombie), or None once it is gone."""
+    fields = _stat(pid)
+    return None if fields is None else fields[0]

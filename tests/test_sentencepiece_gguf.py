@@ -8,7 +8,7 @@ SentencePiece itself and with transformers' GGUF tokenizer.
 import gguf
 import pytest
 
-from treadle.model.gguf_loader import read_metadata
+from treadle.model.gguf_file import read_metadata
 from treadle.model.tokenizer import tokenizer_from_gguf
 
 CORPUS = [

@@ -66,13 +66,17 @@ def hf_config(arch: str, vocab_size: int):
     raise ValueError(arch)
 
 
-def save_hf_model(folder: str, arch: str, seed: int = 0):
-    """Random model + tokenizer files in `folder`; returns the transformers model (float32, eval)."""
+def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
+    """Random model + tokenizer files in `folder`; returns the transformers model (float32, eval).
+    config_overrides: attributes set on the transformers config (e.g. hidden_act)."""
     from transformers import AutoModelForCausalLM
 
     tok = tiny_tokenizer()
+    config = hf_config(arch, tok.get_vocab_size())
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, tok.get_vocab_size()), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)

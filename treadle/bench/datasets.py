@@ -57,18 +57,9 @@ class LocalTokenizer(EngineTokenizer):
     """A GGUF file's or HF folder's tokenizer, without loading weights."""
 
     def __init__(self, path: str):
-        import os
+        from ..model.loader import load_tokenizer
 
-        if os.path.isdir(path):
-            from ..model.hf_loader import _read_json
-            from ..model.tokenizer import tokenizer_from_hf_folder
-
-            super().__init__(tokenizer_from_hf_folder(path, _read_json(os.path.join(path, "config.json"))))
-        else:
-            from ..model.gguf_loader import read_metadata
-            from ..model.tokenizer import tokenizer_from_gguf
-
-            super().__init__(tokenizer_from_gguf(path, read_metadata(path)))
+        super().__init__(load_tokenizer(path))
 
 
 class ServerTokenizer:

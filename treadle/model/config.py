@@ -2,8 +2,6 @@
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 class ModelLoadError(ValueError):
     """A model file or folder that treadle cannot load; the message names file, item and reason."""

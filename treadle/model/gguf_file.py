@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
+from .config import ModelLoadError
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
           10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
@@ -124,3 +126,18 @@ class GGUFFile:
             raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=begin)
             data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,)) if shape else raw
         return GGUFTensor(name, qtype, np.array(dims), data, n_bytes)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """GGUFFile(path), its failures as a ModelLoadError that names the file."""
+    try:
+        return GGUFFile(path)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot open: {e}") from e
+    except GGUFFormatError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def read_metadata(path: str) -> dict:
+    """The metadata key/values of a GGUF file (the tokenizer needs no tensors)."""
+    return open_gguf(path).metadata

@@ -12,14 +12,16 @@ import numpy as np
 import torch
 
 from .config import Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
-from .gguf_file import GGUFFile, GGUFFormatError
+from .gguf_file import open_gguf
+from .registry import HF_CLASS_NAMES, registered_architectures
 from .tokenizer import tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# general.architecture values we read. llama.cpp writes Mistral models as "llama".
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Registered names no GGUF file carries: llama.cpp writes Mistral models as "llama", and class
+# names are config.json's.
+NOT_GGUF_ARCHITECTURES = ("mistral", *HF_CLASS_NAMES)
 # llama.cpp permutes Q and K rows of these architectures for its RoPE layout; we undo it.
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -46,26 +48,11 @@ _GLOBAL_TENSORS = {
 }
 
 
-def _open(path: str) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot open: {e}") from e
-    except GGUFFormatError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-
-
-def read_metadata(path: str) -> dict:
-    """The metadata key/values of a GGUF file (the tokenizer needs no tensors)."""
-    return _open(path).metadata
-
-
 def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(GGUF_ARCHITECTURES)})"
-        )
+    supported = sorted(a for a in registered_architectures() if a not in NOT_GGUF_ARCHITECTURES)
+    if arch not in supported:
+        raise ModelLoadError(f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(supported)})")
 
     def get(key, default=None, required=False):
         full = f"{arch}.{key}"
@@ -169,7 +156,7 @@ def _int4_blocks(tensor) -> Int4Weight | None:
 
 
 def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
-    reader = _open(path)
+    reader = open_gguf(path)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)

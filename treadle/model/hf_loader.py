@@ -4,18 +4,44 @@ import glob
 import json
 import os
 
-import torch
-
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
+from .config import ModelConfig, ModelFiles, ModelLoadError, RopeConfig
+from .registry import HF_CLASS_NAMES, is_registered, registered_architectures
 from .tokenizer import tokenizer_from_hf_folder
 
 
+def read_config(folder: str) -> dict:
+    """config.json as a dict (no torch: the tokenizer alone needs it too)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{folder}: config.json: missing, not a Hugging Face model folder")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot parse: {e}") from e
+
+
+def _architecture(folder: str, cfg: dict) -> str:
+    """model_type if registered, else the first registered `architectures` class name (a built-in
+    family's class name as its model_type)."""
+    model_type = cfg.get("model_type")
+    if is_registered(model_type):
+        return model_type
+    classes = cfg.get("architectures") or []
+    for name in classes:
+        if is_registered(name):
+            return HF_CLASS_NAMES.get(name, name)
+    listed = f", architectures = {classes!r}" if classes else ""
+    raise ModelLoadError(
+        f"{folder}/config.json: model_type = {model_type!r}{listed}: unsupported architecture "
+        f"(supported: {', '.join(sorted(registered_architectures()))})"
+    )
+
+
 def _config_from_json(folder: str, cfg: dict) -> ModelConfig:
-    arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{folder}/config.json: model_type = {arch!r}: unsupported architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    """The Llama-style reader, for every registered architecture: the built-in families' quirks are
+    keyed on their model_type."""
+    arch = _architecture(folder, cfg)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -60,19 +86,12 @@ def load_hf_folder(folder: str) -> ModelFiles:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise ModelLoadError(f"{folder}: config.json: missing, not a Hugging Face model folder")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{config_path}: cannot parse: {e}") from e
+    raw = read_config(folder)
     config = _config_from_json(folder, raw)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{folder}: *.safetensors: no weight files (treadle reads safetensors only)")
-    weights: dict[str, torch.Tensor] = {}
+    weights = {}  # name -> float32 torch.Tensor
     for path in files:
         try:
             for name, tensor in load_file(path).items():

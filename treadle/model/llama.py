@@ -45,6 +45,9 @@ class DecoderLayer:
 
 
 class LlamaModel:
+    # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
+    mlp_activation = staticmethod(F.silu)
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", int4=None):
         self.config = config
         self.dtype = dtype
@@ -84,6 +87,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual adds below are in place
         cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
+        act = self.mlp_activation
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
@@ -94,5 +98,5 @@ class LlamaModel:
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h += layer.o_proj(attn.view(t, self.q_size))
             gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)
-            h += layer.down(F.silu(gate) * up)
+            h += layer.down(act(gate) * up)
         return self.lm_head(self.norm(h[logits_indices])).float()

@@ -1,22 +1,47 @@
-"""One entry point for every model source: None (the embedded default), a GGUF path, an HF folder."""
+"""One entry point for every model source: None (the embedded default), a GGUF path, an HF folder.
+
+The loaders are imported when used: `load_tokenizer` (the HTTP front end's only need) imports no torch.
+"""
 
 import os
 
 from .config import ModelFiles, ModelLoadError
 from .default_model import default_model_path
-from .gguf_loader import load_gguf
-from .hf_loader import load_hf_folder
 
 
 def resolve_model_path(model: str | None) -> str:
     return default_model_path() if model is None else os.path.expanduser(model)
 
 
+def _missing(path: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: no such file or folder (expected a .gguf file or a Hugging Face model folder)")
+
+
 def load_model_files(model: str | None, keep_int4: bool = False) -> ModelFiles:
     """keep_int4: also return a GGUF's Q4_0/Q4_1 weights as 4-bit blocks (only when they will be used)."""
     path = resolve_model_path(model)
     if os.path.isdir(path):
+        from .hf_loader import load_hf_folder
+
         return load_hf_folder(path)
     if os.path.isfile(path):
+        from .gguf_loader import load_gguf
+
         return load_gguf(path, keep_int4)
-    raise ModelLoadError(f"{path}: no such file or folder (expected a .gguf file or a Hugging Face model folder)")
+    raise _missing(path)
+
+
+def load_tokenizer(model: str | None):
+    """The model's Tokenizer alone: metadata and tokenizer files are read, tensors are not."""
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        from .hf_loader import read_config
+        from .tokenizer import tokenizer_from_hf_folder
+
+        return tokenizer_from_hf_folder(path, read_config(path))
+    if os.path.isfile(path):
+        from .gguf_file import read_metadata
+        from .tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(path, read_metadata(path))
+    raise _missing(path)

@@ -1,0 +1,102 @@
+"""Model classes by architecture name (vLLM's model registry).
+
+An architecture name is what a model file calls itself: GGUF's `general.architecture`, config.json's
+`model_type`, or one of config.json's `architectures` class names. Each maps to "package.module:Class",
+imported on first use, so the registry is plain strings that a child process can be handed
+(`registered_architectures` -> `restore_registry`).
+
+Plugins add architectures: a module named in TREADLE_PLUGINS (comma-separated) or an entry point of
+group `treadle.plugins` calls `register_model` when imported (an entry point's object is also called,
+if callable). Every lookup loads the plugins first, once per process.
+"""
+
+import importlib
+import os
+from importlib.metadata import entry_points
+
+from .config import ModelLoadError
+
+PLUGINS_ENV = "TREADLE_PLUGINS"
+PLUGINS_GROUP = "treadle.plugins"
+
+_LLAMA = "treadle.model.llama:LlamaModel"
+# The families the one Llama-style decoder serves; the HF loader knows their config quirks.
+BUILTIN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# config.json `architectures` class names of the built-in families -> their model_type.
+HF_CLASS_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_registry: dict[str, str] = {name: _LLAMA for name in (*BUILTIN_ARCHITECTURES, *HF_CLASS_NAMES)}
+_classes: dict[str, type] = {}  # imported targets, by "module:Class"
+_plugins_loaded = False
+
+
+def register_model(arch: str, target: str | type) -> None:
+    """target: "package.module:Class" (imported on first use) or the class itself."""
+    if isinstance(target, type):
+        target = f"{target.__module__}:{target.__qualname__}"
+    elif ":" not in target:
+        raise ValueError(f"register_model({arch!r}, {target!r}): expected 'package.module:Class'")
+    _registry[arch] = target
+
+
+def is_registered(arch: str) -> bool:
+    load_plugins()
+    return arch in _registry
+
+
+def registered_architectures() -> dict[str, str]:
+    """A snapshot, name -> "module:Class", to hand to another process."""
+    load_plugins()
+    return dict(_registry)
+
+
+def restore_registry(entries: dict[str, str]) -> None:
+    """Apply a snapshot from `registered_architectures` (in a child process)."""
+    for arch, target in entries.items():
+        register_model(arch, target)
+
+
+def resolve_model_class(arch: str) -> type:
+    load_plugins()
+    target = _registry.get(arch)
+    if target is None:
+        raise ModelLoadError(f"architecture {arch!r}: not registered (registered: {', '.join(sorted(_registry))})")
+    if target not in _classes:
+        module_name, _, qualname = target.partition(":")
+        try:
+            obj = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise ModelLoadError(f"architecture {arch!r}: cannot import {target}: {e}") from e
+        _classes[target] = obj
+    return _classes[target]
+
+
+def load_plugins() -> None:
+    """Import every plugin once; a failing plugin raises (naming it) on every call until fixed."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True  # a plugin that looks up the registry while importing must not recurse
+    try:
+        for name in filter(None, (n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(","))):
+            try:
+                importlib.import_module(name)
+            except Exception as e:
+                raise ModelLoadError(f"plugin {name!r} (from {PLUGINS_ENV}): cannot import: {e}") from e
+        for ep in entry_points(group=PLUGINS_GROUP):
+            try:
+                obj = ep.load()
+                if callable(obj):
+                    obj()
+            except Exception as e:
+                raise ModelLoadError(f"plugin {ep.name!r} ({ep.value}, entry point group {PLUGINS_GROUP}): failed: {e}") from e
+    except BaseException:
+        _plugins_loaded = False
+        raise

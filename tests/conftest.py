@@ -62,7 +62,7 @@ def make_llm():
     import functools
 
     from treadle import LLM
-    from treadle.engine import llm_engine
+    from treadle.engine import core as llm_engine
 
     import dataclasses
 

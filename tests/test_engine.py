@@ -81,10 +81,12 @@ def test_chunked_prefill_respects_budget_and_matches_large_budget(llm, make_llm)
     def recording_schedule():
         out = schedule()
         sizes.append(out.num_tokens)
-        long_chunks.extend(n for r, n in out.scheduled if r.num_prompt_tokens == 150 and n > 1)
+        long_chunks.extend(len(s.token_ids) for s in out.scheduled if s.req_id == long_id and len(s.token_ids) > 1)
         return out
 
     chunked.engine.scheduler.schedule = recording_schedule
+    long_id = str(next(chunked.engine._ids))  # the id generate() gives the first prompt
+    chunked.engine._ids = iter([long_id, *map(str, range(10**6, 10**6 + 10))])
     ours = chunked.generate([ids, ids[:50]], greedy(12))
     assert max(sizes) <= 32
     assert len(long_chunks) == 5 and sum(long_chunks) == 150  # 32 + 32 + 32 + 32 + 22

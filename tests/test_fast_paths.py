@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
+from treadle.engine.protocol import ScheduledRequest, StepInput
 from treadle.engine.request import Request
 from treadle.model.layers import Linear
-from treadle.model.runner import StepBatch
 
 from .test_reference import CHAT, PROMPTS
 
@@ -31,14 +31,13 @@ def forced_logprobs(llm: LLM, prompts: list[list[int]], continuations: list[list
     rows: list[list[torch.Tensor]] = [[] for _ in reqs]
     try:
         for step in range(NUM_TOKENS):
-            batch = StepBatch([], [], [])
-            for i, r in enumerate(reqs):
+            batch = StepInput([])
+            for r in reqs:
                 n = r.num_tokens - r.num_computed_tokens
                 assert engine.kv.allocate_slots(r, n)
-                batch.requests.append(r)
-                batch.num_new_tokens.append(n)
-                batch.block_tables.append(engine.kv.block_table(r.request_id))
-                batch.samplers[i] = [r]
+                start = r.num_computed_tokens
+                table = engine.kv.block_table(r.request_id)
+                batch.scheduled.append(ScheduledRequest(r.request_id, r.all_token_ids[start:], start, table, [r.request_id]))
             logits, order = engine.runner.compute_logits(batch)
             for j, i in enumerate(order):
                 rows[i].append(torch.log_softmax(logits[j], dim=-1))

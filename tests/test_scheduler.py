@@ -12,11 +12,16 @@ def make(rid, n):
 
 def run_step(s: Scheduler, sampled_token=7):
     out = s.schedule()
-    s.update_after_step(out)
-    for req, _ in out.scheduled:
+    scheduled = list(s.scheduled)
+    s.update_after_step()
+    for req, _ in scheduled:
         if req.num_computed_tokens == req.num_tokens:
             req.all_token_ids.append(sampled_token)
     return out
+
+
+def pairs(out) -> list[tuple[str, int]]:
+    return [(r.req_id, len(r.token_ids)) for r in out.scheduled]
 
 
 def test_running_requests_decode_first_then_waiting_prompts_fill_budget():
@@ -27,7 +32,13 @@ def test_running_requests_decode_first_then_waiting_prompts_fill_budget():
     b = make("b", 20)
     s.add_request(b)
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 9)]
+    assert pairs(out) == [("a", 1), ("b", 9)]
+    # plain data: positions, the tokens themselves, the blocks, who samples
+    assert out.scheduled[0].start == 6 and out.scheduled[0].token_ids == [7] and out.scheduled[0].sample_ids == ["a"]
+    start = out.scheduled[1].start  # after b's prefix-cache hit on a's first block
+    assert start == 4 and out.scheduled[1].token_ids == b.all_token_ids[start : start + 9]
+    assert out.scheduled[1].sample_ids == []  # mid-prompt
+    assert out.scheduled[1].block_ids == s.kv.block_table("b")
     assert out.num_tokens <= 10
 
 
@@ -39,7 +50,7 @@ def test_long_prompt_is_chunked_within_budget():
     while a.num_computed_tokens < 21:
         out = run_step(s)
         assert out.num_tokens <= 8
-        chunks.append(out.scheduled[0][1])
+        chunks.append(len(out.scheduled[0].token_ids))
     assert chunks == [8, 8, 5]
 
 
@@ -48,7 +59,7 @@ def test_max_num_seqs_limits_admission():
     for rid in "abc":
         s.add_request(make(rid, 3))
     out = run_step(s)
-    assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]
+    assert [r.req_id for r in out.scheduled] == ["a", "b"]
     assert len(s.waiting) == 1
 
 
@@ -71,10 +82,10 @@ def test_out_of_blocks_preempts_most_recently_admitted():
     s.add_request(b)
     run_step(s)  # both prefilled, all 4 blocks used, each has a sampled token pending
     out = run_step(s)  # a needs a 3rd block: b (admitted last) is preempted
-    assert out.preempted == [b]
+    assert b.num_preemptions == 1
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b
-    assert [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert [r.req_id for r in out.scheduled] == ["a"]
     assert s.num_preemptions == 1
 
 
@@ -98,6 +109,31 @@ def test_prefix_hit_skips_prefill_and_is_counted():
     b = make("b", 10)
     s.add_request(b)
     out = run_step(s)
-    assert (b, 2) in out.scheduled  # 8 of 10 prompt tokens cached (two full blocks)
+    assert ("b", 2) in pairs(out)  # 8 of 10 prompt tokens cached (two full blocks)
     assert b.num_cached_tokens == 8
     assert s.prefix_cache_hits == 8
+
+
+def test_a_failed_step_leaves_nothing_findable_it_was_to_write():
+    kv = KVCacheManager(16, 4)
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=100)
+    a = make("a", 10)
+    s.add_request(a)
+    run_step(s)  # a's prompt written: two full blocks hashed
+    b = make("b", 10)
+    s.add_request(b)
+    s.schedule()  # b hits a's two blocks; the step fails
+    kv.forget_step()
+    s.scheduled = []
+    s.finish(b, "error")
+    c = make("c", 14)  # shares b's 10 tokens and 1 block more: written by a, so still findable
+    assert len(kv.find_cached_prefix(c)) == 2
+    # a step that wrote a new block, then failed: that block is not findable afterwards
+    d = Request("d", None, list(range(200, 213)), SamplingParams(max_tokens=8))
+    s.add_request(d)
+    s.schedule()
+    assert len(kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams()))) == 3
+    kv.forget_step()
+    s.scheduled = []
+    s.finish(d, "error")
+    assert kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams())) == []

@@ -111,6 +111,7 @@ def cmd_serve(args) -> int:
         chat_template=read_chat_template(args.chat_template),
         max_waiting=args.max_waiting,
         shutdown_timeout=args.shutdown_timeout,
+        max_engine_restarts=args.max_engine_restarts,
         log_level=args.log_level,
     )
 
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
+    srv.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero (default: 3)",
+    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
     add_engine_args(srv, defaults={"compile": True})  # a server runs long enough to profit
     srv.set_defaults(func=cmd_serve)

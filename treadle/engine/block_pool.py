@@ -78,9 +78,16 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
+    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
         """Give a full block its identity, unless another block already holds that content."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache_block(self, block: Block) -> None:
+        """Take a block's identity away (its contents are not what the hash says)."""
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None

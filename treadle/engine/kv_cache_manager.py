@@ -3,6 +3,8 @@
 A request owns one reference on each block of its table. Block i of a request holds the KV of
 tokens [i * block_size, (i + 1) * block_size). A block is hashed (made findable) as soon as the
 step that fills it is scheduled: within a step every layer writes KV before any attention reads it.
+Should that step fail, `forget_step()` drops the hashes it gave: KV that was never written must not
+be found by a later request.
 """
 
 from .block_pool import Block, BlockPool, hash_block_tokens
@@ -16,10 +18,20 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_hashed_blocks: dict[str, int] = {}
+        self.step_hashed: list[Block] = []  # blocks given a hash since begin_step()
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def begin_step(self) -> None:
+        self.step_hashed = []
+
+    def forget_step(self) -> None:
+        """The step scheduled since begin_step() failed: un-hash the blocks it was to fill."""
+        for block in self.step_hashed:
+            self.pool.uncache_block(block)
+        self.step_hashed = []
 
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -79,7 +91,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(req)
         for i in range(done, full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]):
+                self.step_hashed.append(blocks[i])
         self.num_hashed_blocks[req.request_id] = full
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None | bool:

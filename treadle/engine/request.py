@@ -1,4 +1,4 @@
-"""One sequence being generated: its tokens, how many have KV, and what it has produced so far."""
+"""One sequence as the engine core schedules it: its tokens and how many of them have KV."""
 
 import enum
 
@@ -43,17 +43,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
-        # Output bookkeeping (the engine owns these).
-        self.text = ""
-        self.sent_text_len = 0
-        self.sent_token_len = 0
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.final_output_sent = False
-        self.detokenizer = None
-        self.sampler_state = None  # the sampler's per-request generator
 
     @property
     def num_tokens(self) -> int:

@@ -10,29 +10,16 @@ Guarantees of one `schedule()`:
 - the step's tokens sum to at most max_num_batched_tokens; at most max_num_seqs are running;
 - every scheduled request has blocks for all its tokens up to num_computed + num_new;
 - no request appears twice; preempted requests are back at the head of the waiting queue.
+
+`schedule()` returns plain data for the model runner (`StepInput`: ids, token ids, positions,
+block ids); the `Request` objects stay here. `update_after_step()` commits the step once it ran.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
+from .protocol import ScheduledRequest, StepInput
 from .request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run this step: each request with how many of its tokens to compute."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -43,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.pending_copies: list[tuple[int, int]] = []
+        self.scheduled: list[tuple[Request, int]] = []  # the last schedule(), until update_after_step()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, found cached
@@ -54,10 +42,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(block_copies=self.pending_copies)
+    def schedule(self) -> StepInput:
+        out = StepInput(scheduled=[], block_copies=self.pending_copies)
         self.pending_copies = []
+        self.scheduled = []
+        self.kv.begin_step()
         budget = self.max_num_batched_tokens
+        preempted = False
 
         for req in list(self.running):
             if budget == 0:
@@ -70,16 +61,16 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted = True
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            out.scheduled.append((req, num_new))
+            self._add(out, req, num_new)
             budget -= num_new
 
         # No admissions in a step that had to preempt: memory is short.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             num_cached = len(hits) * self.kv.block_size
@@ -94,9 +85,17 @@ class Scheduler:
             req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, num_new))
+            self._add(out, req, num_new)
             budget -= num_new
         return out
+
+    def _add(self, out: StepInput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        end = start + num_new
+        samples = [req.request_id] if end == req.num_tokens else []
+        table = self.kv.block_table(req.request_id)
+        out.scheduled.append(ScheduledRequest(req.request_id, req.all_token_ids[start:end], start, table, samples))
+        self.scheduled.append((req, num_new))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -107,9 +106,10 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        for req, num_new in out.scheduled:
+    def update_after_step(self) -> None:
+        for req, num_new in self.scheduled:
             req.num_computed_tokens += num_new
+        self.scheduled = []
 
     def admit_forked(self, parent: Request, child: Request) -> None:
         """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is free."""

@@ -1,30 +1,43 @@
 """Turns one scheduled step into tensors, runs the model, samples.
 
-The runner owns the model weights and the KV cache tensors; it knows nothing of scheduling. Its
-input is a `StepBatch` (which request computes which of its tokens into which blocks, and which
-requests sample from the step's logits); its output is one `SampleResult` per sampling request.
+The runner owns the model weights, the KV cache tensors and the per-request sampling state (a
+seeded generator, the token history penalties read); it knows nothing of scheduling. Its input is
+a `StepInput`, plain data (which request computes which tokens at which positions into which
+blocks, which requests sample from the step's logits, which requests are new or gone); its output
+is one `SampledToken` per sampling request id.
 """
-
-from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.request import Request
+from ..engine.protocol import SampledToken, StepInput, params_from_dict
 from .attention import AttentionMetadata, PrefillChunk
 from .config import ModelConfig
-from .llama import LlamaModel
-from .sampler import SampleResult, Sampler
+from .registry import resolve_model_class
+from .sampler import Sampler
 
 
-@dataclass
-class StepBatch:
-    requests: list[Request]
-    num_new_tokens: list[int]
-    block_tables: list[list[int]]
-    # For each request whose known tokens are all computed after this step: the requests that
-    # sample from its last row (itself, or all choices of an n > 1 group at its first token).
-    samplers: dict[int, list[Request]] = field(default_factory=dict)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+class InjectedFault(RuntimeError):
+    """A step failure asked for by TREADLE_FAULT_INJECT (tests of failure handling)."""
+
+
+class RunnerRequest:
+    """What the sampler needs of one request, kept by the runner between steps."""
+
+    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state")
+
+    def __init__(self, prompt_token_ids: list[int], params):
+        self.params = params
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampler_state = None  # the request's own generator, when it has a seed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:
@@ -40,11 +53,12 @@ class ModelRunner:
         seed: int,
         device: str = "cpu",
         int4: dict | None = None,
+        fail_at_steps: frozenset[int] = frozenset(),
     ):
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
-        self.model = LlamaModel(config, weights, dtype, self.device, int4=int4)
+        self.model = resolve_model_class(config.architecture)(config, weights, dtype, self.device, int4=int4)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
@@ -52,6 +66,9 @@ class ModelRunner:
         ]
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.compiled = None  # a CompiledDecode, when the engine compiles decode steps
+        self.requests: dict[str, RunnerRequest] = {}
+        self.num_steps = 0
+        self.fail_at_steps = fail_at_steps
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -73,39 +90,56 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> dict[str, SampleResult]:
-        """Run the step and sample: one result per request in `batch.samplers`."""
-        logits, sample_rows = self.compute_logits(batch)
-        if not sample_rows:
-            return {}
-        rows, reqs = [], []
-        for j, i in enumerate(sample_rows):
-            for r in batch.samplers[i]:
-                rows.append(j)
-                reqs.append(r)
-        logits = logits[torch.tensor(rows, device=self.device)]
-        results = self.sampler.sample(logits, reqs)
-        return {r.request_id: res for r, res in zip(reqs, results)}
+    def update_states(self, step: StepInput) -> None:
+        """Learn the step's new requests and forget the finished ones (before anything can fail)."""
+        for new in step.new_requests:
+            self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, params_from_dict(new.params))
+        for req_id in step.finished_req_ids:
+            self.requests.pop(req_id, None)
 
     @torch.inference_mode()
-    def compute_logits(self, batch: StepBatch) -> tuple[torch.Tensor, list[int]]:
-        """Run the step; float32 logits of the last row of each request in `batch.samplers`
-        (in the order of the returned request indices)."""
-        self._copy_blocks(batch.block_copies)
+    def execute(self, step: StepInput) -> dict[str, SampledToken]:
+        """Run the step and sample: one token per request id in the scheduled `sample_ids`."""
+        self.update_states(step)
+        if not step.scheduled:
+            return {}
+        self.num_steps += 1
+        if self.num_steps in self.fail_at_steps:
+            raise InjectedFault(f"injected failure of step {self.num_steps} (TREADLE_FAULT_INJECT)")
+        logits, sample_rows = self.compute_logits(step)
+        if not sample_rows:
+            return {}
+        rows, ids = [], []
+        for j, i in enumerate(sample_rows):
+            for req_id in step.scheduled[i].sample_ids:
+                rows.append(j)
+                ids.append(req_id)
+        logits = logits[torch.tensor(rows, device=self.device)]
+        reqs = [self.requests[req_id] for req_id in ids]
+        results = self.sampler.sample(logits, reqs)
+        for req, res in zip(reqs, results):
+            req.all_token_ids.append(res.token_id)
+        return dict(zip(ids, results))
+
+    @torch.inference_mode()
+    def compute_logits(self, step: StepInput) -> tuple[torch.Tensor, list[int]]:
+        """Run the step; float32 logits of the last row of each scheduled request that samples
+        (in the order of the returned indices into `step.scheduled`)."""
+        self._copy_blocks(step.block_copies)
         bs = self.block_size
         window = self.config.sliding_window
+        scheduled = step.scheduled
         # Single-token queries first (one batched attention call), then prompt chunks.
-        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
+        order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
         ids, positions, slots = [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         last_row = {}
         row = 0
         for i in order:
-            req, n, table = batch.requests[i], batch.num_new_tokens[i], batch.block_tables[i]
-            start = req.num_computed_tokens
+            s = scheduled[i]
+            n, table, start = len(s.token_ids), s.block_ids, s.start
             end = start + n
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend(s.token_ids)
             pos = torch.arange(start, end)
             positions.append(pos)
             table_t = torch.tensor(table, dtype=torch.long)
@@ -141,7 +175,7 @@ class ModelRunner:
             meta.decode_block_tables = tables.to(self.device)
             meta.decode_mask = self._additive(mask[:, None, None, :])
 
-        sample_rows = sorted(batch.samplers)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
         logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.cat(positions).to(self.device)

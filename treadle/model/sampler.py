@@ -5,29 +5,21 @@ E ~ Exp(1)), which samples exactly from p and lets each seeded request draw from
 so its tokens do not depend on what else is in the batch.
 """
 
-from dataclasses import dataclass
-
 import torch
 
-from ..engine.outputs import Logprob
-from ..engine.request import Request
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float | None  # raw-distribution logprob of the sampled token (when logprobs were asked)
-    top_logprobs: dict[int, Logprob] | None
+from ..engine.protocol import SampledToken
 
 
 class Sampler:
+    """Samples for requests the runner keeps (`RunnerRequest`: params, token history, generator)."""
+
     def __init__(self, eos_token_ids: frozenset[int], seed: int, device="cpu"):
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
+    def _generator(self, req) -> torch.Generator | None:
         if req.params.seed is None:
             return None
         if req.sampler_state is None:
@@ -36,7 +28,7 @@ class Sampler:
             req.sampler_state = g
         return req.sampler_state
 
-    def _adjust(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _adjust(self, logits: torch.Tensor, reqs: list) -> None:
         """In place: logit bias, min_tokens, repetition / presence / frequency penalties."""
         vocab = logits.shape[1]
         for i, req in enumerate(reqs):
@@ -59,8 +51,9 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
-        """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1)."""
+    def sample(self, logits: torch.Tensor, reqs: list) -> list[SampledToken]:
+        """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
+        Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k."""
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = logits.clone()
@@ -84,18 +77,16 @@ class Sampler:
         for i, req in enumerate(reqs):
             token = token_list[i]
             if not want_logprobs[i]:
-                results.append(SampleResult(token, None, None))
+                results.append(SampledToken(token))
                 continue
             row = raw_logprobs[i]
             chosen = row[token].item()
-            top = {token: Logprob(chosen, rank=int((row > chosen).sum().item()) + 1)}
+            top = [(token, chosen, int((row > chosen).sum().item()) + 1)]
             k = req.params.logprobs
             if k:
                 values, ids = row.topk(k)
-                for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
-                    if t not in top:
-                        top[t] = Logprob(v, rank=rank)
-            results.append(SampleResult(token, chosen, top))
+                top.extend((t, v, rank) for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1) if t != token)
+            results.append(SampledToken(token, top))
         return results
 
     @staticmethod

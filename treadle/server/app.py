@@ -8,6 +8,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -16,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.outputs import RequestOutput
-from .async_engine import AsyncEngine, EngineDead
+from ..engine.core import validate_prompt
+from .engine_client import EngineClient, EngineDead
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -34,7 +37,18 @@ from .protocol import (
 _PYDANTIC_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|.*\[.*\].*|function-.*)$")
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/stats")
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    500: "internal_error",
+    503: "ServiceUnavailableError",
+}
+
+
+class EngineStepFailed(RuntimeError):
+    """The engine core's step failed while running this request (the engine goes on)."""
 
 
 @dataclass
@@ -48,7 +62,7 @@ class ServerSettings:
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
     draining: bool = False
@@ -60,8 +74,16 @@ def error_response(status: int, message: str, param: str | None = None, code=Non
     return JSONResponse(error_body(message, err_type, param, code if code is not None else status), status_code=status, headers=headers)
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None)
+def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await async_engine.start()  # the engine core process starts with the event loop
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     state = ServerState(async_engine, settings, ServerMetrics(async_engine))
     app.state.treadle = state
 
@@ -116,7 +138,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         if not async_engine.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            body = {"status": "loading" if async_engine.state == "ready" else async_engine.state}
+            if async_engine.reason:
+                body["reason"] = async_engine.reason
+            return JSONResponse(body, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -139,13 +164,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/stats")
     async def stats():
         _require_ready(state)
-        return async_engine.engine.stats()
+        return async_engine.stats()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         _require_ready(state)
         _check_model(state, body.model)
-        tok = async_engine.engine.tokenizer
+        tok = async_engine.tokenizer
         if body.content is not None:  # llama.cpp's shape
             add = True if body.add_special is None else body.add_special
             ids = tok.encode(body.content, add_special_tokens=add)
@@ -160,14 +185,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             ids = tok.encode(body.prompt, add_special_tokens=add)
         else:
             raise RequestError("one of prompt, messages or content is required", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         _require_ready(state)
         _check_model(state, body.model)
         _check_token_ids(state, body.tokens, "tokens")
-        text = async_engine.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        text = async_engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return {"prompt": text, "content": text}
 
     # ------------------------------------------------------------ generation
@@ -183,7 +208,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(p["text"] for p in m["content"])
         text = _render_chat(state, messages, body.add_generation_prompt, body.chat_template_kwargs or {})
-        ids = async_engine.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        ids = async_engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
         job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival)
         return await job.respond(request)
@@ -194,7 +219,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         _require_ready(state)
         _check_model(state, body.model)
         body.check()
-        tok = async_engine.engine.tokenizer
+        tok = async_engine.tokenizer
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
@@ -213,16 +238,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 
 def _model_card(state: ServerState) -> ModelCard:
-    engine = state.engine.engine
     return ModelCard(
         id=state.settings.served_model_name,
         root=state.settings.model_root,
-        max_model_len=engine.max_model_len if engine else 0,
+        max_model_len=state.engine.max_model_len,
     )
 
 
 def _require_ready(state: ServerState) -> None:
-    if not state.engine.ready:
+    engine = state.engine
+    if not engine.ready:
+        if engine.state == "restarting":
+            raise RequestError(f"the engine is restarting: {engine.reason}", status=503, code="engine_restarting", headers={"Retry-After": "1"})
         raise RequestError("the model is still loading", status=503, code="model_loading")
     if state.draining:
         raise RequestError("the server is shutting down", status=503, code="shutting_down")
@@ -234,14 +261,14 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = state.engine.engine.model_config.vocab_size
+    vocab = state.engine.vocab_size
     for t in ids:
         if not 0 <= t < vocab:
             raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", param)
 
 
 def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
-    tok = state.engine.engine.tokenizer
+    tok = state.engine.tokenizer
     template = state.settings.chat_template or tok.chat_template
     if not template:
         raise RequestError(
@@ -254,7 +281,7 @@ def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt
 
 
 def _params(state: ServerState, body, ids: list[int], requested: int | None, logprobs: int | None, prompt_param: str):
-    engine = state.engine.engine
+    engine = state.engine
     room = engine.max_model_len - len(ids)
     if room < 1:
         raise RequestError(
@@ -268,7 +295,7 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
         )
     params = body.sampling_params(requested if requested is not None else room, logprobs)
     try:
-        engine.validate_prompt(ids, params)
+        validate_prompt(ids, params, engine.vocab_size, engine.max_model_len)
     except ValueError as e:
         raise RequestError(str(e), prompt_param) from None
     return params
@@ -335,6 +362,8 @@ class _Job:
         if item.finished:
             self.finished.add(item.request_id)
         self.cached_tokens[item.request_id] = item.num_cached_tokens
+        if item.error is not None:
+            raise EngineStepFailed(item.error)
         return item
 
     def _index(self, request_id: str, choice: int) -> int:
@@ -370,7 +399,9 @@ class _Job:
                     return Response(status_code=499)
                 continue
             except EngineDead as e:
-                raise RequestError(str(e), status=503) from None
+                raise RequestError(str(e), status=503, code="engine_dead") from None
+            except EngineStepFailed as e:
+                raise RequestError(str(e), status=500, code="internal_error") from None
             for c in out.outputs:
                 i = self._index(out.request_id, c.index)
                 texts[i] += c.text
@@ -396,7 +427,7 @@ class _Job:
                 text = texts[i]
                 if self.body.echo:
                     prompt_ids = self.prompts[i // self.n][1]
-                    text = (prompt_text if prompt_text is not None else self.state.engine.engine.tokenizer.decode(prompt_ids)) + text
+                    text = (prompt_text if prompt_text is not None else self.state.engine.tokenizer.decode(prompt_ids)) + text
                 choices.append(
                     {
                         "index": i,
@@ -433,15 +464,18 @@ class _Job:
         try:
             role_sent = False
             if self.kind == "completion" and self.body.echo:
-                tok = self.state.engine.engine.tokenizer
+                tok = self.state.engine.tokenizer
                 for i in range(total):
                     text, ids = self.prompts[i // self.n]
                     yield chunk([{"index": i, "text": text if text is not None else tok.decode(ids), "logprobs": None, "finish_reason": None}])
             while len(self.finished) < len(self.request_ids):
                 try:
                     out = await self._next(q)
-                except EngineDead as e:
-                    yield f"data: {json.dumps(error_body(str(e), 'ServiceUnavailableError', None, 503))}\n\n"
+                except (EngineDead, EngineStepFailed) as e:
+                    # the stream's status line is gone already: an error event, then the end
+                    status, code = (503, "engine_dead") if isinstance(e, EngineDead) else (500, "internal_error")
+                    yield f"data: {json.dumps(error_body(str(e), ERROR_TYPES[status], None, code))}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
                 if self.kind == "chat" and not role_sent:
                     # with the first engine output, as vLLM does, so a client's TTFT means a token is coming

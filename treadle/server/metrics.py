@@ -1,7 +1,8 @@
 """Prometheus metrics, named like vLLM's with the `treadle:` prefix.
 
-Gauges and engine counters are read from `LLMEngine.stats()` at scrape time (a custom collector,
-so they can never drift from the engine); per-request latencies are observed by the HTTP layer.
+Gauges and engine counters are read at scrape time from the engine core's latest stats snapshot
+(a custom collector, so they can never drift from the engine); per-request latencies are observed
+by the HTTP layer.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,14 +16,15 @@ class _EngineCollector:
         self.async_engine = async_engine
 
     def collect(self):
-        engine = self.async_engine.engine
-        if engine is None:
-            return
-        s = engine.stats()
+        client = self.async_engine
+        yield CounterMetricFamily("treadle:engine_restarts", "Restarts of the engine core process after it died.", value=client.num_restarts)
+        s = client.stats()
+        if "kv_blocks_total" not in s:
+            return  # no snapshot yet: the core is loading
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         yield GaugeMetricFamily("treadle:num_requests_running", "Requests in the running batch.", value=s["num_running"])
         yield GaugeMetricFamily(
-            "treadle:num_requests_waiting", "Requests waiting to be scheduled.", value=s["num_waiting"] + self.async_engine._pending_adds
+            "treadle:num_requests_waiting", "Requests waiting to be scheduled.", value=s["num_waiting"]
         )
         yield GaugeMetricFamily("treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", value=used / s["kv_blocks_total"])
         yield GaugeMetricFamily("treadle:kv_blocks_used", "KV blocks with ref count > 0.", value=used)

@@ -2,7 +2,8 @@
 
 On SIGINT/SIGTERM: stop accepting generation requests (503), let in-flight ones finish for up to
 `shutdown_timeout` seconds, abort the rest (their clients get finish_reason "abort"), then let
-uvicorn close. A second signal skips the wait. The process exits 0 without a traceback.
+uvicorn close, which stops the engine core process. A second signal skips the wait. The process
+exits 0 without a traceback; 1 if the model cannot load or the engine core died too often.
 """
 
 import logging
@@ -14,7 +15,7 @@ import uvicorn
 
 from ..config import EngineConfig
 from .app import ServerSettings, build_app
-from .async_engine import AsyncEngine
+from .engine_client import EngineClient
 
 log = logging.getLogger("treadle.server")
 
@@ -29,7 +30,7 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:  # noqa: ARG002 (uvicorn's signature)
         # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown.
         if self._draining:
-            self.state.engine.abort_all()
+            self.state.engine.abort_all_threadsafe()
             self.should_exit = True
             return
         self._draining = True
@@ -43,7 +44,7 @@ class GracefulServer(uvicorn.Server):
             time.sleep(0.05)
         if engine.num_unfinished:
             log.info("shutdown: aborting %d unfinished requests", engine.num_unfinished)
-            engine.abort_all()
+            engine.abort_all_threadsafe()
         deadline = time.monotonic() + 5
         while (engine.num_unfinished or self.state.in_flight) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -61,11 +62,11 @@ def serve(
     chat_template: str | None,
     max_waiting: int,
     shutdown_timeout: float,
+    max_engine_restarts: int = 3,
     log_level: str = "info",
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(engine_config)
-    engine.start()
+    engine = EngineClient(engine_config, max_restarts=max_engine_restarts, log_level=log_level)
     settings = ServerSettings(
         served_model_name=served_model_name,
         model_root=model_root,
@@ -77,17 +78,15 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)
 
-    def watch_load():
-        engine.wait_ready()
-        if engine.load_error is not None:
-            log.error("cannot load the model: %s", engine.load_error)
-            server.should_exit = True
-        else:
-            log.info("model %s ready (max_model_len %d)", served_model_name, engine.engine.max_model_len)
+    def fatal(message: str) -> None:
+        log.error("cannot serve: %s", message)
+        server.should_exit = True
 
-    threading.Thread(target=watch_load, name="treadle-load-watch", daemon=True).start()
-    server.run()
-    engine.stop()
+    engine.on_fatal = fatal
+    try:
+        server.run()
+    finally:
+        engine.kill_now()  # normally stopped already, with the app's lifespan
     return 1 if engine.load_error is not None else 0
 
 

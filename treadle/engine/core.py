@@ -1,0 +1,336 @@
+"""The engine core: scheduler, KV cache manager, model runner and sampler, speaking token ids.
+
+Requests come in as `EngineCoreRequest`s (validated prompt token ids and sampling settings); every
+`step()` schedules one batch, hands the runner plain data (`StepInput`) and returns one
+`CoreOutput` per choice that got news: new token ids, logprobs as (id, value, rank), and a finish
+reason once a stop token, EOS, max_tokens or the model's length ends it. Text, stop strings and
+logprob text are the front end's (`OutputProcessor`), which aborts a choice when one of its stop
+strings appears.
+
+The same class runs inside `LLM(...)` and inside the engine core process of `treadle serve`
+(`engine/core_process.py`).
+
+A step that raises fails only the requests of that step: they end with finish_reason "error", their
+blocks are freed and the blocks that step was to fill lose their prefix-cache hashes.
+"""
+
+import logging
+import os
+
+import torch
+
+from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from ..model.compiled import CompiledDecode
+from ..model.default_model import MODEL_NAME
+from ..model.loader import load_model_files
+from ..model.runner import InjectedFault, ModelRunner
+from .kv_cache_manager import KVCacheManager
+from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToken, child_request_id
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("treadle")
+
+FAULT_ENV = "TREADLE_FAULT_INJECT"
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def parse_faults(spec: str | None) -> frozenset[int]:
+    """TREADLE_FAULT_INJECT="step:3,step:7": model steps 3 and 7 (counted from 1) raise."""
+    steps = set()
+    for item in filter(None, (spec or "").split(",")):
+        kind, _, value = item.strip().partition(":")
+        if kind != "step" or not value.isdigit():
+            raise ValueError(f"{FAULT_ENV}: {item!r}: expected step:N")
+        steps.add(int(value))
+    return frozenset(steps)
+
+
+def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The checks every request passes, in the front end and again in the core."""
+    if not token_ids:
+        raise ValueError("the prompt is empty (0 tokens)")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, "
+            "which leaves no room to generate"
+        )
+    if params.logit_bias and any(not 0 <= t < vocab_size for t in params.logit_bias):
+        raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids names a token id outside the vocabulary [0, {vocab_size})")
+
+
+class RequestGroup:
+    """The choices (n of them) of one user request; choice 0 computes the prompt, the others fork from it."""
+
+    def __init__(self, request_id: str, children: list[Request]):
+        self.request_id = request_id
+        self.children = children
+        self.forked = len(children) == 1
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        # the 4-bit weights serve the bfloat16 decode path only
+        files = load_model_files(config.model, keep_int4=config.quantized_weights and self.dtype == torch.bfloat16)
+        self.model_config, self.tokenizer = files.config, files.tokenizer
+        self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
+        num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
+        self.eos_token_ids = self.tokenizer.stop_token_ids
+        self.runner = ModelRunner(
+            self.model_config,
+            files.weights,
+            int4=files.int4,
+            dtype=self.dtype,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            eos_token_ids=self.eos_token_ids,
+            seed=config.seed,
+            device=config.device,
+            fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)),
+        )
+        del files
+        if config.compile:
+            self.runner.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches)
+            self.runner.compiled.start()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.groups: dict[str, RequestGroup] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished choice, by its own id
+        self._new_for_runner: list[NewRequestData] = []
+        self._finished_for_runner: list[str] = []
+        self._failed_outputs: list[CoreOutput] = []  # requests refused or failed outside a step
+        self.num_steps = 0
+        self.num_failed_steps = 0
+        self.requests_received = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+
+    # ------------------------------------------------------------ sizing
+
+    def _size_kv_cache(self, mc) -> tuple[int, int]:
+        cfg = self.config
+        bs = cfg.block_size
+        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype)
+        max_len = cfg.max_model_len or min(mc.max_position, DEFAULT_MAX_MODEL_LEN_CAP)
+        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position:
+            log.warning("max_model_len %d exceeds the model's context length %d", cfg.max_model_len, mc.max_position)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cfg.kv_cache_memory_bytes // per_block
+        else:
+            wanted = cfg.max_num_seqs * -(-max_len // bs)
+            num_blocks = min(wanted, max(1, DEFAULT_KV_CACHE_CAP_BYTES // per_block))
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache holds no block: one block needs {per_block} bytes")
+        if num_blocks * bs < max_len:
+            if cfg.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of {bs} tokens = {num_blocks * bs} tokens)"
+                )
+            max_len = num_blocks * bs
+        return num_blocks, max_len
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; a request the core refuses ends at once with finish_reason "error"."""
+        self.requests_received += 1
+        rid = request.request_id
+        try:
+            params = request.sampling_params
+            if rid in self.groups:
+                raise ValueError(f"request id {rid!r} is already in use")
+            validate_prompt(request.prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        except (ValueError, TypeError) as e:
+            self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e)))
+            return
+        children = []
+        for i in range(params.n):
+            child_params = dict(request.params)
+            if params.n > 1 and params.seed is not None:
+                child_params["seed"] = params.seed + i  # each choice its own stream of draws
+            req = Request(
+                child_request_id(rid, params.n, i),
+                None,
+                request.prompt_token_ids,
+                SamplingParams(**child_params),
+                group_id=rid,
+                index=i,
+                cache_salt=request.cache_salt,
+            )
+            children.append(req)
+            self.requests[req.request_id] = req
+            self._new_for_runner.append(NewRequestData(req.request_id, request.prompt_token_ids, child_params))
+        self.groups[rid] = RequestGroup(rid, children)
+        self.scheduler.add_request(children[0])  # the others fork from it after its prompt
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop and free requests (a request id: every choice; a choice's own id: that choice)."""
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            choices = group.children if group is not None else [self.requests[rid]] if rid in self.requests else []
+            for child in choices:
+                self._finish(child, "abort")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.WAITING and req not in self.scheduler.waiting:
+            req.status = RequestStatus.FINISHED  # an unforked choice: holds nothing
+            req.finish_reason = reason
+        else:
+            self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        self._finished_for_runner.append(req.request_id)
+        group = self.groups.get(req.group_id)
+        if group is not None and group.finished:
+            del self.groups[group.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self._failed_outputs)
+
+    def close(self) -> None:
+        """Stop background work (the decode compiler); the core stays usable, eagerly."""
+        if self.runner.compiled is not None:
+            self.runner.compiled.stop()
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[CoreOutput]:
+        outputs, self._failed_outputs = self._failed_outputs, []
+        step = self.scheduler.schedule()
+        step.new_requests, self._new_for_runner = self._new_for_runner, []
+        step.finished_req_ids, self._finished_for_runner = self._finished_for_runner, []
+        if not step.scheduled:
+            self.runner.update_states(step)
+            return outputs
+        for s in step.scheduled:
+            if s.sample_ids:
+                group = self.groups[self.requests[s.req_id].group_id]
+                if not group.forked:  # every choice samples its first token from the prompt's last row
+                    s.sample_ids = [c.request_id for c in group.children if not c.is_finished]
+        for req, n in self.scheduler.scheduled:
+            self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+        try:
+            results = self.runner.execute(step)
+        except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
+            return outputs + self._fail_step(step, e)
+        self.scheduler.update_after_step()
+        self.num_steps += 1
+
+        for s in step.scheduled:
+            if not s.sample_ids:
+                continue
+            parent = self.requests[s.req_id]
+            group = self.groups[parent.group_id]
+            if not group.forked:
+                for child in group.children[1:]:
+                    if not child.is_finished:
+                        self.scheduler.admit_forked(parent, child)
+                group.forked = True
+            cached = max(0, group.children[0].num_cached_tokens)
+            for req_id in s.sample_ids:
+                outputs.append(self._append_token(self.requests[req_id], results[req_id], cached))
+        return outputs
+
+    def _fail_step(self, step, error: Exception) -> list[CoreOutput]:
+        """End every request of a failed step with an error; nothing it was to write stays findable."""
+        self.num_failed_steps += 1
+        log.error(
+            "engine step %d failed; its %d requests end with an error: %s: %s",
+            self.num_steps + self.num_failed_steps,
+            len(step.scheduled),
+            type(error).__name__,
+            error,
+            exc_info=not isinstance(error, InjectedFault),
+        )
+        self.kv.forget_step()
+        self.scheduler.scheduled = []
+        message = f"the engine failed while running this request: {type(error).__name__}: {error}"
+        outputs = []
+        failed_groups = {self.requests[s.req_id].group_id for s in step.scheduled}
+        for gid in failed_groups:
+            for child in list(self.groups[gid].children):
+                if child.is_finished:
+                    continue
+                self._finish(child, "error")
+                outputs.append(CoreOutput(gid, child.index, [], finish_reason="error", error=message))
+        return outputs
+
+    def _append_token(self, req: Request, sampled: SampledToken, num_cached: int) -> CoreOutput:
+        token = sampled.token_id
+        req.all_token_ids.append(token)
+        self.generation_tokens += 1
+        p = req.params
+        out = CoreOutput(req.group_id, req.index, [token], [sampled.logprobs] if sampled.logprobs is not None else None,
+                         num_cached_tokens=num_cached)
+        can_stop = req.num_output_tokens >= p.min_tokens
+        if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            out.stop_reason = token if token in p.stop_token_ids else None
+            out.finish_reason = "stop"
+        elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            out.finish_reason = "length"
+        if out.finish_reason is not None:
+            self._finish(req, out.finish_reason)
+        return out
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_blocks_used": pool.num_blocks - pool.num_free_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "generation_tokens": self.generation_tokens,
+            "steps": self.num_steps,
+            "failed_steps": self.num_failed_steps,
+            "requests_received": self.requests_received,
+            "compiled_decode": self.compile_status(),
+        }
+
+    def compile_status(self) -> dict:
+        """Which decode classes run compiled: state off / compiling / ready / failed."""
+        c = self.runner.compiled
+        if c is None:
+            return {"state": "off", "classes": [], "ready": [], "error": None}
+        return {"state": c.state(), "classes": [k.name for k in c.classes], "ready": sorted(c.ready), "error": c.failed}

@@ -1,0 +1,91 @@
+"""The engine core process of `treadle serve`: an `EngineCore` behind two zmq sockets.
+
+    front end --PUSH--> [in: EngineCoreRequest | Abort | Shutdown]  --PULL--> core
+    front end <--PULL-- [out: Ready | LoadFailed | CoreOutputs]     <--PUSH-- core
+
+The loop: apply every message that has arrived (so aborts land before the next step), run one
+step if any request is unfinished, send its outputs with a stats snapshot. Idle, it blocks on the
+socket (waking once a second to report a changed stats snapshot, such as compiled graphs loading).
+It ends on Shutdown, on the front end's death (PR_SET_PDEATHSIG) or when killed; the front end
+notices the last through the process sentinel and starts a fresh one.
+"""
+
+import ctypes
+import logging
+import os
+import signal
+
+import zmq
+
+from ..config import EngineConfig
+from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown
+
+log = logging.getLogger("treadle")
+
+IDLE_WAKE_MS = 1000
+
+
+def _end_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): a killed front end ends us too
+    except (OSError, AttributeError):
+        pass
+
+
+def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str) -> None:
+    """Entry point of the child process (multiprocessing, spawn)."""
+    _end_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end drains, then stops us
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[core]: %(message)s")
+    from ..model.registry import restore_registry
+
+    restore_registry(registry)
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(in_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 1000)
+    out.connect(out_addr)
+    codec = Codec()
+    try:
+        from .core import EngineCore
+
+        core = EngineCore(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the front end, which exits with it
+        out.send(codec.encode(LoadFailed(f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
+        out.close()
+        ctx.term()
+        return
+    out.send(codec.encode(Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name)))
+    try:
+        _serve(core, inp, out, codec)
+    finally:
+        core.close()
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+def _serve(core, inp, out, codec: Codec) -> None:
+    last_stats = None
+    while True:
+        busy = core.has_unfinished_requests()
+        got = False
+        if inp.poll(0 if busy else IDLE_WAKE_MS):
+            while True:
+                try:
+                    msg = codec.to_core.decode(inp.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                got = True
+                if isinstance(msg, EngineCoreRequest):
+                    core.add_request(msg)
+                elif isinstance(msg, Abort):
+                    core.abort(msg.request_ids)
+                elif isinstance(msg, Shutdown):
+                    return
+        outputs = core.step() if core.has_unfinished_requests() else []
+        stats = core.stats()
+        if outputs or got or stats != last_stats:
+            out.send(codec.encode(CoreOutputs(outputs, stats)))
+            last_stats = stats

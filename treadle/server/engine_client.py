@@ -1,0 +1,287 @@
+"""The server's handle on its engine core process: requests out, deltas in, restarts on death.
+
+Runs on the HTTP server's event loop and nowhere else (sockets and queues are not thread-safe; other
+threads go through `call_soon_threadsafe`). It owns the front end's half of every request: the
+tokenizer (loaded here without the weights) and the `OutputProcessor` (detokenization, stop
+strings, logprob text). `add_request` sends an `EngineCoreRequest`; a reader task turns each
+`CoreOutputs` message into `RequestOutput` deltas on the request's asyncio queue and keeps the
+latest stats snapshot.
+
+If the core process dies (kill -9, OOM), its sentinel wakes the loop: every in-flight request gets
+`EngineDead` at once, /health reports "restarting", and a fresh core is started, at most
+`max_restarts` times within `restart_window` seconds; past that, `on_fatal` ends the server.
+"""
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from ..config import EngineConfig
+from ..engine.core_process import run_engine_core
+from ..engine.output_processor import OutputProcessor
+from ..engine.outputs import RequestOutput
+from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
+from ..engine.sampling_params import SamplingParams
+
+log = logging.getLogger("treadle.server")
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+def _describe_exit(pid: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the engine core process (pid {pid}) was killed by {name}"
+    return f"the engine core process (pid {pid}) exited with code {code}"
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window: float = 600.0, log_level: str = "info"):
+        self.config = config
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.log_level = log_level
+        self.on_fatal = lambda message: None  # set by the server: exit non-zero
+        self.state = "loading"  # loading -> ready; ready -> restarting -> ready; any -> failed
+        self.reason: str | None = None  # why not ready (restarting, failed)
+        self.load_error: str | None = None
+        self.tokenizer = None
+        self.processor: OutputProcessor | None = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.pid: int | None = None
+        self.num_restarts = 0
+        self._restart_times: deque[float] = deque()
+        self._codec = Codec()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats: dict = {}
+        self._adds_sent = 0  # to the current core, against its stats' requests_received
+        self._proc = None
+        self._send_sock = None
+        self._recv_sock = None
+        self._reader: asyncio.Task | None = None
+        self._ipc_dir: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the core process and, meanwhile, load the tokenizer here."""
+        from ..model.loader import load_tokenizer
+
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+        try:
+            self.tokenizer = await self._loop.run_in_executor(None, load_tokenizer, self.config.model)
+        except Exception as e:  # noqa: BLE001 - the core will report the same file problem
+            self._fail(f"{e}")
+            return
+        self.processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.processor is not None
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            self._send(Shutdown())
+            deadline = time.monotonic() + timeout
+            while proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        self._teardown()
+
+    def kill_now(self) -> None:
+        """Last resort at exit (no event loop): the core must not outlive the server."""
+        self._closing = True
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _spawn(self) -> None:
+        from ..model.registry import registered_architectures
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="treadle-")
+        in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        self._send_sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._send_sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; the core drains it every step
+        self._send_sock.setsockopt(zmq.LINGER, 0)
+        self._send_sock.bind(in_addr)
+        self._recv_sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self._recv_sock.setsockopt(zmq.RCVHWM, 0)
+        self._recv_sock.setsockopt(zmq.LINGER, 0)
+        self._recv_sock.bind(out_addr)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(self.config, registered_architectures(), in_addr, out_addr, self.log_level),
+            name="treadle-engine-core",
+            daemon=True,
+        )
+        proc.start()
+        self._proc = proc
+        self._adds_sent = 0
+        self._loop.add_reader(proc.sentinel, self._on_exit, proc)
+        self._reader = self._loop.create_task(self._read(self._recv_sock))
+
+    def _teardown(self) -> None:
+        proc = self._proc
+        if proc is not None:
+            self._loop.remove_reader(proc.sentinel)
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        if self._reader is not None:
+            self._reader.cancel()
+        for sock in (self._send_sock, self._recv_sock):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._proc = self._reader = self._send_sock = self._recv_sock = self._ipc_dir = None
+
+    def _fail(self, message: str) -> None:
+        self.state, self.reason, self.load_error = "failed", message, message
+        self._fail_all(message)
+        self.on_fatal(message)
+
+    def _on_exit(self, proc) -> None:
+        """The core process ended: fail its requests, start another (or give up)."""
+        self._loop.remove_reader(proc.sentinel)
+        proc.join(1)
+        if self._closing or proc is not self._proc or self.state == "failed":
+            return
+        reason = _describe_exit(proc.pid, proc.exitcode)
+        log.error("%s; failing %d in-flight requests and restarting it", reason, len(self._streams))
+        self._fail_all(reason)
+        self._teardown()
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > self.restart_window:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.max_restarts:
+            self._fail(f"{reason}; {len(self._restart_times)} restarts within {self.restart_window:.0f} s already, giving up")
+            return
+        self._restart_times.append(now)
+        self.num_restarts += 1
+        self.state, self.reason = "restarting", reason
+        self._spawn()
+
+    # ------------------------------------------------------------ messages from the core
+
+    async def _read(self, sock) -> None:
+        while True:
+            try:
+                msg = self._codec.from_core.decode(await sock.recv())
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return  # socket closed under us: a restart or shutdown
+            if isinstance(msg, CoreOutputs):
+                self._stats = msg.stats or self._stats
+                if msg.outputs:
+                    self._dispatch(msg)
+            elif isinstance(msg, Ready):
+                self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
+                self.state, self.reason = "ready", None
+                log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)
+            elif isinstance(msg, LoadFailed):
+                self._fail(msg.error)
+
+    def _dispatch(self, msg: CoreOutputs) -> None:
+        deltas, to_abort = self.processor.process(msg.outputs)
+        if to_abort:
+            self._send(Abort(to_abort))
+        for out in deltas:
+            self._post(out)
+
+    def _post(self, out: RequestOutput) -> None:
+        q = self._streams.get(out.request_id)
+        if q is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        q.put_nowait(out)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, q in list(self._streams.items()):
+            if self.processor is not None:
+                self.processor.requests.pop(request_id, None)
+            q.put_nowait(EngineDead(message))
+        self._streams.clear()
+
+    def _send(self, msg) -> None:
+        if self._send_sock is None:
+            return
+        try:
+            self._send_sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # no core connected (dying or starting): its requests fail with it
+            log.warning("cannot reach the engine core: %s", e)
+
+    # ------------------------------------------------------------ called by the HTTP handlers
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting in the core, plus sent and not yet seen by it."""
+        s = self._stats
+        return s.get("num_waiting", 0) + max(0, self._adds_sent - s.get("requests_received", 0))
+
+    def stats(self) -> dict:
+        return {**self._stats, "num_waiting": self.num_waiting, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        out_queue: asyncio.Queue | None = None,
+    ) -> asyncio.Queue:
+        """Queue a request (already validated); its outputs (RequestOutput deltas, or an exception)
+        arrive on `out_queue` (several requests may share one) or a new queue, which is returned."""
+        if not self.ready:
+            raise EngineDead(self.reason or "the engine is not running")
+        q: asyncio.Queue = out_queue if out_queue is not None else asyncio.Queue()
+        self.processor.add_request(request_id, None, prompt_token_ids, params)
+        self._streams[request_id] = q
+        self._adds_sent += 1
+        self._send(EngineCoreRequest(request_id, prompt_token_ids, params_to_dict(params), cache_salt))
+        return q
+
+    def abort(self, request_id: str) -> None:
+        """End a request now: its stream gets a final output with finish_reason "abort"."""
+        if request_id not in self._streams:
+            return
+        final = self.processor.abort(request_id)
+        self._send(Abort([request_id]))
+        if final is not None:
+            self._post(final)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    def abort_all_threadsafe(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.abort_all)

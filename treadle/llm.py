@@ -2,47 +2,22 @@
 
 from dataclasses import replace
 
-from .config import EngineConfig
+from .config import ENGINE_FIELDS, EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        quantized_weights: bool = True,
-        compile: bool = False,
-        seed: int = 0,
-        device: str = "cpu",
-        threads: int | None = None,
-    ):
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            quantized_weights=quantized_weights,
-            compile=compile,
-            seed=seed,
-            device=device,
-            threads=threads,
-        )
+    """The engine in this process. Keyword arguments are `EngineConfig`'s fields, with its defaults
+    (dtype, max_model_len, block_size, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching, quantized_weights, compile, seed, device, threads)."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        unknown = sorted(set(engine_args) - set(ENGINE_FIELDS))
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine argument(s) {', '.join(unknown)} (known: {', '.join(ENGINE_FIELDS)})")
+        self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(self.config)
 
     @property

@@ -25,7 +25,7 @@ from ..model.default_model import MODEL_NAME
 from ..model.loader import load_model_files
 from ..model.runner import InjectedFault, ModelRunner
 from .kv_cache_manager import KVCacheManager
-from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToken, child_request_id
+from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToken, StepInput, child_request_id
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -204,6 +204,14 @@ class EngineCore:
             choices = group.children if group is not None else [self.requests[rid]] if rid in self.requests else []
             for child in choices:
                 self._finish(child, "abort")
+        self._flush_runner_if_idle()
+
+    def _flush_runner_if_idle(self) -> None:
+        """With no request left, the runner hears of the finished ones now, not at the next step."""
+        if not self.groups and (self._finished_for_runner or self._new_for_runner):
+            step = StepInput([], self._new_for_runner, self._finished_for_runner)
+            self._new_for_runner, self._finished_for_runner = [], []
+            self.runner.update_states(step)
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.is_finished:
@@ -247,7 +255,9 @@ class EngineCore:
         try:
             results = self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
-            return outputs + self._fail_step(step, e)
+            outputs += self._fail_step(step, e)
+            self._flush_runner_if_idle()
+            return outputs
         self.scheduler.update_after_step()
         self.num_steps += 1
 
@@ -264,6 +274,7 @@ class EngineCore:
             cached = max(0, group.children[0].num_cached_tokens)
             for req_id in s.sample_ids:
                 outputs.append(self._append_token(self.requests[req_id], results[req_id], cached))
+        self._flush_runner_if_idle()
         return outputs
 
     def _fail_step(self, step, error: Exception) -> list[CoreOutput]:

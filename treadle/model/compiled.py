@@ -29,6 +29,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -82,9 +83,11 @@ def cache_root() -> str:
     return os.path.join(base, "treadle")
 
 
-def artefact_dir(model_path: str, dtype: torch.dtype, quantized: bool, block_size: int, device: torch.device) -> str:
+def artefact_dir(
+    model_path: str, dtype: torch.dtype, quantized: bool, block_size: int, device: torch.device, model_class: type | None = None
+) -> str:
     """One folder per model file, compute path, KV block size, device, CPU vector unit, torch and
-    treadle code: any change compiles anew."""
+    treadle code (and the model class's own file, a plugin's included): any change compiles anew."""
     h = hashlib.sha256()
     st = os.stat(model_path)
     h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}".encode())
@@ -92,8 +95,11 @@ def artefact_dir(model_path: str, dtype: torch.dtype, quantized: bool, block_siz
     # inductor's kernels are generated for the number of compute threads
     h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{Linear.int4_max_rows}|{torch.get_num_threads()}".encode())
     here = os.path.dirname(__file__)
-    for name in _SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
+    sources = [os.path.join(here, name) for name in _SOURCES]
+    if model_class is not None:
+        sources.append(inspect.getsourcefile(model_class))
+    for path in sources:
+        with open(path, "rb") as f:
             h.update(f.read())
     return os.path.join(cache_root(), "compiled", h.hexdigest()[:16])
 
@@ -168,7 +174,7 @@ class CompiledDecode:
         quantized = has_quantized(model)
         self.classes = decode_classes(quantized)
         self.dir = artefact_dir(
-            resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device
+            resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device, type(model)
         )
         self.engine_config = engine_config
         self.ready: dict[str, object] = {}  # class name -> its loaded function, bound to the model
@@ -234,7 +240,9 @@ class CompiledDecode:
     def _start_compiler(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
         config = replace(self.engine_config, compile=False, threads=torch.get_num_threads())
-        spec = json.dumps({**asdict(config), "out": self.dir, "parent": os.getpid()})
+        from .registry import registered_architectures
+
+        spec = json.dumps({**asdict(config), "out": self.dir, "parent": os.getpid(), "registry": registered_architectures()})
         logf = open(self._log_path(), "ab")  # noqa: SIM115 - handed to the child
         self.compiler = subprocess.Popen(
             [sys.executable, "-c", "from treadle.model.compiled import main; main()", spec],
@@ -272,6 +280,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     out = spec.pop("out")
     _end_with_parent(spec.pop("parent"))
+    from .registry import restore_registry
+
+    restore_registry(spec.pop("registry", {}))  # architectures registered in the engine's process
     # Two compilers of the same artefacts (two servers started at once) take turns, before either
     # loads the model.
     lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit

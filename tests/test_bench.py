@@ -1,14 +1,16 @@
 """bench: metric arithmetic on synthetic timings, exact dataset lengths, a live run against treadle."""
 
 import argparse
+import asyncio
 import json
 import random
 
+import httpx
 import pytest
 
-from treadle.bench.datasets import LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
-from treadle.bench.metrics import RequestResult, compute_metrics, parse_goodput, percentile_stats
-from treadle.bench.serve import add_serve_args, bench_serve
+from treadle.bench.datasets import BenchRequest, LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
+from treadle.bench.metrics import RequestResult, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
+from treadle.bench.serve import add_serve_args, bench_serve, print_report, send_request
 from treadle.bench.sweep import plot_sweep
 
 from .conftest import KEY
@@ -64,6 +66,42 @@ def test_single_token_requests_have_no_tpot():
     m = compute_metrics([r], 1.0, [99], {})
     assert m["mean_ttft_ms"] == pytest.approx(200.0)
     assert m["mean_tpot_ms"] == 0.0
+
+
+def test_health_probe_stats():
+    stats = health_probe_stats([0.001 * i for i in range(1, 101)], failed=2)
+    assert stats["n"] == 100 and stats["failed"] == 2
+    assert stats["p50"] == pytest.approx(50.5) and stats["p99"] == pytest.approx(99.01) and stats["max"] == pytest.approx(100.0)
+    assert health_probe_stats([], 0) == {"n": 0, "failed": 0, "p50": None, "p99": None, "max": None}
+
+
+@pytest.mark.parametrize(
+    "backend, logprobs, expected",
+    [
+        ("openai", 3, {"logprobs": 3}),
+        ("openai-chat", 3, {"logprobs": True, "top_logprobs": 3}),
+        ("openai", None, {}),
+        ("openai-chat", None, {}),
+    ],
+)
+def test_logprobs_request_fields(backend, logprobs, expected):
+    sent = []
+
+    def handler(request):
+        sent.append(json.loads(request.content))
+        chunk = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1, "prompt_tokens": 2}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    args = p.parse_args(["--backend", backend] + (["--logprobs", str(logprobs)] if logprobs is not None else []))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1), backend == "openai-chat", args)
+
+    assert asyncio.run(go()).success
+    assert {k: sent[0][k] for k in ("logprobs", "top_logprobs") if k in sent[0]} == expected
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +179,21 @@ def test_live_bench_serve_against_treadle(server, backend, tmp_path):
     for key in VLLM_KEYS:
         assert key in result, key
     json.dumps(result)
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_live_logprobs_and_health_probe(server, backend, capsys):
+    args = bench_args(server, backend=backend, random_input_len=16, random_output_len=8, num_prompts=4, max_concurrency=4, ignore_eos=True, logprobs=3, health_probe_interval=0.02)
+    result = bench_serve(args)
+    assert result["failed"] == 0 and result["completed"] == 4, result["errors"]  # the server accepted the logprobs fields
+    assert result["logprobs"] == 3
+    health = result["health_probe_latency_ms"]
+    assert health["n"] > 0 and health["failed"] == 0
+    assert 0 < health["p50"] <= health["p99"] <= health["max"]
+    assert health["n"] <= result["duration"] / 0.02 + 2  # one probe per interval, only while the load runs
+    json.dumps(result)
+    print_report(result, args)
+    assert "Health Probe" in capsys.readouterr().out
 
 
 def test_server_tokenizer_gives_the_same_lengths(server):

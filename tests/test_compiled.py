@@ -10,6 +10,7 @@ import torch
 
 from treadle import LLM, SamplingParams
 from treadle.model import compiled
+from treadle.model.llama import LlamaModel
 
 from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
@@ -39,7 +40,7 @@ def prompts(n: int, length: int = 20) -> list[list[int]]:
 def write_unloadable_artefacts(folder: str) -> None:
     """Files in every artefact slot of a float32 engine on `folder` (block size 16, CPU) that torch
     cannot load."""
-    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"))
+    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"), LlamaModel)
     os.makedirs(target)
     for cls in compiled.decode_classes(quantized=False):
         with open(compiled.artefact_path(target, cls), "wb") as f:
@@ -124,6 +125,10 @@ def test_engine_without_compile_reports_off(make_llm):
     assert llm.stats()["compiled_decode"] == {"state": "off", "classes": [], "ready": [], "error": None}
 
 
+class PluginModel(LlamaModel):
+    """A model class whose source file is this one."""
+
+
 def test_artefacts_are_keyed_by_block_size_and_dtype(tmp_path, cache_home):
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
@@ -133,6 +138,7 @@ def test_artefacts_are_keyed_by_block_size_and_dtype(tmp_path, cache_home):
     assert base != compiled.artefact_dir(folder, torch.float32, False, 32, cpu)  # the graphs bake the block size in
     assert base != compiled.artefact_dir(folder, torch.bfloat16, False, 16, cpu)
     assert base != compiled.artefact_dir(folder, torch.float32, True, 16, cpu)
+    assert base != compiled.artefact_dir(folder, torch.float32, False, 16, cpu, PluginModel)  # a plugin's own source file
 
 
 def test_a_compiled_graph_that_fails_goes_back_to_eager(tmp_path, cache_home):

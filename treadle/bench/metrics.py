@@ -44,6 +44,15 @@ def percentile_stats(values_s: list[float], percentiles: list[float]) -> dict:
     return out
 
 
+def health_probe_stats(latencies_s: list[float], failed: int) -> dict:
+    """Successful /health round trips: count, failures, and p50 / p99 / max in milliseconds (None if none)."""
+    arr = np.asarray(latencies_s, dtype=float) * 1000.0
+    stats = {"n": len(arr), "failed": failed, "p50": None, "p99": None, "max": None}
+    if len(arr):
+        stats.update(p50=float(np.percentile(arr, 50)), p99=float(np.percentile(arr, 99)), max=float(arr.max()))
+    return stats
+
+
 def _fmt(p: float) -> str:
     return str(int(p)) if float(p).is_integer() else str(p)
 

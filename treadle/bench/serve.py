@@ -12,7 +12,7 @@ import httpx
 from tqdm import tqdm
 
 from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
-from .metrics import METRIC_TITLES, RequestResult, compute_metrics, parse_goodput
+from .metrics import METRIC_TITLES, RequestResult, compute_metrics, health_probe_stats, parse_goodput
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -30,8 +30,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals; else gamma")
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="logprobs per token to request (default: none)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--health-probe-interval", type=float, default=None, metavar="SECONDS", help="GET /health this often while the load runs; report its latency")
     p.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="ttft:MS tpot:MS e2el:MS")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     p.add_argument("--metric-percentiles", default="99")
@@ -61,8 +63,13 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
         payload["ignore_eos"] = True
     if chat:
         payload["messages"] = [{"role": "user", "content": req.prompt}]
+        if args.logprobs is not None:
+            payload["logprobs"] = True
+            payload["top_logprobs"] = args.logprobs
     else:
         payload["prompt"] = req.prompt
+        if args.logprobs is not None:
+            payload["logprobs"] = args.logprobs
     result = RequestResult(prompt_len=req.prompt_len)
     start = time.perf_counter()
     result.start = start
@@ -104,6 +111,26 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
     return result
 
 
+async def probe_health(client: httpx.AsyncClient, url: str, interval: float, stop: asyncio.Event) -> tuple[list[float], int]:
+    """GET url every `interval` seconds until `stop` is set: (round-trip seconds of each 200, failures)."""
+    latencies, failed = [], 0
+    while not stop.is_set():
+        start = time.perf_counter()
+        try:
+            r = await client.get(url, timeout=10)
+            if r.status_code == 200:
+                latencies.append(time.perf_counter() - start)
+            else:
+                failed += 1
+        except httpx.HTTPError:
+            failed += 1
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except TimeoutError:
+            pass
+    return latencies, failed
+
+
 def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     if rate == float("inf"):
         return [0.0] * n
@@ -133,6 +160,10 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
                 bar.update(1)
             return r
 
+        stop = asyncio.Event()
+        probe = None
+        if args.health_probe_interval:
+            probe = asyncio.create_task(probe_health(client, base_url(args) + "/health", args.health_probe_interval, stop))
         start = time.perf_counter()
         tasks = []
         for req, gap in zip(requests, _arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)):
@@ -141,6 +172,8 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
             tasks.append(asyncio.create_task(limited(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        stop.set()
+        health = health_probe_stats(*await probe) if probe else None
         if bar:
             bar.close()
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
@@ -156,7 +189,9 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
         "burstiness": args.burstiness,
+        "logprobs": args.logprobs,
         **metrics,
+        "health_probe_latency_ms": health,
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
         "ttfts": [r.ttft for r in results],
@@ -194,6 +229,14 @@ def print_report(result: dict, args) -> None:
         for p in args.metric_percentiles.split(","):
             key = f"p{p}" if not float(p).is_integer() else f"p{int(float(p))}"
             print(num(f"P{p} {short} (ms):", result[f"{key}_{name}_ms"]))
+    health = result.get("health_probe_latency_ms")
+    if health:
+        print("{s:{c}^{n}}".format(s="Health Probe (GET /health)", n=50, c="-"))
+        print(line("Health probes (ok):", health["n"]))
+        print(line("Health probes (failed):", health["failed"]))
+        for key, title in (("p50", "P50"), ("p99", "P99"), ("max", "Max")):
+            if health[key] is not None:
+                print(num(f"{title} health latency (ms):", health[key]))
     print("=" * 50)
     errors = [e for e in result["errors"] if e]
     if errors:

@@ -153,7 +153,15 @@ def main() -> int:
                  "--result-dir", args.out, "--plot-title", f"{args.input_len} in / {args.output_len} out, 2 threads", "--disable-tqdm"]  # fmt: skip
         print(" ".join(sweep), flush=True)
         subprocess.run(sweep, check=False)
-        memory = {"treadle": peak_rss_mb(t_proc.pid), "llama.cpp": peak_rss_mb(l_proc.pid)}
+        # treadle is two processes: the HTTP front end and the engine core (holding the model)
+        with urllib.request.urlopen(f"http://127.0.0.1:{t_port}/stats", timeout=5) as r:
+            core_pid = json.load(r)["engine_pid"]
+        memory = {
+            "treadle": peak_rss_mb(t_proc.pid) + peak_rss_mb(core_pid),
+            "treadle front end": peak_rss_mb(t_proc.pid),
+            "treadle engine core": peak_rss_mb(core_pid),
+            "llama.cpp": peak_rss_mb(l_proc.pid),
+        }
     finally:
         for p in (t_proc, l_proc):
             p.terminate()
@@ -172,7 +180,10 @@ def main() -> int:
         ratio = t["output_throughput"] / l["output_throughput"] if l["output_throughput"] else float("nan")
         print(f"| {c} | {t['output_throughput']:.1f} | {l['output_throughput']:.1f} | {ratio:.2f} | {t['median_tpot_ms']:.1f} | "
               f"{l['median_tpot_ms']:.1f} | {t['median_ttft_ms']:.0f} | {l['median_ttft_ms']:.0f} |")  # fmt: skip
-    print(f"\npeak RSS: treadle {memory['treadle']:.0f} MB, llama-server {memory['llama.cpp']:.0f} MB")
+    print(
+        f"\npeak RSS: treadle {memory['treadle']:.0f} MB (front end {memory['treadle front end']:.0f} + engine core "
+        f"{memory['treadle engine core']:.0f}), llama-server {memory['llama.cpp']:.0f} MB"
+    )
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(memory, f)
 

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import msgspec
@@ -36,7 +35,7 @@ def sample_messages():
         P.EngineCoreRequest("r2", [7], P.params_to_dict(SamplingParams())),
         P.Abort(["r1", "r1#0"]),
         P.Shutdown(),
-        P.Ready(pid=123, max_model_len=8192, vocab_size=49152, model_name="m"),
+        P.Ready(pid=123, max_model_len=8192, vocab_size=49152, model_name="m", stats={"kv_blocks_total": 4}),
         P.LoadFailed("model.gguf: tensor x: missing"),
         P.CoreOutputs(
             [
@@ -211,3 +210,13 @@ def test_a_registered_architecture_is_served_by_treadle_serve(tmp_path, with_plu
         assert r.json()["choices"][0]["text"] == local.text and r.json()["usage"]["completion_tokens"] == len(local.token_ids)
     finally:
         s.stop()
+
+
+def test_in_process_a_failed_step_raises_and_the_engine_goes_on(make_llm, monkeypatch):
+    monkeypatch.setenv("TREADLE_FAULT_INJECT", "step:2")
+    llm = make_llm(max_num_seqs=4)
+    with pytest.raises(RuntimeError, match="injected failure of step 2"):
+        llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] and llm.stats()["failed_steps"] == 1
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"

@@ -67,6 +67,10 @@ class LLM:
             for delta in engine.step():
                 if delta.request_id not in results:
                     continue
+                if delta.error is not None:  # the engine failed while running it: no partial answer
+                    for rid in pending:
+                        engine.abort_request(rid)
+                    raise RuntimeError(f"request {delta.request_id}: {delta.error}")
                 results[delta.request_id] = _merge(results[delta.request_id], delta)
                 if delta.finished:
                     pending.discard(delta.request_id)

@@ -26,7 +26,7 @@ from ..model.loader import load_model_files
 from ..model.runner import InjectedFault, ModelRunner
 from .kv_cache_manager import KVCacheManager
 from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToken, StepInput, child_request_id
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -63,24 +63,6 @@ def parse_faults(spec: str | None) -> frozenset[int]:
             raise ValueError(f"{FAULT_ENV}: {item!r}: expected step:N")
         steps.add(int(value))
     return frozenset(steps)
-
-
-def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """The checks every request passes, in the front end and again in the core."""
-    if not token_ids:
-        raise ValueError("the prompt is empty (0 tokens)")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, "
-            "which leaves no room to generate"
-        )
-    if params.logit_bias and any(not 0 <= t < vocab_size for t in params.logit_bias):
-        raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
-    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise ValueError(f"stop_token_ids names a token id outside the vocabulary [0, {vocab_size})")
 
 
 class RequestGroup:

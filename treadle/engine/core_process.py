@@ -56,7 +56,7 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
         out.close()
         ctx.term()
         return
-    out.send(codec.encode(Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name)))
+    out.send(codec.encode(Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name, core.stats())))
     try:
         _serve(core, inp, out, codec)
     finally:

@@ -8,10 +8,11 @@ puts the same two halves in two processes (`server/engine_client.py`, `engine/co
 import itertools
 
 from ..config import EngineConfig
-from .core import EngineCore, cpu_has_native_bf16, resolve_dtype, validate_prompt  # noqa: F401 (re-exported)
+from .core import EngineCore, cpu_has_native_bf16, resolve_dtype  # noqa: F401 (re-exported)
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .protocol import EngineCoreRequest, params_to_dict
+from .request import validate_prompt
 from .sampling_params import SamplingParams
 
 

@@ -69,6 +69,7 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     model_name: str
+    stats: dict  # the first snapshot, so /stats has one as soon as the server is ready
 
 
 class LoadFailed(msgspec.Struct, tag=True):

@@ -1,12 +1,11 @@
 """Read a Hugging Face model folder: config.json, *.safetensors, tokenizer files."""
 
 import glob
-import json
 import os
 
 from .config import ModelConfig, ModelFiles, ModelLoadError, RopeConfig
 from .registry import HF_CLASS_NAMES, is_registered, registered_architectures
-from .tokenizer import tokenizer_from_hf_folder
+from .tokenizer import read_json, tokenizer_from_hf_folder
 
 
 def read_config(folder: str) -> dict:
@@ -14,11 +13,7 @@ def read_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise ModelLoadError(f"{folder}: config.json: missing, not a Hugging Face model folder")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot parse: {e}") from e
+    return read_json(path)
 
 
 def _architecture(folder: str, cfg: dict) -> str:

@@ -268,7 +268,8 @@ def _set_post_processor(backend: HFTokenizer, tokens, bos: int | None, eos: int 
 # ---------------------------------------------------------------- Hugging Face folder
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """A JSON file as a dict ({} if it is absent); unreadable: a ModelLoadError naming it."""
     if not os.path.isfile(path):
         return {}
     try:
@@ -286,8 +287,8 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         backend = HFTokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
         raise ModelLoadError(f"{path}: cannot parse: {e}") from e
-    tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-    gen_config = _read_json(os.path.join(folder, "generation_config.json"))
+    tok_config = read_json(os.path.join(folder, "tokenizer_config.json"))
+    gen_config = read_json(os.path.join(folder, "generation_config.json"))
 
     def token_id(entry) -> int | None:
         if isinstance(entry, dict):
@@ -313,7 +314,7 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         with open(jinja_file, encoding="utf-8") as f:
             chat_template = f.read()
     if chat_template is None:
-        chat_template = _read_json(os.path.join(folder, "chat_template.json")).get("chat_template")
+        chat_template = read_json(os.path.join(folder, "chat_template.json")).get("chat_template")
     return Tokenizer(
         backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder
     )

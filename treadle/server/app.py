@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.outputs import RequestOutput
-from ..engine.core import validate_prompt
+from ..engine.request import validate_prompt
 from .engine_client import EngineClient, EngineDead
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (

@@ -15,7 +15,6 @@ If the core process dies (kill -9, OOM), its sentinel wakes the loop: every in-f
 import asyncio
 import logging
 import multiprocessing
-import os
 import shutil
 import signal
 import tempfile
@@ -173,6 +172,7 @@ class EngineClient:
         log.error("%s; failing %d in-flight requests and restarting it", reason, len(self._streams))
         self._fail_all(reason)
         self._teardown()
+        self._stats = {}  # the dead core's numbers are gone with it
         now = time.monotonic()
         while self._restart_times and now - self._restart_times[0] > self.restart_window:
             self._restart_times.popleft()
@@ -200,6 +200,7 @@ class EngineClient:
                     self._dispatch(msg)
             elif isinstance(msg, Ready):
                 self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
+                self._stats = msg.stats
                 self.state, self.reason = "ready", None
                 log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)
             elif isinstance(msg, LoadFailed):

@@ -220,3 +220,21 @@ def test_in_process_a_failed_step_raises_and_the_engine_goes_on(make_llm, monkey
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] and llm.stats()["failed_steps"] == 1
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_a_model_the_core_cannot_load_ends_the_server_with_its_message(tmp_path):
+    """The tokenizer loads in the front end, the weights do not in the core: LoadFailed, exit 1."""
+    from .tiny_models import save_hf_model
+
+    folder = tmp_path / "broken"
+    save_hf_model(str(folder), "llama")
+    (weights,) = folder.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    s = ServerProcess("--model", str(folder))
+    try:
+        assert s.proc.wait(60) == 1
+        output = s.proc.stdout.read().decode()
+        assert "corrupt or truncated safetensors file" in output and output.count("cannot serve") == 1
+        assert "Traceback" not in output
+    finally:
+        s.stop()

@@ -158,6 +158,8 @@ class EngineClient:
         self._proc = self._reader = self._send_sock = self._recv_sock = self._ipc_dir = None
 
     def _fail(self, message: str) -> None:
+        if self.state == "failed":
+            return  # the front end and the core may both report one unloadable model
         self.state, self.reason, self.load_error = "failed", message, message
         self._fail_all(message)
         self.on_fatal(message)

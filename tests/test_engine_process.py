@@ -146,6 +146,18 @@ def test_failed_step_ends_a_stream_with_an_error_event_and_the_engine_goes_on(fa
     assert httpx.get(faulty.url + "/health").json() == {"status": "ok"}
 
 
+def test_the_core_ignores_sigterm_and_refuses_bad_choices_seeds_without_dying(faulty):
+    """SIGTERM to the whole process group (a service manager) must leave the drain to the front end;
+    a seed that overflows for choice n - 1 is a 400, not a dead core."""
+    pid = httpx.get(faulty.url + "/stats").json()["engine_pid"]
+    os.kill(pid, signal.SIGTERM)
+    r = complete(faulty, "Hello", n=2, seed=2**64 - 1, temperature=1.0)
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+    assert complete(faulty, "Hello").status_code == 200
+    stats = httpx.get(faulty.url + "/stats").json()
+    assert stats["engine_pid"] == pid and stats["engine_restarts"] == 0
+
+
 def test_kill_9_of_the_core_fails_in_flight_requests_and_it_comes_back(faulty):
     before = httpx.get(faulty.url + "/stats").json()
     results = {}
@@ -176,6 +188,16 @@ def test_kill_9_of_the_core_fails_in_flight_requests_and_it_comes_back(faulty):
     after = httpx.get(faulty.url + "/stats").json()
     assert after["engine_pid"] != before["engine_pid"] and after["engine_restarts"] == 1
     assert "treadle:engine_restarts_total 1.0" in httpx.get(faulty.url + "/metrics").text
+
+
+def test_the_core_refuses_a_bad_request_without_registering_anything(make_llm):
+    llm = make_llm(max_num_seqs=2)
+    core = llm.engine.core
+    params = {**P.params_to_dict(SamplingParams()), "n": 2, "seed": 2**64 - 1}  # past the front end's checks
+    core.add_request(P.EngineCoreRequest("bad", [1, 2, 3], params))
+    (out,) = core.step()
+    assert out.request_id == "bad" and out.finish_reason == "error" and "seed" in out.error
+    assert core.requests == {} and core.groups == {} and not core.has_unfinished_requests()
 
 
 def test_past_the_restart_limit_the_server_exits_non_zero():

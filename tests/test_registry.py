@@ -253,3 +253,12 @@ def test_plugin_model_matches_transformers_and_is_not_llama(with_plugin, gelu_fo
     _edit_config(plain, model_type="llama", architectures=["LlamaForCausalLM"])
     as_llama = [out.outputs[0].token_ids for out in LLM(plain, dtype="float32", max_model_len=256, block_size=8).generate(ps, params)]
     assert all(a != b for a, b in zip(ours, as_llama))
+
+
+def test_a_class_another_process_cannot_import_is_refused_at_registration(fresh_registry):
+    class Local(LlamaModel):
+        pass
+
+    with pytest.raises(ValueError, match="importable by name"):
+        register_model("local_arch", Local)
+    assert not is_registered("local_arch")

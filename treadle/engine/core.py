@@ -115,6 +115,7 @@ class EngineCore:
         self._failed_outputs: list[CoreOutput] = []  # requests refused or failed outside a step
         self.num_steps = 0
         self.num_failed_steps = 0
+        self.consecutive_failed_steps = 0  # the core process gives up (and is restarted) past a few
         self.requests_received = 0
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
@@ -156,26 +157,28 @@ class EngineCore:
             if rid in self.groups:
                 raise ValueError(f"request id {rid!r} is already in use")
             validate_prompt(request.prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        except (ValueError, TypeError) as e:
+            children, runner_data = [], []
+            for i in range(params.n):
+                child_params = dict(request.params)
+                if params.n > 1 and params.seed is not None:
+                    child_params["seed"] = params.seed + i  # each choice its own stream of draws
+                req = Request(
+                    child_request_id(rid, params.n, i),
+                    None,
+                    request.prompt_token_ids,
+                    SamplingParams(**child_params),
+                    group_id=rid,
+                    index=i,
+                    cache_salt=request.cache_salt,
+                )
+                children.append(req)
+                runner_data.append(NewRequestData(req.request_id, request.prompt_token_ids, child_params))
+        except (ValueError, TypeError) as e:  # nothing was registered: the request simply ends
             self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e)))
             return
-        children = []
-        for i in range(params.n):
-            child_params = dict(request.params)
-            if params.n > 1 and params.seed is not None:
-                child_params["seed"] = params.seed + i  # each choice its own stream of draws
-            req = Request(
-                child_request_id(rid, params.n, i),
-                None,
-                request.prompt_token_ids,
-                SamplingParams(**child_params),
-                group_id=rid,
-                index=i,
-                cache_salt=request.cache_salt,
-            )
-            children.append(req)
+        for req in children:
             self.requests[req.request_id] = req
-            self._new_for_runner.append(NewRequestData(req.request_id, request.prompt_token_ids, child_params))
+        self._new_for_runner.extend(runner_data)
         self.groups[rid] = RequestGroup(rid, children)
         self.scheduler.add_request(children[0])  # the others fork from it after its prompt
 
@@ -242,6 +245,7 @@ class EngineCore:
             return outputs
         self.scheduler.update_after_step()
         self.num_steps += 1
+        self.consecutive_failed_steps = 0
 
         for s in step.scheduled:
             if not s.sample_ids:
@@ -262,6 +266,7 @@ class EngineCore:
     def _fail_step(self, step, error: Exception) -> list[CoreOutput]:
         """End every request of a failed step with an error; nothing it was to write stays findable."""
         self.num_failed_steps += 1
+        self.consecutive_failed_steps += 1
         log.error(
             "engine step %d failed; its %d requests end with an error: %s: %s",
             self.num_steps + self.num_failed_steps,
@@ -275,6 +280,10 @@ class EngineCore:
         message = f"the engine failed while running this request: {type(error).__name__}: {error}"
         outputs = []
         failed_groups = {self.requests[s.req_id].group_id for s in step.scheduled}
+        # a block copy of the step (a forked choice's partial block) may not have been made either
+        copied_to = {dst for _, dst in step.block_copies}
+        if copied_to:
+            failed_groups |= {r.group_id for r in self.requests.values() if copied_to & set(self.kv.block_table(r.request_id))}
         for gid in failed_groups:
             for child in list(self.groups[gid].children):
                 if child.is_finished:

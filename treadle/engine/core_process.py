@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 
 import zmq
 
@@ -23,6 +24,8 @@ from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, 
 log = logging.getLogger("treadle")
 
 IDLE_WAKE_MS = 1000
+LOAD_FAILED_EXIT = 3  # the exit code after LoadFailed: the front end waits for the message, then gives up
+MAX_CONSECUTIVE_FAILED_STEPS = 8  # a failure that repeats every step (a broken device): die and be restarted
 
 
 def _end_with_parent() -> None:
@@ -35,7 +38,10 @@ def _end_with_parent() -> None:
 def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str) -> None:
     """Entry point of the child process (multiprocessing, spawn)."""
     _end_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end drains, then stops us
+    # Ctrl-C, or a service manager's SIGTERM, reaches the whole process group: the front end
+    # drains, then sends Shutdown (and if it dies, PR_SET_PDEATHSIG ends us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[core]: %(message)s")
     from ..model.registry import restore_registry
 
@@ -55,7 +61,7 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
         out.send(codec.encode(LoadFailed(f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
         out.close()
         ctx.term()
-        return
+        sys.exit(LOAD_FAILED_EXIT)
     out.send(codec.encode(Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name, core.stats())))
     try:
         _serve(core, inp, out, codec)
@@ -85,6 +91,10 @@ def _serve(core, inp, out, codec: Codec) -> None:
                 elif isinstance(msg, Shutdown):
                     return
         outputs = core.step() if core.has_unfinished_requests() else []
+        if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            out.send(codec.encode(CoreOutputs(outputs, core.stats())))
+            log.error("%d steps in a row failed: exiting so that a fresh engine core replaces this one", core.consecutive_failed_steps)
+            sys.exit(1)
         stats = core.stats()
         if outputs or got or stats != last_stats:
             out.send(codec.encode(CoreOutputs(outputs, stats)))

@@ -63,6 +63,12 @@ class SamplingParams:
         check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", f"must fit in 64 bits, got {self.seed}")
+        # choice i of n draws with seed + i: every one of them must fit too
+        check(
+            self.seed is None or self.seed + self.n - 1 < 2**64,
+            "seed",
+            f"must leave room for n = {self.n} choices (seed + n - 1 < 2**64), got {self.seed}",
+        )
         check(all(s for s in self.stop_strings), "stop", "must not contain empty strings")
 
     @property

@@ -38,6 +38,12 @@ _plugins_loaded = False
 def register_model(arch: str, target: str | type) -> None:
     """target: "package.module:Class" (imported on first use) or the class itself."""
     if isinstance(target, type):
+        if target.__module__ == "__main__" or "<locals>" in target.__qualname__:
+            # the engine core process imports the class by name: it must be importable there
+            raise ValueError(
+                f"register_model({arch!r}, {target.__qualname__}): the class must be importable by name "
+                "(defined at the top level of a module other than __main__); or pass 'package.module:Class'"
+            )
         target = f"{target.__module__}:{target.__qualname__}"
     elif ":" not in target:
         raise ValueError(f"register_model({arch!r}, {target!r}): expected 'package.module:Class'")

@@ -250,7 +250,7 @@ def _require_ready(state: ServerState) -> None:
     if not engine.ready:
         if engine.state == "restarting":
             raise RequestError(f"the engine is restarting: {engine.reason}", status=503, code="engine_restarting", headers={"Retry-After": "1"})
-        raise RequestError("the model is still loading", status=503, code="model_loading")
+        raise RequestError("the model is still loading", status=503, code="model_loading", headers={"Retry-After": "5"})
     if state.draining:
         raise RequestError("the server is shutting down", status=503, code="shutting_down")
 
@@ -399,8 +399,10 @@ class _Job:
                     return Response(status_code=499)
                 continue
             except EngineDead as e:
-                raise RequestError(str(e), status=503, code="engine_dead") from None
+                self._finish_metrics({0: "error"})
+                raise RequestError(str(e), status=503, code="engine_dead", headers={"Retry-After": "5"}) from None
             except EngineStepFailed as e:
+                self._finish_metrics({0: "error"})
                 raise RequestError(str(e), status=500, code="internal_error") from None
             for c in out.outputs:
                 i = self._index(out.request_id, c.index)
@@ -474,6 +476,7 @@ class _Job:
                 except (EngineDead, EngineStepFailed) as e:
                     # the stream's status line is gone already: an error event, then the end
                     status, code = (503, "engine_dead") if isinstance(e, EngineDead) else (500, "internal_error")
+                    self._finish_metrics({0: "error"})
                     yield f"data: {json.dumps(error_body(str(e), ERROR_TYPES[status], None, code))}\n\n"
                     yield "data: [DONE]\n\n"
                     return

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import EngineConfig
-from ..engine.core_process import run_engine_core
+from ..engine.core_process import LOAD_FAILED_EXIT, run_engine_core
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
@@ -76,6 +76,7 @@ class EngineClient:
         self._ipc_dir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self.draining = False  # set by the server on SIGINT/SIGTERM: a core that dies now is not restarted
 
     # ------------------------------------------------------------ lifecycle
 
@@ -165,12 +166,26 @@ class EngineClient:
         self.on_fatal(message)
 
     def _on_exit(self, proc) -> None:
-        """The core process ended: fail its requests, start another (or give up)."""
         self._loop.remove_reader(proc.sentinel)
+        self._loop.create_task(self._after_exit(proc))
+
+    async def _after_exit(self, proc) -> None:
+        """The core process ended: fail its requests, start another (or give up)."""
         proc.join(1)
+        if proc.exitcode == LOAD_FAILED_EXIT:
+            for _ in range(100):  # its LoadFailed message may still be on the way: let the reader take it
+                if self.state == "failed":
+                    break
+                await asyncio.sleep(0.01)
         if self._closing or proc is not self._proc or self.state == "failed":
             return
         reason = _describe_exit(proc.pid, proc.exitcode)
+        if self.draining:  # shutting down anyway: no new core
+            log.error("%s while the server drains; failing %d in-flight requests", reason, len(self._streams))
+            self._fail_all(reason)
+            self._teardown()
+            self.state, self.reason = "stopped", reason
+            return
         log.error("%s; failing %d in-flight requests and restarting it", reason, len(self._streams))
         self._fail_all(reason)
         self._teardown()
@@ -199,8 +214,13 @@ class EngineClient:
             if isinstance(msg, CoreOutputs):
                 self._stats = msg.stats or self._stats
                 if msg.outputs:
-                    self._dispatch(msg)
-            elif isinstance(msg, Ready):
+                    try:
+                        self._dispatch(msg)
+                    except Exception:  # noqa: BLE001 - a bug here must not leave every stream hanging
+                        log.exception("cannot process the engine core's outputs; restarting the core")
+                        self._proc.kill()  # its death fails every in-flight request and starts a fresh one
+                        return
+            elif isinstance(msg, Ready) and self.state != "failed":
                 self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
                 self._stats = msg.stats
                 self.state, self.reason = "ready", None

@@ -35,6 +35,7 @@ class GracefulServer(uvicorn.Server):
             return
         self._draining = True
         self.state.draining = True
+        self.state.engine.draining = True
         threading.Thread(target=self._drain, name="treadle-drain", daemon=True).start()
 
     def _drain(self) -> None:

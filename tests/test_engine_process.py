@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import msgspec
@@ -198,6 +199,25 @@ def test_the_core_refuses_a_bad_request_without_registering_anything(make_llm):
     (out,) = core.step()
     assert out.request_id == "bad" and out.finish_reason == "error" and "seed" in out.error
     assert core.requests == {} and core.groups == {} and not core.has_unfinished_requests()
+
+
+def test_a_step_that_fails_every_time_gets_the_core_replaced():
+    """Eight failed steps in a row (a broken device, say): the core exits and a fresh one serves."""
+    s = ServerProcess(env={"TREADLE_FAULT_INJECT": ",".join(f"step:{i}" for i in range(1, 9))})
+    try:
+        s.wait_healthy()
+        first = httpx.get(s.url + "/stats").json()["engine_pid"]
+        for _ in range(8):
+            assert complete(s, "Hello", max_tokens=1).status_code == 500
+        deadline = time.time() + 60
+        stats = {}
+        while stats.get("engine_pid", first) == first and time.time() < deadline:
+            time.sleep(0.2)
+            r = httpx.get(s.url + "/stats")
+            stats = r.json() if r.status_code == 200 else {}  # 503 while the new core loads
+        assert stats["engine_pid"] != first and stats["engine_restarts"] == 1  # (the new core fails the same way: same env)
+    finally:
+        s.stop()
 
 
 def test_past_the_restart_limit_the_server_exits_non_zero():

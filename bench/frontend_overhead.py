@@ -19,18 +19,11 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from peer_compare import free_port, wait_healthy  # bench/ is this script's folder
 
 
 def cpu_name() -> str:
@@ -47,17 +40,8 @@ def start_server(args: list[str], log_path: str) -> tuple[subprocess.Popen, str]
     print("server:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit("server did not become healthy")
+    wait_healthy(url, proc)
+    return proc, url
 
 
 def stop(proc: subprocess.Popen) -> None:

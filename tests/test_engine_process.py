@@ -66,9 +66,10 @@ def test_every_boundary_message_round_trips():
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=typ) == msg
 
 
-def test_the_runner_needs_nothing_but_the_plain_step(make_llm):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the user's default, with its 4-bit decode path
+def test_the_runner_needs_nothing_but_the_plain_step(make_llm, dtype):
     """Every step goes through msgpack before the runner sees it: same tokens as without."""
-    llm = make_llm(max_num_batched_tokens=24, enable_prefix_caching=True)
+    llm = make_llm(max_num_batched_tokens=24, enable_prefix_caching=True, dtype=dtype)
     prompts = [STORY * 2, "Once upon a time", STORY[:40]]
     params = [
         SamplingParams(temperature=0, max_tokens=12),

@@ -158,15 +158,14 @@ class EngineCore:
                 raise ValueError(f"request id {rid!r} is already in use")
             validate_prompt(request.prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
             children, runner_data = [], []
+            per_choice_seed = params.n > 1 and params.seed is not None
             for i in range(params.n):
-                child_params = dict(request.params)
-                if params.n > 1 and params.seed is not None:
-                    child_params["seed"] = params.seed + i  # each choice its own stream of draws
+                child_params = {**request.params, "seed": params.seed + i} if per_choice_seed else request.params
                 req = Request(
                     child_request_id(rid, params.n, i),
                     None,
                     request.prompt_token_ids,
-                    SamplingParams(**child_params),
+                    SamplingParams(**child_params) if per_choice_seed else params,
                     group_id=rid,
                     index=i,
                     cache_salt=request.cache_salt,

@@ -91,11 +91,10 @@ def _serve(core, inp, out, codec: Codec) -> None:
                 elif isinstance(msg, Shutdown):
                     return
         outputs = core.step() if core.has_unfinished_requests() else []
-        if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-            out.send(codec.encode(CoreOutputs(outputs, core.stats())))
-            log.error("%d steps in a row failed: exiting so that a fresh engine core replaces this one", core.consecutive_failed_steps)
-            sys.exit(1)
         stats = core.stats()
         if outputs or got or stats != last_stats:
             out.send(codec.encode(CoreOutputs(outputs, stats)))
             last_stats = stats
+        if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            log.error("%d steps in a row failed: exiting so that a fresh engine core replaces this one", core.consecutive_failed_steps)
+            sys.exit(1)

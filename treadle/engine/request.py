@@ -11,7 +11,24 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Request:
+class TokenHistory:
+    """Prompt and output tokens of a sequence: `all_token_ids` with the first `num_prompt_tokens`
+    the prompt (the core's `Request` and the runner's per-request state both keep one)."""
+
+    __slots__ = ()
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+
+class Request(TokenHistory):
     """A sequence. `n > 1` requests are a group of these sharing `group_id`, one per choice.
 
     Invariant: 0 <= num_computed_tokens <= num_tokens; tokens [0, num_computed_tokens) have KV in
@@ -48,14 +65,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,7 @@ is one `SampledToken` per sampling request id.
 import torch
 
 from ..engine.protocol import SampledToken, StepInput, params_from_dict
+from ..engine.request import TokenHistory
 from .attention import AttentionMetadata, PrefillChunk
 from .config import ModelConfig
 from .registry import resolve_model_class
@@ -20,7 +21,7 @@ class InjectedFault(RuntimeError):
     """A step failure asked for by TREADLE_FAULT_INJECT (tests of failure handling)."""
 
 
-class RunnerRequest:
+class RunnerRequest(TokenHistory):
     """What the sampler needs of one request, kept by the runner between steps."""
 
     __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state")
@@ -30,14 +31,6 @@ class RunnerRequest:
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_state = None  # the request's own generator, when it has a seed
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:

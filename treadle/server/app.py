@@ -6,9 +6,8 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
-
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

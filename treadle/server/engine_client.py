@@ -246,7 +246,7 @@ class EngineClient:
     def _fail_all(self, message: str) -> None:
         for request_id, q in list(self._streams.items()):
             if self.processor is not None:
-                self.processor.requests.pop(request_id, None)
+                self.processor.abort(request_id, reason="error", error=message)
             q.put_nowait(EngineDead(message))
         self._streams.clear()
 

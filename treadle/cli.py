@@ -19,6 +19,7 @@ ENGINE_HELP = {
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
+    "batch_invariant": "the same greedy tokens for a request whatever its batch, cache hits, chunking or preemption: 4-bit weights for every batch size and row-by-row attention (slower prefill; decode steps stay eager)",
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",

@@ -101,9 +101,14 @@ class EngineCore:
             seed=config.seed,
             device=config.device,
             fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)),
+            batch_invariant=config.batch_invariant,
         )
         del files
-        if config.compile:
+        self._weight_bytes = self.runner.model.weight_bytes() if hasattr(self.runner.model, "weight_bytes") else None
+        if config.compile and config.batch_invariant:
+            # inductor's fused kernels round differently from the eager ones
+            log.info("batch-invariant mode: decode steps run eagerly (compiled graphs are not used)")
+        elif config.compile:
             self.runner.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches)
             self.runner.compiled.start()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -327,6 +332,28 @@ class EngineCore:
             "failed_steps": self.num_failed_steps,
             "requests_received": self.requests_received,
             "compiled_decode": self.compile_status(),
+            "batch_invariant": self.config.batch_invariant,
+            "memory": self.memory(),
+        }
+
+    def memory(self) -> dict:
+        """This process's memory by component, in bytes: weights (every stored form), the KV pool,
+        and the process's resident set now and at its peak (the rest is torch, Python, buffers)."""
+        status = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmRSS", "VmHWM"):
+                        status[key] = int(value.split()[0]) * 1024
+        except OSError:
+            pass
+        kv = sum(t.numel() * t.element_size() for pair in self.runner.kv_caches for t in pair)
+        return {
+            "weights_bytes": self._weight_bytes,
+            "kv_cache_bytes": kv,
+            "rss_bytes": status.get("VmRSS"),
+            "peak_rss_bytes": status.get("VmHWM"),
         }
 
     def compile_status(self) -> dict:

@@ -89,7 +89,10 @@ class Linear:
 
     int4_max_rows = 4
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int4=None, int8: bool = False):
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int4=None, int8: bool = False):
+        """weight None: the 4-bit form is the only one, used for every row count (batch-invariant mode)."""
+        if weight is None and int4 is None:
+            raise ValueError("Linear needs a dense weight or a 4-bit one")
         self.weight = weight
         self.bias = bias
         self.int4 = None
@@ -100,10 +103,11 @@ class Linear:
             q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
             self.int8 = (q, scale.to(weight.dtype))
         if int4 is not None:
+            device = int4.q.device if weight is None else weight.device
             # torch's layout: packed [N, K/8] ints and [K/32, N, 2] (scale, zero) pairs
             self.int4 = (
-                torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.q.to(device=weight.device, dtype=torch.int32), 1),
-                torch.stack([int4.scale.t(), int4.zero.t()], dim=-1).contiguous().to(device=weight.device, dtype=weight.dtype),
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.q.to(device=device, dtype=torch.int32), 1),
+                torch.stack([int4.scale.t(), int4.zero.t()], dim=-1).contiguous().to(device=device, dtype=torch.bfloat16),
                 int4.GROUP,
             )
 
@@ -111,7 +115,7 @@ class Linear:
         if self.int8 is not None and x.shape[0] <= self.int4_max_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), *self.int8)
             return y if self.bias is None else y + self.bias
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+        if self.int4 is not None and (self.weight is None or x.shape[0] <= self.int4_max_rows):
             packed, scales_zeros, group = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
             return y if self.bias is None else y + self.bias

@@ -13,7 +13,7 @@ from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, w: dict, int4: dict, prefix: str, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, w: dict, int4: dict, prefix: str, dtype: torch.dtype, device, one_form: bool = False):
         def take(name):
             key = prefix + name
             if key not in w:
@@ -27,6 +27,16 @@ class DecoderLayer:
                 return None
             return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
 
+        def linear(names, bias=None):
+            """One Linear over the concatenation of these weights: with `one_form`, the 4-bit form
+            alone when the file has one (the dense copy is never made), else the dense form."""
+            four = packed(*names)
+            if one_form and four is not None:
+                for n in names:
+                    del w[prefix + n]
+                return Linear(None, bias, four)
+            return Linear(torch.cat([take(n) for n in names]), bias, four)
+
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(take("input_layernorm.weight"), eps)
         self.post_attention_norm = RMSNorm(take("post_attention_layernorm.weight"), eps)
@@ -35,22 +45,27 @@ class DecoderLayer:
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")])
-        self.qkv = Linear(torch.cat([take(n) for n in qkv_names]), qkv_bias, packed(*qkv_names))
+        self.qkv = linear(qkv_names, qkv_bias)
         self.q_norm = RMSNorm(take("self_attn.q_norm.weight"), eps) if config.qk_norm else None
         self.k_norm = RMSNorm(take("self_attn.k_norm.weight"), eps) if config.qk_norm else None
-        self.o_proj = Linear(take("self_attn.o_proj.weight"), None, packed("self_attn.o_proj.weight"))
+        self.o_proj = linear(("self_attn.o_proj.weight",))
         gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        self.gate_up = Linear(torch.cat([take(n) for n in gate_up]), None, packed(*gate_up))
-        self.down = Linear(take("mlp.down_proj.weight"), None, packed("mlp.down_proj.weight"))
+        self.gate_up = linear(gate_up)
+        self.down = linear(("mlp.down_proj.weight",))
 
 
 class LlamaModel:
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", int4=None):
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", int4=None, batch_invariant: bool = False
+    ):
         self.config = config
         self.dtype = dtype
+        # batch_invariant: every weight in one stored form, used for every number of rows (a
+        # matrix kernel's rounding must not depend on how many rows share the step)
+        self.batch_invariant = batch_invariant
         # Consumes `weights` and `int4`: each float32 tensor is freed as soon as its converted
         # copy exists, so loading never holds two full copies of the model.
         w = weights
@@ -62,8 +77,10 @@ class LlamaModel:
         head = self.embed if tied else head.to(device=device, dtype=dtype)
         # The head is the largest matrix (vocab x hidden): with quantized weights on, an int8 copy
         # halves what a decode step of a few requests reads.
-        self.lm_head = Linear(head, None, int8=bool(int4) and dtype == torch.bfloat16)
-        self.layers = [DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
+        self.lm_head = Linear(head, None, int8=bool(int4) and dtype == torch.bfloat16 and not batch_invariant)
+        self.layers = [
+            DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device, one_form=batch_invariant) for i in range(config.num_layers)
+        ]
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
@@ -71,6 +88,22 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+
+    def weight_bytes(self) -> int:
+        """Bytes of every stored weight form (a tensor shared by two uses counted once)."""
+        seen, total = set(), 0
+        tensors = [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.signed_sin]
+        linears = [self.lm_head]
+        for layer in self.layers:
+            tensors += [n.weight2 for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
+            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        for x in linears:
+            tensors += [x.weight, x.bias, *(x.int4[:2] if x.int4 else ()), *(x.int8 or ())]
+        for t in tensors:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
 
     @torch.inference_mode()
     def forward(

@@ -11,7 +11,7 @@ import torch
 
 from ..engine.protocol import SampledToken, StepInput, params_from_dict
 from ..engine.request import TokenHistory
-from .attention import AttentionMetadata, PrefillChunk
+from .attention import AttentionMetadata, PrefillChunk, padded_keys
 from .config import ModelConfig
 from .registry import resolve_model_class
 from .sampler import Sampler
@@ -47,11 +47,15 @@ class ModelRunner:
         device: str = "cpu",
         int4: dict | None = None,
         fail_at_steps: frozenset[int] = frozenset(),
+        batch_invariant: bool = False,
     ):
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
-        self.model = resolve_model_class(config.architecture)(config, weights, dtype, self.device, int4=int4)
+        self.batch_invariant = batch_invariant
+        model_class = resolve_model_class(config.architecture)
+        extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
+        self.model = model_class(config, weights, dtype, self.device, int4=int4, **extra)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
@@ -73,6 +77,22 @@ class ModelRunner:
         otherwise convert a boolean mask again in every layer."""
         mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
         return mask.masked_fill_(~allowed, float("-inf")).to(self.device)
+
+    def _invariant_chunk(self, row: int, pos: torch.Tensor, table: torch.Tensor, window: int | None) -> PrefillChunk:
+        """A prompt chunk whose rows attend as decode rows do: row at position p over the first
+        padded_keys(p + 1) keys of the cache, the rest masked."""
+        bs = self.block_size
+        key_lens = [padded_keys(int(p) + 1) for p in pos]
+        width = key_lens[-1]
+        padded = torch.zeros(-(-width // bs), dtype=torch.long)
+        padded[: len(table)] = table
+        q_pos = pos.unsqueeze(1)
+        k_pos = torch.arange(width).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        n = len(pos)
+        return PrefillChunk(row, n, int(pos[-1]) + 1, padded.to(self.device), self._additive(mask[:, None, None, :]), key_lens)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -140,6 +160,8 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table_t)
                 decode_lens.append(end)
+            elif self.batch_invariant:
+                prefills.append(self._invariant_chunk(row, pos, table_t, window))
             else:
                 mask = None
                 if start > 0 or (window is not None and end > window):
@@ -157,6 +179,9 @@ class ModelRunner:
         if decode_tables:
             meta.num_decode_tokens = len(decode_tables)
             width = max(len(t) for t in decode_tables)
+            if self.batch_invariant:
+                meta.decode_key_lens = [padded_keys(x) for x in decode_lens]
+                width = -(-max(meta.decode_key_lens) // bs)
             tables = torch.zeros(len(decode_tables), width, dtype=torch.long)
             for j, t in enumerate(decode_tables):
                 tables[j, : len(t)] = t

@@ -1,0 +1,104 @@
+"""Batch-invariant mode: a request's greedy tokens do not depend on how it was computed.
+
+Every condition is checked token for token, in bfloat16 on the default model, against the same
+request run alone on a fresh engine. The conditions: its prefix cached, its prompt chunked, its
+batch neighbours (2, 5 and 16 requests). Each weight is held in one stored form.
+"""
+
+import pytest
+
+from treadle import SamplingParams
+from treadle.model.layers import Linear
+
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Answer carefully and concisely."
+QUESTIONS = [
+    "Say hello.",
+    "Write a haiku about rivers and stones in autumn.",
+    "What is 17 times 23? Explain step by step.",
+    "List three uses of copper.",
+    "Translate 'good morning' into French, Spanish and German.",
+    "def fibonacci(n):",
+    "The capital of Australia is",
+    "Tell me a short story about a robot who learns to paint.",
+]
+OTHERS = [
+    "Why is the sky blue?",
+    "Name five prime numbers.",
+    "Write a limerick about a cat.",
+    "What does HTTP stand for?",
+    "Describe a sunrise over the sea in two sentences.",
+    "How do I reverse a list in Python?",
+    "Give me a recipe for pancakes.",
+    "What is the boiling point of water in Fahrenheit?",
+]
+
+
+def chat(question: str) -> str:
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+PROMPTS = [chat(q) for q in QUESTIONS]
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def invariant(make_llm):
+    return lambda **kw: make_llm(dtype="bfloat16", batch_invariant=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def alone(invariant) -> list[list[int]]:
+    """Each prompt run by itself on a fresh engine."""
+    return [tokens(invariant().generate([p], GREEDY))[0] for p in PROMPTS]
+
+
+def assert_same(got: list[list[int]], want: list[list[int]], condition: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        first = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        assert g == w, f"{condition}: prompt {i} differs from its solo run at output token {first}"
+
+
+def test_prefix_cache_hit_does_not_change_the_tokens(invariant, alone):
+    llm = invariant()
+    again = []
+    for p in PROMPTS:
+        llm.generate([p], GREEDY)
+        again.append(tokens(llm.generate([p], GREEDY))[0])
+    assert llm.stats()["prefix_cache_hits"] > 0
+    assert_same(again, alone, "second run, prefix cached")
+
+
+@pytest.mark.parametrize("budget", [7, 40])
+def test_chunked_prompt_does_not_change_the_tokens(invariant, alone, budget):
+    llm = invariant(max_num_batched_tokens=budget)
+    assert_same(tokens(llm.generate(PROMPTS, GREEDY)), alone, f"prompts chunked by {budget} tokens, batched")
+
+
+@pytest.mark.parametrize("size", [2, 5, 16])
+def test_batch_neighbours_do_not_change_the_tokens(invariant, alone, size):
+    llm = invariant()
+    batch = (PROMPTS + [chat(q) for q in OTHERS])[:size]
+    got = tokens(llm.generate(batch, GREEDY))
+    n = min(size, len(PROMPTS))
+    assert_same(got[:n], alone[:n], f"in a batch of {size}")
+
+
+def test_every_weight_has_one_stored_form(invariant):
+    model = invariant().engine.runner.model
+    linears = [x for layer in model.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    assert all(x.weight is None and x.int4 is not None for x in linears), "a 4-bit layer also holds a dense copy"
+    assert model.lm_head.int8 is None and model.lm_head.int4 is None, "the output head holds a second form"
+    assert model.lm_head.weight is model.embed  # tied: one tensor serves the lookup and the head
+    # the default mode keeps both forms (dense for large batches): what this mode removes
+    assert Linear.int4_max_rows < 16
+
+
+def test_preemption_and_recompute_do_not_change_the_tokens(invariant, alone):
+    llm = invariant(num_kv_blocks=24)  # 8 requests of ~115 tokens in room for 384: they preempt each other
+    got = tokens(llm.generate(PROMPTS, GREEDY))
+    assert llm.stats()["num_preemptions"] > 0
+    assert_same(got, alone, "preempted and recomputed")

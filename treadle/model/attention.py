@@ -135,7 +135,7 @@ def _prefill_as_decode(q, k_cache, v_cache, chunk: PrefillChunk, scale: float, o
     kernel's rounding depends on how many query rows it multiplies at once (SDPA splits a prompt
     into blocks of 32 rows); here that is always the head group. Rows sharing a key length go
     in one call, with the chunk's keys gathered once and broadcast."""
-    _, block_size, kv_heads, head_dim = k_cache.shape
+    _, _, kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     width = max(chunk.key_lens)
     keys_all = k_cache.index_select(0, chunk.block_table).view(1, -1, kv_heads, head_dim)[:, :width].transpose(1, 2)
@@ -163,7 +163,7 @@ def _decode_by_key_length(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """Batch-invariant decode: rows grouped by their padded key count, one SDPA call per group, so
     a row's call has the same shape whatever its neighbours' context lengths."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    n, heads, _ = q.shape
+    heads = q.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
     lens = meta.decode_key_lens

@@ -66,8 +66,13 @@ def make_llm():
 
     import dataclasses
 
-    cached = functools.lru_cache(maxsize=4)(llm_engine.load_model_files)
+    def load_float32(model, keep_int4):
+        # the loader defers dequantizing to the model; for many engines, dequantize once here
+        files = original(model, keep_int4)
+        return dataclasses.replace(files, weights={k: v.float() for k, v in files.weights.items()})
+
     original = llm_engine.load_model_files
+    cached = functools.lru_cache(maxsize=4)(load_float32)
     # engines consume the weight dicts they are given: hand each one its own dicts (same tensors)
     llm_engine.load_model_files = lambda model, keep_int4=False: dataclasses.replace(
         cached(model, keep_int4), weights=dict(cached(model, keep_int4).weights), int4=dict(cached(model, keep_int4).int4)

@@ -93,6 +93,16 @@ def test_int4_weights_path_within_kl_bound(make_llm, reference, monkeypatch):
     assert mean_kl < KL_BOUND
 
 
+def test_batch_invariant_path_within_kl_bound(make_llm, reference):
+    """One stored form per weight (4-bit for every row count) and row-by-row attention: the model
+    the batch-invariant mode serves is no further from float32 than the default paths."""
+    inv = make_llm(dtype="bfloat16", batch_invariant=True)
+    assert all(layer.qkv.weight is None for layer in inv.engine.runner.model.layers)
+    mean_kl, agreement = compare(inv, reference)
+    print(f"bfloat16 batch-invariant: mean KL {mean_kl:.4f}, greedy agreement {agreement:.1%}")
+    assert mean_kl < KL_BOUND
+
+
 def test_compiled_decode_paths_within_kl_bound(make_llm, reference, tmp_path, monkeypatch):
     """The compiled decode graphs (treadle/model/compiled.py) of every batch class: one request,
     three (4-bit products), all eight (dense products), against float32, under the same bound."""

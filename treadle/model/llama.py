@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata, paged_attention
-from .config import ModelConfig, ModelLoadError
+from .config import Int4Weight, ModelConfig, ModelLoadError
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -25,7 +25,7 @@ class DecoderLayer:
             parts = [int4.pop(prefix + n, None) for n in names]
             if dtype != torch.bfloat16 or any(p is None for p in parts):
                 return None
-            return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+            return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
 
         def linear(names, bias=None):
             """One Linear over the concatenation of these weights: with `one_form`, the 4-bit form

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -60,6 +62,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size], 0 or -inf
     decode_key_lens: list[int] | None = None  # batch-invariant mode: keys each decode row attends over
+    # treadle's kernel (model/kernels): every row of the step at once, prompt or decode alike:
+    # (tables [requests, width], row -> its table, first key, last key + 1: int64 tensors; the widest span)
+    kernel_args: tuple | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -78,6 +83,9 @@ def paged_attention(
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
+    if meta.kernel_args is not None:
+        tables, row_table, key_begin, key_end, span = meta.kernel_args
+        return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span)
     n = meta.num_decode_tokens
     decode_out = None
     if n and meta.decode_key_lens is not None:

@@ -9,11 +9,13 @@ is one `SampledToken` per sampling request id.
 
 import ctypes
 import gc
+from dataclasses import replace
 
 import torch
 
 from ..engine.protocol import SampledToken, StepInput, params_from_dict
 from ..engine.request import TokenHistory
+from . import kernels
 from .attention import AttentionMetadata, PrefillChunk, padded_keys
 from .config import ModelConfig
 from .registry import resolve_model_class
@@ -76,6 +78,8 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(eos_token_ids, seed, self.device)
+        # treadle's attention kernel: each row's sums in a fixed order, whatever its batch
+        self.attention_kernel = kernels.usable(dtype, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
         self.compiled = None  # a CompiledDecode, when the engine compiles decode steps
         self.requests: dict[str, RunnerRequest] = {}
         self.num_steps = 0
@@ -160,6 +164,9 @@ class ModelRunner:
         order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
         ids, positions, slots = [], [], []
         decode_tables, decode_lens, prefills = [], [], []
+        kernel = self.attention_kernel
+        kernel_tables, kernel_rows = [], []  # with the kernel: each request's table, each row's request
+        prompt_chunks = 0
         last_row = {}
         row = 0
         for i in order:
@@ -171,9 +178,15 @@ class ModelRunner:
             positions.append(pos)
             table_t = torch.tensor(table, dtype=torch.long)
             slots.append(table_t[pos // bs] * bs + pos % bs)
+            prompt_chunks += n > 1
+            if kernel:
+                kernel_rows.extend([len(kernel_tables)] * n)
+                kernel_tables.append(table_t)
             if n == 1:
                 decode_tables.append(table_t)
                 decode_lens.append(end)
+            elif kernel:
+                pass  # the kernel reads every row's keys through its table
             elif self.batch_invariant:
                 prefills.append(self._invariant_chunk(row, pos, table_t, window))
             else:
@@ -190,7 +203,17 @@ class ModelRunner:
             last_row[i] = row - 1
 
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills)
-        if decode_tables:
+        pos_t = torch.cat(positions)
+        if kernel:
+            tables = torch.zeros(len(kernel_tables), max(len(t) for t in kernel_tables), dtype=torch.long)
+            for j, t in enumerate(kernel_tables):
+                tables[j, : len(t)] = t
+            key_end = pos_t + 1
+            key_begin = (key_end - window).clamp(min=0) if window is not None else torch.zeros_like(key_end)
+            span = int((key_end - key_begin).max())
+            meta.kernel_args = (tables, torch.tensor(kernel_rows, dtype=torch.long), key_begin, key_end, span)
+            meta.num_decode_tokens = len(decode_tables)
+        if decode_tables and (not kernel or self.compiled is not None):
             meta.num_decode_tokens = len(decode_tables)
             width = max(len(t) for t in decode_tables)
             if self.batch_invariant:
@@ -210,17 +233,18 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
         logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.cat(positions).to(self.device)
+        pos_t = pos_t.to(self.device)
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
         # per row). Should one ever fail, its class goes back to eager and the step reruns eagerly:
         # it rewrites the same KV slots.
-        if self.compiled is not None and decode_tables and not prefills and len(sample_rows) == len(decode_tables):
+        if self.compiled is not None and decode_tables and not prompt_chunks and len(sample_rows) == len(decode_tables):
             compiled = self.compiled.forward_for(len(decode_tables), width)
             if compiled is not None:
                 try:
-                    return compiled(*inputs), sample_rows
+                    # the graphs were traced with SDPA's decode fields (the kernel is opaque to them)
+                    return compiled(input_ids, pos_t, self.kv_caches, replace(meta, kernel_args=None), logits_indices), sample_rows
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(len(decode_tables), e)
         return self.model.forward(*inputs), sample_rows

@@ -1,0 +1,82 @@
+"""treadle's paged attention kernel (treadle/model/kernels): the textbook definition, and a row's
+bits independent of the rows, requests and threads it is computed with."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treadle.model import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the engine uses SDPA")
+
+D, KV_HEADS, HEADS, BLOCK = 64, 3, 9, 16
+
+
+@pytest.fixture(scope="module")
+def cache():
+    g = torch.Generator().manual_seed(0)
+    shape = (64, BLOCK, KV_HEADS, D)
+    return torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+
+
+def request(length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(64, generator=g)[: -(-length // BLOCK)]
+    q = torch.randn(length, HEADS, D, generator=g).bfloat16()
+    return blocks, q
+
+
+def reference(q, k_cache, v_cache, blocks, window=None):
+    """float32 textbook attention: causal (and windowed) softmax(q k^T / sqrt(d)) v, heads grouped."""
+    n = q.shape[0]
+    k = k_cache[blocks].reshape(-1, KV_HEADS, D)[:n].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v_cache[blocks].reshape(-1, KV_HEADS, D)[:n].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    pos = torch.arange(n)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * D**-0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
+
+
+def run(q, k_cache, v_cache, tables, row_table, positions, window=None):
+    key_end = positions + 1
+    key_begin = (key_end - window).clamp(min=0) if window else torch.zeros_like(key_end)
+    return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, D**-0.5)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_matches_textbook_attention(cache, window):
+    k_cache, v_cache = cache
+    blocks, q = request(150, seed=1)
+    out = run(q, k_cache, v_cache, blocks[None], torch.zeros(150, dtype=torch.long), torch.arange(150), window)
+    want = reference(q, k_cache, v_cache, blocks, window)
+    # the output is rounded to bf16: within two of its ulps of the float32 answer
+    torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
+
+
+def test_a_rows_bits_do_not_depend_on_its_company(cache):
+    k_cache, v_cache = cache
+    a_blocks, a_q = request(90, seed=2)
+    b_blocks, b_q = request(40, seed=3)
+    tables = torch.zeros(2, len(a_blocks), dtype=torch.long)
+    tables[0] = a_blocks
+    tables[1, : len(b_blocks)] = b_blocks
+    whole = run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90))
+    # the same rows as a chunk, one at a time, and mixed with another request's rows
+    chunk = run(a_q[50:70], k_cache, v_cache, tables[:1], torch.zeros(20, dtype=torch.long), torch.arange(50, 70))
+    assert torch.equal(chunk, whole[50:70])
+    for p in (0, 17, 89):
+        alone = run(a_q[p : p + 1], k_cache, v_cache, tables[:1], torch.zeros(1, dtype=torch.long), torch.tensor([p]))
+        assert torch.equal(alone[0], whole[p])
+    mixed_q = torch.cat([b_q[:40], a_q[60:90]])
+    rows = torch.cat([torch.ones(40, dtype=torch.long), torch.zeros(30, dtype=torch.long)])
+    mixed = run(mixed_q, k_cache, v_cache, tables, rows, torch.cat([torch.arange(40), torch.arange(60, 90)]))
+    assert torch.equal(mixed[40:], whole[60:90])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90)), whole)
+    finally:
+        torch.set_num_threads(threads)

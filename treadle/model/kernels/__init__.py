@@ -1,0 +1,116 @@
+"""treadle's own C kernels, built on first use with the system's C compiler and cached.
+
+`paged_attention.c`: attention for bfloat16 KV caches with a fixed order of every sum per query
+token (see its header). Built with `cc -O3 -march=native` into ~/.cache/treadle/kernels/, keyed by
+the source, the compiler and the CPU; loaded with ctypes, which releases the GIL during the call,
+so the work is split over threads from Python. Without a compiler the engine keeps torch's SDPA
+(`available()` is False and the log says why once).
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+
+import torch
+
+log = logging.getLogger("treadle")
+
+_HERE = os.path.dirname(__file__)
+_SOURCE = os.path.join(_HERE, "paged_attention.c")
+# -fopenmp: the parallel loop runs on torch's own OpenMP pool (same soname, already loaded), so
+# no second set of threads competes with torch's for the cores.
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-fno-math-errno", "-fopenmp"]
+
+_lock = threading.Lock()
+_lib = None
+_error: str | None = None
+
+
+def _cache_dir() -> str:
+    from ..compiled import cache_root
+
+    return os.path.join(cache_root(), "kernels")
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc) on PATH")
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    with open("/proc/cpuinfo", "rb") if os.path.exists("/proc/cpuinfo") else open(os.devnull, "rb") as f:
+        cpu = next((line for line in f if line.startswith(b"flags")), b"")
+    key = hashlib.sha256(source + version.encode() + cpu + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"paged_attention-{key}.so")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        result = subprocess.run([cc, *_FLAGS, _SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:500]}")
+        os.replace(tmp, path)
+    lib = ctypes.CDLL(path)
+    fn = lib.treadle_paged_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, i64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    global _lib, _error
+    if _lib is not None:
+        return True
+    if _error is not None:
+        return False
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except Exception as e:  # noqa: BLE001 - any failure leaves torch's attention, which is correct
+                _error = f"{type(e).__name__}: {e}"
+                log.warning("treadle's attention kernel is unavailable, using torch's SDPA: %s", _error)
+    return _lib is not None
+
+
+def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale: float, span: int | None = None):
+    """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
+    q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
+    kv_heads, head_dim] bf16; tables: [n, width] int64; row_table, key_begin, key_end: [rows]
+    int64; span: the largest key_end - key_begin (computed when not given). Returns [rows, heads,
+    head_dim] bf16."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    rows, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
+    if span is None:
+        span = int((key_end - key_begin).max())
+    code = _lib.treadle_paged_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
+        heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
+        key_end.data_ptr(), scale, out.data_ptr(), out.stride(0), rows, span,
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"paged attention kernel: error {code} (head_dim {head_dim}, group {heads // kv_heads})")
+    return out
+
+
+def usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel serves this model: bfloat16 on the CPU, shapes it handles, a compiler."""
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and heads // kv_heads <= 16
+        and os.environ.get("TREADLE_ATTENTION", "kernel") == "kernel"
+        and available()
+    )

@@ -1,0 +1,221 @@
+/* Paged attention, one query token at a time, with a fixed order of every sum.
+ *
+ * treadle's attention for bfloat16 KV caches. Each work item is one query token and one KV
+ * head: its `group` query heads attend over the token's own keys, read through its block table
+ * (no gathered copy). The arithmetic of an item depends only on its own query, keys and values:
+ * not on how many tokens the call has, which other requests share the step, whether the token is
+ * a prompt token or a generated one, how the prompt was chunked or which thread runs it. So a
+ * request's numbers are the same whatever its batch (see docs/architecture.md, "Numerics").
+ *
+ * Every reduction is written out with 16 explicit lanes and a fixed tree at the end, and the
+ * build does not allow the compiler to reassociate (no -ffast-math): vectorized or not, the
+ * result is the same bits. Keys and values are bf16 (widened exactly), the math is float32,
+ * the output is rounded to bf16 (round to nearest even), as torch rounds.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TREADLE_AVX512 1
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction, degree-6 polynomial.
+ * Written without libm so that it vectorizes and gives the same bits on every path. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float log2e = 1.44269504088896341f;
+    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    float n = floorf(x * log2e + 0.5f);
+    float r = x - n * ln2_hi;
+    r = r - n * ln2_lo;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float lane_sum(const float *acc) {
+    float t8[8], t4[4], t2[2];
+    for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
+    for (int l = 0; l < 2; l++) t2[l] = t4[l] + t4[l + 2];
+    return t2[0] + t2[1];
+}
+
+/* q . k over head_dim, 16 lanes then the fixed tree; head_dim a multiple of 16. */
+static inline float dot(const float *q, const uint16_t *k, int64_t head_dim) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < head_dim; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += q[d + l] * bf16_to_f32(k[d + l]);
+    return lane_sum(acc);
+}
+
+/*
+ * Items [item_begin, item_end) of row * kv_heads + kv_head; scratch holds group * span floats.
+ */
+static void attend_items(
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_size,
+    int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
+    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
+    int64_t out_stride, int64_t item_begin, int64_t item_end, float *scratch) {
+    enum { MAX_GROUP = 16, MAX_DIM = 256 };
+    const int64_t slot_stride = kv_heads * head_dim;
+    float qf[MAX_GROUP * MAX_DIM];
+    float acc[MAX_GROUP * MAX_DIM];
+    for (int64_t item = item_begin; item < item_end; item++) {
+        const int64_t row = item / kv_heads, h = item % kv_heads;
+        const int64_t begin = key_begin[row], end = key_end[row], n = end - begin;
+        const int64_t *table = tables + row_table[row] * table_stride;
+        const uint16_t *qrow = q + row * q_stride + h * group * head_dim;
+        for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_f32(qrow[i]);
+        /* scores, block by block (no division per key); scratch[g * n + j] */
+        for (int64_t pos = begin; pos < end;) {
+            const int64_t block = table[pos / block_size], first = pos % block_size;
+            const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
+            const uint16_t *k = k_cache + (block * block_size + first) * slot_stride + h * head_dim;
+            for (int64_t slot = first; slot < stop; slot++, k += slot_stride) {
+                const int64_t j = pos - begin + (slot - first);
+#if TREADLE_AVX512
+                if (head_dim == 64) {
+                    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qg = qf + g * 64;
+                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
+                        scratch[g * n + j] = _mm512_reduce_add_ps(a) * scale;
+                    }
+                    continue;
+                }
+#endif
+                for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot(qf + g * head_dim, k, head_dim) * scale;
+            }
+            pos += stop - first;
+        }
+        /* softmax weights, unnormalized, and their sums */
+        float inv[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            float *s = scratch + g * n;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+            float part[LANES] = {0};
+            int64_t j = 0;
+            for (; j + LANES <= n; j += LANES)
+                for (int l = 0; l < LANES; l++) {
+                    s[j + l] = exp_nonpositive(s[j + l] - m);
+                    part[l] += s[j + l];
+                }
+            for (int l = 0; j + l < n; l++) {
+                s[j + l] = exp_nonpositive(s[j + l] - m);
+                part[l] += s[j + l];
+            }
+            inv[g] = 1.0f / lane_sum(part);
+        }
+        /* values: sequential over keys, lanes over head_dim, every head of the group per key */
+        for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+        for (int64_t pos = begin; pos < end;) {
+            const int64_t block = table[pos / block_size], first = pos % block_size;
+            const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
+            const uint16_t *v = v_cache + (block * block_size + first) * slot_stride + h * head_dim;
+            for (int64_t slot = first; slot < stop; slot++, v += slot_stride) {
+                const int64_t j = pos - begin + (slot - first);
+#if TREADLE_AVX512
+                if (head_dim == 64) {
+                    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m512 p = _mm512_set1_ps(scratch[g * n + j]);
+                        float *a = acc + g * 64;
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v0, _mm512_loadu_ps(a)));
+                        _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(p, v1, _mm512_loadu_ps(a + 16)));
+                        _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(p, v2, _mm512_loadu_ps(a + 32)));
+                        _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(p, v3, _mm512_loadu_ps(a + 48)));
+                    }
+                    continue;
+                }
+#endif
+                float vf[MAX_DIM];
+                for (int64_t d = 0; d < head_dim; d++) vf[d] = bf16_to_f32(v[d]);
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scratch[g * n + j];
+                    float *a = acc + g * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * vf[d];
+                }
+            }
+            pos += stop - first;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            uint16_t *o = out + row * out_stride + (h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g * head_dim + d] * inv[g]);
+        }
+    }
+}
+
+/*
+ * All rows x kv_heads items, split over the OpenMP threads (torch's own pool: the library is
+ * linked against the libgomp torch has already loaded). Which thread runs an item does not
+ * change its arithmetic.
+ * q, out:       [rows, kv_heads * group, head_dim] bf16, row strides q_stride / out_stride (elements)
+ * k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] bf16
+ * tables:       [num_tables, table_stride] int64 block ids; row_table[row] picks the row's table
+ * key_begin/end:[rows] the row attends to keys key_begin .. key_end - 1 (key_end = position + 1)
+ * span:         the largest key_end - key_begin
+ * Returns 0, -1 for an unsupported shape, -2 when out of memory.
+ */
+int treadle_paged_attention(
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_size,
+    int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
+    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
+    int64_t out_stride, int64_t rows, int64_t span) {
+    if (head_dim % LANES != 0 || head_dim > 256 || group > 16) return -1;
+    const int64_t items = rows * kv_heads;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(group * span));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            if (scratch != NULL)
+                attend_items(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
+                             row_table, key_begin, key_end, scale, out, out_stride, item, item + 1, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,8 +1,10 @@
-"""Batch-invariant mode: a request's greedy tokens do not depend on how it was computed.
+"""One model, one answer: with the defaults a user gets, a request's greedy tokens do not depend
+on how it was computed.
 
-Every condition is checked token for token, in bfloat16 on the default model, against the same
-request run alone on a fresh engine. The conditions: its prefix cached, its prompt chunked, its
-batch neighbours (2, 5 and 16 requests). Each weight is held in one stored form.
+Every condition is checked token for token, in bfloat16 (the default dtype) on the default model
+with prefix caching on, against the same request run alone on a fresh engine. The conditions: its
+prefix cached, its prompt chunked, its batch neighbours (2, 5 and 16 requests), preemption and
+recomputation, and compiled graphs asked for. Each weight is held in one stored form.
 """
 
 import pytest
@@ -47,7 +49,12 @@ def tokens(outputs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def invariant(make_llm):
-    return lambda **kw: make_llm(dtype="bfloat16", batch_invariant=True, **kw)
+    def build(**kw):
+        llm = make_llm(dtype="bfloat16", **kw)  # batch_invariant left to its default
+        assert llm.stats()["batch_invariant"], "the bf16 default is not batch-invariant (no C compiler?)"
+        return llm
+
+    return build
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +109,53 @@ def test_preemption_and_recompute_do_not_change_the_tokens(invariant, alone):
     got = tokens(llm.generate(PROMPTS, GREEDY))
     assert llm.stats()["num_preemptions"] > 0
     assert_same(got, alone, "preempted and recomputed")
+
+
+def test_compiled_graphs_do_not_change_the_tokens(invariant, alone):
+    """Inductor's fused kernels round differently: the invariant engine keeps decode steps eager
+    even when compiling is asked for (the server's default), so its answer is the same."""
+    llm = invariant(compile=True)
+    assert llm.stats()["compiled_decode"]["state"] == "off"
+    assert_same(tokens(llm.generate(PROMPTS[:4], GREEDY)), alone[:4], "compile=True")
+
+
+def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
+    """`treadle serve` with its defaults but the dtype (the test servers pin float32): the same
+    requests streamed and not, sent together, the first as a repeat (prefix cached), give the
+    solo run's tokens. Text is compared through the tokenizer's detokenization of `alone`."""
+    import concurrent.futures
+    import json
+
+    import httpx
+
+    from treadle.model.loader import load_tokenizer
+
+    from .server_process import ServerProcess
+
+    server = ServerProcess("--dtype", "bfloat16", "--compile")  # compile asked for: it must not matter
+    try:
+        server.wait_healthy()
+        tok = load_tokenizer(None)
+        want = [tok.decode(t) for t in alone[:4]]
+
+        def complete(i: int, stream: bool) -> str:
+            body = {"prompt": PROMPTS[i], "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": stream}
+            if not stream:
+                return httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            text = ""
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            jobs = [pool.submit(complete, i, s) for i in range(4) for s in (False, True)]
+            got = [j.result() for j in jobs]
+        for n, text in enumerate(got):
+            assert text == want[n // 2], f"prompt {n // 2} {'streamed' if n % 2 else 'not streamed'}, served concurrently"
+        assert complete(0, True) == want[0]  # again, its prefix cached
+        stats = httpx.get(server.url + "/stats").json()
+        assert stats["batch_invariant"] and stats["compiled_decode"]["state"] == "off"
+    finally:
+        server.stop()

@@ -19,7 +19,7 @@ ENGINE_HELP = {
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
-    "batch_invariant": "the same greedy tokens for a request whatever its batch, cache hits, chunking or preemption: 4-bit weights for every batch size and row-by-row attention (slower prefill; decode steps stay eager)",
+    "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (4-bit for every batch size), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",
@@ -46,7 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip=("model",), defaults: 
         flag = "--" + f.name.replace("_", "-")
         default = (defaults or {}).get(f.name, f.default)
         help_text = f"{ENGINE_HELP.get(f.name, '')} (default: {default})"
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool", "bool | None"):
+            if default is None:
+                help_text = f"{ENGINE_HELP.get(f.name, '')} (default: auto)"
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif f.name == "kv_cache_memory_bytes":
             parser.add_argument(flag, type=parse_size, default=default, help=help_text)

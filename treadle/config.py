@@ -17,9 +17,10 @@ class EngineConfig:
     quantized_weights: bool = True  # keep GGUF Q4_0/Q4_1 weights 4-bit for small batches (bfloat16 only)
     compile: bool = False  # torch.compile decode steps in a background process (eager until each graph is ready)
     # the same greedy tokens for a request whatever its batch, cache hits, chunking or preemption:
-    # one stored form per weight used for every row count, and attention computed per row the same
-    # way in prefill and decode (costs throughput; see docs/architecture.md "Numerics")
-    batch_invariant: bool = False
+    # one stored form per weight used for every row count, and attention computed row by row the
+    # same way in prefill and decode (docs/architecture.md, "Numerics"). None: on for bfloat16
+    # when treadle's attention kernel could be built, off otherwise (float32 is the reference path)
+    batch_invariant: bool | None = None
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # compute threads; default: torch's choice

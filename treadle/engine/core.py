@@ -89,6 +89,7 @@ class EngineCore:
         self.model_config, self.tokenizer = files.config, files.tokenizer
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
         num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
+        self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
         self.runner = ModelRunner(
             self.model_config,
@@ -101,11 +102,11 @@ class EngineCore:
             seed=config.seed,
             device=config.device,
             fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)),
-            batch_invariant=config.batch_invariant,
+            batch_invariant=self.batch_invariant,
         )
         del files
         self._weight_bytes = self.runner.model.weight_bytes() if hasattr(self.runner.model, "weight_bytes") else None
-        if config.compile and config.batch_invariant:
+        if config.compile and self.batch_invariant:
             # inductor's fused kernels round differently from the eager ones
             log.info("batch-invariant mode: decode steps run eagerly (compiled graphs are not used)")
         elif config.compile:
@@ -126,6 +127,16 @@ class EngineCore:
         self.generation_tokens = 0
 
     # ------------------------------------------------------------ sizing
+
+    def _resolve_batch_invariant(self, mc) -> bool:
+        wanted = self.config.batch_invariant
+        if wanted is not None:
+            if wanted and self.dtype != torch.bfloat16:
+                log.warning("batch-invariant mode in %s: torch's float32 matrix products round by row count, so it is not guaranteed", self.dtype)
+            return wanted
+        from ..model import kernels
+
+        return self.dtype == torch.bfloat16 and kernels.usable(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
 
     def _size_kv_cache(self, mc) -> tuple[int, int]:
         cfg = self.config
@@ -332,7 +343,7 @@ class EngineCore:
             "failed_steps": self.num_failed_steps,
             "requests_received": self.requests_received,
             "compiled_decode": self.compile_status(),
-            "batch_invariant": self.config.batch_invariant,
+            "batch_invariant": self.batch_invariant,
             "memory": self.memory(),
         }
 

@@ -94,6 +94,18 @@ def test_batch_neighbours_do_not_change_the_tokens(invariant, alone, size):
     assert_same(got[:n], alone[:n], f"in a batch of {size}")
 
 
+def test_the_flag_parses_both_ways_and_defaults_to_auto():
+    import argparse
+
+    from treadle.cli import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).batch_invariant is None
+    assert engine_config_from_args(parser.parse_args(["--batch-invariant"])).batch_invariant is True
+    assert engine_config_from_args(parser.parse_args(["--no-batch-invariant"])).batch_invariant is False
+
+
 def test_every_weight_has_one_stored_form(invariant):
     model = invariant().engine.runner.model
     linears = [x for layer in model.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]

@@ -46,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip=("model",), defaults: 
         flag = "--" + f.name.replace("_", "-")
         default = (defaults or {}).get(f.name, f.default)
         help_text = f"{ENGINE_HELP.get(f.name, '')} (default: {default})"
-        if f.type in (bool, "bool", "bool | None"):
+        if f.type in (bool, "bool", bool | None, "bool | None"):
             if default is None:
                 help_text = f"{ENGINE_HELP.get(f.name, '')} (default: auto)"
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from treadle.model import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the engine uses SDPA")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the engine uses SDPA")
 
 D, KV_HEADS, HEADS, BLOCK = 64, 3, 9, 16
 
@@ -46,6 +46,7 @@ def run(q, k_cache, v_cache, tables, row_table, positions, window=None):
     return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, D**-0.5)
 
 
+@needs_kernel
 @pytest.mark.parametrize("window", [None, 37])
 def test_matches_textbook_attention(cache, window):
     k_cache, v_cache = cache
@@ -56,6 +57,7 @@ def test_matches_textbook_attention(cache, window):
     torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
 
 
+@needs_kernel
 def test_a_rows_bits_do_not_depend_on_its_company(cache):
     k_cache, v_cache = cache
     a_blocks, a_q = request(90, seed=2)
@@ -80,3 +82,22 @@ def test_a_rows_bits_do_not_depend_on_its_company(cache):
         assert torch.equal(run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90)), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
+    """No C compiler (CC=false, empty kernel cache): bfloat16 still serves, not batch-invariant."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from treadle import LLM, SamplingParams\n"
+        "llm = LLM(dtype='bfloat16')\n"
+        "out = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids\n"
+        "print('invariant', llm.stats()['batch_invariant'], 'tokens', len(out))\n"
+    )
+    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "invariant False tokens 4" in done.stdout
+    assert "attention kernel is unavailable" in done.stderr

@@ -97,7 +97,7 @@ def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
         "print('invariant', llm.stats()['batch_invariant'], 'tokens', len(out))\n"
     )
     env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "invariant False tokens 4" in done.stdout
     assert "attention kernel is unavailable" in done.stderr

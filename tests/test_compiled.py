@@ -199,6 +199,8 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
             time.sleep(0.5)
             status = httpx.get(server.url + "/stats").json()["compiled_decode"]
         assert status["state"] == "ready" and status["ready"] == ["1", "2+"], status
+        memory = httpx.get(server.url + "/stats").json()["memory"]
+        assert memory["compiled_graphs_bytes"] > 0  # the loaded graphs are counted apart
         gauge = re.search(r"^treadle:compiled_decode_classes (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
         assert gauge and float(gauge.group(1)) == 2
         reply = httpx.post(server.url + "/v1/completions", json={"prompt": prompts(1)[0], "max_tokens": 24, "temperature": 0}, timeout=60)

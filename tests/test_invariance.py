@@ -137,9 +137,11 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
     solo run's tokens. Text is compared through the tokenizer's detokenization of `alone`."""
     import concurrent.futures
     import json
+    import os
 
     import httpx
 
+    from treadle.model.default_model import default_model_path
     from treadle.model.loader import load_tokenizer
 
     from .server_process import ServerProcess
@@ -169,5 +171,15 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
         assert complete(0, True) == want[0]  # again, its prefix cached
         stats = httpx.get(server.url + "/stats").json()
         assert stats["batch_invariant"] and stats["compiled_decode"]["state"] == "off"
+        # memory by component: the weights held once (the GGUF file is 98 MB; dense bf16 alone
+        # would be 270 MB), the KV pool exactly its blocks, the rest accounted for
+        mem = stats["memory"]
+        file_bytes = os.path.getsize(default_model_path())
+        assert file_bytes < mem["weights_bytes"] < 1.5 * file_bytes
+        per_block = 2 * 30 * 16 * 3 * 64 * 2  # K and V, layers, block size, KV heads, head dim, bf16
+        assert mem["kv_cache_bytes"] == stats["kv_blocks_total"] * per_block
+        assert mem["compiled_graphs_bytes"] == 0 and mem["compiler_process_rss_bytes"] == 0
+        assert mem["other_bytes"] > 0  # torch, Python, tokenizer: what is resident beyond weights and KV
+        assert mem["peak_rss_bytes"] >= mem["rss_bytes"] and mem["front_end_rss_bytes"] > 0
     finally:
         server.stop()

@@ -25,6 +25,7 @@ from ..model.default_model import MODEL_NAME
 from ..model.loader import load_model_files
 from ..model.runner import InjectedFault, ModelRunner
 from .kv_cache_manager import KVCacheManager
+from .memory import process_memory
 from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToken, StepInput, child_request_id
 from .request import Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
@@ -349,22 +350,23 @@ class EngineCore:
 
     def memory(self) -> dict:
         """This process's memory by component, in bytes: weights (every stored form), the KV pool,
-        and the process's resident set now and at its peak (the rest is torch, Python, buffers)."""
-        status = {}
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    key, _, value = line.partition(":")
-                    if key in ("VmRSS", "VmHWM"):
-                        status[key] = int(value.split()[0]) * 1024
-        except OSError:
-            pass
+        compiled decode graphs (resident growth while they loaded), the rest (torch, Python,
+        tokenizer, buffers); its resident set now and at its peak; and the background compiler's
+        resident set while it runs (another process)."""
+        status = process_memory()
         kv = sum(t.numel() * t.element_size() for pair in self.runner.kv_caches for t in pair)
+        compiled = self.runner.compiled
+        graphs = compiled.loaded_bytes if compiled is not None else 0
+        compiler = compiled.compiler if compiled is not None else None
+        rss = status.get("VmRSS")
         return {
             "weights_bytes": self._weight_bytes,
             "kv_cache_bytes": kv,
-            "rss_bytes": status.get("VmRSS"),
+            "compiled_graphs_bytes": graphs,
+            "other_bytes": None if rss is None or self._weight_bytes is None else rss - self._weight_bytes - kv - graphs,
+            "rss_bytes": rss,
             "peak_rss_bytes": status.get("VmHWM"),
+            "compiler_process_rss_bytes": process_memory(compiler.pid).get("VmRSS", 0) if compiler is not None and compiler.poll() is None else 0,
         }
 
     def compile_status(self) -> dict:

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from ..config import EngineConfig
 from ..engine.core_process import LOAD_FAILED_EXIT, run_engine_core
+from ..engine.memory import process_memory
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
@@ -271,7 +272,9 @@ class EngineClient:
         return s.get("num_waiting", 0) + max(0, self._adds_sent - s.get("requests_received", 0))
 
     def stats(self) -> dict:
-        return {**self._stats, "num_waiting": self.num_waiting, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
+        front = process_memory()
+        memory = {**self._stats.get("memory", {}), "front_end_rss_bytes": front.get("VmRSS"), "front_end_peak_rss_bytes": front.get("VmHWM")}
+        return {**self._stats, "memory": memory, "num_waiting": self.num_waiting, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
 
     def add_request(
         self,

@@ -207,6 +207,8 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(p["text"] for p in m["content"])
         text = _render_chat(state, messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        if body.continue_final_message:
+            text = _open_final_message(text, messages[-1]["content"])
         ids = async_engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
         job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival)
@@ -277,6 +279,16 @@ def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt
         return tok.apply_chat_template(messages, add_generation_prompt, template, **(kwargs or {}))
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut right after the final assistant message's content, so that
+    the model continues it (vLLM's continue_final_message): whatever the template closes the turn
+    with (an end-of-turn token, a newline) is dropped."""
+    end = text.rfind(final)
+    if end < 0:
+        raise RequestError("continue_final_message: the chat template changed the final message's text", "continue_final_message")
+    return text[: end + len(final)]
 
 
 def _params(state: ServerState, body, ids: list[int], requested: int | None, logprobs: int | None, prompt_param: str):

@@ -45,6 +45,12 @@ class ResponseFormat(BaseModel):
     type: StrictStr
 
 
+# Fields clients send that are rightly no-ops on a local server: accepted and ignored.
+# user: an end-user id for the provider's abuse monitoring; metadata: tags for the provider's
+# dashboards; service_tier: the provider's latency/price tier (there is one tier here).
+NO_OP_FIELDS = frozenset({"user", "metadata", "service_tier"})
+
+
 class SamplingFields(StrictModel):
     """Parameters shared by chat and completions (OpenAI's set plus vLLM's extras)."""
 
@@ -170,10 +176,21 @@ class ChatCompletionRequest(SamplingFields):
             raise RequestError("tools are not supported", "tools")
         if self.tool_choice not in (None, "none"):
             raise RequestError("tool_choice other than 'none' is not supported", "tool_choice")
-        if self.functions or self.function_call not in (None, "none"):
+        if self.functions:
             raise RequestError("functions are not supported", "functions")
+        if self.function_call not in (None, "none"):
+            raise RequestError("function_call other than 'none' is not supported", "function_call")
         if self.modalities and self.modalities != ["text"]:
             raise RequestError("only the text modality is supported", "modalities")
+        if self.parallel_tool_calls is not None:
+            raise RequestError("parallel_tool_calls is only allowed with tools, which are not supported", "parallel_tool_calls")
+        if self.reasoning_effort is not None:
+            raise RequestError("reasoning_effort is not supported (this model does not reason separately)", "reasoning_effort")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise RequestError("continue_final_message requires add_generation_prompt to be false", "continue_final_message")
+            if self.messages[-1].role != "assistant" or not self.messages[-1].text():
+                raise RequestError("continue_final_message needs a final assistant message with content to continue", "continue_final_message")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise RequestError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:

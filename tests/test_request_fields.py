@@ -1,0 +1,175 @@
+"""Nothing silently ignored: every field of the request models either works (a test shows its
+effect), is refused with a 400 that names it, or is on the short documented list of no-ops.
+
+`test_every_field_is_classified` fails for a field added to a request model without one of the
+three; the refusals are checked over HTTP; the effects below fill the gaps the other test files
+leave at the HTTP level."""
+
+import importlib
+
+import pytest
+
+from treadle.server.protocol import NO_OP_FIELDS, ChatCompletionRequest, CompletionRequest
+
+from .conftest import MODEL
+from .test_server import assert_error, chat, http  # noqa: F401 (fixture)
+
+REFUSED_CHAT = {
+    "response_format": {"type": "json_object"},
+    "best_of": 2,
+    "store": True,
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": True,
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "modalities": ["audio"],
+    "reasoning_effort": "low",
+}
+REFUSED_COMPLETION = {"response_format": {"type": "json_object"}, "best_of": 2, "store": True, "suffix": "x"}
+
+# field -> a test that shows its effect ("module::test")
+EFFECT = {
+    "model": "test_server::test_unknown_model_is_404",
+    "messages": "test_server::test_chat_streamed_equals_non_streamed",
+    "prompt": "test_server::test_completions_prompt_shapes_and_echo",
+    "echo": "test_server::test_completions_prompt_shapes_and_echo",
+    "stream": "test_server::test_chat_streamed_equals_non_streamed",
+    "stream_options": "test_server::test_include_usage_chunk",
+    "n": "test_server::test_n_choices",
+    "stop": "test_server::test_stop_string",
+    "seed": "test_server::test_seed_reproduces",
+    "temperature": "test_server::test_seed_reproduces",
+    "logprobs": "test_server::test_logprobs",
+    "top_logprobs": "test_server::test_logprobs",
+    "cache_salt": "test_engine::test_different_cache_salts_share_nothing",
+    "ignore_eos": "test_engine::test_max_tokens_min_tokens_and_eos",
+    "include_stop_str_in_output": "test_engine::test_stop_string_split_across_tokens_never_leaks",
+    "skip_special_tokens": "test_tokenizer::test_special_tokens_are_single_ids_and_skippable",
+    "max_tokens": "test_request_fields::test_token_limits",
+    "max_completion_tokens": "test_request_fields::test_token_limits",
+    "min_tokens": "test_request_fields::test_token_limits",
+    "stop_token_ids": "test_request_fields::test_token_limits",
+    "top_p": "test_request_fields::test_truncations_at_temperature_1_leave_the_greedy_token",
+    "top_k": "test_request_fields::test_truncations_at_temperature_1_leave_the_greedy_token",
+    "min_p": "test_request_fields::test_truncations_at_temperature_1_leave_the_greedy_token",
+    "presence_penalty": "test_request_fields::test_penalties_and_bias_change_the_greedy_text",
+    "frequency_penalty": "test_request_fields::test_penalties_and_bias_change_the_greedy_text",
+    "repetition_penalty": "test_request_fields::test_penalties_and_bias_change_the_greedy_text",
+    "logit_bias": "test_request_fields::test_penalties_and_bias_change_the_greedy_text",
+    "add_generation_prompt": "test_request_fields::test_continue_final_message_continues_the_assistant_text",
+    "continue_final_message": "test_request_fields::test_continue_final_message_continues_the_assistant_text",
+    "add_special_tokens": "test_request_fields::test_template_kwargs_and_special_tokens_reach_the_prompt",
+    "chat_template_kwargs": "test_request_fields::test_template_kwargs_and_special_tokens_reach_the_prompt",
+}
+
+
+@pytest.mark.parametrize("model,refused", [(ChatCompletionRequest, REFUSED_CHAT), (CompletionRequest, REFUSED_COMPLETION)])
+def test_every_field_is_classified(model, refused):
+    for name in model.model_fields:
+        classes = [name in NO_OP_FIELDS, name in refused, name in EFFECT]
+        assert sum(classes) == 1, f"{model.__name__}.{name}: neither refused, nor a documented no-op, nor tested for its effect"
+    for name, where in EFFECT.items():
+        module, test = where.split("::")
+        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), f"{name}: {where} does not exist"
+
+
+@pytest.mark.parametrize("field,value", sorted(REFUSED_CHAT.items()))
+def test_refused_chat_fields_are_400_naming_them(http, field, value):
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, field: value}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, field)
+
+
+@pytest.mark.parametrize("field,value", sorted(REFUSED_COMPLETION.items()))
+def test_refused_completion_fields_are_400_naming_them(http, field, value):
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}), 400, field)
+
+
+def test_no_op_fields_are_accepted(http):
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto"}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+PROMPT = "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+
+
+def complete(http, **kw) -> dict:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **kw}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def token_ids(http, text: str) -> list[int]:
+    return http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_token_limits(http):
+    greedy = complete(http, max_tokens=6, logprobs=0)
+    assert greedy["usage"]["completion_tokens"] == 6
+    chat_body = {"model": MODEL, "messages": chat("Count to twenty."), "max_completion_tokens": 3, "max_tokens": 50}
+    assert http.post("/v1/chat/completions", json=chat_body).json()["usage"]["completion_tokens"] == 3
+    third = token_ids(http, greedy["choices"][0]["text"])[2]
+    stopped = complete(http, stop_token_ids=[third])
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] <= 3
+    first = token_ids(http, greedy["choices"][0]["text"])[0]
+    held = complete(http, stop_token_ids=[first], min_tokens=4)  # the stop token cannot end it before 4
+    assert held["usage"]["completion_tokens"] >= 4
+
+
+def test_truncations_at_temperature_1_leave_the_greedy_token(http):
+    greedy = complete(http)["choices"][0]["text"]
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        for seed in (1, 2):
+            assert complete(http, temperature=1.0, seed=seed, **kw)["choices"][0]["text"] == greedy, kw
+
+
+def test_penalties_and_bias_change_the_greedy_text(http):
+    long = {"max_tokens": 32, "ignore_eos": True}
+    greedy = complete(http, **long)["choices"][0]["text"]
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        assert complete(http, **long, **kw)["choices"][0]["text"] != greedy, kw
+    first = token_ids(http, greedy)[0]
+    assert token_ids(http, complete(http, logit_bias={str(first): -100})["choices"][0]["text"])[:1] != [first]
+
+
+def test_continue_final_message_continues_the_assistant_text(http):
+    messages = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Red, green and"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    assert_error(http.post("/v1/chat/completions", json={**body, "continue_final_message": True}), 400, "continue_final_message")
+    cont = http.post("/v1/chat/completions", json={**body, "continue_final_message": True, "add_generation_prompt": False}).json()
+    # the same text as completing the rendered conversation cut after "Red, green and"
+    ids = http.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    rendered = http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
+    cut = rendered[: rendered.rindex("Red, green and") + len("Red, green and")]
+    raw = complete(http, prompt=cut, add_special_tokens=False)
+    assert cont["choices"][0]["message"]["content"] == raw["choices"][0]["text"]
+    assert cont["usage"]["prompt_tokens"] == raw["usage"]["prompt_tokens"]
+    # and a new assistant turn is something else: the generation prompt adds its header
+    fresh = http.post("/v1/chat/completions", json=body).json()
+    assert fresh["usage"]["prompt_tokens"] > cont["usage"]["prompt_tokens"]
+
+
+def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
+    from .server_process import ServerProcess
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ greeting | default('') }}{{ m['content'] }}\n{% endfor %}")
+    server = ServerProcess("--chat-template", str(template))
+    try:
+        server.wait_healthy()
+        import httpx
+
+        def prompt_tokens(**kw) -> int:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **kw}
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        plain = prompt_tokens()
+        assert prompt_tokens(chat_template_kwargs={"greeting": "Good morning, dear friend. "}) > plain + 3
+        bos = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": True}, timeout=30).json()["count"]
+        without = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": False}, timeout=30).json()["count"]
+        assert prompt_tokens(add_special_tokens=True) - plain == bos - without  # what the tokenizer adds, if anything
+    finally:
+        server.stop()

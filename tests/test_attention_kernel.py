@@ -95,9 +95,20 @@ def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
         "llm = LLM(dtype='bfloat16')\n"
         "out = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids\n"
         "print('invariant', llm.stats()['batch_invariant'], 'tokens', len(out))\n"
+        "try:\n"
+        "    LLM(dtype='bfloat16', batch_invariant=True)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
     )
     env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "invariant False tokens 4" in done.stdout
     assert "attention kernel is unavailable" in done.stderr
+    # asked for explicitly, it is refused with the reason rather than quietly not held
+    assert "refused: batch_invariant needs treadle's attention kernel" in done.stdout and "could not be built" in done.stdout
+
+
+def test_batch_invariant_is_refused_in_float32_with_the_reason(make_llm):
+    with pytest.raises(ValueError, match="attention kernel.*bfloat16, not torch.float32"):
+        make_llm(dtype="float32", batch_invariant=True)

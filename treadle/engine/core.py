@@ -130,14 +130,14 @@ class EngineCore:
     # ------------------------------------------------------------ sizing
 
     def _resolve_batch_invariant(self, mc) -> bool:
-        wanted = self.config.batch_invariant
-        if wanted is not None:
-            if wanted and self.dtype != torch.bfloat16:
-                log.warning("batch-invariant mode in %s: torch's float32 matrix products round by row count, so it is not guaranteed", self.dtype)
-            return wanted
+        """Batch invariance rests on treadle's attention kernel: on where it serves this model (auto),
+        refused with the reason where it was asked for and cannot be had."""
         from ..model import kernels
 
-        return self.dtype == torch.bfloat16 and kernels.usable(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        reason = kernels.unusable_reason(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        if self.config.batch_invariant and reason is not None:
+            raise ValueError(f"batch_invariant needs treadle's attention kernel, which cannot serve this engine: {reason}")
+        return reason is None if self.config.batch_invariant is None else self.config.batch_invariant
 
     def _size_kv_cache(self, mc) -> tuple[int, int]:
         cfg = self.config

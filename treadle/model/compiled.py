@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..engine.memory import process_memory
 from .attention import AttentionMetadata
 from .layers import Linear
 from .loader import resolve_model_path
@@ -154,14 +155,6 @@ def compile_class(model, kv_caches, block_size: int, cls: DecodeClass):
         return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))
 
 
-def _resident_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
 def _end_with_parent(parent: int) -> None:
     """In the compiler process: exit when the engine's process does, even a killed one."""
     try:
@@ -268,7 +261,7 @@ class CompiledDecode:
 
     def _load(self, cls: DecodeClass) -> None:
         t = time.perf_counter()
-        before = _resident_bytes()
+        before = process_memory().get("VmRSS", 0)
         with open(artefact_path(self.dir, cls), "rb") as f:
             fn = torch.compiler.load_compiled_function(f)
         # Check the guards once, on this engine's KV cache, then not on every step.
@@ -279,7 +272,7 @@ class CompiledDecode:
             raise RuntimeError(f"{artefact_path(self.dir, cls)} does not fit this engine (torch's guards failed)")
         fn.disable_guard_check()
         self.ready[cls.name] = functools.partial(fn, self.model)
-        self.loaded_bytes += max(0, _resident_bytes() - before)
+        self.loaded_bytes += max(0, process_memory().get("VmRSS", 0) - before)
         log.info("compiled decode steps of %s requests in use (loaded in %.1f s)", cls.name, time.perf_counter() - t)
 
 

@@ -120,12 +120,16 @@ def _undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(path: str, tensor) -> np.ndarray:
-    type_name = tensor.tensor_type.name
-    if type_name not in SUPPORTED_TENSOR_TYPES:
+def _check_supported(path: str, tensor) -> None:
+    if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
         raise ModelLoadError(
-            f"{path}: tensor {tensor.name}: type {type_name} is not supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+            f"{path}: tensor {tensor.name}: type {tensor.tensor_type.name} is not supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
         )
+
+
+def _dequantize(path: str, tensor) -> np.ndarray:
+    _check_supported(path, tensor)
+    type_name = tensor.tensor_type.name
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest first
     try:
         if type_name == "F32":
@@ -222,8 +226,7 @@ def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
             config.rope.freq_factors = _dequantize(path, tensor).reshape(-1).tolist()
             continue
         hf = _hf_name(path, tensor.name)
-        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-            _dequantize(path, tensor)  # raises the error that names the type
+        _check_supported(path, tensor)  # at load, though the data is decoded later
         heads = None
         if config.architecture in PERMUTED_QK_ARCHITECTURES:
             if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):

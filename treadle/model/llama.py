@@ -65,7 +65,6 @@ class LlamaModel:
         self.dtype = dtype
         # batch_invariant: every weight in one stored form, used for every number of rows (a
         # matrix kernel's rounding must not depend on how many rows share the step)
-        self.batch_invariant = batch_invariant
         # Consumes `weights` and `int4`: each float32 tensor is freed as soon as its converted
         # copy exists, so loading never holds two full copies of the model.
         w = weights

@@ -16,7 +16,7 @@ import torch
 from ..engine.protocol import SampledToken, StepInput, params_from_dict
 from ..engine.request import TokenHistory
 from . import kernels
-from .attention import AttentionMetadata, PrefillChunk, padded_keys
+from .attention import AttentionMetadata, PrefillChunk
 from .config import ModelConfig
 from .registry import resolve_model_class
 from .sampler import Sampler
@@ -30,6 +30,14 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _padded(tables: list[torch.Tensor]) -> torch.Tensor:
+    """Block tables as one [n, longest] tensor, short ones padded with block 0 (masked or unread)."""
+    out = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+    for j, t in enumerate(tables):
+        out[j, : len(t)] = t
+    return out
 
 
 class InjectedFault(RuntimeError):
@@ -67,7 +75,6 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
-        self.batch_invariant = batch_invariant
         model_class = resolve_model_class(config.architecture)
         extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
         self.model = model_class(config, weights, dtype, self.device, int4=int4, **extra)
@@ -95,22 +102,6 @@ class ModelRunner:
         otherwise convert a boolean mask again in every layer."""
         mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
         return mask.masked_fill_(~allowed, float("-inf")).to(self.device)
-
-    def _invariant_chunk(self, row: int, pos: torch.Tensor, table: torch.Tensor, window: int | None) -> PrefillChunk:
-        """A prompt chunk whose rows attend as decode rows do: row at position p over the first
-        padded_keys(p + 1) keys of the cache, the rest masked."""
-        bs = self.block_size
-        key_lens = [padded_keys(int(p) + 1) for p in pos]
-        width = key_lens[-1]
-        padded = torch.zeros(-(-width // bs), dtype=torch.long)
-        padded[: len(table)] = table
-        q_pos = pos.unsqueeze(1)
-        k_pos = torch.arange(width).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        n = len(pos)
-        return PrefillChunk(row, n, int(pos[-1]) + 1, padded.to(self.device), self._additive(mask[:, None, None, :]), key_lens)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -185,11 +176,7 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table_t)
                 decode_lens.append(end)
-            elif kernel:
-                pass  # the kernel reads every row's keys through its table
-            elif self.batch_invariant:
-                prefills.append(self._invariant_chunk(row, pos, table_t, window))
-            else:
+            elif not kernel:  # the kernel reads every row's keys through its table
                 mask = None
                 if start > 0 or (window is not None and end > window):
                     q_pos = pos.unsqueeze(1)
@@ -205,9 +192,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills)
         pos_t = torch.cat(positions)
         if kernel:
-            tables = torch.zeros(len(kernel_tables), max(len(t) for t in kernel_tables), dtype=torch.long)
-            for j, t in enumerate(kernel_tables):
-                tables[j, : len(t)] = t
+            tables = _padded(kernel_tables)
             key_end = pos_t + 1
             key_begin = (key_end - window).clamp(min=0) if window is not None else torch.zeros_like(key_end)
             span = int((key_end - key_begin).max())
@@ -215,13 +200,8 @@ class ModelRunner:
             meta.num_decode_tokens = len(decode_tables)
         if decode_tables and (not kernel or self.compiled is not None):
             meta.num_decode_tokens = len(decode_tables)
-            width = max(len(t) for t in decode_tables)
-            if self.batch_invariant:
-                meta.decode_key_lens = [padded_keys(x) for x in decode_lens]
-                width = -(-max(meta.decode_key_lens) // bs)
-            tables = torch.zeros(len(decode_tables), width, dtype=torch.long)
-            for j, t in enumerate(decode_tables):
-                tables[j, : len(t)] = t
+            tables = _padded(decode_tables)
+            width = tables.shape[1]
             lens = torch.tensor(decode_lens).unsqueeze(1)
             k_pos = torch.arange(width * bs).unsqueeze(0)
             mask = k_pos < lens

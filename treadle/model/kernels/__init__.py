@@ -2,8 +2,8 @@
 
 `paged_attention.c`: attention for bfloat16 KV caches with a fixed order of every sum per query
 token (see its header). Built with `cc -O3 -march=native` into ~/.cache/treadle/kernels/, keyed by
-the source, the compiler and the CPU; loaded with ctypes, which releases the GIL during the call,
-so the work is split over threads from Python. Without a compiler the engine keeps torch's SDPA
+the source, the compiler and the CPU; loaded with ctypes (which releases the GIL during the call);
+its loop runs on torch's OpenMP threads. Without a compiler the engine keeps torch's SDPA
 (`available()` is False and the log says why once).
 """
 
@@ -103,14 +103,21 @@ def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, 
     return out
 
 
+def unusable_reason(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the kernel cannot serve this model, or None: it takes bfloat16 on the CPU, head_dim a
+    multiple of 16 up to 256, at most 16 query heads per KV head, and needs a C compiler."""
+    if dtype != torch.bfloat16:
+        return f"it computes in bfloat16, not {dtype}"
+    if device.type != "cpu":
+        return f"it runs on the CPU, not {device}"
+    if head_dim % 16 or head_dim > 256 or heads // kv_heads > 16:
+        return f"head_dim {head_dim} with {heads // kv_heads} query heads per KV head is not supported"
+    if os.environ.get("TREADLE_ATTENTION", "kernel") != "kernel":
+        return "TREADLE_ATTENTION is not 'kernel'"
+    if not available():
+        return f"it could not be built ({_error})"
+    return None
+
+
 def usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel serves this model: bfloat16 on the CPU, shapes it handles, a compiler."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and head_dim % 16 == 0
-        and head_dim <= 256
-        and heads // kv_heads <= 16
-        and os.environ.get("TREADLE_ATTENTION", "kernel") == "kernel"
-        and available()
-    )
+    return unusable_reason(dtype, device, heads, kv_heads, head_dim) is None

@@ -7,9 +7,10 @@
  * a prompt token or a generated one, how the prompt was chunked or which thread runs it. So a
  * request's numbers are the same whatever its batch (see docs/architecture.md, "Numerics").
  *
- * Every reduction is written out with 16 explicit lanes and a fixed tree at the end, and the
- * build does not allow the compiler to reassociate (no -ffast-math): vectorized or not, the
- * result is the same bits. Keys and values are bf16 (widened exactly), the math is float32,
+ * Every reduction has a fixed order: 16 explicit lanes and a fixed tree at the end (with AVX-512
+ * and head_dim 64, the same lanes and the intrinsic's reduction), and the build does not allow
+ * the compiler to reassociate (no -ffast-math). One binary, one order: whichever path computes a
+ * row, the bits are the same. Keys and values are bf16 (widened exactly), the math is float32,
  * the output is rounded to bf16 (round to nearest even), as torch rounds.
  */
 
@@ -83,103 +84,95 @@ static inline float dot(const float *q, const uint16_t *k, int64_t head_dim) {
 }
 
 /*
- * Items [item_begin, item_end) of row * kv_heads + kv_head; scratch holds group * span floats.
+ * One item: row `row`, KV head `h`. scratch holds group * span floats, offsets span slots.
  */
-static void attend_items(
+static void attend_item(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
-    int64_t out_stride, int64_t item_begin, int64_t item_end, float *scratch) {
+    int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets) {
     enum { MAX_GROUP = 16, MAX_DIM = 256 };
     const int64_t slot_stride = kv_heads * head_dim;
     float qf[MAX_GROUP * MAX_DIM];
     float acc[MAX_GROUP * MAX_DIM];
-    for (int64_t item = item_begin; item < item_end; item++) {
-        const int64_t row = item / kv_heads, h = item % kv_heads;
-        const int64_t begin = key_begin[row], end = key_end[row], n = end - begin;
-        const int64_t *table = tables + row_table[row] * table_stride;
-        const uint16_t *qrow = q + row * q_stride + h * group * head_dim;
-        for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_f32(qrow[i]);
-        /* scores, block by block (no division per key); scratch[g * n + j] */
-        for (int64_t pos = begin; pos < end;) {
-            const int64_t block = table[pos / block_size], first = pos % block_size;
-            const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
-            const uint16_t *k = k_cache + (block * block_size + first) * slot_stride + h * head_dim;
-            for (int64_t slot = first; slot < stop; slot++, k += slot_stride) {
-                const int64_t j = pos - begin + (slot - first);
+    const int64_t begin = key_begin[row], end = key_end[row], n = end - begin;
+    const int64_t *table = tables + row_table[row] * table_stride;
+    const uint16_t *qrow = q + row * q_stride + h * group * head_dim;
+    for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_to_f32(qrow[i]);
+    /* where each key's slot is, walking the table block by block (no division per key) */
+    for (int64_t pos = begin, j = 0; pos < end;) {
+        const int64_t block = table[pos / block_size], first = pos % block_size;
+        const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
+        for (int64_t slot = first; slot < stop; slot++) offsets[j++] = (block * block_size + slot) * slot_stride + h * head_dim;
+        pos += stop - first;
+    }
+    /* scores: scratch[g * n + j] */
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *k = k_cache + offsets[j];
 #if TREADLE_AVX512
-                if (head_dim == 64) {
-                    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qg = qf + g * 64;
-                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
-                        scratch[g * n + j] = _mm512_reduce_add_ps(a) * scale;
-                    }
-                    continue;
-                }
-#endif
-                for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot(qf + g * head_dim, k, head_dim) * scale;
+        if (head_dim == 64) {
+            const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qf + g * 64;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
+                scratch[g * n + j] = _mm512_reduce_add_ps(a) * scale;
             }
-            pos += stop - first;
+            continue;
         }
-        /* softmax weights, unnormalized, and their sums */
-        float inv[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            float *s = scratch + g * n;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-            float part[LANES] = {0};
-            int64_t j = 0;
-            for (; j + LANES <= n; j += LANES)
-                for (int l = 0; l < LANES; l++) {
-                    s[j + l] = exp_nonpositive(s[j + l] - m);
-                    part[l] += s[j + l];
-                }
-            for (int l = 0; j + l < n; l++) {
+#endif
+        for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot(qf + g * head_dim, k, head_dim) * scale;
+    }
+    /* softmax weights, unnormalized, and their sums */
+    float inv[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scratch + g * n;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        float part[LANES] = {0};
+        int64_t j = 0;
+        for (; j + LANES <= n; j += LANES)
+            for (int l = 0; l < LANES; l++) {
                 s[j + l] = exp_nonpositive(s[j + l] - m);
                 part[l] += s[j + l];
             }
-            inv[g] = 1.0f / lane_sum(part);
+        for (int l = 0; j + l < n; l++) {
+            s[j + l] = exp_nonpositive(s[j + l] - m);
+            part[l] += s[j + l];
         }
-        /* values: sequential over keys, lanes over head_dim, every head of the group per key */
-        for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-        for (int64_t pos = begin; pos < end;) {
-            const int64_t block = table[pos / block_size], first = pos % block_size;
-            const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
-            const uint16_t *v = v_cache + (block * block_size + first) * slot_stride + h * head_dim;
-            for (int64_t slot = first; slot < stop; slot++, v += slot_stride) {
-                const int64_t j = pos - begin + (slot - first);
+        inv[g] = 1.0f / lane_sum(part);
+    }
+    /* values: sequential over keys, lanes over head_dim, every head of the group per key */
+    for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *v = v_cache + offsets[j];
 #if TREADLE_AVX512
-                if (head_dim == 64) {
-                    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m512 p = _mm512_set1_ps(scratch[g * n + j]);
-                        float *a = acc + g * 64;
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v0, _mm512_loadu_ps(a)));
-                        _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(p, v1, _mm512_loadu_ps(a + 16)));
-                        _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(p, v2, _mm512_loadu_ps(a + 32)));
-                        _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(p, v3, _mm512_loadu_ps(a + 48)));
-                    }
-                    continue;
-                }
-#endif
-                float vf[MAX_DIM];
-                for (int64_t d = 0; d < head_dim; d++) vf[d] = bf16_to_f32(v[d]);
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scratch[g * n + j];
-                    float *a = acc + g * head_dim;
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * vf[d];
-                }
+        if (head_dim == 64) {
+            const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 p = _mm512_set1_ps(scratch[g * n + j]);
+                float *a = acc + g * 64;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v0, _mm512_loadu_ps(a)));
+                _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(p, v1, _mm512_loadu_ps(a + 16)));
+                _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(p, v2, _mm512_loadu_ps(a + 32)));
+                _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(p, v3, _mm512_loadu_ps(a + 48)));
             }
-            pos += stop - first;
+            continue;
         }
+#endif
+        float vf[MAX_DIM];
+        for (int64_t d = 0; d < head_dim; d++) vf[d] = bf16_to_f32(v[d]);
         for (int64_t g = 0; g < group; g++) {
-            uint16_t *o = out + row * out_stride + (h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g * head_dim + d] * inv[g]);
+            const float p = scratch[g * n + j];
+            float *a = acc + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * vf[d];
         }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        uint16_t *o = out + row * out_stride + (h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g * head_dim + d] * inv[g]);
     }
 }
 
@@ -205,17 +198,20 @@ int treadle_paged_attention(
 #pragma omp parallel
     {
         float *scratch = malloc(sizeof(float) * (size_t)(group * span));
-        if (scratch == NULL) {
+        int64_t *offsets = malloc(sizeof(int64_t) * (size_t)span);
+        if (scratch == NULL || offsets == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
-            if (scratch != NULL)
-                attend_items(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
-                             row_table, key_begin, key_end, scale, out, out_stride, item, item + 1, scratch);
+            if (scratch != NULL && offsets != NULL)
+                attend_item(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
+                            row_table, key_begin, key_end, scale, out, out_stride, item / kv_heads, item % kv_heads,
+                            scratch, offsets);
         }
         free(scratch);
+        free(offsets);
     }
     return failed ? -2 : 0;
 }

@@ -15,7 +15,6 @@ from .conftest import MODEL
 from .test_server import assert_error, chat, http  # noqa: F401 (fixture)
 
 REFUSED_CHAT = {
-    "response_format": {"type": "json_object"},
     "best_of": 2,
     "store": True,
     "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -26,7 +25,7 @@ REFUSED_CHAT = {
     "modalities": ["audio"],
     "reasoning_effort": "low",
 }
-REFUSED_COMPLETION = {"response_format": {"type": "json_object"}, "best_of": 2, "store": True, "suffix": "x"}
+REFUSED_COMPLETION = {"best_of": 2, "store": True, "suffix": "x"}
 
 # field -> a test that shows its effect ("module::test")
 EFFECT = {
@@ -61,6 +60,10 @@ EFFECT = {
     "continue_final_message": "test_request_fields::test_continue_final_message_continues_the_assistant_text",
     "add_special_tokens": "test_request_fields::test_template_kwargs_and_special_tokens_reach_the_prompt",
     "chat_template_kwargs": "test_request_fields::test_template_kwargs_and_special_tokens_reach_the_prompt",
+    "response_format": "test_structured_output::test_openai_parse_returns_a_parsed_object",
+    "structured_outputs": "test_structured_output::test_vllm_and_llama_cpp_forms",
+    "json_schema": "test_structured_output::test_vllm_and_llama_cpp_forms",
+    "grammar": "test_structured_output::test_vllm_and_llama_cpp_forms",
 }
 
 

@@ -210,7 +210,7 @@ BAD_CHAT = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_yaml"}}, "response_format.type"),
     ({"no_such_param": 1}, "no_such_param"),
     ({"logit_bias": {"999999999": 5}}, None),
     ({"stop_token_ids": [10**9]}, None),

@@ -97,6 +97,7 @@ def default_served_name(model: str | None) -> str:
 
 def cmd_serve(args) -> int:
     from .model.loader import resolve_model_path
+    from .server.app import ServerSettings
     from .server.serve import read_chat_template, serve
 
     if args.model_pos and args.model and args.model_pos != args.model:
@@ -104,15 +105,20 @@ def cmd_serve(args) -> int:
         return 2
     args.model = args.model_pos or args.model
     config = engine_config_from_args(args)
-    return serve(
-        config,
-        host=args.host,
-        port=args.port,
+    settings = ServerSettings(
         served_model_name=args.served_model_name or default_served_name(args.model),
         model_root=resolve_model_path(args.model),
         api_key=args.api_key or os.environ.get("TREADLE_API_KEY") or None,
-        chat_template=read_chat_template(args.chat_template),
         max_waiting=args.max_waiting,
+        chat_template=read_chat_template(args.chat_template),
+        max_schema_bytes=args.max_schema_bytes,
+        max_grammar_compile_seconds=args.max_grammar_compile_seconds,
+    )
+    return serve(
+        config,
+        settings,
+        host=args.host,
+        port=args.port,
         shutdown_timeout=args.shutdown_timeout,
         max_engine_restarts=args.max_engine_restarts,
         log_level=args.log_level,
@@ -132,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
+    srv.add_argument("--max-schema-bytes", type=int, default=256 * 1024, help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)")
+    srv.add_argument(
+        "--max-grammar-compile-seconds",
+        type=float,
+        default=10.0,
+        help="a request whose output constraint takes longer to compile gets a 400 (default: 10)",
+    )
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
     srv.add_argument(
         "--max-engine-restarts",

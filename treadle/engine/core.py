@@ -16,7 +16,9 @@ blocks are freed and the blocks that step was to fill lose their prefix-cache ha
 
 import logging
 import os
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
@@ -30,6 +32,7 @@ from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToke
 from .request import Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .structured import GrammarCompiler
 
 log = logging.getLogger("treadle")
 
@@ -120,6 +123,10 @@ class EngineCore:
         self._new_for_runner: list[NewRequestData] = []
         self._finished_for_runner: list[str] = []
         self._failed_outputs: list[CoreOutput] = []  # requests refused or failed outside a step
+        # structured output: grammars compile on a thread while their requests wait (never in a step)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self._grammar_pool: ThreadPoolExecutor | None = None
+        self._awaiting_grammar: dict[str, Future] = {}  # group id -> its matchers, one per choice
         self.num_steps = 0
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0  # the core process gives up (and is restarted) past a few
@@ -196,7 +203,53 @@ class EngineCore:
             self.requests[req.request_id] = req
         self._new_for_runner.extend(runner_data)
         self.groups[rid] = RequestGroup(rid, children)
+        if params.structured_outputs is not None:
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar")
+            self._awaiting_grammar[rid] = self._grammar_pool.submit(self._compile_grammars, params.structured_outputs, params.n)
+            return
         self.scheduler.add_request(children[0])  # the others fork from it after its prompt
+
+    def _compile_grammars(self, so, n: int) -> list:
+        return [self.grammars.compile(so) for _ in range(n)]
+
+    def _admit_compiled(self, outputs: list[CoreOutput]) -> None:
+        """Requests whose grammars have compiled join the scheduler's queue; a grammar that failed
+        ends its request with the error. With nothing else to run, wait a little for one."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.has_unfinished():
+            wait(list(self._awaiting_grammar.values()), timeout=0.01, return_when=FIRST_COMPLETED)
+        for rid, future in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[rid]
+            group = self.groups.get(rid)
+            if group is None:  # aborted while compiling
+                continue
+            try:
+                matchers = future.result()
+            except ValueError as e:
+                for child in group.children:
+                    self._finish(child, "error")
+                outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e)))
+                continue
+            for child, matcher in zip(group.children, matchers):
+                child.matcher = matcher
+                child.grammar_active = child.params.structured_outputs.after_token is None
+            self.scheduler.add_request(group.children[0])
+
+    def _grammar_masks(self, step: StepInput) -> dict[str, bytes]:
+        """The allowed-token bitmask of every constrained sample of the step."""
+        masks = {}
+        for s in step.scheduled:
+            for req_id in s.sample_ids:
+                req = self.requests[req_id]
+                if req.matcher is not None and req.grammar_active:
+                    words = np.empty(self.grammars.mask_words, dtype=np.int32)
+                    self.grammars.fill_mask(req.matcher, words)
+                    masks[req_id] = words.tobytes()
+        return masks
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop and free requests (a request id: every choice; a choice's own id: that choice)."""
@@ -223,6 +276,7 @@ class EngineCore:
         else:
             self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
+        req.matcher = None
         self._finished_for_runner.append(req.request_id)
         group = self.groups.get(req.group_id)
         if group is not None and group.finished:
@@ -232,14 +286,18 @@ class EngineCore:
         return bool(self.groups) or bool(self._failed_outputs)
 
     def close(self) -> None:
-        """Stop background work (the decode compiler); the core stays usable, eagerly."""
+        """Stop background work (the decode compiler, the grammar thread); the core stays usable, eagerly."""
         if self.runner.compiled is not None:
             self.runner.compiled.stop()
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+            self._grammar_pool = None
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[CoreOutput]:
         outputs, self._failed_outputs = self._failed_outputs, []
+        self._admit_compiled(outputs)
         step = self.scheduler.schedule()
         step.new_requests, self._new_for_runner = self._new_for_runner, []
         step.finished_req_ids, self._finished_for_runner = self._finished_for_runner, []
@@ -251,6 +309,7 @@ class EngineCore:
                 group = self.groups[self.requests[s.req_id].group_id]
                 if not group.forked:  # every choice samples its first token from the prompt's last row
                     s.sample_ids = [c.request_id for c in group.children if not c.is_finished]
+        step.grammar_masks = self._grammar_masks(step)
         for req, n in self.scheduler.scheduled:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
         try:
@@ -316,8 +375,22 @@ class EngineCore:
         out = CoreOutput(req.group_id, req.index, [token], [sampled.logprobs] if sampled.logprobs is not None else None,
                          num_cached_tokens=num_cached)
         can_stop = req.num_output_tokens >= p.min_tokens
+        grammar_done = False
+        if req.matcher is not None:
+            if not req.grammar_active:
+                req.grammar_active = token == p.structured_outputs.after_token
+            elif not req.matcher.consume_token(token):
+                out.finish_reason, out.error = "error", f"the output left its grammar: {req.matcher.get_error()}"
+                self._finish(req, "error")
+                return out
+            else:
+                # complete: only EOS may follow. Sample it (the tokens are then those of an
+                # unconstrained run that wrote the same text), unless EOS cannot end this request.
+                grammar_done = req.matcher.is_stopped() and (p.ignore_eos or not can_stop)
         if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             out.stop_reason = token if token in p.stop_token_ids else None
+            out.finish_reason = "stop"
+        elif grammar_done:
             out.finish_reason = "stop"
         elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             out.finish_reason = "length"
@@ -345,6 +418,9 @@ class EngineCore:
             "requests_received": self.requests_received,
             "compiled_decode": self.compile_status(),
             "batch_invariant": self.batch_invariant,
+            "num_waiting_for_grammar": len(self._awaiting_grammar),
+            "grammars_compiled": self.grammars.compiled,
+            "grammar_cache_hits": self.grammars.cache_hits,
             "memory": self.memory(),
         }
 

@@ -58,6 +58,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.encode_prompt(prompt, add_special_tokens)
         self.validate_prompt(token_ids, params)
+        if params.structured_outputs is not None:
+            self.core.grammars.compile(params.structured_outputs)  # a grammar that cannot compile: ValueError now
         self.processor.add_request(request_id, text, token_ids, params)
         self.core.add_request(EngineCoreRequest(request_id, token_ids, params_to_dict(params), cache_salt))
         return request_id

@@ -127,6 +127,8 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequestData] = []
     finished_req_ids: list[str] = []
     block_copies: list[tuple[int, int]] = []  # (src, dst) block copies before the step
+    # constrained samples: sample id -> the allowed-token bitmask (int32 words, little-endian)
+    grammar_masks: dict[str, bytes] = {}
 
     @property
     def num_tokens(self) -> int:

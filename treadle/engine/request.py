@@ -61,6 +61,8 @@ class Request(TokenHistory):
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.finish_reason: str | None = None
+        self.matcher = None  # structured output: the grammar's llguidance matcher, once compiled
+        self.grammar_active = False  # whether the matcher follows the output yet (after reasoning)
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from .structured import StructuredOutputsParams, as_structured
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # a grammar the output must follow (JSON schema, regex, choice, EBNF); a dict is accepted
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -36,6 +40,7 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
+        self.structured_outputs = as_structured(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

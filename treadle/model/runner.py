@@ -15,6 +15,7 @@ import torch
 
 from ..engine.protocol import SampledToken, StepInput, params_from_dict
 from ..engine.request import TokenHistory
+from ..engine.structured import allowed_from_bitmask
 from . import kernels
 from .attention import AttentionMetadata, PrefillChunk
 from .config import ModelConfig
@@ -138,7 +139,13 @@ class ModelRunner:
                 ids.append(req_id)
         logits = logits[torch.tensor(rows, device=self.device)]
         reqs = [self.requests[req_id] for req_id in ids]
-        results = self.sampler.sample(logits, reqs)
+        masks = step.grammar_masks
+        constrained = None
+        if masks:
+            rows_c = [j for j, req_id in enumerate(ids) if req_id in masks]
+            data = b"".join(masks[ids[j]] for j in rows_c)
+            constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
+        results = self.sampler.sample(logits, reqs, constrained)
         for req, res in zip(reqs, results):
             req.all_token_ids.append(res.token_id)
         return dict(zip(ids, results))

@@ -51,13 +51,25 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def sample(self, logits: torch.Tensor, reqs: list) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, reqs: list, constrained=None) -> list[SampledToken]:
         """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
-        Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k."""
+        constrained: (rows, allowed [len(rows), V] bool), the tokens a grammar allows those rows.
+        Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k
+        (of the raw model distribution, before penalties, bias and grammar)."""
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw = logits
         logits = logits.clone()
         self._adjust(logits, reqs)
+        if constrained is not None:
+            rows, allowed = constrained
+            idx = torch.tensor(rows, device=logits.device)
+            masked = logits[idx].masked_fill(~allowed, -float("inf"))
+            # a grammar's only way on banned by min_tokens or a bias: the grammar wins
+            dead = torch.isneginf(masked).all(dim=-1)
+            if dead.any():
+                masked[dead] = raw[idx][dead].masked_fill(~allowed[dead], -float("inf"))
+            logits[idx] = masked
 
         # max(dim).indices: the first maximal index, like argmax, but ~1.6x faster on CPU
         tokens = logits.max(dim=-1).indices

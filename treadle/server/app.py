@@ -19,6 +19,7 @@ from .. import __version__
 from ..engine.outputs import RequestOutput
 from ..engine.request import validate_prompt
 from .engine_client import EngineClient, EngineDead
+from .grammars import GrammarChecker
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -57,6 +58,8 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int = 1024
     chat_template: str | None = None
+    max_schema_bytes: int = 256 * 1024
+    max_grammar_compile_seconds: float = 10.0
 
 
 @dataclass
@@ -66,6 +69,13 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False
     in_flight: set = field(default_factory=set)
+    grammar_checker: GrammarChecker | None = None
+
+    def grammars(self) -> GrammarChecker:
+        if self.grammar_checker is None:
+            s = self.settings
+            self.grammar_checker = GrammarChecker(self.engine.tokenizer, self.engine.vocab_size, s.max_schema_bytes, s.max_grammar_compile_seconds)
+        return self.grammar_checker
 
 
 def error_response(status: int, message: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
@@ -81,6 +91,8 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await async_engine.stop()
+            if state.grammar_checker is not None:
+                state.grammar_checker.close()
 
     app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     state = ServerState(async_engine, settings, ServerMetrics(async_engine))
@@ -211,6 +223,7 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
             text = _open_final_message(text, messages[-1]["content"])
         ids = async_engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
+        await _constrain(state, body, [params])
         job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival)
         return await job.respond(request)
 
@@ -229,6 +242,7 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
                 _check_token_ids(state, p, "prompt")
                 prompts.append((None, list(p)))
         params = [_params(state, body, ids, body.max_tokens, body.logprobs, "prompt") for _, ids in prompts]
+        await _constrain(state, body, params)
         job = _Job(state, new_id("cmpl"), "completion", body, prompts, params, arrival)
         return await job.respond(request)
 
@@ -310,6 +324,17 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
     except ValueError as e:
         raise RequestError(str(e), prompt_param) from None
     return params
+
+
+async def _constrain(state: ServerState, body, params: list) -> None:
+    """The request's output constraint, checked (a 400 if it cannot compile), on every prompt's params."""
+    found = body.structured()
+    if found is None:
+        return
+    so, param = found
+    await state.grammars().check(so, param)
+    for p in params:
+        p.structured_outputs = so
 
 
 class _Job:

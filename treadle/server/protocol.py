@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured import StructuredOutputsParams
 
 Number = StrictInt | StrictFloat
 
@@ -40,9 +41,28 @@ class StreamOptions(StrictModel):
     include_usage: StrictBool | None = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: StrictStr
+class JsonSchemaFormat(StrictModel):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: text, json_object, or json_schema with a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's structured_outputs extra: exactly one of json (a schema), regex, choice, grammar."""
+
+    json_: dict[str, Any] | StrictBool | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 # Fields clients send that are rightly no-ops on a local server: accepted and ignored.
@@ -77,8 +97,13 @@ class SamplingFields(StrictModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: StrictStr | None = None
-    # known but not supported: refused with a 400 naming them when set
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, llama.cpp's
+    # json_schema and grammar (one of them per request)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    json_schema: dict[str, Any] | StrictBool | None = None
+    grammar: StrictStr | None = None
+    # known but not supported: refused with a 400 naming them when set
     best_of: StrictInt | None = None
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
@@ -87,10 +112,12 @@ class SamplingFields(StrictModel):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(
-                f"response_format type {self.response_format.type!r} is not supported (only 'text')", "response_format"
-            )
+        if self.response_format is not None:
+            fmt = self.response_format
+            if fmt.type == "json_schema" and fmt.json_schema is None:
+                raise RequestError("response_format of type json_schema needs a json_schema object", "response_format.json_schema")
+            if fmt.type != "json_schema" and fmt.json_schema is not None:
+                raise RequestError(f"response_format.json_schema is only allowed with type json_schema, not {fmt.type!r}", "response_format")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of is not supported", "best_of")
         if self.store:
@@ -99,6 +126,36 @@ class SamplingFields(StrictModel):
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.n < 1 or self.n > 128:
             raise RequestError(f"n must be between 1 and 128, got {self.n}", "n")
+
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's output constraint and the parameter that set it; a 400 if more than one
+        parameter sets one or the one given is malformed."""
+        given = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_
+            given.append(("response_format.json_schema.schema", {"json": schema} if schema is not None else {"json_object": True}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            if so.get("json_object") is False:
+                del so["json_object"]
+            given.append(("structured_outputs", so))
+        if self.json_schema is not None:
+            given.append(("json_schema", {"json": self.json_schema}))
+        if self.grammar is not None:
+            given.append(("grammar", {"grammar": self.grammar}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = " and ".join(p.split(".")[0] for p, _ in given)
+            raise RequestError(f"only one output constraint per request: got {names}", given[1][0].split(".")[0])
+        param, value = given[0]
+        try:
+            return StructuredOutputsParams(**value), param
+        except ValueError as e:
+            raise RequestError(str(e), param) from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         bias = None

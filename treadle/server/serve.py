@@ -54,27 +54,16 @@ class GracefulServer(uvicorn.Server):
 
 def serve(
     engine_config: EngineConfig,
+    settings: ServerSettings,
     *,
     host: str,
     port: int,
-    served_model_name: str,
-    model_root: str,
-    api_key: str | None,
-    chat_template: str | None,
-    max_waiting: int,
     shutdown_timeout: float,
     max_engine_restarts: int = 3,
     log_level: str = "info",
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = EngineClient(engine_config, max_restarts=max_engine_restarts, log_level=log_level)
-    settings = ServerSettings(
-        served_model_name=served_model_name,
-        model_root=model_root,
-        api_key=api_key,
-        max_waiting=max_waiting,
-        chat_template=chat_template,
-    )
     app = build_app(engine, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)

@@ -1,0 +1,178 @@
+"""Structured output: a grammar per request, applied as a token mask in the sampler.
+
+A request's constraint (`StructuredOutputsParams`: a JSON schema, any JSON object, a regex, a
+choice of strings or an EBNF / GBNF / Lark grammar) becomes one llguidance grammar
+(`grammar_spec`). `GrammarCompiler` compiles it into an `LLMatcher` for the tokenizer, within
+resource limits, and caches compiled grammars by their canonical text; each choice of each
+request gets its own copy of the matcher, which then follows that choice's tokens.
+
+Who does what (docs/architecture.md, "Structured output"):
+- the front end checks the constraint (size, compile errors, compile time) before it answers, so a
+  grammar that cannot compile is a 400 and never reaches the engine;
+- the engine core compiles it again off its loop (a thread; llguidance drops the GIL), keeps the
+  request waiting for its grammar meanwhile, then, every step, computes the allowed-token bitmask
+  of each constrained row that samples and hands it to the runner as plain bytes;
+- the sampler sets the logits of disallowed tokens to -inf, after penalties and bias; logprobs
+  stay those of the raw model distribution.
+"""
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+# JSON whitespace: none, one space, or a newline with up to 20 spaces or tabs of indentation
+# between tokens (llama.cpp's json-schema-to-grammar rule). Compact, spaced and pretty-printed JSON
+# all fit, and a small model cannot loop on whitespace forever.
+JSON_WHITESPACE = r"(?:[ ]|\n[ \t]{0,20})?"
+JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+CACHE_SIZE = 256
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar, json_object).
+
+    `after_token`: the constraint starts after this token appears in the output (a reasoning
+    model's end-of-thinking token; the server sets it); None: from the first output token."""
+
+    json: dict | bool | str | None = None  # a JSON schema (a dict, or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF / GBNF (llama.cpp) or Lark
+    json_object: bool = False
+    after_token: int | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            named = ", ".join(given) if given else "none"
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object (got {named})")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(self.json).__name__}")
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def key(self) -> str:
+        """The canonical text of the constraint (the compiled-grammar cache key). JSON key order is
+        kept: it is the order the properties are generated in."""
+        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(self.kind, True)
+        return self.kind + ":" + json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+    def text_size(self) -> int:
+        """Bytes of the constraint as the client sent it (near enough: its canonical text)."""
+        return len(self.key().encode())
+
+
+def as_structured(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        return StructuredOutputsParams(**value)
+    raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+
+
+def grammar_spec(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint; ValueError naming the problem if it has none."""
+    import llguidance
+
+    kind = so.kind
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(so.json, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(so.regex)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+    try:
+        return llguidance.grammar_from("grammar", so.grammar)
+    except ValueError as e:
+        raise ValueError(f"the grammar is not valid: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the GBNF converter raises bare Exceptions
+        raise ValueError(f"the grammar is not valid: {e}") from None
+
+
+class GrammarCompiler:
+    """Compiles constraints into llguidance matchers for one tokenizer; thread-safe, cached."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.mask_words = (vocab_size + 31) // 32
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, object] = OrderedDict()  # key -> a compiled matcher (or an error text)
+        self.compiled = 0  # cache misses, for /stats
+        self.cache_hits = 0
+
+    def _ll(self):
+        import llguidance
+
+        with self._lock:
+            if self._ll_tokenizer is None:
+                tok = self._tokenizer
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    tok.backend.to_str(), n_vocab=self.vocab_size, eos_token=sorted(tok.stop_token_ids)
+                )
+            return self._ll_tokenizer
+
+    def compile(self, so: StructuredOutputsParams):
+        """A fresh matcher for `so` at its start; ValueError naming the problem if it cannot compile."""
+        import llguidance
+
+        key = so.key()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+        if cached is None:
+            try:
+                spec = grammar_spec(so)
+            except ValueError as e:
+                cached = str(e)
+            else:
+                matcher = llguidance.LLMatcher(self._ll(), spec, log_level=0)
+                cached = f"the {_NAMES[so.kind]} cannot be used: {matcher.get_error()}" if matcher.is_error() else matcher
+            with self._lock:
+                self.compiled += 1
+                self._cache[key] = cached
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(cached, str):
+            raise ValueError(cached)
+        return cached.deep_copy()
+
+    def fill_mask(self, matcher, out: np.ndarray) -> None:
+        """The allowed next tokens of `matcher` as a bitmask (int32 words, bit t of word t // 32)."""
+        matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
+
+
+def allowed_from_bitmask(data: bytes, rows: int, vocab_size: int):
+    """A bool tensor [rows, vocab_size] from `rows` bitmasks of int32 words, back to back."""
+    import torch
+
+    arr = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+    bits = np.unpackbits(arr, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.astype(bool))

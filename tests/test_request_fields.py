@@ -17,9 +17,6 @@ from .test_server import assert_error, chat, http  # noqa: F401 (fixture)
 REFUSED_CHAT = {
     "best_of": 2,
     "store": True,
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required",
-    "parallel_tool_calls": True,
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "modalities": ["audio"],
@@ -64,6 +61,9 @@ EFFECT = {
     "structured_outputs": "test_structured_output::test_vllm_and_llama_cpp_forms",
     "json_schema": "test_structured_output::test_vllm_and_llama_cpp_forms",
     "grammar": "test_structured_output::test_vllm_and_llama_cpp_forms",
+    "tools": "test_tool_server::test_required_named_and_auto_calls",
+    "tool_choice": "test_tool_server::test_required_named_and_auto_calls",
+    "parallel_tool_calls": "test_tool_server::test_parallel_tool_calls_false_allows_one_call",
 }
 
 

@@ -208,7 +208,7 @@ BAD_CHAT = [
     ({"temperature": "hot"}, "temperature"),
     ({"n": "two"}, "n"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_yaml"}}, "response_format.type"),
     ({"no_such_param": 1}, "no_such_param"),

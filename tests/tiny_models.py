@@ -213,3 +213,60 @@ def _llama3_rope_factors(cfg, head_dim: int) -> np.ndarray:
         head_dim,
     )
     return (plain / scaled).numpy().astype(np.float32)
+
+
+# ---------------------------------------------------------------- a scripted model
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n{% for tc in m['tool_calls'] %}"
+    "<tool_call>\n{{ {'name': tc['function']['name'], 'arguments': tc['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_scripted_model(folder: str, script: list[str], template: str = HERMES_TEMPLATE) -> None:
+    """A one-layer llama whose greedy reply to any chat prompt is `script` (each piece an added
+    token), then <|im_end|>. Attention and MLP are zero, so each position's logits depend on its own
+    token only: the prompt's last token ("\\n" after "assistant") points to the first piece, each
+    piece to the next, the last to <|im_end|>; every other token has all-zero logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = tiny_tokenizer()
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in script])
+    chain = [tok.token_to_id("Ċ")] + [tok.token_to_id(p) for p in script] + [tok.token_to_id("<|im_end|>")]
+    assert None not in chain and len(set(chain)) == len(chain), "script pieces must be distinct tokens"
+    vocab = tok.get_vocab_size()
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+        bos_token_id=None,
+    )
+    assert len(chain) <= config.hidden_size
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for k, token in enumerate(chain[:-1]):
+            emb[token, k] = 1.0
+            head[chain[k + 1], k] = 10.0
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "chat_template": template}, f)

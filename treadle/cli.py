@@ -113,6 +113,8 @@ def cmd_serve(args) -> int:
         chat_template=read_chat_template(args.chat_template),
         max_schema_bytes=args.max_schema_bytes,
         max_grammar_compile_seconds=args.max_grammar_compile_seconds,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return serve(
         config,
@@ -144,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="a request whose output constraint takes longer to compile gets a 400 (default: 10)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        help="how tool calls are read from replies under tool_choice auto; auto: from the chat template (default: auto)",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="split <think>...</think> reasoning from the answer into message.reasoning (default: off)",
     )
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
     srv.add_argument(

@@ -19,7 +19,10 @@ from .. import __version__
 from ..engine.outputs import RequestOutput
 from ..engine.request import validate_prompt
 from .engine_client import EngineClient, EngineDead
+from .chat_output import ChatOutput
 from .grammars import GrammarChecker
+from .reasoning import reasoning_closed, starts_inside
+from .tools import family_of, prepare_messages, template_supports_tools, tool_setup
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -60,6 +63,8 @@ class ServerSettings:
     chat_template: str | None = None
     max_schema_bytes: int = 256 * 1024
     max_grammar_compile_seconds: float = 10.0
+    tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1
 
 
 @dataclass
@@ -189,7 +194,8 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
                 return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
             return {"tokens": ids}
         if body.messages is not None:
-            text = _render_chat(state, [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt, None)
+            messages, _ = prepare_messages(_plain_messages(body.messages), None, template_supports_tools(_template(state)))
+            text = _render_chat(state, messages, body.add_generation_prompt, None)
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:
             add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -214,17 +220,20 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         _require_ready(state)
         _check_model(state, body.model)
         body.check()
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        for m in messages:
-            if isinstance(m.get("content"), list):
-                m["content"] = "".join(p["text"] for p in m["content"])
-        text = _render_chat(state, messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
+        template = _template(state)
+        messages, tool_kwargs = prepare_messages(_plain_messages(body.messages), tools, template_supports_tools(template))
+        text = _render_chat(state, messages, body.add_generation_prompt, {**tool_kwargs, **(body.chat_template_kwargs or {})})
         if body.continue_final_message:
             text = _open_final_message(text, messages[-1]["content"])
         ids = async_engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
-        await _constrain(state, body, [params])
-        job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival)
+        reasoning = settings.reasoning_parser
+        inside = starts_inside(reasoning, text) if reasoning else None
+        after = _token_id(state, "</think>") if reasoning and not reasoning_closed(text) else None
+        await _constrain(state, body, [params], tools.constraint() if tools else None, after)
+        family = family_of(template) if settings.tool_call_parser == "auto" else settings.tool_call_parser
+        job = _Job(state, new_id("chatcmpl"), "chat", body, [(None, ids)], [params], arrival, lambda: ChatOutput(tools, family, inside))
         return await job.respond(request)
 
     @app.post("/v1/completions")
@@ -282,13 +291,34 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
             raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", param)
 
 
-def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
-    tok = state.engine.tokenizer
-    template = state.settings.chat_template or tok.chat_template
+def _template(state: ServerState) -> str:
+    template = state.settings.chat_template or state.engine.tokenizer.chat_template
     if not template:
         raise RequestError(
             "this model has no chat template; use /v1/completions or start the server with --chat-template", "messages"
         )
+    return template
+
+
+def _plain_messages(messages) -> list[dict]:
+    """Request messages as the template gets them: text parts joined into one string."""
+    out = [m.model_dump(exclude_none=True) for m in messages]
+    for m in out:
+        if isinstance(m.get("content"), list):
+            m["content"] = "".join(p["text"] for p in m["content"])
+        m.setdefault("content", "")  # an assistant turn that only called tools
+    return out
+
+
+def _token_id(state: ServerState, text: str) -> int | None:
+    """The id of a text that is one token in this vocabulary, else None."""
+    ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
+    tok = state.engine.tokenizer
+    template = _template(state)
     try:
         return tok.apply_chat_template(messages, add_generation_prompt, template, **(kwargs or {}))
     except ValueError as e:
@@ -326,12 +356,18 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
     return params
 
 
-async def _constrain(state: ServerState, body, params: list) -> None:
-    """The request's output constraint, checked (a 400 if it cannot compile), on every prompt's params."""
+async def _constrain(state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None) -> None:
+    """The request's output constraint (a structured-output parameter, or the tool_choice's call),
+    checked (a 400 if it cannot compile), on every prompt's params; after reasoning if it is on."""
     found = body.structured()
+    if tool_constraint is not None:
+        if found is not None:
+            raise RequestError(f"{found[1].split('.')[0]} cannot be combined with a tool_choice that forces a call", "tool_choice")
+        found = (tool_constraint, "tools")
     if found is None:
         return
     so, param = found
+    so.after_token = after_token
     await state.grammars().check(so, param)
     for p in params:
         p.structured_outputs = so
@@ -340,8 +376,9 @@ async def _constrain(state: ServerState, body, params: list) -> None:
 class _Job:
     """One HTTP generation request: one engine request per prompt, all choices, one response."""
 
-    def __init__(self, state: ServerState, job_id: str, kind: str, body, prompts, params, arrival: float):
+    def __init__(self, state: ServerState, job_id: str, kind: str, body, prompts, params, arrival: float, chat_output=None):
         self.state = state
+        self.chat_output = chat_output or (lambda: ChatOutput(None, None, None))  # chat: one per choice
         self.id = job_id
         self.kind = kind
         self.body = body
@@ -453,12 +490,13 @@ class _Job:
         for i in range(total):
             prompt_text = self.prompts[i // self.n][0]
             if self.kind == "chat":
+                out = self.chat_output()
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": texts[i]},
+                        "message": out.message(texts[i]),
                         "logprobs": self._chat_logprobs(logprobs[i]) if self.body.logprobs else None,
-                        "finish_reason": reasons.get(i, "abort"),
+                        "finish_reason": out.finish_reason(reasons.get(i, "abort")),
                     }
                 )
             else:
@@ -492,6 +530,7 @@ class _Job:
         completion_tokens = 0
         reasons: dict[int, str] = {}
         text_offsets = {i: 0 for i in range(total)}
+        outputs = {i: self.chat_output() for i in range(total)} if self.kind == "chat" else {}
 
         def chunk(choices, usage=None) -> str:
             payload = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -520,7 +559,7 @@ class _Job:
                     # with the first engine output, as vLLM does, so a client's TTFT means a token is coming
                     role_sent = True
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(total)])
-                choices = []
+                rounds: list[list[dict]] = [[]]  # chunk k carries each choice's k-th delta
                 for c in out.outputs:
                     i = self._index(out.request_id, c.index)
                     completion_tokens += len(c.token_ids)
@@ -530,15 +569,28 @@ class _Job:
                         reasons[i] = c.finish_reason
                     pairs = list(zip(c.token_ids, c.logprobs or []))
                     if self.kind == "chat":
-                        delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                        deltas = outputs[i].feed(c.text, final=c.finish_reason is not None) or [{}]
                         lp = self._chat_logprobs(pairs) if self.body.logprobs else None
-                        choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason})
+                        if not c.finish_reason and deltas == [{}] and lp is None:
+                            continue  # text held back (a tag, a call being parsed)
+                        rounds += [[] for _ in range(len(deltas) - len(rounds))]
+                        for k, delta in enumerate(deltas):
+                            last = k == len(deltas) - 1
+                            rounds[k].append(
+                                {
+                                    "index": i,
+                                    "delta": delta,
+                                    "logprobs": lp if k == 0 else None,
+                                    "finish_reason": outputs[i].finish_reason(c.finish_reason) if last else None,
+                                }
+                            )
                     else:
                         lp = self._completion_logprobs(pairs, text_offsets[i]) if self.body.logprobs is not None else None
                         text_offsets[i] += len(c.text)
-                        choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-                if choices:
-                    yield chunk(choices)
+                        rounds[0].append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+                for choices in rounds:
+                    if choices:
+                        yield chunk(choices)
             self._finish_metrics(reasons)
             if include_usage:
                 yield chunk([], self._usage(completion_tokens))

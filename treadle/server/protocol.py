@@ -229,18 +229,12 @@ class ChatCompletionRequest(SamplingFields):
         self.check_common()
         if not self.messages:
             raise RequestError("messages must not be empty", "messages")
-        if self.tools:
-            raise RequestError("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice other than 'none' is not supported", "tool_choice")
         if self.functions:
-            raise RequestError("functions are not supported", "functions")
+            raise RequestError("functions (deprecated) are not supported; use tools", "functions")
         if self.function_call not in (None, "none"):
             raise RequestError("function_call other than 'none' is not supported", "function_call")
         if self.modalities and self.modalities != ["text"]:
             raise RequestError("only the text modality is supported", "modalities")
-        if self.parallel_tool_calls is not None:
-            raise RequestError("parallel_tool_calls is only allowed with tools, which are not supported", "parallel_tool_calls")
         if self.reasoning_effort is not None:
             raise RequestError("reasoning_effort is not supported (this model does not reason separately)", "reasoning_effort")
         if self.continue_final_message:

@@ -9,8 +9,9 @@ import httpx
 import pytest
 
 from treadle.bench.datasets import BenchRequest, LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
-from treadle.bench.metrics import RequestResult, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
-from treadle.bench.serve import add_serve_args, bench_serve, print_report, send_request
+from treadle.bench.metrics import RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
+from treadle.bench.serve import add_serve_args, bench_serve, cmd_bench_serve, counter_deltas, grammar_counters, print_report, send_request
+from treadle.bench.structured import DEFAULT_SCHEMA, check_structured_args, distinct_schemas, request_schemas, schema_bytes, structured_flags
 from treadle.bench.sweep import plot_sweep
 
 from .conftest import KEY
@@ -104,6 +105,89 @@ def test_logprobs_request_fields(backend, logprobs, expected):
     assert {k: sent[0][k] for k in ("logprobs", "top_logprobs") if k in sent[0]} == expected
 
 
+def serve_args(*argv):
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_structured_selection_is_deterministic_per_seed(tmp_path):
+    flags = structured_flags(400, 0.3, seed=1)
+    assert flags == structured_flags(400, 0.3, seed=1)
+    assert flags != structured_flags(400, 0.3, seed=2)
+    assert 80 <= sum(flags) <= 160
+    assert not any(structured_flags(50, 0.0, 1)) and all(structured_flags(50, 1.0, 1))
+    schemas = request_schemas(serve_args("--structured-output-ratio", "0.3"), 400, seed=1)
+    assert [s is not None for s in schemas] == flags and all(s in (None, DEFAULT_SCHEMA) for s in schemas)
+    args = serve_args("--structured-output-ratio", "0.3", "--structured-output-distinct-schemas", "3")
+    constrained = [json.dumps(s) for s in request_schemas(args, 400, seed=1) if s is not None]
+    assert constrained[:3] * (len(constrained) // 3) == constrained[: len(constrained) // 3 * 3]  # three schemas in turn
+    assert len(set(constrained)) == 3
+    (tmp_path / "s.json").write_text('{"type": "array"}')
+    args = serve_args("--structured-output-ratio", "1", "--structured-output-schema", str(tmp_path / "s.json"))
+    assert request_schemas(args, 3, seed=1) == [{"type": "array"}] * 3
+
+
+def test_distinct_schemas_are_unique_sized_and_valid():
+    from jsonschema import Draft202012Validator
+
+    Draft202012Validator.check_schema(DEFAULT_SCHEMA)
+    schemas = distinct_schemas(4, 5000, seed=7)
+    assert schemas == distinct_schemas(4, 5000, seed=7)
+    texts = {json.dumps(s) for s in schemas}
+    assert len(texts) == 4 and texts.isdisjoint(json.dumps(s) for s in distinct_schemas(4, 5000, seed=8))
+    for s in schemas:
+        Draft202012Validator.check_schema(s)
+        assert 5000 <= schema_bytes(s) < 5050
+        assert s["required"] == ["items"] and s["properties"]["items"] == DEFAULT_SCHEMA["properties"]["items"]  # still cannot close
+    assert len({json.dumps(s) for s in distinct_schemas(3, 0, seed=7)}) == 3  # unique even when small
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--structured-output-ratio", "1.5"],
+        ["--structured-output-distinct-schemas", "2"],
+        ["--structured-output-ratio", "0.5", "--structured-output-schema-bytes", "100"],
+        ["--structured-output-ratio", "0.5", "--structured-output-distinct-schemas", "2", "--structured-output-schema", "s.json"],
+    ],
+)
+def test_structured_flags_that_would_be_ignored_are_refused(argv):
+    with pytest.raises(SystemExit):
+        check_structured_args(serve_args(*argv))
+
+
+def test_schema_request_field_and_class_metrics(capsys):
+    sent = []
+
+    def handler(request):
+        if request.url.path == "/stats":
+            return httpx.Response(404)  # not treadle: no grammar counters
+        sent.append(json.loads(request.content))
+        chunk = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1, "prompt_tokens": 2}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    args = serve_args()
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            plain = await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1), False, args)
+            constrained = await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1, DEFAULT_SCHEMA), False, args)
+            return plain, constrained, await grammar_counters(client, "http://test/stats")
+
+    plain, constrained, counters = asyncio.run(go())
+    assert "structured_outputs" not in sent[0] and sent[1]["structured_outputs"] == {"json": DEFAULT_SCHEMA}
+    assert (plain.structured, constrained.structured) == (False, True)
+    assert counter_deltas(counters, counters) == {"grammars_compiled": None, "grammar_cache_hits": None}
+
+    a, b = synthetic(0.0, 0.5, [0.1, 0.1, 0.1], 4), synthetic(0.2, 1.0, [0.3], 2)
+    b.structured = True
+    by_class = class_metrics([a, b], 2.0, [99], {})
+    assert by_class["constrained"]["completed"] == by_class["unconstrained"]["completed"] == 1
+    assert by_class["constrained"]["median_tpot_ms"] == pytest.approx(300.0)
+    assert by_class["unconstrained"]["output_throughput"] == pytest.approx(2.0)
+
+
 @pytest.fixture(scope="module")
 def tok(gguf_path):
     return LocalTokenizer(gguf_path)
@@ -194,6 +278,28 @@ def test_live_logprobs_and_health_probe(server, backend, capsys):
     json.dumps(result)
     print_report(result, args)
     assert "Health Probe" in capsys.readouterr().out
+
+
+def test_live_structured_output_ratio_splits_the_report(server, tmp_path, capsys):
+    seed = 3
+    n_constrained = sum(structured_flags(6, 0.5, seed))
+    assert 2 <= n_constrained < 6  # both classes, and a schema compiled twice at most
+    args = bench_args(
+        server, random_input_len=16, random_output_len=8, num_prompts=6, max_concurrency=6, seed=seed,
+        structured_output_ratio=0.5, structured_output_distinct_schemas=2, structured_output_schema_bytes=2000,
+        save_result=True, result_dir=str(tmp_path), result_filename="so.json",
+    )  # fmt: skip
+    assert cmd_bench_serve(args) == 0
+    assert "Constrained Requests" in capsys.readouterr().out
+    result = json.loads((tmp_path / "so.json").read_text())
+    so = result["structured_output"]
+    assert so["constrained"]["completed"] == n_constrained and so["unconstrained"]["completed"] == 6 - n_constrained
+    assert so["constrained"]["completed"] + so["unconstrained"]["completed"] == result["completed"] == 6
+    assert so["constrained"]["total_output_tokens"] + so["unconstrained"]["total_output_tokens"] == result["total_output_tokens"]
+    # each constrained request compiled its grammar or found it cached; two distinct schemas: two misses at least
+    assert so["grammars_compiled"] + so["grammar_cache_hits"] == n_constrained and so["grammars_compiled"] >= 2
+    # the schema cannot close: constrained requests run to max_tokens without ignore_eos
+    assert all(n == 8 for n, c in zip(result["output_lens"], so["is_constrained"]) if c)
 
 
 def test_server_tokenizer_gives_the_same_lengths(server):

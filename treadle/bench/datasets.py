@@ -34,6 +34,7 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens of the prompt (content tokens for chat)
     output_len: int
+    schema: dict | None = None  # a JSON schema to constrain the output to (bench serve --structured-output-ratio)
 
 
 class EngineTokenizer:

@@ -33,6 +33,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # absolute arrival of each content chunk
     error: str = ""
+    structured: bool = False  # sent with a JSON schema (structured_outputs)
 
 
 def percentile_stats(values_s: list[float], percentiles: list[float]) -> dict:
@@ -110,6 +111,15 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         for key, value in stats.items():
             m[f"{key}_{name}_ms"] = value
     return m
+
+
+def class_metrics(results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict[str, float]) -> dict:
+    """compute_metrics for the constrained and the unconstrained requests apart, each over the
+    whole run's duration, so that the two classes' throughputs add up to the run's."""
+    return {
+        name: compute_metrics([r for r in results if r.structured == structured], duration, percentiles, goodput)
+        for name, structured in (("constrained", True), ("unconstrained", False))
+    }
 
 
 def _peaks(ok: list[RequestResult]) -> tuple[float, int]:

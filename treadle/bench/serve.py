@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -12,7 +13,10 @@ import httpx
 from tqdm import tqdm
 
 from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
-from .metrics import METRIC_TITLES, RequestResult, compute_metrics, health_probe_stats, parse_goodput
+from .metrics import METRIC_TITLES, RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput
+from .structured import base_schema, check_structured_args, request_schemas
+
+GRAMMAR_COUNTERS = ("grammars_compiled", "grammar_cache_hits")  # treadle's GET /stats
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +35,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, help="logprobs per token to request (default: none)")
+    p.add_argument("--structured-output-ratio", type=float, default=0.0, metavar="R", help="this fraction of the requests (drawn from --seed) carry a JSON schema in structured_outputs")
+    p.add_argument("--structured-output-schema", default=None, metavar="FILE", help="the JSON schema they carry (default: one that cannot close, so they run to max_tokens)")
+    p.add_argument("--structured-output-distinct-schemas", type=int, default=0, metavar="K", help="cycle over K generated schemas, new per seed: grammar cache misses")
+    p.add_argument("--structured-output-schema-bytes", type=int, default=0, metavar="B", help="each generated schema's size in bytes (its JSON as sent)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--health-probe-interval", type=float, default=None, metavar="SECONDS", help="GET /health this often while the load runs; report its latency")
@@ -61,6 +69,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
     }
     if args.ignore_eos:
         payload["ignore_eos"] = True
+    if req.schema is not None:
+        payload["structured_outputs"] = {"json": req.schema}
     if chat:
         payload["messages"] = [{"role": "user", "content": req.prompt}]
         if args.logprobs is not None:
@@ -70,7 +80,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
         payload["prompt"] = req.prompt
         if args.logprobs is not None:
             payload["logprobs"] = args.logprobs
-    result = RequestResult(prompt_len=req.prompt_len)
+    result = RequestResult(prompt_len=req.prompt_len, structured=req.schema is not None)
     start = time.perf_counter()
     result.start = start
     last = start
@@ -131,6 +141,34 @@ async def probe_health(client: httpx.AsyncClient, url: str, interval: float, sto
     return latencies, failed
 
 
+async def grammar_counters(client: httpx.AsyncClient, url: str) -> dict:
+    """The server's grammar counters from GET /stats; None for each it does not report (a server
+    other than treadle), so that a run against it still completes."""
+    try:
+        r = await client.get(url, timeout=10)
+        stats = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        stats = {}
+    return {k: stats.get(k) if isinstance(stats, dict) else None for k in GRAMMAR_COUNTERS}
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    """What each counter grew by over the run; None unless the server reported it at both ends."""
+    return {k: after[k] - before[k] if isinstance(before[k], int) and isinstance(after[k], int) else None for k in GRAMMAR_COUNTERS}
+
+
+async def warm_up(client: httpx.AsyncClient, url: str, model: str, requests: list[BenchRequest], chat: bool, args) -> None:
+    """--num-warmups requests before the clock starts. When the run has constrained requests, every
+    warm-up carries the base schema: the server's one-time grammar set-up happens here, and the
+    run's distinct schemas (if any) stay uncompiled, so that the run sees every one of their misses."""
+    schema = base_schema(args) if args.structured_output_ratio else None
+    for i in range(args.num_warmups):
+        req = dataclasses.replace(requests[i % len(requests)], schema=schema)
+        warm = await send_request(client, url, model, req, chat, args)
+        if not warm.success:
+            raise SystemExit(f"treadle bench: warm-up request failed: {warm.error}")
+
+
 def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     if rate == float("inf"):
         return [0.0] * n
@@ -147,10 +185,7 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
     semaphore = asyncio.Semaphore(limit)
     timeout = httpx.Timeout(None, connect=30)
     async with httpx.AsyncClient(headers=headers(args), timeout=timeout, limits=httpx.Limits(max_connections=limit + 4)) as client:
-        for i in range(args.num_warmups):
-            warm = await send_request(client, url, model, requests[i % len(requests)], chat, args)
-            if not warm.success:
-                raise SystemExit(f"treadle bench: warm-up request failed: {warm.error}")
+        await warm_up(client, url, model, requests, chat, args)
         bar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
 
         async def limited(req):
@@ -160,6 +195,8 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
                 bar.update(1)
             return r
 
+        stats_url = base_url(args) + "/stats"
+        before = await grammar_counters(client, stats_url) if args.structured_output_ratio else None
         stop = asyncio.Event()
         probe = None
         if args.health_probe_interval:
@@ -174,11 +211,13 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         duration = time.perf_counter() - start
         stop.set()
         health = health_probe_stats(*await probe) if probe else None
+        grammars = counter_deltas(before, await grammar_counters(client, stats_url)) if before is not None else None
         if bar:
             bar.close()
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    metrics = compute_metrics(results, duration, percentiles, parse_goodput(args.goodput))
-    return {
+    goodput = parse_goodput(args.goodput)
+    metrics = compute_metrics(results, duration, percentiles, goodput)
+    result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": args.backend,
         "model_id": model,
@@ -199,50 +238,96 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         "itls": [r.itl for r in results],
         "errors": [r.error for r in results],
     }
+    if grammars is not None:
+        result["structured_output"] = structured_section(args, results, duration, percentiles, goodput, grammars)
+    return result
+
+
+def structured_section(args, results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict, grammars: dict) -> dict:
+    """The result's structured-output part: the flags, the server's grammar counters over the run,
+    and the metrics of the constrained and the unconstrained requests apart."""
+    return {
+        "ratio": args.structured_output_ratio,
+        "schema_file": args.structured_output_schema,
+        "distinct_schemas": args.structured_output_distinct_schemas,
+        "schema_bytes": args.structured_output_schema_bytes,
+        **grammars,
+        **class_metrics(results, duration, percentiles, goodput),
+        "is_constrained": [r.structured for r in results],
+    }
+
+
+_line = "{:<40} {:<10}".format
+_num = "{:<40} {:<10.2f}".format
+
+
+def _rule(title: str, c: str = "-") -> str:
+    return "{s:{c}^{n}}".format(s=title, n=50, c=c)
 
 
 def print_report(result: dict, args) -> None:
-    line = "{:<40} {:<10}".format
-    num = "{:<40} {:<10.2f}".format
-    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
-    print(line("Successful requests:", result["completed"]))
-    print(line("Failed requests:", result["failed"]))
+    print(_rule(" Serving Benchmark Result ", "="))
+    print(_line("Successful requests:", result["completed"]))
+    print(_line("Failed requests:", result["failed"]))
     if result["max_concurrency"] is not None:
-        print(line("Maximum request concurrency:", result["max_concurrency"]))
-    print(num("Benchmark duration (s):", result["duration"]))
-    print(line("Total input tokens:", result["total_input_tokens"]))
+        print(_line("Maximum request concurrency:", result["max_concurrency"]))
+    print(_num("Benchmark duration (s):", result["duration"]))
+    print(_line("Total input tokens:", result["total_input_tokens"]))
     if args.backend == "openai-chat":
-        print(line("Total input tokens (server, templated):", result["total_server_input_tokens"]))
-    print(line("Total generated tokens:", result["total_output_tokens"]))
-    print(num("Request throughput (req/s):", result["request_throughput"]))
+        print(_line("Total input tokens (server, templated):", result["total_server_input_tokens"]))
+    print(_line("Total generated tokens:", result["total_output_tokens"]))
+    print(_num("Request throughput (req/s):", result["request_throughput"]))
     if result["request_goodput"] is not None:
-        print(num("Request goodput (req/s):", result["request_goodput"]))
-    print(num("Output token throughput (tok/s):", result["output_throughput"]))
-    print(num("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]))
-    print(num("Peak concurrent requests:", result["max_concurrent_requests"]))
-    print(num("Total token throughput (tok/s):", result["total_token_throughput"]))
+        print(_num("Request goodput (req/s):", result["request_goodput"]))
+    print(_num("Output token throughput (tok/s):", result["output_throughput"]))
+    print(_num("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]))
+    print(_num("Peak concurrent requests:", result["max_concurrent_requests"]))
+    print(_num("Total token throughput (tok/s):", result["total_token_throughput"]))
     for name in args.percentile_metrics.split(","):
-        title, short = METRIC_TITLES[name]
-        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        print(num(f"Mean {short} (ms):", result[f"mean_{name}_ms"]))
-        print(num(f"Median {short} (ms):", result[f"median_{name}_ms"]))
-        for p in args.metric_percentiles.split(","):
-            key = f"p{p}" if not float(p).is_integer() else f"p{int(float(p))}"
-            print(num(f"P{p} {short} (ms):", result[f"{key}_{name}_ms"]))
+        print(_rule(METRIC_TITLES[name][0]))
+        _print_latency(result, name, args)
     health = result.get("health_probe_latency_ms")
     if health:
-        print("{s:{c}^{n}}".format(s="Health Probe (GET /health)", n=50, c="-"))
-        print(line("Health probes (ok):", health["n"]))
-        print(line("Health probes (failed):", health["failed"]))
+        print(_rule("Health Probe (GET /health)"))
+        print(_line("Health probes (ok):", health["n"]))
+        print(_line("Health probes (failed):", health["failed"]))
         for key, title in (("p50", "P50"), ("p99", "P99"), ("max", "Max")):
             if health[key] is not None:
-                print(num(f"{title} health latency (ms):", health[key]))
+                print(_num(f"{title} health latency (ms):", health[key]))
+    if "structured_output" in result:
+        print_structured(result["structured_output"], args)
     print("=" * 50)
     errors = [e for e in result["errors"] if e]
     if errors:
         print(f"{len(errors)} requests failed; first errors:")
         for e in sorted(set(errors))[:5]:
             print("  " + e)
+
+
+def _print_latency(m: dict, name: str, args) -> None:
+    """Mean, median and the --metric-percentiles of one metric of `m`, in milliseconds."""
+    short = METRIC_TITLES[name][1]
+    print(_num(f"Mean {short} (ms):", m[f"mean_{name}_ms"]))
+    print(_num(f"Median {short} (ms):", m[f"median_{name}_ms"]))
+    for p in args.metric_percentiles.split(","):
+        key = f"p{p}" if not float(p).is_integer() else f"p{int(float(p))}"
+        print(_num(f"P{p} {short} (ms):", m[f"{key}_{name}_ms"]))
+
+
+def print_structured(so: dict, args) -> None:
+    """The server's grammar counters over the run, then each class's throughput and latencies."""
+    print(_rule("Structured Output"))
+    print(_num("Constrained request ratio:", so["ratio"]))
+    for key, title in (("grammars_compiled", "Grammars compiled (server):"), ("grammar_cache_hits", "Grammar cache hits (server):")):
+        print(_line(title, "n/a" if so[key] is None else so[key]))
+    for name in ("constrained", "unconstrained"):
+        m = so[name]
+        print(_rule(f"{name.capitalize()} Requests"))
+        print(_line("Successful requests:", m["completed"]))
+        print(_line("Failed requests:", m["failed"]))
+        print(_num("Output token throughput (tok/s):", m["output_throughput"]))
+        for metric in args.percentile_metrics.split(","):
+            _print_latency(m, metric, args)
 
 
 def resolve_model(args) -> str:
@@ -258,9 +343,14 @@ def make_tokenizer(args):
 
 
 def bench_serve(args, seed: int | None = None, tok=None) -> dict:
+    check_structured_args(args)
     model = resolve_model(args)
     tok = tok or make_tokenizer(args)
-    requests = build_dataset(args, tok, args.seed if seed is None else seed)
+    seed = args.seed if seed is None else seed
+    requests = build_dataset(args, tok, seed)
+    if args.structured_output_ratio:
+        for req, schema in zip(requests, request_schemas(args, len(requests), seed)):
+            req.schema = schema
     result = asyncio.run(run_benchmark(args, requests, model))
     return result
 

@@ -193,6 +193,42 @@ def test_grammars_compile_off_the_step_loop_and_are_cached(make_llm, monkeypatch
     assert core.grammars.cache_hits > before
 
 
+class GivesUp:
+    """A matcher whose parser gives up at the next token, as llguidance's does past its limits."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+    def consume_token(self, token):
+        return False
+
+    def get_error(self):
+        return "Parser Error: too complex\n<state>..."
+
+
+def test_a_grammar_that_cannot_go_on_ends_its_request_as_a_client_error(make_llm):
+    """Should a matcher fail mid-reply (past llguidance's limits), the request ends with an error
+    that is the request's own (a 400 over HTTP, not a 500) and frees its blocks."""
+    llm = make_llm()
+    eng = llm.engine
+    eng.add_request("g", chat_prompt(llm, "Hi"), SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json_object": True}), add_special_tokens=False)
+    eng.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=8))
+    outs = []
+    while eng.has_unfinished_requests():
+        for d in eng.step():
+            outs.append(d)
+            req = eng.core.requests.get("g")
+            if req is not None and req.matcher is not None and req.num_output_tokens >= 2 and not isinstance(req.matcher, GivesUp):
+                req.matcher = GivesUp(req.matcher)
+    failed = [d for d in outs if d.request_id == "g" and d.finished]
+    assert failed and failed[0].client_error and "cannot continue" in failed[0].error
+    assert sum(len(c.token_ids) for d in outs if d.request_id == "free" for c in d.outputs) == 8
+    assert eng.core.kv.pool.num_free_blocks == eng.core.kv.pool.num_blocks
+
+
 def test_grammar_checker_times_out_and_remembers(monkeypatch):
     import asyncio
 
@@ -278,6 +314,8 @@ def test_vllm_and_llama_cpp_forms(client, http):
         ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
         ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "grammar", "only one"),
         ({"structured_outputs": {"regex": "a" * 300_000}}, "structured_outputs", "--max-schema-bytes"),
+        # compiles, but too complex for the parser's limits at its first token: refused up front
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}}}}, "response_format.json_schema.schema", "cannot be used"),
     ],
 )
 def test_bad_constraints_are_400_before_any_stream(http, change, param, words, stream):

@@ -32,7 +32,7 @@ from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToke
 from .request import Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .structured import GrammarCompiler
+from .structured import GrammarCompiler, lower_thread_priority
 
 log = logging.getLogger("treadle")
 
@@ -205,7 +205,7 @@ class EngineCore:
         self.groups[rid] = RequestGroup(rid, children)
         if params.structured_outputs is not None:
             if self._grammar_pool is None:
-                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar")
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar", initializer=lower_thread_priority)
             self._awaiting_grammar[rid] = self._grammar_pool.submit(self._compile_grammars, params.structured_outputs, params.n)
             return
         self.scheduler.add_request(children[0])  # the others fork from it after its prompt
@@ -232,7 +232,7 @@ class EngineCore:
             except ValueError as e:
                 for child in group.children:
                     self._finish(child, "error")
-                outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e)))
+                outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e), client_error=True))
                 continue
             for child, matcher in zip(group.children, matchers):
                 child.matcher = matcher
@@ -380,7 +380,9 @@ class EngineCore:
             if not req.grammar_active:
                 req.grammar_active = token == p.structured_outputs.after_token
             elif not req.matcher.consume_token(token):
-                out.finish_reason, out.error = "error", f"the output left its grammar: {req.matcher.get_error()}"
+                # a grammar too complex to go on (past llguidance's limits): the request's own doing
+                out.finish_reason, out.client_error = "error", True
+                out.error = f"the output constraint cannot continue: {req.matcher.get_error().splitlines()[0]}"
                 self._finish(req, "error")
                 return out
             else:

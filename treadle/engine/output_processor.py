@@ -43,6 +43,7 @@ class RequestState:
         self.choices: list[ChoiceState] = choices
         self.num_cached_tokens = 0
         self.error: str | None = None
+        self.client_error = False
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,7 @@ class OutputProcessor:
             touched[state.request_id] = state
             if out.finish_reason == "error":  # a failed step or a refused request: every choice ends
                 state.error = out.error
+                state.client_error = out.client_error
                 for c in state.choices:
                     c.finish_reason = c.finish_reason or "error"
                 continue
@@ -168,4 +170,5 @@ class OutputProcessor:
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
+            client_error=state.client_error,
         )

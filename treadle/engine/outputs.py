@@ -36,3 +36,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine failed it (finish_reason "error")
+    client_error: bool = False  # the error was the request's own (its grammar), not the engine's

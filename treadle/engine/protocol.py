@@ -88,6 +88,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id, if one of stop_token_ids ended it
     num_cached_tokens: int = 0
     error: str | None = None  # with finish_reason "error": what failed
+    client_error: bool = False  # the request's own fault (its grammar could not go on), not the engine's
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

@@ -17,6 +17,7 @@ Who does what (docs/architecture.md, "Structured output"):
 """
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ import numpy as np
 JSON_WHITESPACE = r"(?:[ ]|\n[ \t]{0,20})?"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 CACHE_SIZE = 256
+# llguidance's limits, but for the Earley row size: 2000 (its default) refuses objects with a
+# thousand optional properties at their first token; the work of one step stays bounded by
+# step_max_items (50,000) whatever this is.
+MAX_ITEMS_IN_ROW = 20_000
+PROBE_TOKENS = 3  # tokens a new grammar is walked through at compile time, to refuse one that cannot start
 
 
 @dataclass
@@ -150,8 +156,10 @@ class GrammarCompiler:
             except ValueError as e:
                 cached = str(e)
             else:
-                matcher = llguidance.LLMatcher(self._ll(), spec, log_level=0)
-                cached = f"the {_NAMES[so.kind]} cannot be used: {matcher.get_error()}" if matcher.is_error() else matcher
+                limits = llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW)
+                matcher = llguidance.LLMatcher(self._ll(), spec, log_level=0, limits=limits)
+                error = matcher.get_error() if matcher.is_error() else self._probe(matcher)
+                cached = f"the {_NAMES[so.kind]} cannot be used: {error}" if error else matcher
             with self._lock:
                 self.compiled += 1
                 self._cache[key] = cached
@@ -161,12 +169,43 @@ class GrammarCompiler:
             raise ValueError(cached)
         return cached.deep_copy()
 
+    def _probe(self, matcher) -> str | None:
+        """Walk a copy of a new matcher through its first few tokens (the first allowed one each
+        time): a grammar too complex for the parser's limits fails here, not mid-reply."""
+        words = np.empty(self.mask_words, dtype=np.int32)
+        self.fill_mask(matcher, words)  # the first mask, computed once here: copies start warm
+        probe = matcher.deep_copy()
+        for _ in range(PROBE_TOKENS):
+            if probe.is_stopped():
+                return None
+            self.fill_mask(probe, words)
+            if probe.is_error():
+                break
+            allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size])
+            if not allowed.size:
+                return "no token can start the output"
+            if not probe.consume_token(int(allowed[0])):
+                break
+        return probe.get_error().splitlines()[0] if probe.is_error() else None
+
     def fill_mask(self, matcher, out: np.ndarray) -> None:
         """The allowed next tokens of `matcher` as a bitmask (int32 words, bit t of word t // 32)."""
         matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
+
+
+GRAMMAR_THREAD_NICE = 10
+
+
+def lower_thread_priority() -> None:
+    """For grammar-compiling threads: on two cores a compile must not take a core from decoding
+    (Linux: a thread's nice value is its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_THREAD_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 def allowed_from_bitmask(data: bytes, rows: int, vocab_size: int):

@@ -50,8 +50,16 @@ ERROR_TYPES = {
 }
 
 
+_FAILURE_CODES = {400: "invalid_request_error", 500: "internal_error"}
+
+
 class EngineStepFailed(RuntimeError):
-    """The engine core's step failed while running this request (the engine goes on)."""
+    """The engine core's step failed while running this request (the engine goes on), or the
+    request could not go on (its grammar: status 400)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -436,7 +444,7 @@ class _Job:
             self.finished.add(item.request_id)
         self.cached_tokens[item.request_id] = item.num_cached_tokens
         if item.error is not None:
-            raise EngineStepFailed(item.error)
+            raise EngineStepFailed(item.error, 400 if item.client_error else 500)
         return item
 
     def _index(self, request_id: str, choice: int) -> int:
@@ -476,7 +484,7 @@ class _Job:
                 raise RequestError(str(e), status=503, code="engine_dead", headers={"Retry-After": "5"}) from None
             except EngineStepFailed as e:
                 self._finish_metrics({0: "error"})
-                raise RequestError(str(e), status=500, code="internal_error") from None
+                raise RequestError(str(e), "structured_outputs" if e.status == 400 else None, status=e.status, code=_FAILURE_CODES[e.status]) from None
             for c in out.outputs:
                 i = self._index(out.request_id, c.index)
                 texts[i] += c.text
@@ -550,7 +558,8 @@ class _Job:
                     out = await self._next(q)
                 except (EngineDead, EngineStepFailed) as e:
                     # the stream's status line is gone already: an error event, then the end
-                    status, code = (503, "engine_dead") if isinstance(e, EngineDead) else (500, "internal_error")
+                    status = 503 if isinstance(e, EngineDead) else e.status
+                    code = "engine_dead" if isinstance(e, EngineDead) else _FAILURE_CODES[status]
                     self._finish_metrics({0: "error"})
                     yield f"data: {json.dumps(error_body(str(e), ERROR_TYPES[status], None, code))}\n\n"
                     yield "data: [DONE]\n\n"

@@ -11,7 +11,7 @@ the next time.
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from ..engine.structured import GrammarCompiler, StructuredOutputsParams
+from ..engine.structured import GrammarCompiler, StructuredOutputsParams, lower_thread_priority
 from .protocol import RequestError
 
 MAX_REMEMBERED_SLOW = 1024
@@ -22,7 +22,7 @@ class GrammarChecker:
         self.compiler = GrammarCompiler(tokenizer, vocab_size)
         self.max_bytes = max_bytes
         self.max_seconds = max_seconds
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="treadle-grammar-check")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="treadle-grammar-check", initializer=lower_thread_priority)
         self._too_slow: set[str] = set()
 
     async def check(self, so: StructuredOutputsParams, param: str) -> None:

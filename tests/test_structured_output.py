@@ -66,7 +66,7 @@ def test_schema_set_finishes_and_validates_in_mixed_batches(make_llm):
     reqs = []
     for i, (prompt, schema) in enumerate(SCHEMAS):
         reqs.append((chat_prompt(llm, prompt + " Answer in JSON."), SamplingParams(seed=i, max_tokens=512, structured_outputs={"json": schema})))
-        if i % 4 == 0:
+        if i % 8 == 0:
             reqs.append((chat_prompt(llm, prompt), SamplingParams(temperature=0, max_tokens=64)))
     outs = run(llm, reqs)
     constrained = [(o[0], s) for o, (_, sp) in zip(outs, reqs) if sp.structured_outputs is not None for s in [sp.structured_outputs.json]]
@@ -104,9 +104,8 @@ def test_regex_choice_grammar_and_choices_with_seeds(llm):
         "regex": ({"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}", t)),
         "choice": ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
         "grammar": ({"grammar": 'root ::= "Answer: " ("yes" | "no") "."'}, lambda t: t in ("Answer: yes.", "Answer: no.")),
-        "json_object": ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
     }
-    reqs = [(prompt, SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=200, structured_outputs=so)) for so, _ in forms.values()]
+    reqs = [(prompt, SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=40, structured_outputs=so)) for so, _ in forms.values()]
     first = run(llm, reqs)
     again = run(llm, reqs[::-1])[::-1]  # other neighbours, other order: the seeds decide
     for (name, (_, ok)), out, out2 in zip(forms.items(), first, again):
@@ -119,9 +118,9 @@ def test_regex_choice_grammar_and_choices_with_seeds(llm):
 
 
 def test_preempted_constrained_requests_stay_valid(make_llm):
-    llm = make_llm(num_kv_blocks=24, block_size=16)
+    llm = make_llm(num_kv_blocks=16, block_size=16)
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 30, "maxItems": 30}}, "required": ["items"]}
-    reqs = [(chat_prompt(llm, f"List {30 + i} small numbers."), SamplingParams(temperature=0, max_tokens=200, structured_outputs={"json": schema})) for i in range(6)]
+    reqs = [(chat_prompt(llm, f"List {30 + i} small numbers."), SamplingParams(temperature=0, max_tokens=160, structured_outputs={"json": schema})) for i in range(4)]
     outs = run(llm, reqs)
     assert llm.engine.scheduler.num_preemptions > 0  # the premise: they recomputed each other
     for o in outs:

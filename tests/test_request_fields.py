@@ -157,7 +157,10 @@ def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
     from .server_process import ServerProcess
 
     template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}{{ greeting | default('') }}{{ m['content'] }}\n{% endfor %}")
+    template.write_text(
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think thinking is off for this turn\n{% endif %}"
+        "{% for m in messages %}{{ greeting | default('') }}{{ m['content'] }}\n{% endfor %}"
+    )
     server = ServerProcess("--chat-template", str(template))
     try:
         server.wait_healthy()
@@ -174,5 +177,160 @@ def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
         bos = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": True}, timeout=30).json()["count"]
         without = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": False}, timeout=30).json()["count"]
         assert prompt_tokens(add_special_tokens=True) - plain == bos - without  # what the tokenizer adds, if anything
+        # the dialects' thinking switches reach the template as enable_thinking (the prompts are
+        # shorter than a block: nothing comes from the prefix cache)
+        assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain + 3
+        for route, body in [("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}), ("/api/generate", {"prompt": "hi"})]:
+            counts = [httpx.post(server.url + route, json={"model": MODEL, "stream": False, "options": {"num_predict": 1}, **body, **kw}, timeout=60).json()["prompt_eval_count"] for kw in ({}, {"think": False})]
+            assert counts[1] > counts[0] + 3 and counts[0] == plain, (route, counts)
+        count = lambda **kw: httpx.post(server.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}, timeout=30).json()["input_tokens"]
+        assert count(thinking={"type": "disabled"}) > count() + 3 and count() == plain
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- the other dialects
+
+from treadle.server.api.anthropic import CountTokensRequest, MessagesRequest  # noqa: E402
+from treadle.server.api.embeddings import EmbeddingRequest  # noqa: E402
+from treadle.server.api.ollama import OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest, OllamaModelRequest  # noqa: E402
+from treadle.server.api.responses import ResponsesRequest  # noqa: E402
+
+D = "test_dialects::"
+T = "test_tool_server::test_reasoning_and_auto_calls_in_every_dialect"
+# model -> (route, a minimal body, {field: effect test}, {field: refused value}, documented no-ops)
+DIALECTS = {
+    ResponsesRequest: (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "max_output_tokens": 2},
+        {
+            "model": D + "test_responses_errors_name_the_parameter",
+            "input": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "instructions": D + "test_previous_response_id_continues_the_conversation",
+            "max_output_tokens": D + "test_responses_reply_usage_and_stored_object",
+            "temperature": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "top_p": D + "test_truncations_leave_the_greedy_text_in_every_dialect",
+            "stream": D + "test_responses_stream_sends_the_documented_events_in_order",
+            "store": D + "test_responses_reply_usage_and_stored_object",
+            "previous_response_id": D + "test_previous_response_id_continues_the_conversation",
+            "text": D + "test_responses_json_schema_and_forced_tool_call",
+            "tools": D + "test_responses_json_schema_and_forced_tool_call",
+            "tool_choice": D + "test_responses_json_schema_and_forced_tool_call",
+            "parallel_tool_calls": D + "test_responses_json_schema_and_forced_tool_call",
+        },
+        {"truncation": "auto", "reasoning": {"effort": "high"}, "include": ["reasoning.encrypted_content"]},
+        {"user", "metadata", "service_tier"},
+    ),
+    MessagesRequest: (
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 2, "messages": chat("hi")},
+        {
+            "model": D + "test_anthropic_errors_use_its_shape",
+            "max_tokens": D + "test_anthropic_messages_usage_and_stop_sequence",
+            "messages": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "system": D + "test_anthropic_messages_usage_and_stop_sequence",
+            "stop_sequences": D + "test_anthropic_messages_usage_and_stop_sequence",
+            "temperature": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "top_p": D + "test_truncations_leave_the_greedy_text_in_every_dialect",
+            "top_k": D + "test_truncations_leave_the_greedy_text_in_every_dialect",
+            "stream": D + "test_anthropic_stream_events_and_text_stream",
+            "tools": D + "test_anthropic_forced_tool_use",
+            "tool_choice": D + "test_anthropic_forced_tool_use",
+            "output_config": D + "test_anthropic_forced_tool_use",
+        },
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"metadata", "service_tier", "cache_control"},
+    ),
+    CountTokensRequest: (
+        "/v1/messages/count_tokens",
+        {"model": MODEL, "messages": chat("hi")},
+        {
+            "model": D + "test_anthropic_errors_use_its_shape",
+            "messages": D + "test_anthropic_messages_usage_and_stop_sequence",
+            "system": D + "test_anthropic_messages_usage_and_stop_sequence",
+            "tools": D + "test_anthropic_messages_usage_and_stop_sequence",
+            "tool_choice": D + "test_anthropic_messages_usage_and_stop_sequence",
+        },
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"cache_control"},
+    ),
+    OllamaChatRequest: (
+        "/api/chat",
+        {"model": MODEL, "messages": chat("hi"), "stream": False, "options": {"num_predict": 2}},
+        {
+            "model": D + "test_ollama_errors_and_auth",
+            "messages": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "options": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "stream": D + "test_ollama_chat_stream_timings_and_json_format",
+            "format": D + "test_ollama_chat_stream_timings_and_json_format",
+            "tools": T,
+            "think": "test_request_fields::test_template_kwargs_and_special_tokens_reach_the_prompt",
+        },
+        {},
+        {"keep_alive"},
+    ),
+    OllamaGenerateRequest: (
+        "/api/generate",
+        {"model": MODEL, "prompt": "hi", "stream": False, "options": {"num_predict": 2}},
+        {
+            "model": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "prompt": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "options": D + "test_greedy_text_is_the_same_in_every_dialect",
+            "system": D + "test_ollama_generate_system_raw_and_think",
+            "raw": D + "test_ollama_generate_system_raw_and_think",
+            "think": "test_request_fields::test_template_kwargs_and_special_tokens_reach_the_prompt",
+            "format": D + "test_ollama_generate_system_raw_and_think",
+            "stream": D + "test_ollama_generate_system_raw_and_think",
+        },
+        {"suffix": "x", "images": ["aGk="], "template": "{{ .Prompt }}", "context": [1, 2]},
+        {"keep_alive"},
+    ),
+    OllamaModelRequest: ("/api/show", {"model": MODEL}, {"model": D + "test_ollama_models_show_ps_version", "name": D + "test_ollama_models_show_ps_version"}, {}, {"verbose"}),
+    OllamaEmbedRequest: (
+        "/api/embed",
+        {"model": MODEL, "input": "hi"},
+        {
+            "model": D + "test_embeddings_floats_base64_batches_and_usage",
+            "input": D + "test_embeddings_floats_base64_batches_and_usage",
+            "truncate": D + "test_embedding_errors",
+            "dimensions": D + "test_matryoshka_dimensions_cut_and_renormalize",
+        },
+        {"options": {"temperature": 0}},
+        {"keep_alive"},
+    ),
+    EmbeddingRequest: (
+        "/v1/embeddings",
+        {"model": MODEL, "input": "hi"},
+        {
+            "model": D + "test_embedding_errors",
+            "input": D + "test_embeddings_floats_base64_batches_and_usage",
+            "encoding_format": D + "test_embeddings_floats_base64_batches_and_usage",
+            "dimensions": D + "test_matryoshka_dimensions_cut_and_renormalize",
+        },
+        {},
+        {"user"},
+    ),
+}
+
+
+@pytest.mark.parametrize("model", list(DIALECTS), ids=lambda m: m.__name__)
+def test_every_dialect_field_is_classified(model):
+    _, _, effect, refused, no_op = DIALECTS[model]
+    for name in model.model_fields:
+        classes = [name in no_op, name in refused, name in effect]
+        assert sum(classes) == 1, f"{model.__name__}.{name}: neither refused, nor a documented no-op, nor tested for its effect"
+    for name, where in effect.items():
+        module, test = where.split("::")
+        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), f"{name}: {where} does not exist"
+
+
+@pytest.mark.parametrize("model", list(DIALECTS), ids=lambda m: m.__name__)
+def test_dialect_refusals_are_4xx_naming_them_and_no_ops_are_accepted(http, model):
+    route, body, _, refused, no_op = DIALECTS[model]
+    for field, value in refused.items():
+        r = http.post(route, json={**body, field: value})
+        assert r.status_code == 400, (field, r.text)
+        assert field in r.text, (field, r.text)
+    values = {"user": "u1", "metadata": {"user_id": "u1"}, "service_tier": "auto", "cache_control": {"type": "ephemeral"}, "keep_alive": "5m", "verbose": True}
+    r = http.post(route, json={**body, **{f: values[f] for f in no_op}})
+    assert r.status_code == 200, r.text

@@ -164,3 +164,41 @@ def test_parallel_tool_calls_false_allows_one_call(client):
 def test_bad_tool_requests_are_400(http, change, param):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("hi"), "max_tokens": 4, **change})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_reasoning_and_auto_calls_in_every_dialect(scripted):
+    """The same scripted reply (think, then a Hermes call) as Responses items, Anthropic blocks and
+    an Ollama message, whole and streamed."""
+    import anthropic
+    import ollama
+
+    client, server = scripted
+    question = chat("Weather in Paris?")
+    flat = {"type": "function", **WEATHER["function"]}
+    resp = client.responses.create(model="scripted", input=question, tools=[flat], temperature=0, max_output_tokens=20)
+    assert [o.type for o in resp.output] == ["reasoning", "function_call"]
+    assert resp.output[0].content[0].text == THOUGHT and resp.output[1].name == "get_weather"
+    assert json.loads(resp.output[1].arguments) == {"city": "Paris"} and resp.usage.output_tokens_details.reasoning_tokens > 0
+    with client.responses.stream(model="scripted", input=question, tools=[flat], temperature=0, max_output_tokens=20) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.delta" in kinds
+    assert [o.type for o in final.output] == ["reasoning", "function_call"] and json.loads(final.output[1].arguments) == {"city": "Paris"}
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER["function"]["parameters"]}
+    msg = claude.messages.create(model="scripted", max_tokens=20, messages=question, tools=[tool], extra_body={"temperature": 0})
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"] and msg.stop_reason == "tool_use"
+    assert msg.content[0].thinking == THOUGHT and msg.content[1].name == "get_weather" and msg.content[1].input == {"city": "Paris"}
+    with claude.messages.stream(model="scripted", max_tokens=20, messages=question, tools=[tool], extra_body={"temperature": 0}) as s:
+        streamed = s.get_final_message()
+    assert [b.type for b in streamed.content] == ["thinking", "tool_use"] and streamed.content[1].input == {"city": "Paris"}
+
+    llama = ollama.Client(host=server.url)
+    reply = llama.chat(model="scripted", messages=question, tools=[WEATHER], options={"temperature": 0, "num_predict": 20})
+    assert reply.message.thinking == THOUGHT and not reply.message.content
+    [call] = reply.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    chunks = list(llama.chat(model="scripted", messages=question, tools=[WEATHER], options={"temperature": 0, "num_predict": 20}, stream=True))
+    assert "".join(c.message.thinking or "" for c in chunks) == THOUGHT
+    assert [tc.function.name for c in chunks for tc in c.message.tool_calls or []] == ["get_weather"]

@@ -115,6 +115,8 @@ def cmd_serve(args) -> int:
         max_grammar_compile_seconds=args.max_grammar_compile_seconds,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        max_stored_responses=args.max_stored_responses,
+        pooling=args.pooling,
     )
     return serve(
         config,
@@ -158,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["qwen3", "deepseek_r1"],
         help="split <think>...</think> reasoning from the answer into message.reasoning (default: off)",
+    )
+    srv.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="Responses API: responses kept in memory for previous_response_id and GET, oldest dropped first (default: 1000)",
+    )
+    srv.add_argument(
+        "--pooling",
+        default="last",
+        choices=["last", "mean"],
+        help="embeddings: the last token's final hidden state, or the mean over the input's tokens; normalized (default: last)",
     )
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
     srv.add_argument(

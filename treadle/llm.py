@@ -50,6 +50,14 @@ class LLM:
         # The template writes any BOS itself.
         return self._run(prompts, params, add_special_tokens=False)
 
+    def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
+        """Each prompt's final hidden states pooled ("last" token or "mean"), L2-normalized (vLLM's
+        LLM.embed); prompts as for generate."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outs = self._run(list(prompts), SamplingParams(max_tokens=1, pooling=pooling), add_special_tokens=True)
+        return [o.outputs[0].embedding for o in outs]
+
     def _run(self, prompts, params, add_special_tokens: bool, cache_salt=None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
@@ -96,6 +104,7 @@ def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         prev.cumulative_logprob = c.cumulative_logprob
         prev.finish_reason = c.finish_reason
         prev.stop_reason = c.stop_reason
+        prev.embedding = c.embedding if c.embedding is not None else prev.embedding
     acc.finished = delta.finished
     acc.num_cached_tokens = delta.num_cached_tokens
     return acc

@@ -181,6 +181,10 @@ class EngineCore:
             if rid in self.groups:
                 raise ValueError(f"request id {rid!r} is already in use")
             validate_prompt(request.prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+            if params.pooling is not None and not hasattr(self.runner.model, "hidden_states"):
+                self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", client_error=True,
+                                                       error=f"architecture {self.model_config.architecture} does not provide hidden states for embeddings"))
+                return
             children, runner_data = [], []
             per_choice_seed = params.n > 1 and params.seed is not None
             for i in range(params.n):
@@ -368,6 +372,10 @@ class EngineCore:
         return outputs
 
     def _append_token(self, req: Request, sampled: SampledToken, num_cached: int) -> CoreOutput:
+        if req.params.pooling is not None:  # an embedding request: its vector, and it is done
+            out = CoreOutput(req.group_id, req.index, [], finish_reason="stop", num_cached_tokens=num_cached, embedding=sampled.embedding)
+            self._finish(req, "stop")
+            return out
         token = sampled.token_id
         req.all_token_ids.append(token)
         self.generation_tokens += 1
@@ -420,6 +428,7 @@ class EngineCore:
             "requests_received": self.requests_received,
             "compiled_decode": self.compile_status(),
             "batch_invariant": self.batch_invariant,
+            "architecture": self.model_config.architecture,
             "num_waiting_for_grammar": len(self._awaiting_grammar),
             "grammars_compiled": self.grammars.compiled,
             "grammar_cache_hits": self.grammars.cache_hits,

@@ -25,6 +25,7 @@ class ChoiceState:
         self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.embedding: list[float] | None = None
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.final_output_sent = False
@@ -130,6 +131,8 @@ class OutputProcessor:
                     choice.text = choice.text[: idx + len(stop)] if p.include_stop_str_in_output else choice.text[:idx]
                     choice.finish_reason, choice.stop_reason = "stop", stop
                     return out.finish_reason is None
+        if out.embedding is not None:
+            choice.embedding = out.embedding
         if out.finish_reason is not None:
             choice.finish_reason = out.finish_reason
         return False
@@ -157,6 +160,7 @@ class OutputProcessor:
                     logprobs=c.logprobs[c.sent_token_len :] if c.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    embedding=c.embedding if newly_finished else None,
                 )
             )
             c.sent_text_len = end

@@ -89,6 +89,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None  # with finish_reason "error": what failed
     client_error: bool = False  # the request's own fault (its grammar could not go on), not the engine's
+    embedding: list[float] | None = None  # an embedding request's pooled, normalized vector
 
 
 class CoreOutputs(msgspec.Struct, tag=True):
@@ -137,8 +138,9 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
-    token_id: int
+    token_id: int  # -1 for an embedding request, which samples nothing
     logprobs: list[tuple[int, float, int]] | None = None  # as CoreOutput.new_logprobs, one token
+    embedding: list[float] | None = None
 
 
 # ---------------------------------------------------------------- encoding

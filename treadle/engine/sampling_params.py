@@ -28,6 +28,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # a grammar the output must follow (JSON schema, regex, choice, EBNF); a dict is accepted
     structured_outputs: StructuredOutputsParams | None = None
+    # an embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
+    # normalized; nothing is sampled
+    pooling: str | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class SamplingParams:
             f"must leave room for n = {self.n} choices (seed + n - 1 < 2**64), got {self.seed}",
         )
         check(all(s for s in self.stop_strings), "stop", "must not contain empty strings")
+        check(self.pooling in (None, "last", "mean"), "pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
+        check(self.pooling is None or self.n == 1, "n", "must be 1 for an embedding request")
 
     @property
     def greedy(self) -> bool:

@@ -72,7 +72,9 @@ class Scheduler:
         # No admissions in a step that had to preempt: memory is short.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            # mean pooling reads every prompt position's hidden state: it cannot start from the cache
+            lookup = req.num_computed_tokens == 0 and req.params.pooling != "mean"
+            hits = self.kv.find_cached_prefix(req) if lookup else []
             num_cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, hits):

@@ -114,6 +114,18 @@ class LlamaModel:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run the step's T tokens; return float32 logits of the rows in `logits_indices`."""
+        return self.lm_head(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])).float()
+
+    def hidden_states(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """The final (normed) hidden state of every one of the step's T rows: what embeddings pool."""
+        return self.norm(self.residual_stream(input_ids, positions, kv_caches, meta))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states."""
+        return self.lm_head(hidden).float()
+
+    def residual_stream(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """Every decoder layer over the step's T tokens: the residual stream before the final norm."""
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
@@ -131,4 +143,4 @@ class LlamaModel:
             h += layer.o_proj(attn.view(t, self.q_size))
             gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)
             h += layer.down(act(gate) * up)
-        return self.lm_head(self.norm(h[logits_indices])).float()
+        return h

@@ -48,13 +48,14 @@ class InjectedFault(RuntimeError):
 class RunnerRequest(TokenHistory):
     """What the sampler needs of one request, kept by the runner between steps."""
 
-    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state")
+    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows")
 
     def __init__(self, prompt_token_ids: list[int], params):
         self.params = params
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_state = None  # the request's own generator, when it has a seed
+        self.pooled_rows: list = []  # mean pooling: the hidden states of the prompt's chunks so far
 
 
 class ModelRunner:
@@ -129,14 +130,17 @@ class ModelRunner:
         self.num_steps += 1
         if self.num_steps in self.fail_at_steps:
             raise InjectedFault(f"injected failure of step {self.num_steps} (TREADLE_FAULT_INJECT)")
-        logits, sample_rows = self.compute_logits(step)
-        if not sample_rows:
-            return {}
+        pooling = {i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None}
+        logits, sample_rows, embeddings = self.compute_logits(step, pooling) if pooling else (*self.compute_logits(step), {})
+        results = {req_id: SampledToken(-1, embedding=v) for req_id, v in embeddings.items()}
         rows, ids = [], []
         for j, i in enumerate(sample_rows):
             for req_id in step.scheduled[i].sample_ids:
-                rows.append(j)
-                ids.append(req_id)
+                if req_id not in results:
+                    rows.append(j)
+                    ids.append(req_id)
+        if not ids:
+            return results
         logits = logits[torch.tensor(rows, device=self.device)]
         reqs = [self.requests[req_id] for req_id in ids]
         masks = step.grammar_masks
@@ -145,15 +149,17 @@ class ModelRunner:
             rows_c = [j for j, req_id in enumerate(ids) if req_id in masks]
             data = b"".join(masks[ids[j]] for j in rows_c)
             constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
-        results = self.sampler.sample(logits, reqs, constrained)
-        for req, res in zip(reqs, results):
+        sampled = self.sampler.sample(logits, reqs, constrained)
+        for req, res in zip(reqs, sampled):
             req.all_token_ids.append(res.token_id)
-        return dict(zip(ids, results))
+        return {**results, **dict(zip(ids, sampled))}
 
     @torch.inference_mode()
-    def compute_logits(self, step: StepInput) -> tuple[torch.Tensor, list[int]]:
+    def compute_logits(self, step: StepInput, pooling: dict[int, str] | None = None):
         """Run the step; float32 logits of the last row of each scheduled request that samples
-        (in the order of the returned indices into `step.scheduled`)."""
+        (in the order of the returned indices into `step.scheduled`). With `pooling` (scheduled
+        index -> "last" or "mean": embedding requests), also the pooled, L2-normalized vector
+        of each such request whose prompt ends in this step: (logits, indices, {req_id: vector})."""
         self._copy_blocks(step.block_copies)
         bs = self.block_size
         window = self.config.sliding_window
@@ -221,6 +227,9 @@ class ModelRunner:
         logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = pos_t.to(self.device)
+        if pooling:  # eagerly: the compiled graphs return logits only
+            hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+            return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
@@ -235,3 +244,26 @@ class ModelRunner:
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(len(decode_tables), e)
         return self.model.forward(*inputs), sample_rows
+
+    def _pool(self, step: StepInput, pooling: dict[int, str], hidden: torch.Tensor, last_row: dict[int, int]) -> dict[str, list[float]]:
+        """Each embedding request's vector when its prompt's last row ran this step. Mean pooling
+        keeps each chunk's rows (restarted at position 0: a preempted prompt runs again from the
+        start, with no prefix-cache hit) and sums them once, in one order whatever the chunking."""
+        vectors = {}
+        for i, how in pooling.items():
+            s = step.scheduled[i]
+            n, end = len(s.token_ids), last_row[i] + 1
+            req = self.requests[s.req_id]
+            if how == "mean":
+                if s.start == 0:
+                    req.pooled_rows = []
+                req.pooled_rows.append(hidden[end - n : end])
+            if not s.sample_ids:
+                continue
+            if how == "mean":
+                rows, req.pooled_rows = torch.cat(req.pooled_rows), []
+                v = rows.float().sum(dim=0) / rows.shape[0]
+            else:
+                v = hidden[end - 1].float()
+            vectors[s.req_id] = torch.nn.functional.normalize(v, dim=0).cpu().tolist()
+        return vectors

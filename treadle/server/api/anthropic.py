@@ -1,0 +1,328 @@
+"""Anthropic Messages: POST /v1/messages, POST /v1/messages/count_tokens.
+
+`system` and `messages` (text, tool_use, tool_result and thinking blocks) become chat messages;
+tools ({name, description, input_schema}) and tool_choice (auto, any, tool, none) become the chat
+request's. The reply is the chat reply's blocks as content blocks: thinking, text, tool_use.
+Usage follows Anthropic's meaning: input_tokens are the prompt tokens not read from the cache,
+cache_read_input_tokens those that were. Errors use Anthropic's body (server/errors.py); the
+`anthropic-version` header is accepted and not required.
+"""
+
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+from pydantic import StrictBool, StrictInt, StrictStr
+
+from ..collector import EngineStream, GenerationFailed
+from ..errors import anthropic_body, anthropic_status
+from ..prepare import Prepared, ServerState, chat_prompt, check_model, prepare_chat, prepare_renamed, require_ready
+from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel
+from ..tools import tool_setup
+from .blocks import Block, BlockStream, reply_blocks
+from .responses import new_id
+from .sse import sse, stream_response
+
+RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
+
+
+class MessagesRequest(StrictModel):
+    model: StrictStr
+    max_tokens: StrictInt
+    messages: list[dict[str, Any]]
+    system: StrictStr | list[dict[str, Any]] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool = False
+    metadata: dict[str, Any] | None = None  # user_id for the provider's abuse monitoring: a no-op here
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # format: a JSON schema the reply follows
+    service_tier: StrictStr | None = None  # a no-op: one tier here
+    cache_control: dict[str, Any] | None = None  # a no-op: treadle's prefix cache needs no breakpoints
+
+
+class CountTokensRequest(StrictModel):
+    model: StrictStr
+    messages: list[dict[str, Any]]
+    system: StrictStr | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+def register(app, state: ServerState) -> None:
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        arrival = time.monotonic()
+        chat = chat_request(body, state.settings.reasoning_parser is not None)
+        prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+        gen = prepared.start(state, new_id("msg"), None, arrival)
+        if body.stream:
+            return stream_response(gen, stream(gen, prepared))
+
+        def whole(choices):
+            (choice,) = choices
+            blocks = reply_blocks(prepared.chat_output(), choice.text)
+            stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, blocks)
+            return _message(gen, [_content(b, True) for b in blocks], stop_reason, stop_sequence, gen.completion_tokens)
+
+        return await gen.reply(request, whole)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        require_ready(state)
+        check_model(state, body.model)
+        fields = body.model_dump(exclude_none=True)
+        chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
+        tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        text = chat_prompt(state, chat, tools)
+        return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
+
+
+# ---------------------------------------------------------------- request in
+
+
+def _text_blocks(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: content must be a string or a list of blocks", where)
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else None
+            raise RequestError(f"{where}[{j}]: block type {kind!r} is not supported here (text blocks only)", f"{where}[{j}].type")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _messages(body) -> list[dict]:
+    out = []
+    if body.system is not None:
+        system = _text_blocks(body.system, "system")
+        if system:
+            out.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}]"
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise RequestError(f"{where}.role must be user or assistant", f"{where}.role")
+        unknown = set(m) - {"role", "content"}
+        if unknown:
+            raise RequestError(f"{where}: unknown field {sorted(unknown)[0]!r}", f"{where}.{sorted(unknown)[0]}")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+        text, thinking, calls = [], [], []
+        for j, block in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                thinking.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by the provider that wrote it: nothing this model can read
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("input"), dict):
+                    raise RequestError(f"{at}: a tool_use block needs name and input (an object)", at)
+                calls.append({"id": block.get("id") or f"toolu_{j}", "type": "function", "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+            elif kind == "tool_result" and role == "user":
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                result = block.get("content", "")
+                result = _text_blocks(result, f"{at}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
+            else:
+                raise RequestError(f"{at}: block type {kind!r} is not supported in a {role} message", f"{at}.type")
+        if role == "assistant":
+            msg = {"role": "assistant", "content": "".join(text)}
+            if thinking:
+                msg["reasoning"] = "".join(thinking)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _tools(tools):
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
+            raise RequestError(f"tools[{i}]: only custom tools ({{name, description, input_schema}}) are supported", f"tools[{i}]")
+        unknown = set(t) - {"type", "name", "description", "input_schema", "cache_control"}
+        if unknown:
+            raise RequestError(f"tools[{i}].{sorted(unknown)[0]} is not supported", f"tools[{i}].{sorted(unknown)[0]}")
+        fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object", "properties": {}})}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice, has_tools: bool):
+    """Anthropic's tool_choice -> (chat tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else (True if has_tools else None)
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise RequestError("tool_choice.type must be auto, any, tool (with a name) or none", "tool_choice")
+
+
+def _output_format(config: dict | None):
+    """output_config.format {type: json_schema, schema} -> the chat request's response_format."""
+    if not config:
+        return None
+    unknown = set(config) - {"format"}
+    if unknown:
+        raise RequestError(f"output_config.{sorted(unknown)[0]} is not supported", f"output_config.{sorted(unknown)[0]}")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise RequestError("output_config.format must be {type: json_schema, schema: {...}}", "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionRequest:
+    """`reasoning`: the server splits reasoning (--reasoning-parser), so thinking can be enabled."""
+    if body.max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1, got {body.max_tokens}", "max_tokens")
+    kwargs = None
+    kind = (body.thinking or {}).get("type")
+    if kind == "disabled":
+        kwargs = {"enable_thinking": False}
+    elif kind in ("enabled", "adaptive") and reasoning:
+        kwargs = {"enable_thinking": True}  # budget_tokens is advisory here: max_tokens bounds the reply
+    elif body.thinking is not None:
+        raise RequestError("thinking needs a server started with --reasoning-parser (a model that thinks), or type 'disabled'", "thinking")
+    response_format = _output_format(body.output_config)
+    tools = _tools(body.tools)
+    choice, parallel = _tool_choice(body.tool_choice, bool(tools))
+    if not tools and choice == "none":
+        choice = None
+    fields = dict(
+        model=body.model,
+        messages=_messages(body),
+        max_tokens=body.max_tokens,
+        stop=body.stop_sequences,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=kwargs,
+        response_format=response_format,
+    )
+    try:
+        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        raise RequestError(f"messages: {e.errors()[0]['msg'] if hasattr(e, 'errors') else e}", "messages") from None
+
+
+# ---------------------------------------------------------------- response out
+
+
+def _stop(finish_reason: str, stop_reason, blocks: list[Block]) -> tuple[str, str | None]:
+    if any(b.kind == "tool_call" for b in blocks) and finish_reason == "stop":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "stop" and isinstance(stop_reason, str):
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def _content(block: Block, done: bool) -> dict:
+    if block.kind == "text":
+        return {"type": "text", "text": block.text if done else ""}
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
+    return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": json.loads(block.text) if done and block.text else {}}
+
+
+def _usage(gen: EngineStream, output_tokens: int) -> dict:
+    return {
+        "input_tokens": gen.prompt_tokens - gen.cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": gen.cached,
+        "output_tokens": output_tokens,
+    }
+
+
+def _message(gen: EngineStream, content: list[dict], stop_reason, stop_sequence, output_tokens: int) -> dict:
+    return {
+        "id": gen.id,
+        "type": "message",
+        "role": "assistant",
+        "model": gen.state.settings.served_model_name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(gen, output_tokens),
+    }
+
+
+_DELTA = {"text": ("text_delta", "text"), "reasoning": ("thinking_delta", "thinking"), "tool_call": ("input_json_delta", "partial_json")}
+
+
+async def stream(gen: EngineStream, prepared: Prepared):
+    blocks = BlockStream()
+
+    def translate(events) -> list[str]:
+        lines = []
+        for ev in events:
+            b = ev.block
+            if ev.what == "start":
+                lines.append(sse({"type": "content_block_start", "index": b.index, "content_block": _content(b, False)}, "content_block_start"))
+                if b.index == 0:
+                    lines.append(sse({"type": "ping"}, "ping"))
+            elif ev.what == "delta":
+                kind, key = _DELTA[b.kind]
+                lines.append(sse({"type": "content_block_delta", "index": b.index, "delta": {"type": kind, key: ev.delta}}, "content_block_delta"))
+            else:
+                lines.append(sse({"type": "content_block_stop", "index": b.index}, "content_block_stop"))
+        return lines
+
+    try:
+        started = False
+        try:
+            async for events in blocks.follow(gen, prepared.chat_output()):
+                if not started:  # with the first engine output: the cache hit is known then
+                    started = True
+                    yield sse({"type": "message_start", "message": _message(gen, [], None, None, 0)}, "message_start")
+                for line in translate(events):
+                    yield line
+        except GenerationFailed as e:
+            yield sse(anthropic_body(anthropic_status(e.status), e.message), "error")
+            return
+        reason, sequence = _stop(gen.reasons.get(0, "abort"), gen.stop_reasons.get(0), blocks.blocks)
+        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(gen, gen.completion_tokens)}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+    finally:
+        gen.close()

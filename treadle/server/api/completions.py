@@ -1,0 +1,90 @@
+"""OpenAI Completions: POST /v1/completions (several prompts, echo, llama.cpp's json_schema and grammar)."""
+
+import time
+
+from fastapi import Request
+
+from ..collector import Choice, EngineStream, GenerationFailed
+from ..prepare import Prepared, ServerState, prepare_completion
+from ..protocol import CompletionRequest, new_id
+from .chat_completions import error_event, top_logprobs
+from .sse import DONE, sse, stream_response
+
+
+def register(app, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        prepared = await prepare_completion(state, body)
+        gen = prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
+        if body.stream:
+            return stream_response(gen, stream(gen, body, prepared))
+        return await gen.reply(request, lambda results: reply(gen, body, prepared, results))
+
+
+def _prompt_text(gen: EngineStream, prepared: Prepared, index: int) -> str:
+    text, ids = prepared.prompts[index // gen.n]
+    return text if text is not None else gen.engine.tokenizer.decode(ids)
+
+
+def reply(gen: EngineStream, body: CompletionRequest, prepared: Prepared, results: list[Choice]) -> dict:
+    choices = [
+        {
+            "index": c.index,
+            "text": (_prompt_text(gen, prepared, c.index) if body.echo else "") + c.text,
+            "logprobs": completion_logprobs(c.logprobs, body.logprobs, 0) if body.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+        }
+        for c in results
+    ]
+    return {"id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.state.settings.served_model_name, "choices": choices, "usage": gen.usage()}
+
+
+async def stream(gen: EngineStream, body: CompletionRequest, prepared: Prepared):
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    model = gen.state.settings.served_model_name
+    text_offsets = [0] * gen.num_choices
+
+    def chunk(choices, usage=None) -> str:
+        payload = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": model, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return sse(payload)
+
+    try:
+        if body.echo:
+            for i in range(gen.num_choices):
+                yield chunk([{"index": i, "text": _prompt_text(gen, prepared, i), "logprobs": None, "finish_reason": None}])
+        while not gen.done:
+            try:
+                deltas = await gen.next_deltas()
+            except GenerationFailed as e:
+                yield error_event(e)
+                return
+            choices = []
+            for d in deltas:
+                if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs is not None):
+                    continue
+                lp = completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index]) if body.logprobs is not None else None
+                text_offsets[d.index] += len(d.text)
+                choices.append({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            yield chunk([], gen.usage())
+        yield DONE
+    finally:
+        gen.close()
+
+
+def completion_logprobs(pairs, k: int | None, offset: int) -> dict:
+    k = k or 0
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in pairs:
+        chosen = entry[token_id]
+        tokens.append(chosen.decoded_token or "")
+        token_logprobs.append(chosen.logprob)
+        top.append({lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)} if k else {tokens[-1]: chosen.logprob})
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -1,0 +1,372 @@
+"""Ollama's API under /api/: chat, generate, tags, show, ps, embed, version.
+
+Replies stream as NDJSON by default (`stream: false` for one object) and end with Ollama's timing
+fields in nanoseconds: total_duration (arrival to the end), load_duration (0: the model is loaded
+when the server is up), prompt_eval_count (prompt tokens not read from the prefix cache),
+prompt_eval_duration (arrival to the first token), eval_count, eval_duration (first token to the
+end). Model names are accepted bare or with Ollama's `:latest` tag. `options` map to sampling
+(OPTION_FIELDS); the runner options Ollama applies when it loads a model (LOAD_OPTIONS: num_ctx,
+num_gpu, ...) are set when treadle starts and are accepted and ignored here; any other option is
+a 400 naming it.
+"""
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import Request
+from pydantic import StrictBool, StrictStr
+
+from ... import __version__
+from ..collector import EngineStream, GenerationFailed
+from ..prepare import Prepared, ServerState, chat_template, prepare_chat, prepare_completion, prepare_renamed, require_ready
+from ..protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
+from ..tools import template_supports_tools
+from ..chat_output import is_json
+from .blocks import BlockStream, reply_blocks
+from .sse import stream_response
+from .embeddings import embed_texts
+
+# Ollama option -> treadle sampling field
+OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "num_predict": "max_tokens",
+    "stop": "stop",
+    "seed": "seed",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# set once when a model loads (Ollama's runner options): treadle takes them as server flags
+# the shared checks' parameter names in Ollama's words, for their errors
+RENAMED = {**{v: f"options.{k}" for k, v in OPTION_FIELDS.items()}, "response_format": "format"}
+LOAD_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only", "num_keep"})
+
+
+class OllamaChatRequest(StrictModel):
+    model: StrictStr
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] | None = None
+    format: StrictStr | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    stream: StrictBool = True
+    keep_alive: StrictStr | int | float | None = None  # how long Ollama keeps a model loaded: a no-op here
+    think: StrictBool | None = None
+
+
+class OllamaGenerateRequest(StrictModel):
+    model: StrictStr
+    prompt: StrictStr = ""
+    system: StrictStr | None = None
+    raw: StrictBool = False
+    format: StrictStr | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    stream: StrictBool = True
+    keep_alive: StrictStr | int | float | None = None
+    think: StrictBool | None = None
+    suffix: StrictStr | None = None
+    images: list[StrictStr] | None = None
+    template: StrictStr | None = None
+    context: list[int] | None = None
+
+
+class OllamaModelRequest(StrictModel):
+    model: StrictStr | None = None
+    name: StrictStr | None = None  # the older spelling
+    verbose: StrictBool | None = None
+
+
+class OllamaEmbedRequest(StrictModel):
+    model: StrictStr
+    input: StrictStr | list[StrictStr]
+    truncate: StrictBool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: StrictStr | int | float | None = None
+
+
+def register(app, state: ServerState) -> None:
+    @app.post("/api/chat")
+    async def chat(body: OllamaChatRequest, request: Request):
+        arrival = time.monotonic()
+        name = _model_name(state, body.model)
+        if not body.messages:  # Ollama: an empty conversation loads the model
+            return _loaded(name, {"message": {"role": "assistant", "content": ""}})
+        prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
+        gen = prepared.start(state, new_id("ollama"), None, arrival)
+        return await _respond(gen, prepared, body.stream, request, chat=True, name=name)
+
+    @app.post("/api/generate")
+    async def generate(body: OllamaGenerateRequest, request: Request):
+        arrival = time.monotonic()
+        name = _model_name(state, body.model)
+        for field in ("suffix", "images", "template", "context"):
+            if getattr(body, field):
+                raise RequestError(f"{field} is not supported", field)
+        if not body.prompt and body.system is None:
+            return _loaded(name, {"response": ""})
+        if body.raw:
+            fields = dict(model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format))
+            prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
+            chat = _chat_request(OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name)
+            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+        gen = prepared.start(state, new_id("ollama"), None, arrival)
+        return await _respond(gen, prepared, body.stream, request, chat=False, name=name)
+
+    @app.get("/api/tags")
+    async def tags():
+        return {"models": [_model_entry(state)]}
+
+    @app.get("/api/ps")
+    async def ps():
+        entry = _model_entry(state)
+        return {"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0, "context_length": state.engine.max_model_len}]}
+
+    @app.post("/api/show")
+    async def show(body: OllamaModelRequest):
+        _model_name(state, body.model or body.name)
+        entry = _model_entry(state)
+        try:
+            template = chat_template(state)
+        except RequestError:
+            template = ""
+        capabilities = ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if state.settings.reasoning_parser else [])
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": template,
+            "details": entry["details"],
+            "model_info": {"general.architecture": entry["details"]["family"], "general.context_length": state.engine.max_model_len},
+            "capabilities": capabilities,
+            "modified_at": entry["modified_at"],
+        }
+
+    @app.post("/api/embed")
+    async def embed(body: OllamaEmbedRequest):
+        arrival = time.monotonic()
+        _model_name(state, body.model)
+        if body.options:
+            raise RequestError(f"options.{sorted(body.options)[0]} is not supported for embeddings", "options")
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
+        return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.monotonic() - arrival), "load_duration": 0, "prompt_eval_count": prompt_tokens}
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": __version__}
+
+
+def _model_name(state: ServerState, model: str | None) -> str:
+    """The served name for Ollama's `name` or `name:latest`; 404 in Ollama's words otherwise."""
+    require_ready(state)
+    served = state.settings.served_model_name
+    if model is None:
+        raise RequestError("model is required", "model")
+    if model in (served, f"{served}:latest") or (":" in served and model == served):
+        return served
+    raise RequestError(f"model '{model}' not found", "model", status=404)
+
+
+def _model_entry(state: ServerState) -> dict:
+    served = state.settings.served_model_name
+    name = served if ":" in served else f"{served}:latest"
+    stats = state.engine.stats()
+    weights = (stats.get("memory") or {}).get("weights_bytes") or 0
+    family = stats.get("architecture") or "unknown"
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": _now(),
+        "size": weights,
+        "digest": "",
+        "details": {"parent_model": "", "format": "gguf" if state.settings.model_root.endswith(".gguf") else "safetensors", "family": family, "families": [family], "parameter_size": "", "quantization_level": ""},
+    }
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def _loaded(name: str, fields: dict) -> dict:
+    return {"model": name, "created_at": _now(), **fields, "done": True, "done_reason": "load"}
+
+
+def _sampling(options: dict | None) -> dict:
+    fields = {}
+    for key, value in (options or {}).items():
+        if key in LOAD_OPTIONS:
+            continue
+        if key not in OPTION_FIELDS:
+            raise RequestError(f"options.{key} is not supported", f"options.{key}")
+        if key == "num_predict" and isinstance(value, int) and value < 0:
+            continue  # -1: no limit, -2: fill the context (the room left is the default)
+        fields[OPTION_FIELDS[key]] = value
+    return fields
+
+
+def _format(fmt) -> dict:
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(fmt, dict):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
+    raise RequestError("format must be 'json' or a JSON schema", "format")
+
+
+def _build(model, fields: dict):
+    try:
+        return model(**fields)
+    except ValueError as e:
+        first = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        param = next((k for k, v in OPTION_FIELDS.items() if v == loc), loc)
+        raise RequestError(f"options.{param}: {first['msg']}", f"options.{param}") from None
+
+
+def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
+    messages = []
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise RequestError(f"{where}.role must be system, user, assistant or tool", f"{where}.role")
+        if m.get("images"):
+            raise RequestError(f"{where}.images: images are not supported", f"{where}.images")
+        unknown = set(m) - {"role", "content", "images", "tool_calls", "thinking", "tool_name"}
+        if unknown:
+            raise RequestError(f"{where}: unknown field {sorted(unknown)[0]!r}", f"{where}.{sorted(unknown)[0]}")
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        if not isinstance(msg["content"], str):
+            raise RequestError(f"{where}.content must be a string", f"{where}.content")
+        if m.get("thinking"):
+            msg["reasoning"] = m["thinking"]
+        if m.get("tool_name"):
+            msg["name"] = m["tool_name"]
+        if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            calls = []
+            for k, c in enumerate(m["tool_calls"]):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError(f"{where}.tool_calls[{k}] must be {{function: {{name, arguments}}}}", f"{where}.tool_calls")
+                args = fn.get("arguments", {})
+                calls.append({"id": f"call_{i}_{k}", "type": "function", "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+            msg["tool_calls"] = calls
+        messages.append(msg)
+    kwargs = {"enable_thinking": body.think} if body.think is not None else None
+    fields = dict(model=name, messages=messages, tools=body.tools, chat_template_kwargs=kwargs, **_sampling(body.options), **_format(body.format))
+    return _build(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
+
+
+def _timings(gen: EngineStream) -> dict:
+    end = gen.finished_at or time.monotonic()
+    first = gen.first_token_at or end
+    return {
+        "total_duration": _ns(end - gen.arrival),
+        "load_duration": 0,
+        "prompt_eval_count": gen.prompt_tokens - gen.cached,
+        "prompt_eval_duration": _ns(first - gen.arrival),
+        "eval_count": gen.completion_tokens,
+        "eval_duration": _ns(end - first),
+    }
+
+
+def _done_reason(finish_reason: str) -> str:
+    return "length" if finish_reason == "length" else "stop"
+
+
+def _tool_calls(blocks) -> list[dict]:
+    return [{"function": {"name": b.name, "arguments": json.loads(b.text)}} for b in blocks if b.kind == "tool_call"]
+
+
+def _message(blocks) -> dict:
+    msg = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
+    thinking = "".join(b.text for b in blocks if b.kind == "reasoning")
+    if thinking:
+        msg["thinking"] = thinking
+    calls = _tool_calls(blocks)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _generated(blocks) -> dict:
+    """/api/generate's fields: the text, and the reasoning split off (with --reasoning-parser)."""
+    fields = {"response": "".join(b.text for b in blocks if b.kind == "text")}
+    thinking = "".join(b.text for b in blocks if b.kind == "reasoning")
+    if thinking:
+        fields["thinking"] = thinking
+    return fields
+
+
+async def _respond(gen: EngineStream, prepared: Prepared, streaming: bool, request: Request, chat: bool, name: str):
+    if streaming:
+        return stream_response(gen, _stream(gen, prepared, chat, name), "application/x-ndjson")
+
+    def whole(choices):
+        (choice,) = choices
+        if prepared.chat_output is None:  # raw generate: the text as it came
+            fields = {"response": choice.text}
+        else:
+            blocks = reply_blocks(prepared.chat_output(), choice.text)
+            fields = {"message": _message(blocks)} if chat else _generated(blocks)
+        return {"model": name, "created_at": _now(), **fields, "done": True, "done_reason": _done_reason(choice.finish_reason), **_timings(gen)}
+
+    return await gen.reply(request, whole)
+
+
+async def _stream(gen: EngineStream, prepared: Prepared, chat: bool, name: str):
+    blocks = BlockStream()
+
+    def line(fields: dict, done: bool = False) -> str:
+        return json.dumps({"model": name, "created_at": _now(), **fields, "done": done}, ensure_ascii=False) + "\n"
+
+    def piece(text: str = "", thinking: str | None = None, tool_calls=None) -> str:
+        if not chat:
+            return line({"response": text, **({"thinking": thinking} if thinking else {})})
+        msg = {"role": "assistant", "content": text}
+        if thinking:
+            msg["thinking"] = thinking
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        return line({"message": msg})
+
+    def pieces(events) -> list[str]:
+        lines = []
+        for ev in events:
+            if ev.what == "delta" and ev.block.kind == "text":
+                lines.append(piece(ev.delta))
+            elif ev.what == "delta" and ev.block.kind == "reasoning":
+                lines.append(piece(thinking=ev.delta))
+            elif ev.what == "stop" and ev.block.kind == "tool_call" and is_json(ev.block.text):
+                lines.append(piece(tool_calls=_tool_calls([ev.block])))
+        return lines
+
+    try:
+        try:
+            if prepared.chat_output is None:  # raw generate: the text as it comes
+                async for d in gen.deltas():
+                    if d.text:
+                        yield piece(d.text)
+            else:
+                async for events in blocks.follow(gen, prepared.chat_output()):
+                    for text in pieces(events):
+                        yield text
+        except GenerationFailed as e:
+            yield json.dumps({"error": e.message}) + "\n"
+            return
+        last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        yield line({**last, "done_reason": _done_reason(gen.reasons.get(0, "abort")), **_timings(gen)}, done=True)
+    finally:
+        gen.close()

@@ -1,0 +1,400 @@
+"""OpenAI Responses: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A request's `input` (a string, or message / function_call / function_call_output / reasoning
+items) becomes chat messages after `instructions` and, with `previous_response_id`, after the
+stored conversation that response ended (its own instructions are not carried over, as OpenAI).
+Stored responses (store: true, the default) are kept in memory, at most --max-stored-responses,
+oldest dropped first. The reply is the chat reply's blocks as output items: reasoning, message
+(output_text), function_call.
+"""
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, Literal
+
+from fastapi import Request
+from pydantic import StrictBool, StrictInt, StrictStr
+
+from ..collector import EngineStream, GenerationFailed
+from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed
+from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel
+from ..chat_output import is_json
+from .blocks import Block, BlockStream, reply_blocks
+from .sse import stream_response
+
+# chat-request parameter names as this dialect calls them, for the errors the shared checks raise
+RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+class ResponsesRequest(StrictModel):
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: StrictStr | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[StrictStr] | None = None
+    # no-ops here, as in Chat Completions
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None
+
+
+class ResponseStore:
+    """Stored responses by id: the response object and the conversation it ends (chat messages)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        if self.capacity <= 0:
+            return
+        self.items[response["id"]] = (response, conversation)
+        while len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self.items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self.items.pop(response_id, None) is not None
+
+
+def register(app, state: ServerState) -> None:
+    store = ResponseStore(state.settings.max_stored_responses)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        arrival = time.monotonic()
+        history = []
+        if body.previous_response_id is not None:
+            found = store.get(body.previous_response_id)
+            if found is None:
+                raise RequestError(f"Previous response with id '{body.previous_response_id}' not found.", "previous_response_id", status=404)
+            history = found[1]
+        conversation = history + input_messages(body.input)
+        chat = chat_request(body, conversation)
+        prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+        reply = _Reply(state, body, new_id("resp"), conversation, store)
+        gen = prepared.start(state, reply.id, None, arrival)
+        if body.stream:
+            return stream_response(gen, reply.stream(gen, prepared))
+        return await gen.reply(request, lambda choices: reply.final(gen, reply_blocks(prepared.chat_output(), choices[0].text), choices[0].finish_reason))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        found = store.get(response_id)
+        if found is None:
+            raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
+        return found[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not store.delete(response_id):
+            raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------- request in
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
+            raise RequestError(f"{where}.content[{j}]: part type {kind!r} is not supported (text parts only)", f"{where}.content[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.content[{j}].text must be a string", f"{where}.content[{j}].text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(items) -> list[dict]:
+    """`input` as chat messages: consecutive function_call items join one assistant turn; a
+    reasoning item goes with the assistant turn after it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise RequestError("input must not be empty", "input")
+    out: list[dict] = []
+    reasoning = None
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
+            msg = {"role": role, "content": _text_of(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise RequestError(f"{where}: a function_call needs name and arguments (a JSON string)", where)
+            call = {"id": item.get("call_id") or item.get("id") or "call_0", "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning"], reasoning = reasoning, None
+                out.append(msg)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
+                raise RequestError(f"{where}: a function_call_output needs call_id and output", where)
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(output, where)})
+        elif kind == "reasoning":
+            for key in ("content", "summary"):
+                if not isinstance(item.get(key) or [], list):
+                    raise RequestError(f"{where}.{key} must be a list of text parts", f"{where}.{key}")
+            parts = (item.get("content") or []) + (item.get("summary") or [])
+            reasoning = _text_of(parts, where) if parts else ""
+        else:
+            raise RequestError(f"{where}: input item type {kind!r} is not supported", f"{where}.type")
+    return out
+
+
+def _tools(body: ResponsesRequest):
+    if body.tools is None:
+        return None
+    tools = []
+    for i, t in enumerate(body.tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise RequestError(f"tools[{i}].type: only function tools are supported", f"tools[{i}].type")
+        fn = {k: v for k, v in t.items() if k != "type"}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _tool_choice(choice):
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise RequestError("tool_choice must be none, auto, required or {'type': 'function', 'name': ...}", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict | None):
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise RequestError("text.format.type must be text, json_object or json_schema", "text.format")
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if "schema" not in fmt:
+        raise RequestError("text.format of type json_schema needs a schema", "text.format.schema")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}}
+
+
+def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    if body.reasoning and any(v is not None for v in body.reasoning.values()):
+        raise RequestError("reasoning (effort, summary) is not supported; reasoning models think as their template makes them", "reasoning")
+    if body.include:
+        raise RequestError(f"include {body.include[0]!r} is not supported", "include")
+    if body.text is not None and set(body.text) - {"format"}:
+        raise RequestError(f"text.{sorted(set(body.text) - {'format'})[0]} is not supported", "text")
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise RequestError(f"max_output_tokens must be at least 1, got {body.max_output_tokens}", "max_output_tokens")
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+    fields = dict(
+        model=body.model,
+        messages=messages,
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tools=_tools(body),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_response_format(body.text),
+    )
+    try:
+        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        raise RequestError(f"input: {e.errors()[0]['msg'] if hasattr(e, 'errors') else e}", "input") from None
+
+
+# ---------------------------------------------------------------- response out
+
+
+def _part(block: Block, text: str) -> dict:
+    if block.kind == "text":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+def _item(block: Block, item_id: str, done: bool) -> dict:
+    status = "completed" if done else "in_progress"
+    if block.kind == "text":
+        content = [_part(block, block.text)] if done else []
+        return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+    if block.kind == "reasoning":
+        content = [_part(block, block.text)] if done else []
+        return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": block.call_id, "name": block.name, "arguments": block.text if done else ""}
+
+
+_ITEM_PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
+
+
+class _Reply:
+    def __init__(self, state: ServerState, body: ResponsesRequest, response_id: str, conversation: list[dict], store: ResponseStore):
+        self.state = state
+        self.body = body
+        self.id = response_id
+        self.created = int(time.time())
+        self.conversation = conversation
+        self.store = store
+        self.item_ids: dict[int, str] = {}
+
+    def _item_id(self, block: Block) -> str:
+        if block.index not in self.item_ids:
+            self.item_ids[block.index] = new_id(_ITEM_PREFIX[block.kind])
+        return self.item_ids[block.index]
+
+    def response(self, status: str, output: list[dict], usage: dict | None, incomplete: str | None = None, error: dict | None = None) -> dict:
+        b = self.body
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.state.settings.served_model_name,
+            "output": output,
+            "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.store,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "text": b.text or {"format": {"type": "text"}},
+            "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [],
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": b.user,
+            "metadata": b.metadata or {},
+        }
+
+    def usage(self, gen: EngineStream, blocks: list[Block]) -> dict:
+        tok = self.state.engine.tokenizer
+        reasoning = sum(len(tok.encode(b.text, add_special_tokens=False)) for b in blocks if b.kind == "reasoning")
+        return {
+            "input_tokens": gen.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": gen.cached},
+            "output_tokens": gen.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning, gen.completion_tokens)},
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        }
+
+    def final(self, gen: EngineStream, blocks: list[Block], finish_reason: str) -> dict:
+        """The finished response (stored if asked); a call cut short by max_output_tokens (its
+        arguments not JSON) is left out, so that a later turn's history renders."""
+        blocks = [b for b in blocks if b.kind != "tool_call" or is_json(b.text)]
+        output = [_item(b, self._item_id(b), True) for b in blocks]
+        status, incomplete, error = "completed", None, None
+        if finish_reason == "length":
+            status, incomplete = "incomplete", "max_output_tokens"
+        elif finish_reason == "abort":  # the server ended it (shutting down)
+            status, error = "failed", {"code": "server_error", "message": "the request was aborted before it finished"}
+        response = self.response(status, output, self.usage(gen, blocks), incomplete, error)
+        if self.body.store and status != "failed":
+            self.store.put(response, self.conversation + [_as_message(blocks)])
+        return response
+
+    async def stream(self, gen: EngineStream, prepared: Prepared):
+        seq = 0
+
+        def event(kind: str, **payload) -> str:
+            nonlocal seq
+            data = {"type": kind, "sequence_number": seq, **payload}
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        blocks = BlockStream()
+
+        def translate(events) -> list[str]:
+            lines = []
+            for ev in events:
+                b, item_id = ev.block, self._item_id(ev.block)
+                where = {"item_id": item_id, "output_index": b.index}
+                if ev.what == "start":
+                    lines.append(event("response.output_item.added", output_index=b.index, item=_item(b, item_id, False)))
+                    if b.kind != "tool_call":
+                        lines.append(event("response.content_part.added", **where, content_index=0, part=_part(b, "")))
+                elif ev.what == "delta":
+                    if b.kind == "text":
+                        lines.append(event("response.output_text.delta", **where, content_index=0, delta=ev.delta, logprobs=[]))
+                    elif b.kind == "reasoning":
+                        lines.append(event("response.reasoning_text.delta", **where, content_index=0, delta=ev.delta))
+                    else:
+                        lines.append(event("response.function_call_arguments.delta", **where, delta=ev.delta))
+                else:
+                    if b.kind != "tool_call":
+                        if b.kind == "text":
+                            lines.append(event("response.output_text.done", **where, content_index=0, text=b.text, logprobs=[]))
+                        else:
+                            lines.append(event("response.reasoning_text.done", **where, content_index=0, text=b.text))
+                        lines.append(event("response.content_part.done", **where, content_index=0, part=_part(b, b.text)))
+                    else:
+                        lines.append(event("response.function_call_arguments.done", **where, name=b.name, arguments=b.text))
+                    lines.append(event("response.output_item.done", output_index=b.index, item=_item(b, item_id, True)))
+            return lines
+
+        try:
+            yield event("response.created", response=self.response("in_progress", [], None))
+            yield event("response.in_progress", response=self.response("in_progress", [], None))
+            try:
+                async for events in blocks.follow(gen, prepared.chat_output()):
+                    for line in translate(events):
+                        yield line
+            except GenerationFailed as e:
+                yield event("error", code=e.code, message=e.message, param=e.param)
+                failed = self.response("failed", [], None, error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message})
+                yield event("response.failed", response=failed)
+                return
+            response = self.final(gen, blocks.blocks, gen.reasons.get(0, "abort"))
+            yield event({"incomplete": "response.incomplete", "failed": "response.failed"}.get(response["status"], "response.completed"), response=response)
+        finally:
+            gen.close()
+
+
+def _as_message(blocks: list[Block]) -> dict:
+    """The reply as the chat message a later turn's history holds."""
+    msg = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
+    reasoning = "".join(b.text for b in blocks if b.kind == "reasoning")
+    if reasoning:
+        msg["reasoning"] = reasoning
+    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}} for b in blocks if b.kind == "tool_call"]
+    if calls:
+        msg["tool_calls"] = calls
+    return msg

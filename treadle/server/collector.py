@@ -1,0 +1,238 @@
+"""The engine-stream collector every API dialect shares.
+
+One HTTP generation request is one or more engine requests (one per prompt; each with n choices).
+`EngineStream` submits them, turns their outputs into per-choice deltas, reads the whole result
+for non-streamed replies (watching for the client going away), and, however the response ends
+(done, client gone, error), aborts whatever is still in the engine and records the request in the
+metrics. It knows nothing of any API's shapes: a dialect module (server/api/) translates its
+request into prompts and SamplingParams, and the deltas into its own response.
+
+Invariant: after `close()`, none of this request's ids is left in the engine.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi.responses import Response
+
+from ..engine.outputs import RequestOutput
+from .engine_client import EngineDead
+from .metrics import RequestTimer
+from .protocol import RequestError
+
+
+class GenerationFailed(Exception):
+    """The request could not finish: its engine died (503), its step failed (500), or it was the
+    request's own fault found mid-generation (400: its grammar gave up). Dialects render it in
+    their error shape, as a status before the reply or as an error event within a stream."""
+
+    def __init__(self, message: str, status: int, code: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+
+    def as_request_error(self) -> RequestError:
+        """The failure before the reply's status: the status it deserves (503, 500, or 400)."""
+        headers = {"Retry-After": "5"} if self.status == 503 else None
+        return RequestError(self.message, self.param, status=self.status, code=self.code, headers=headers)
+
+
+@dataclass
+class Delta:
+    """What is new for one choice: index = prompt index * n + choice index."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, dict]]  # (chosen token id, {token id: Logprob}) per token
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    embedding: list[float] | None = None
+
+
+@dataclass
+class Choice:
+    """One choice's whole result (non-streamed replies)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, dict]] = field(default_factory=list)
+    finish_reason: str = "abort"
+    stop_reason: int | str | None = None
+    embedding: list[float] | None = None
+
+
+class ClientGone(Exception):
+    """The client closed the connection before a non-streamed reply was ready."""
+
+
+class EngineStream:
+    def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, cache_salt: str | None, arrival: float):
+        self.state = state
+        self.engine = state.engine
+        self.id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.cache_salt = cache_salt
+        self.n = params[0].n if params else 1
+        self.arrival = arrival
+        self.created = int(time.time())
+        self.timer = RequestTimer(state.metrics, arrival)
+        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.finished: set[str] = set()
+        self.cached_tokens: dict[str, int] = {}
+        self.completion_tokens = 0
+        self.reasons: dict[int, str] = {}  # choice index -> finish reason
+        self.stop_reasons: dict[int, int | str | None] = {}  # choice index -> the stop string or token that ended it
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.failed = False
+        self.closed = False
+        self._queue: asyncio.Queue | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    @property
+    def cached(self) -> int:
+        return sum(self.cached_tokens.values())
+
+    def submit(self) -> "EngineStream":
+        """Hand the requests to the engine; a 503 if the queue is full or the engine is down."""
+        engine = self.engine
+        limit = self.state.settings.max_waiting
+        if len(self.prompts) > limit:
+            raise RequestError(f"{len(self.prompts)} prompts in one request; at most {limit} (--max-waiting) can wait at once", "input" if self.params[0].pooling else "prompt")
+        if engine.num_waiting + len(self.prompts) > limit:
+            raise RequestError("too many requests are waiting; retry later", status=503, code="queue_full", headers={"Retry-After": "1"})
+        try:
+            q: asyncio.Queue = asyncio.Queue()
+            for rid, ids, params in zip(self.request_ids, self.prompts, self.params):
+                engine.add_request(rid, ids, params, self.cache_salt, out_queue=q)
+        except EngineDead as e:
+            for rid in self.request_ids:
+                engine.abort(rid)
+            raise RequestError(str(e), status=503, code="engine_dead", headers={"Retry-After": "5"}) from None
+        self._queue = q
+        self.state.in_flight.add(self)
+        return self
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+    async def next_deltas(self) -> list[Delta]:
+        """The next engine output as deltas (possibly none with news); GenerationFailed if the
+        request cannot go on."""
+        item = await self._queue.get()
+        if isinstance(item, EngineDead):
+            self.failed = True
+            raise GenerationFailed(str(item), 503, "engine_dead")
+        if isinstance(item, BaseException):
+            raise item
+        return self._deltas(item)
+
+    def _deltas(self, out: RequestOutput) -> list[Delta]:
+        now = time.monotonic()
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.timer.tokens_arrived(new_tokens, now)
+        if new_tokens and self.first_token_at is None:
+            self.first_token_at = now
+        self.completion_tokens += new_tokens
+        if out.finished:
+            self.finished.add(out.request_id)
+            if self.done:
+                self.finished_at = now
+        self.cached_tokens[out.request_id] = out.num_cached_tokens
+        if out.error is not None:
+            self.failed = True
+            if out.client_error:
+                param = "input" if self.params[0].pooling else "structured_outputs"
+                raise GenerationFailed(out.error, 400, "invalid_request_error", param)
+            raise GenerationFailed(out.error, 500, "internal_error")
+        base = self.request_ids.index(out.request_id) * self.n
+        deltas = []
+        for c in out.outputs:
+            d = Delta(base + c.index, c.text, list(c.token_ids), list(zip(c.token_ids, c.logprobs or [])), c.finish_reason, c.stop_reason, c.embedding)
+            if d.finish_reason:
+                self.reasons[d.index] = d.finish_reason
+                self.stop_reasons[d.index] = d.stop_reason
+            deltas.append(d)
+        return deltas
+
+    async def deltas(self):
+        """Every delta until all choices finish (streamed replies)."""
+        while not self.done:
+            for d in await self.next_deltas():
+                yield d
+
+    async def collect(self, request=None) -> list[Choice]:
+        """The whole result, one Choice per choice; ClientGone if the HTTP `request`'s client leaves first."""
+        choices = [Choice(i) for i in range(self.num_choices)]
+        while not self.done:
+            try:
+                deltas = await asyncio.wait_for(self.next_deltas(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone() from None
+                continue
+            for d in deltas:
+                c = choices[d.index]
+                c.text += d.text
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs
+                if d.finish_reason:
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                if d.embedding is not None:
+                    c.embedding = d.embedding
+        return choices
+
+    async def reply(self, request, build: Callable[[list[Choice]], object]):
+        """A non-streamed reply: `build` of the whole result; 499 if the client left first; a
+        failure as the request's error status; the stream closed whatever happens."""
+        try:
+            try:
+                choices = await self.collect(request)
+            except ClientGone:
+                return Response(status_code=499)
+            except GenerationFailed as e:
+                raise e.as_request_error() from None
+            return build(choices)
+        finally:
+            self.close()
+
+    def usage(self) -> dict:
+        """OpenAI's usage object; the other dialects rename its numbers."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        }
+
+    def close(self) -> None:
+        """Whatever way the response ended: nothing stays in the engine, the request is counted once."""
+        if self.closed:
+            return
+        self.closed = True
+        for rid in self.request_ids:
+            if rid not in self.finished:
+                self.engine.abort(rid)
+        if self.failed:
+            reason = "error"
+        elif not self.done:  # the client left, or the server is draining
+            reason = "abort"
+        else:
+            reason = self.reasons.get(0) or next(iter(self.reasons.values()), "abort")
+        self.timer.finished(reason, time.monotonic())
+        self.state.in_flight.discard(self)

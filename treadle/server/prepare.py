@@ -1,0 +1,222 @@
+"""What every dialect does to a request before the engine sees it: readiness and model checks,
+chat rendering (tools, reasoning, continue_final_message), the token budget, SamplingParams and the
+output constraint. The dialects (server/api/) translate their own request bodies into the OpenAI
+chat or completion request and call `prepare_chat` / `prepare_completion`; the result starts an
+`EngineStream`."""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine.request import validate_prompt
+from .chat_output import ChatOutput
+from .collector import EngineStream
+from .engine_client import EngineClient
+from .grammars import GrammarChecker
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
+from .reasoning import reasoning_closed, starts_inside
+from .tools import ToolSetup, family_of, prepare_messages, template_supports_tools, tool_setup
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_root: str
+    api_key: str | None = None
+    max_waiting: int = 1024
+    chat_template: str | None = None
+    max_schema_bytes: int = 256 * 1024
+    max_grammar_compile_seconds: float = 10.0
+    tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1
+    max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
+    pooling: str = "last"  # embeddings: the last token's final hidden state, or the mean of all
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    settings: ServerSettings
+    metrics: ServerMetrics
+    draining: bool = False
+    in_flight: set = field(default_factory=set)
+    grammar_checker: GrammarChecker | None = None
+
+    def grammars(self) -> GrammarChecker:
+        if self.grammar_checker is None:
+            s = self.settings
+            self.grammar_checker = GrammarChecker(self.engine.tokenizer, self.engine.vocab_size, s.max_schema_bytes, s.max_grammar_compile_seconds)
+        return self.grammar_checker
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: its prompts (text or None, token ids), one SamplingParams per
+    prompt, and for chat a maker of one ChatOutput per choice (reasoning, tool calls)."""
+
+    prompts: list[tuple[str | None, list[int]]]
+    params: list
+    chat_output: Callable[[], ChatOutput] | None = None
+    tools: ToolSetup | None = None
+
+    def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> EngineStream:
+        return EngineStream(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival).submit()
+
+
+async def prepare_renamed(prepare, state: ServerState, body, names: dict[str, str]) -> Prepared:
+    """`prepare` (prepare_chat / prepare_completion) of a request a dialect built from its own, with
+    the shared checks' parameter names put back in the dialect's words (max_tokens -> num_predict)."""
+    try:
+        return await prepare(state, body)
+    except RequestError as e:
+        if e.param in names:
+            e.message = e.message.replace(e.param, names[e.param])
+            e.param = names[e.param]
+            e.args = (e.message,)
+        raise
+
+
+def model_card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.settings.served_model_name, root=state.settings.model_root, max_model_len=state.engine.max_model_len)
+
+
+def require_ready(state: ServerState) -> None:
+    engine = state.engine
+    if not engine.ready:
+        if engine.state == "restarting":
+            raise RequestError(f"the engine is restarting: {engine.reason}", status=503, code="engine_restarting", headers={"Retry-After": "1"})
+        raise RequestError("the model is still loading", status=503, code="model_loading", headers={"Retry-After": "5"})
+    if state.draining:
+        raise RequestError("the server is shutting down", status=503, code="shutting_down")
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.settings.served_model_name:
+        raise RequestError(f"The model `{model}` does not exist.", "model", status=404, code="model_not_found")
+
+
+def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    vocab = state.engine.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", param)
+
+
+def chat_template(state: ServerState) -> str:
+    template = state.settings.chat_template or state.engine.tokenizer.chat_template
+    if not template:
+        raise RequestError("this model has no chat template; use /v1/completions or start the server with --chat-template", "messages")
+    return template
+
+
+def plain_messages(messages) -> list[dict]:
+    """Request messages as the template gets them: text parts joined into one string."""
+    out = [m.model_dump(exclude_none=True) for m in messages]
+    for m in out:
+        if isinstance(m.get("content"), list):
+            m["content"] = "".join(p["text"] for p in m["content"])
+        m.setdefault("content", "")  # an assistant turn that only called tools
+    return out
+
+
+def render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
+    try:
+        return state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template(state), **(kwargs or {}))
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from None
+
+
+def _token_id(state: ServerState, text: str) -> int | None:
+    """The id of a text that is one token in this vocabulary, else None."""
+    ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut right after the final assistant message's content, so that
+    the model continues it (vLLM's continue_final_message): whatever the template closes the turn
+    with (an end-of-turn token, a newline) is dropped."""
+    end = text.rfind(final)
+    if end < 0:
+        raise RequestError("continue_final_message: the chat template changed the final message's text", "continue_final_message")
+    return text[: end + len(final)]
+
+
+def _params(state: ServerState, body, ids: list[int], requested: int | None, logprobs: int | None, prompt_param: str):
+    engine = state.engine
+    room = engine.max_model_len - len(ids)
+    if room < 1:
+        raise RequestError(f"the prompt has {len(ids)} tokens; this model's maximum context length is {engine.max_model_len}", prompt_param)
+    if requested is not None and requested > room:
+        raise RequestError(
+            f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has {len(ids)} "
+            f"and max_tokens asks for {requested} more",
+            "max_tokens",
+        )
+    params = body.sampling_params(requested if requested is not None else room, logprobs)
+    try:
+        validate_prompt(ids, params, engine.vocab_size, engine.max_model_len)
+    except ValueError as e:
+        raise RequestError(str(e), prompt_param) from None
+    return params
+
+
+async def _constrain(state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None) -> None:
+    """The request's output constraint (a structured-output parameter, or the tool_choice's call),
+    checked (a 400 if it cannot compile), on every prompt's params; after reasoning if it is on."""
+    found = body.structured()
+    if tool_constraint is not None:
+        if found is not None:
+            raise RequestError(f"{found[1].split('.')[0]} cannot be combined with a tool_choice that forces a call", "tool_choice")
+        found = (tool_constraint, "tools")
+    if found is None:
+        return
+    so, param = found
+    so.after_token = after_token
+    await state.grammars().check(so, param)
+    for p in params:
+        p.structured_outputs = so
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolSetup | None) -> str:
+    """The conversation rendered through the chat template (tools as the template or the fallback
+    prompt takes them)."""
+    messages, tool_kwargs = prepare_messages(plain_messages(body.messages), tools, template_supports_tools(chat_template(state)))
+    text = render_chat(state, messages, body.add_generation_prompt, {**tool_kwargs, **(body.chat_template_kwargs or {})})
+    if body.continue_final_message:
+        text = _open_final_message(text, messages[-1]["content"])
+    return text
+
+
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
+    require_ready(state)
+    check_model(state, body.model)
+    body.check()
+    tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
+    text = chat_prompt(state, body, tools)
+    ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
+    reasoning = state.settings.reasoning_parser
+    inside = starts_inside(reasoning, text) if reasoning else None
+    after = _token_id(state, "</think>") if reasoning and not reasoning_closed(text) else None
+    await _constrain(state, body, [params], tools.constraint() if tools else None, after)
+    parser = state.settings.tool_call_parser
+    family = family_of(chat_template(state)) if parser == "auto" else parser
+    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside), tools)
+
+
+async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
+    require_ready(state)
+    check_model(state, body.model)
+    body.check()
+    tok = state.engine.tokenizer
+    prompts = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            prompts.append((p, tok.encode(p, add_special_tokens=body.add_special_tokens)))
+        else:
+            check_token_ids(state, p, "prompt")
+            prompts.append((None, list(p)))
+    params = [_params(state, body, ids, body.max_tokens, body.logprobs, "prompt") for _, ids in prompts]
+    await _constrain(state, body, params)
+    return Prepared(prompts, params)

@@ -48,9 +48,10 @@ def main() -> int:
                   f"ratio {tpot(one, 'constrained') / tpot(one, 'unconstrained'):.3f}\n", flush=True)  # fmt: skip
             mixed, plain = [], []
             for i in range(args.c16_pairs):
-                common = ["--max-concurrency", "16", "--num-prompts", str(args.c16_prompts), "--seed", str(10 + i)]
-                mixed.append(bench_serve(url, args.out, f"c16-mixed-{i}", [*common, "--structured-output-ratio", "0.5", "--num-warmups", "1"]))
-                plain.append(bench_serve(url, args.out, f"c16-plain-{i}", common))
+                # fresh prompts in every run (seeds differ): a run must not find the last run's prompts in the prefix cache
+                common = ["--max-concurrency", "16", "--num-prompts", str(args.c16_prompts)]
+                mixed.append(bench_serve(url, args.out, f"c16-mixed-{i}", [*common, "--seed", str(10 + 2 * i), "--structured-output-ratio", "0.5", "--num-warmups", "1"]))
+                plain.append(bench_serve(url, args.out, f"c16-plain-{i}", [*common, "--seed", str(11 + 2 * i), "--num-warmups", "1"]))
                 print(f"16 users, pair {i}: TPOT constrained {tpot(mixed[-1], 'constrained'):.2f} ms, unconstrained beside them "
                       f"{tpot(mixed[-1], 'unconstrained'):.2f} ms, with none constrained {plain[-1]['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
             c = statistics.median(tpot(r, "constrained") for r in mixed)
@@ -62,10 +63,9 @@ def main() -> int:
             common = ["--max-concurrency", "8", "--num-prompts", str(args.c8_prompts), "--random-output-len", "128", "--structured-output-ratio", str(args.c8_ratio)]
             misses, cached = [], []
             for i in range(args.pairs):
-                seed = ["--seed", str(20 + i)]
-                # warm: the one schema compiles in the warm-up request, before the measured run
-                cached.append(bench_serve(url, args.out, f"c8-cached-{i}", [*common, *seed, "--num-warmups", "1"]))
-                misses.append(bench_serve(url, args.out, f"c8-compiles-{i}", [*common, *seed, "--structured-output-distinct-schemas", "20", "--structured-output-schema-bytes", "50000"]))
+                # warm: the one schema compiles in the warm-up request, before the measured run; fresh prompts in each run
+                cached.append(bench_serve(url, args.out, f"c8-cached-{i}", [*common, "--seed", str(20 + 2 * i), "--num-warmups", "1"]))
+                misses.append(bench_serve(url, args.out, f"c8-compiles-{i}", [*common, "--seed", str(21 + 2 * i), "--structured-output-distinct-schemas", "20", "--structured-output-schema-bytes", "50000"]))
                 for name, r in (("cached", cached[-1]), ("compiles", misses[-1])):
                     s = r["structured_output"]
                     u = s["unconstrained"]

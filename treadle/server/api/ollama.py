@@ -136,13 +136,14 @@ def register(app, state: ServerState) -> None:
             template = chat_template(state)
         except RequestError:
             template = ""
+        family = entry["details"]["family"]
         capabilities = ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if state.settings.reasoning_parser else [])
         return {
             "modelfile": "",
             "parameters": "",
             "template": template,
             "details": entry["details"],
-            "model_info": {"general.architecture": entry["details"]["family"], "general.context_length": state.engine.max_model_len},
+            "model_info": {"general.architecture": family, f"{family}.context_length": state.engine.max_model_len, "general.context_length": state.engine.max_model_len},
             "capabilities": capabilities,
             "modified_at": entry["modified_at"],
         }

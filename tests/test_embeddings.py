@@ -36,6 +36,27 @@ def test_embedding_matches_transformers_pooled_hidden_states(make_llm, hf_model,
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_float32_embeddings_are_the_same_alone_and_beside_others(make_llm):
+    """Without batch-invariant kernels a row's rounding depends on its neighbours: embedding
+    requests run in forwards of their own, so their vectors do not."""
+    from treadle import SamplingParams
+
+    llm = make_llm()
+    for pooling in ("last", "mean"):
+        alone = [llm.embed(t, pooling)[0] for t in TEXTS]
+        assert llm.embed(TEXTS, pooling) == alone
+    # beside a generating request, in the same steps
+    engine = llm.engine
+    engine.add_request("gen", "Count to ten:", SamplingParams(max_tokens=8, temperature=0))
+    ids = [engine.add_request(f"e{i}", t, SamplingParams(max_tokens=1, pooling="last")) for i, t in enumerate(TEXTS)]
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in ids and out.finished:
+                got[out.request_id] = out.outputs[0].embedding
+    assert [got[i] for i in ids] == [llm.embed(t)[0] for t in TEXTS]
+
+
 @pytest.fixture(scope="module")
 def default_llm():
     return LLM()  # what a user gets: bfloat16, batch-invariant, prefix caching on

@@ -292,7 +292,7 @@ DIALECTS = {
         {
             "model": D + "test_embeddings_floats_base64_batches_and_usage",
             "input": D + "test_embeddings_floats_base64_batches_and_usage",
-            "truncate": D + "test_embedding_errors",
+            "truncate": D + "test_matryoshka_dimensions_cut_and_renormalize",
             "dimensions": D + "test_matryoshka_dimensions_cut_and_renormalize",
         },
         {"options": {"temperature": 0}},

@@ -90,6 +90,10 @@ class ModelRunner:
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch
         self.attention_kernel = kernels.usable(dtype, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
         self.compiled = None  # a CompiledDecode, when the engine compiles decode steps
+        # without batch-invariant kernels (float32, --no-batch-invariant) a row's rounding depends
+        # on how many rows share its matrix products: embedding requests then run in forwards of
+        # their own, so that a text's vector is the same alone or beside others
+        self.isolate_pooling = not batch_invariant
         self.requests: dict[str, RunnerRequest] = {}
         self.num_steps = 0
         self.fail_at_steps = fail_at_steps
@@ -131,7 +135,12 @@ class ModelRunner:
         if self.num_steps in self.fail_at_steps:
             raise InjectedFault(f"injected failure of step {self.num_steps} (TREADLE_FAULT_INJECT)")
         pooling = {i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None}
-        logits, sample_rows, embeddings = self.compute_logits(step, pooling) if pooling else (*self.compute_logits(step), {})
+        if not pooling:
+            logits, sample_rows, embeddings = (*self.compute_logits(step), {})
+        elif self.isolate_pooling and len(step.scheduled) > 1:
+            logits, sample_rows, embeddings = self._compute_apart(step, pooling)
+        else:
+            logits, sample_rows, embeddings = self.compute_logits(step, pooling)
         results = {req_id: SampledToken(-1, embedding=v) for req_id, v in embeddings.items()}
         rows, ids = [], []
         for j, i in enumerate(sample_rows):
@@ -244,6 +253,26 @@ class ModelRunner:
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(len(decode_tables), e)
         return self.model.forward(*inputs), sample_rows
+
+    def _compute_apart(self, step: StepInput, pooling: dict[int, str]):
+        """compute_logits with each embedding request in a forward of its own (the others, in runs
+        between them, together), in the step's order: a request may read KV that an earlier one of
+        the same step writes (a prefix hit on blocks being filled)."""
+        groups: list[list[int]] = []
+        for i in range(len(step.scheduled)):
+            if i in pooling or not groups or groups[-1][0] in pooling:
+                groups.append([i])
+            else:
+                groups[-1].append(i)
+        parts, rows, vectors = [], [], {}
+        for k, group in enumerate(groups):
+            sub = StepInput([step.scheduled[i] for i in group], block_copies=step.block_copies if k == 0 else [])
+            sub_pooling = {j: pooling[i] for j, i in enumerate(group) if i in pooling}
+            logits, sample_rows, vecs = self.compute_logits(sub, sub_pooling) if sub_pooling else (*self.compute_logits(sub), {})
+            parts.append(logits)
+            rows += [group[j] for j in sample_rows]
+            vectors.update(vecs)
+        return torch.cat(parts), rows, vectors
 
     def _pool(self, step: StepInput, pooling: dict[int, str], hidden: torch.Tensor, last_row: dict[int, int]) -> dict[str, list[float]]:
         """Each embedding request's vector when its prompt's last row ran this step. Mean pooling

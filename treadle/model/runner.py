@@ -135,12 +135,8 @@ class ModelRunner:
         if self.num_steps in self.fail_at_steps:
             raise InjectedFault(f"injected failure of step {self.num_steps} (TREADLE_FAULT_INJECT)")
         pooling = {i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None}
-        if not pooling:
-            logits, sample_rows, embeddings = (*self.compute_logits(step), {})
-        elif self.isolate_pooling and len(step.scheduled) > 1:
-            logits, sample_rows, embeddings = self._compute_apart(step, pooling)
-        else:
-            logits, sample_rows, embeddings = self.compute_logits(step, pooling)
+        apart = pooling and self.isolate_pooling and len(step.scheduled) > 1
+        logits, sample_rows, embeddings = self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling)
         results = {req_id: SampledToken(-1, embedding=v) for req_id, v in embeddings.items()}
         rows, ids = [], []
         for j, i in enumerate(sample_rows):
@@ -161,14 +157,15 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, reqs, constrained)
         for req, res in zip(reqs, sampled):
             req.all_token_ids.append(res.token_id)
-        return {**results, **dict(zip(ids, sampled))}
+        results.update(zip(ids, sampled))
+        return results
 
     @torch.inference_mode()
     def compute_logits(self, step: StepInput, pooling: dict[int, str] | None = None):
-        """Run the step; float32 logits of the last row of each scheduled request that samples
-        (in the order of the returned indices into `step.scheduled`). With `pooling` (scheduled
-        index -> "last" or "mean": embedding requests), also the pooled, L2-normalized vector
-        of each such request whose prompt ends in this step: (logits, indices, {req_id: vector})."""
+        """Run the step: (float32 logits of the last row of each scheduled request that samples,
+        those requests' indices into `step.scheduled` in the logits' order, {req_id: vector}).
+        `pooling` (scheduled index -> "last" or "mean") names the embedding requests; the vector of
+        each one whose prompt ends in this step is its pooled, L2-normalized hidden state."""
         self._copy_blocks(step.block_copies)
         bs = self.block_size
         window = self.config.sliding_window
@@ -249,10 +246,10 @@ class ModelRunner:
             if compiled is not None:
                 try:
                     # the graphs were traced with SDPA's decode fields (the kernel is opaque to them)
-                    return compiled(input_ids, pos_t, self.kv_caches, replace(meta, kernel_args=None), logits_indices), sample_rows
+                    return compiled(input_ids, pos_t, self.kv_caches, replace(meta, kernel_args=None), logits_indices), sample_rows, {}
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(len(decode_tables), e)
-        return self.model.forward(*inputs), sample_rows
+        return self.model.forward(*inputs), sample_rows, {}
 
     def _compute_apart(self, step: StepInput, pooling: dict[int, str]):
         """compute_logits with each embedding request in a forward of its own (the others, in runs
@@ -268,7 +265,7 @@ class ModelRunner:
         for k, group in enumerate(groups):
             sub = StepInput([step.scheduled[i] for i in group], block_copies=step.block_copies if k == 0 else [])
             sub_pooling = {j: pooling[i] for j, i in enumerate(group) if i in pooling}
-            logits, sample_rows, vecs = self.compute_logits(sub, sub_pooling) if sub_pooling else (*self.compute_logits(sub), {})
+            logits, sample_rows, vecs = self.compute_logits(sub, sub_pooling)
             parts.append(logits)
             rows += [group[j] for j in sample_rows]
             vectors.update(vecs)

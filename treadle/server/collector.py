@@ -86,10 +86,8 @@ class EngineStream:
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.finished: set[str] = set()
         self.cached_tokens: dict[str, int] = {}
-        self.completion_tokens = 0
         self.reasons: dict[int, str] = {}  # choice index -> finish reason
         self.stop_reasons: dict[int, int | str | None] = {}  # choice index -> the stop string or token that ended it
-        self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.failed = False
         self.closed = False
@@ -98,6 +96,14 @@ class EngineStream:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.timer.tokens
+
+    @property
+    def first_token_at(self) -> float | None:
+        return self.timer.first
 
     @property
     def prompt_tokens(self) -> int:
@@ -144,11 +150,7 @@ class EngineStream:
 
     def _deltas(self, out: RequestOutput) -> list[Delta]:
         now = time.monotonic()
-        new_tokens = sum(len(c.token_ids) for c in out.outputs)
-        self.timer.tokens_arrived(new_tokens, now)
-        if new_tokens and self.first_token_at is None:
-            self.first_token_at = now
-        self.completion_tokens += new_tokens
+        self.timer.tokens_arrived(sum(len(c.token_ids) for c in out.outputs), now)
         if out.finished:
             self.finished.add(out.request_id)
             if self.done:

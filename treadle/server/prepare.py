@@ -57,7 +57,6 @@ class Prepared:
     prompts: list[tuple[str | None, list[int]]]
     params: list
     chat_output: Callable[[], ChatOutput] | None = None
-    tools: ToolSetup | None = None
 
     def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> EngineStream:
         return EngineStream(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival).submit()
@@ -202,7 +201,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     await _constrain(state, body, [params], tools.constraint() if tools else None, after)
     parser = state.settings.tool_call_parser
     family = family_of(chat_template(state)) if parser == "auto" else parser
-    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside), tools)
+    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside))
 
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:

@@ -322,7 +322,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """A unique id: OpenAI chat/completions ids read "chatcmpl-...", Responses and Anthropic ids "resp_..." (sep "_")."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 

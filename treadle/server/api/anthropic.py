@@ -18,10 +18,9 @@ from pydantic import StrictBool, StrictInt, StrictStr
 from ..collector import EngineStream, GenerationFailed
 from ..errors import anthropic_body, anthropic_status
 from ..prepare import Prepared, ServerState, chat_prompt, check_model, prepare_chat, prepare_renamed, require_ready
-from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel
+from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from ..tools import tool_setup
 from .blocks import Block, BlockStream, reply_blocks
-from .responses import new_id
 from .sse import sse, stream_response
 
 RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
@@ -62,7 +61,7 @@ def register(app, state: ServerState) -> None:
         arrival = time.monotonic()
         chat = chat_request(body, state.settings.reasoning_parser is not None)
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        gen = prepared.start(state, new_id("msg"), None, arrival)
+        gen = prepared.start(state, new_id("msg", "_"), None, arrival)
         if body.stream:
             return stream_response(gen, stream(gen, prepared))
 

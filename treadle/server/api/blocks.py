@@ -65,7 +65,7 @@ class BlockStream:
         """Close the open block; a reply with neither text nor a call gets an empty text block
         (every dialect's reply has a message)."""
         events = self._close()
-        if not any(b.kind in ("text", "tool_call") for b in self.blocks):
+        if not _has_message(self.blocks):
             events += [BlockEvent("start", self._start("text")), *self._close()]
         return events
 
@@ -91,14 +91,25 @@ class BlockStream:
         return events
 
 
+def complete_calls(blocks: list[Block]) -> list[Block]:
+    """The blocks without a call cut short (its arguments not JSON yet: max_tokens ended it), as the
+    chat message drops one."""
+    return [b for b in blocks if b.kind != "tool_call" or is_json(b.text)]
+
+
 def reply_blocks(chat_output, text: str) -> list[Block]:
-    """The whole reply's blocks (non-streamed replies): the same deltas, merged; a call cut short
-    (its arguments not yet JSON) is dropped, as the chat message drops it."""
+    """The whole reply's blocks (non-streamed replies): the same deltas, merged, with only
+    complete calls, renumbered."""
     stream = BlockStream()
     stream.feed(chat_output.feed(text, final=True))
-    stream.blocks = [b for b in stream.blocks if b.kind != "tool_call" or is_json(b.text)]
-    stream.open = stream.blocks[-1] if stream.blocks else None
     stream.finish()
-    for i, b in enumerate(stream.blocks):
+    blocks = complete_calls(stream.blocks)
+    if not _has_message(blocks):
+        blocks.append(Block(0, "text"))
+    for i, b in enumerate(blocks):
         b.index = i
-    return stream.blocks
+    return blocks
+
+
+def _has_message(blocks: list[Block]) -> bool:
+    return any(b.kind in ("text", "tool_call") for b in blocks)

@@ -10,7 +10,6 @@ oldest dropped first. The reply is the chat reply's blocks as output items: reas
 
 import json
 import time
-import uuid
 from collections import OrderedDict
 from typing import Any, Literal
 
@@ -19,9 +18,8 @@ from pydantic import StrictBool, StrictInt, StrictStr
 
 from ..collector import EngineStream, GenerationFailed
 from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed
-from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel
-from ..chat_output import is_json
-from .blocks import Block, BlockStream, reply_blocks
+from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
+from .blocks import Block, BlockStream, complete_calls, reply_blocks
 from .sse import stream_response
 
 # chat-request parameter names as this dialect calls them, for the errors the shared checks raise
@@ -87,7 +85,7 @@ def register(app, state: ServerState) -> None:
         conversation = history + input_messages(body.input)
         chat = chat_request(body, conversation)
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        reply = _Reply(state, body, new_id("resp"), conversation, store)
+        reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
         gen = prepared.start(state, reply.id, None, arrival)
         if body.stream:
             return stream_response(gen, reply.stream(gen, prepared))
@@ -105,10 +103,6 @@ def register(app, state: ServerState) -> None:
         if not store.delete(response_id):
             raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
         return {"id": response_id, "object": "response", "deleted": True}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # ---------------------------------------------------------------- request in
@@ -274,7 +268,7 @@ class _Reply:
 
     def _item_id(self, block: Block) -> str:
         if block.index not in self.item_ids:
-            self.item_ids[block.index] = new_id(_ITEM_PREFIX[block.kind])
+            self.item_ids[block.index] = new_id(_ITEM_PREFIX[block.kind], "_")
         return self.item_ids[block.index]
 
     def response(self, status: str, output: list[dict], usage: dict | None, incomplete: str | None = None, error: dict | None = None) -> dict:
@@ -319,7 +313,7 @@ class _Reply:
     def final(self, gen: EngineStream, blocks: list[Block], finish_reason: str) -> dict:
         """The finished response (stored if asked); a call cut short by max_output_tokens (its
         arguments not JSON) is left out, so that a later turn's history renders."""
-        blocks = [b for b in blocks if b.kind != "tool_call" or is_json(b.text)]
+        blocks = complete_calls(blocks)
         output = [_item(b, self._item_id(b), True) for b in blocks]
         status, incomplete, error = "completed", None, None
         if finish_reason == "length":

@@ -169,6 +169,18 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
         for n, text in enumerate(got):
             assert text == want[n // 2], f"prompt {n // 2} {'streamed' if n % 2 else 'not streamed'}, served concurrently"
         assert complete(0, True) == want[0]  # again, its prefix cached
+        # the dialects (issue 13) in the defaults, sent together: one greedy answer in all of them
+        question = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        calls = {
+            "chat": ("/v1/chat/completions", {"messages": question, "max_tokens": 24, "temperature": 0}, lambda r: r["choices"][0]["message"]["content"]),
+            "responses": ("/v1/responses", {"input": question, "max_output_tokens": 24, "temperature": 0}, lambda r: r["output"][0]["content"][0]["text"]),
+            "anthropic": ("/v1/messages", {"model": "SmolLM2-135M-Instruct", "messages": question, "max_tokens": 24, "temperature": 0}, lambda r: r["content"][0]["text"]),
+            "ollama": ("/api/chat", {"model": "SmolLM2-135M-Instruct", "messages": question, "stream": False, "options": {"num_predict": 24, "temperature": 0}}, lambda r: r["message"]["content"]),
+        }
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            replies = {k: pool.submit(lambda c: c[2](httpx.post(server.url + c[0], json=c[1], timeout=120).json()), c) for k, c in calls.items()}
+            texts = {k: f.result() for k, f in replies.items()}
+        assert len(set(texts.values())) == 1 and texts["chat"], texts
         stats = httpx.get(server.url + "/stats").json()
         assert stats["batch_invariant"] and stats["compiled_decode"]["state"] == "off"
         # memory by component: the weights held once (the GGUF file is 98 MB; dense bf16 alone

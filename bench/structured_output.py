@@ -37,10 +37,11 @@ def main() -> int:
     ap.add_argument("--c8-ratio", type=float, default=0.3, help="part 2's constrained fraction (about 20 compiles)")
     ap.add_argument("--out", default="bench-results/structured")
     ap.add_argument("--skip-part", type=int, action="append", default=[], help="1 or 2")
+    ap.add_argument("--server-args", default="", help="more `treadle serve` flags, e.g. '--decode-stall-ratio 0'")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores, {cpu_name()}", flush=True)
-    proc, url = start_server(["--max-num-seqs", "16"], os.path.join(args.out, "server.log"))
+    proc, url = start_server(["--max-num-seqs", "16", *args.server_args.split()], os.path.join(args.out, "server.log"))
     try:
         if 1 not in args.skip_part:
             one = bench_serve(url, args.out, "c1-mixed", ["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1", "--structured-output-ratio", "0.5", "--num-warmups", "1"])

@@ -78,8 +78,8 @@ def test_chunked_prefill_respects_budget_and_matches_large_budget(llm, make_llm)
     sizes, long_chunks = [], []
     schedule = chunked.engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(*args):
+        out = schedule(*args)
         sizes.append(out.num_tokens)
         long_chunks.extend(len(s.token_ids) for s in out.scheduled if s.req_id == long_id and len(s.token_ids) > 1)
         return out

@@ -228,32 +228,30 @@ def test_a_grammar_that_cannot_go_on_ends_its_request_as_a_client_error(make_llm
     assert eng.core.kv.pool.num_free_blocks == eng.core.kv.pool.num_blocks
 
 
-def test_grammar_checker_times_out_and_remembers(monkeypatch):
-    import asyncio
-
-    from treadle.model.loader import load_tokenizer
-    from treadle.server.grammars import GrammarChecker
-    from treadle.server.protocol import RequestError
-
-    checker = GrammarChecker(load_tokenizer(None), 49152, max_bytes=2000, max_seconds=0.2)
-    so = structured.StructuredOutputsParams(regex="[a-z]+")
+def test_grammar_compile_times_out_and_is_remembered(make_llm, monkeypatch):
+    """A constraint still compiling past max_grammar_compile_seconds ends its request as the
+    request's own error; the next request with it is refused at once; others are untouched."""
+    llm = make_llm(max_grammar_compile_seconds=0.2)
+    eng = llm.engine
     real = structured.GrammarCompiler.compile
     monkeypatch.setattr(structured.GrammarCompiler, "compile", lambda self, s: (time.sleep(1), real(self, s))[1])
+    so = {"regex": "[a-z]+"}
 
-    async def check(s):
-        try:
-            await checker.check(s, "structured_outputs")
-        except RequestError as e:
-            return e
-        return None
+    def outcome(rid):
+        eng.add_request(rid, "x", SamplingParams(max_tokens=2, structured_outputs=so))
+        start = time.time()
+        while True:
+            for d in eng.step():
+                if d.request_id == rid and d.finished:
+                    return d, time.time() - start
 
-    err = asyncio.run(check(so))
-    assert err is not None and "longer than 0.2 s" in err.message and err.param == "structured_outputs"
-    start = time.time()
-    assert "longer than" in asyncio.run(check(so)).message and time.time() - start < 0.5  # remembered
-    big = structured.StructuredOutputsParams(regex="a" * 3000)
-    assert "--max-schema-bytes" in asyncio.run(check(big)).message
-    checker.close()
+    first, took = outcome("slow")
+    assert first.client_error and "longer than 0.2 s" in first.error and "--max-grammar-compile-seconds" in first.error
+    assert took < 0.9  # refused at the limit, not when the compile ended
+    again, took = outcome("again")
+    assert again.client_error and "longer than" in again.error and took < 0.1
+    assert [c.finish_reason for c in llm.generate(["Hello"], SamplingParams(max_tokens=3))[0].outputs] == ["length"]
+    assert eng.core.kv.pool.num_free_blocks == eng.core.kv.pool.num_blocks
 
 
 # ---------------------------------------------------------------- the server

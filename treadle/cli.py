@@ -16,10 +16,12 @@ ENGINE_HELP = {
     "kv_cache_memory_bytes": "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step",
+    "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
     "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (4-bit for every batch size), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
+    "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",
@@ -54,6 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip=("model",), defaults: 
             parser.add_argument(flag, type=parse_size, default=default, help=help_text)
         elif f.name in ("dtype",):
             parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
+        elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
+            parser.add_argument(flag, type=float, default=default, help=help_text)
         elif f.name == "device":
             parser.add_argument(flag, default=default, help=help_text)
         else:
@@ -112,7 +116,6 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting,
         chat_template=read_chat_template(args.chat_template),
         max_schema_bytes=args.max_schema_bytes,
-        max_grammar_compile_seconds=args.max_grammar_compile_seconds,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_stored_responses=args.max_stored_responses,
@@ -143,12 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
     srv.add_argument("--max-schema-bytes", type=int, default=256 * 1024, help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)")
-    srv.add_argument(
-        "--max-grammar-compile-seconds",
-        type=float,
-        default=10.0,
-        help="a request whose output constraint takes longer to compile gets a 400 (default: 10)",
-    )
     srv.add_argument(
         "--tool-call-parser",
         default="auto",
@@ -181,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero (default: 3)",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    add_engine_args(srv, defaults={"compile": True})  # a server runs long enough to profit
+    add_engine_args(srv, defaults={"compile": True, "decode_stall_ratio": 1.0})  # a server runs long enough to profit; its streams must not freeze
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")

@@ -13,6 +13,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # default: enough for max_num_seqs x max_model_len, capped at 1 GiB
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # while requests decode, prompt chunks may make a step at most this much longer than a
+    # decode-only step (1.0: about twice as long), by the measured cost of a prompt token; the
+    # rest of a prompt waits for the next steps. None or 0: prompts take the whole token budget
+    # (`treadle serve` defaults to 1.0; engine/step_cost.py)
+    decode_stall_ratio: float | None = None
     enable_prefix_caching: bool = True
     quantized_weights: bool = True  # keep GGUF Q4_0/Q4_1 weights 4-bit for small batches (bfloat16 only)
     compile: bool = False  # torch.compile decode steps in a background process (eager until each graph is ready)
@@ -21,6 +26,9 @@ class EngineConfig:
     # same way in prefill and decode (docs/architecture.md, "Numerics"). None: on for bfloat16
     # when treadle's attention kernel could be built, off otherwise (float32 is the reference path)
     batch_invariant: bool | None = None
+    # a request's output constraint (JSON schema, regex, grammar) still compiling after this long
+    # is refused as the request's own error, and refused at once the next time
+    max_grammar_compile_seconds: float = 10.0
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # compute threads; default: torch's choice
@@ -29,6 +37,10 @@ class EngineConfig:
         for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if self.decode_stall_ratio is not None and self.decode_stall_ratio < 0:
+            raise ValueError(f"decode_stall_ratio must be at least 0, got {self.decode_stall_ratio}")
+        if self.max_grammar_compile_seconds <= 0:
+            raise ValueError(f"max_grammar_compile_seconds must be positive, got {self.max_grammar_compile_seconds}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 

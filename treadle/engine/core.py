@@ -16,7 +16,9 @@ blocks are freed and the blocks that step was to fill lose their prefix-cache ha
 
 import logging
 import os
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,11 +34,21 @@ from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToke
 from .request import Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .step_cost import StepCostModel
 from .structured import GrammarCompiler, lower_thread_priority
 
 log = logging.getLogger("treadle")
 
 FAULT_ENV = "TREADLE_FAULT_INJECT"
+GRAMMAR_THREADS = 2  # one slow grammar must not hold up every other constrained request
+MAX_REMEMBERED_SLOW = 1024
+
+
+@dataclass
+class AwaitedGrammar:
+    future: Future  # the matchers, one per choice
+    since: float  # when the request arrived (time.monotonic)
+    key: str  # the constraint's canonical text
 
 
 def cpu_has_native_bf16() -> bool:
@@ -118,6 +130,7 @@ class EngineCore:
             self.runner.compiled.start()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.step_cost = StepCostModel()
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}  # every unfinished choice, by its own id
         self._new_for_runner: list[NewRequestData] = []
@@ -126,7 +139,8 @@ class EngineCore:
         # structured output: grammars compile on a thread while their requests wait (never in a step)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._grammar_pool: ThreadPoolExecutor | None = None
-        self._awaiting_grammar: dict[str, Future] = {}  # group id -> its matchers, one per choice
+        self._awaiting_grammar: dict[str, AwaitedGrammar] = {}  # group id -> its matchers, one per choice
+        self._too_slow: set[str] = set()  # constraints that ran out of compile time, by canonical text
         self.num_steps = 0
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0  # the core process gives up (and is restarted) past a few
@@ -208,9 +222,14 @@ class EngineCore:
         self._new_for_runner.extend(runner_data)
         self.groups[rid] = RequestGroup(rid, children)
         if params.structured_outputs is not None:
+            so = params.structured_outputs
+            if so.key() in self._too_slow:
+                self._refuse_grammar(rid, self._slow_error(), self._failed_outputs)
+                return
             if self._grammar_pool is None:
-                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar", initializer=lower_thread_priority)
-            self._awaiting_grammar[rid] = self._grammar_pool.submit(self._compile_grammars, params.structured_outputs, params.n)
+                self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="treadle-grammar", initializer=lower_thread_priority)
+            future = self._grammar_pool.submit(self._compile_grammars, so, params.n)
+            self._awaiting_grammar[rid] = AwaitedGrammar(future, time.monotonic(), so.key())
             return
         self.scheduler.add_request(children[0])  # the others fork from it after its prompt
 
@@ -218,30 +237,46 @@ class EngineCore:
         return [self.grammars.compile(so) for _ in range(n)]
 
     def _admit_compiled(self, outputs: list[CoreOutput]) -> None:
-        """Requests whose grammars have compiled join the scheduler's queue; a grammar that failed
-        ends its request with the error. With nothing else to run, wait a little for one."""
+        """Requests whose grammars have compiled join the scheduler's queue and are told so (the
+        front end answers only then); a grammar that failed, or is still compiling past
+        max_grammar_compile_seconds, ends its request as the request's own error. With nothing
+        else to run, wait a little for one."""
         if not self._awaiting_grammar:
             return
         if not self.scheduler.has_unfinished():
-            wait(list(self._awaiting_grammar.values()), timeout=0.01, return_when=FIRST_COMPLETED)
-        for rid, future in list(self._awaiting_grammar.items()):
-            if not future.done():
+            wait([a.future for a in self._awaiting_grammar.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for rid, awaited in list(self._awaiting_grammar.items()):
+            if rid not in self.groups:  # aborted while compiling
+                del self._awaiting_grammar[rid]
+                continue
+            if not awaited.future.done():
+                if now - awaited.since > self.config.max_grammar_compile_seconds:
+                    del self._awaiting_grammar[rid]
+                    if len(self._too_slow) < MAX_REMEMBERED_SLOW:
+                        self._too_slow.add(awaited.key)  # refused at once the next time
+                    self._refuse_grammar(rid, self._slow_error(), outputs)
                 continue
             del self._awaiting_grammar[rid]
-            group = self.groups.get(rid)
-            if group is None:  # aborted while compiling
-                continue
+            group = self.groups[rid]
             try:
-                matchers = future.result()
+                matchers = awaited.future.result()
             except ValueError as e:
-                for child in group.children:
-                    self._finish(child, "error")
-                outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e), client_error=True))
+                self._refuse_grammar(rid, str(e), outputs)
                 continue
             for child, matcher in zip(group.children, matchers):
                 child.matcher = matcher
                 child.grammar_active = child.params.structured_outputs.after_token is None
             self.scheduler.add_request(group.children[0])
+            outputs.append(CoreOutput(rid, 0, [], grammar_ready=True))
+
+    def _refuse_grammar(self, rid: str, error: str, outputs: list[CoreOutput]) -> None:
+        for child in self.groups[rid].children:
+            self._finish(child, "error")
+        outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=error, client_error=True))
+
+    def _slow_error(self) -> str:
+        return f"the output constraint took longer than {self.config.max_grammar_compile_seconds:g} s to compile (--max-grammar-compile-seconds)"
 
     def _grammar_masks(self, step: StepInput) -> dict[str, bytes]:
         """The allowed-token bitmask of every constrained sample of the step."""
@@ -302,7 +337,7 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         outputs, self._failed_outputs = self._failed_outputs, []
         self._admit_compiled(outputs)
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(self.step_cost.prefill_cap(self.config.decode_stall_ratio))
         step.new_requests, self._new_for_runner = self._new_for_runner, []
         step.finished_req_ids, self._finished_for_runner = self._finished_for_runner, []
         if not step.scheduled:
@@ -316,12 +351,15 @@ class EngineCore:
         step.grammar_masks = self._grammar_masks(step)
         for req, n in self.scheduler.scheduled:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+        started = time.perf_counter()
         try:
             results = self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
             return outputs
+        decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) == 1)
+        self.step_cost.observe(time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows)
         self.scheduler.update_after_step()
         self.num_steps += 1
         self.consecutive_failed_steps = 0
@@ -428,6 +466,7 @@ class EngineCore:
             "requests_received": self.requests_received,
             "compiled_decode": self.compile_status(),
             "batch_invariant": self.batch_invariant,
+            "step_cost": {**self.step_cost.snapshot(), "prefill_cap": self.step_cost.prefill_cap(self.config.decode_stall_ratio)},
             "architecture": self.model_config.architecture,
             "num_waiting_for_grammar": len(self._awaiting_grammar),
             "grammars_compiled": self.grammars.compiled,

@@ -45,6 +45,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.error: str | None = None
         self.client_error = False
+        self.grammar_ready = False  # the core has compiled its output constraint
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,9 @@ class OutputProcessor:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             touched[state.request_id] = state
+            if out.grammar_ready:
+                state.grammar_ready = True
+                continue
             if out.finish_reason == "error":  # a failed step or a refused request: every choice ends
                 state.error = out.error
                 state.client_error = out.client_error
@@ -175,4 +179,5 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
             client_error=state.client_error,
+            grammar_ready=state.grammar_ready,
         )

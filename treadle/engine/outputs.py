@@ -38,3 +38,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine failed it (finish_reason "error")
     client_error: bool = False  # the error was the request's own (its grammar), not the engine's
+    grammar_ready: bool = False  # its output constraint compiled: it now waits for its first step

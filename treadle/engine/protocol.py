@@ -90,6 +90,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # with finish_reason "error": what failed
     client_error: bool = False  # the request's own fault (its grammar could not go on), not the engine's
     embedding: list[float] | None = None  # an embedding request's pooled, normalized vector
+    grammar_ready: bool = False  # the request's grammar compiled: it is queued (no tokens yet)
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

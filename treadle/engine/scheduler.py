@@ -8,6 +8,8 @@ admitted running request is preempted: its blocks are freed and it is recomputed
 
 Guarantees of one `schedule()`:
 - the step's tokens sum to at most max_num_batched_tokens; at most max_num_seqs are running;
+- with a request decoding and a `prefill_cap`, the step's other tokens sum to at most the cap
+  times ceil(requests with prompt left / requests decoding), at least 1;
 - every scheduled request has blocks for all its tokens up to num_computed + num_new;
 - no request appears twice; preempted requests are back at the head of the waiting queue.
 
@@ -42,13 +44,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepInput:
+    def schedule(self, prefill_cap: int | None = None) -> StepInput:
         out = StepInput(scheduled=[], block_copies=self.pending_copies)
         self.pending_copies = []
         self.scheduled = []
         self.kv.begin_step()
         budget = self.max_num_batched_tokens
         preempted = False
+        prompt_budget = budget
+        if prefill_cap is not None:
+            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            if decoding:
+                # the cap weighs the streams it would stall against the prompts that wait: with
+                # more prompts waiting than streams decoding (a burst), prompts get more of the step
+                prompting = len(self.running) - decoding + len(self.waiting)
+                prompt_budget = prefill_cap * max(1, -(-prompting // decoding))
 
         for req in list(self.running):
             if budget == 0:
@@ -56,6 +66,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 1:
+                num_new = min(num_new, prompt_budget)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -68,15 +80,17 @@ class Scheduler:
                 continue
             self._add(out, req, num_new)
             budget -= num_new
+            if num_new > 1:
+                prompt_budget -= num_new
 
         # No admissions in a step that had to preempt: memory is short.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prompt_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # mean pooling reads every prompt position's hidden state: it cannot start from the cache
             lookup = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.find_cached_prefix(req) if lookup else []
             num_cached = len(hits) * self.kv.block_size
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, prompt_budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.popleft()
@@ -89,6 +103,7 @@ class Scheduler:
             self.running.append(req)
             self._add(out, req, num_new)
             budget -= num_new
+            prompt_budget -= num_new
         return out
 
     def _add(self, out: StepInput, req: Request, num_new: int) -> None:

@@ -46,8 +46,6 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await async_engine.stop()
-            if state.grammar_checker is not None:
-                state.grammar_checker.close()
 
     app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     state = ServerState(async_engine, settings, ServerMetrics(async_engine))

@@ -91,7 +91,9 @@ class EngineStream:
         self.finished_at: float | None = None
         self.failed = False
         self.closed = False
+        self.constraint_param = "structured_outputs"  # the request parameter that carried its constraint, for errors
         self._queue: asyncio.Queue | None = None
+        self._early: list[Delta] = []  # deltas read while waiting for the grammars
 
     @property
     def num_choices(self) -> int:
@@ -135,12 +137,34 @@ class EngineStream:
 
     @property
     def done(self) -> bool:
-        return len(self.finished) == len(self.request_ids)
+        return len(self.finished) == len(self.request_ids) and not self._early
+
+    async def grammars_ready(self) -> None:
+        """For a constrained request, before its status goes out: wait until the engine core has
+        compiled every prompt's grammar. The core's verdict is the check: a constraint that cannot
+        compile, or took too long, is a 400 here, streaming or not (the stream is then closed)."""
+        if self.params[0].structured_outputs is None:
+            return
+        pending = set(self.request_ids)
+        try:
+            while pending:
+                item = await self._queue.get()
+                self._early += self._read(item)
+                if item.grammar_ready or item.finished:
+                    pending.discard(item.request_id)
+        except GenerationFailed as e:
+            self.close()
+            raise e.as_request_error() from None
 
     async def next_deltas(self) -> list[Delta]:
         """The next engine output as deltas (possibly none with news); GenerationFailed if the
         request cannot go on."""
-        item = await self._queue.get()
+        if self._early:
+            early, self._early = self._early, []
+            return early
+        return self._read(await self._queue.get())
+
+    def _read(self, item) -> list[Delta]:
         if isinstance(item, EngineDead):
             self.failed = True
             raise GenerationFailed(str(item), 503, "engine_dead")
@@ -159,7 +183,7 @@ class EngineStream:
         if out.error is not None:
             self.failed = True
             if out.client_error:
-                param = "input" if self.params[0].pooling else "structured_outputs"
+                param = "input" if self.params[0].pooling else self.constraint_param
                 raise GenerationFailed(out.error, 400, "invalid_request_error", param)
             raise GenerationFailed(out.error, 500, "internal_error")
         base = self.request_ids.index(out.request_id) * self.n

@@ -11,7 +11,6 @@ from ..engine.request import validate_prompt
 from .chat_output import ChatOutput
 from .collector import EngineStream
 from .engine_client import EngineClient
-from .grammars import GrammarChecker
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
 from .reasoning import reasoning_closed, starts_inside
@@ -26,7 +25,6 @@ class ServerSettings:
     max_waiting: int = 1024
     chat_template: str | None = None
     max_schema_bytes: int = 256 * 1024
-    max_grammar_compile_seconds: float = 10.0
     tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
     reasoning_parser: str | None = None  # qwen3, deepseek_r1
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
@@ -40,13 +38,6 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False
     in_flight: set = field(default_factory=set)
-    grammar_checker: GrammarChecker | None = None
-
-    def grammars(self) -> GrammarChecker:
-        if self.grammar_checker is None:
-            s = self.settings
-            self.grammar_checker = GrammarChecker(self.engine.tokenizer, self.engine.vocab_size, s.max_schema_bytes, s.max_grammar_compile_seconds)
-        return self.grammar_checker
 
 
 @dataclass
@@ -58,8 +49,16 @@ class Prepared:
     params: list
     chat_output: Callable[[], ChatOutput] | None = None
 
-    def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> EngineStream:
-        return EngineStream(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival).submit()
+    constraint_param: str | None = None  # the parameter that carried the output constraint, if any
+
+    async def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> EngineStream:
+        """The request in the engine, its grammars (if any) compiled there: a 400 if they cannot be."""
+        gen = EngineStream(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival)
+        if self.constraint_param is not None:
+            gen.constraint_param = self.constraint_param
+        gen.submit()
+        await gen.grammars_ready()
+        return gen
 
 
 async def prepare_renamed(prepare, state: ServerState, body, names: dict[str, str]) -> Prepared:
@@ -160,21 +159,25 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
     return params
 
 
-async def _constrain(state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None) -> None:
-    """The request's output constraint (a structured-output parameter, or the tool_choice's call),
-    checked (a 400 if it cannot compile), on every prompt's params; after reasoning if it is on."""
+def _constrain(state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None) -> str | None:
+    """The request's output constraint (a structured-output parameter, or the tool_choice's call)
+    on every prompt's params, after reasoning if it is on; the parameter that carried it. Only its
+    size is checked here: the engine core compiles it (Prepared.start waits for that verdict)."""
     found = body.structured()
     if tool_constraint is not None:
         if found is not None:
             raise RequestError(f"{found[1].split('.')[0]} cannot be combined with a tool_choice that forces a call", "tool_choice")
         found = (tool_constraint, "tools")
     if found is None:
-        return
+        return None
     so, param = found
+    size, limit = so.text_size(), state.settings.max_schema_bytes
+    if size > limit:
+        raise RequestError(f"{param} is {size} bytes; this server accepts at most {limit} (--max-schema-bytes)", param)
     so.after_token = after_token
-    await state.grammars().check(so, param)
     for p in params:
         p.structured_outputs = so
+    return param
 
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolSetup | None) -> str:
@@ -198,10 +201,10 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     reasoning = state.settings.reasoning_parser
     inside = starts_inside(reasoning, text) if reasoning else None
     after = _token_id(state, "</think>") if reasoning and not reasoning_closed(text) else None
-    await _constrain(state, body, [params], tools.constraint() if tools else None, after)
+    param = _constrain(state, body, [params], tools.constraint() if tools else None, after)
     parser = state.settings.tool_call_parser
     family = family_of(chat_template(state)) if parser == "auto" else parser
-    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside))
+    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside), param)
 
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
@@ -217,5 +220,4 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
             check_token_ids(state, p, "prompt")
             prompts.append((None, list(p)))
     params = [_params(state, body, ids, body.max_tokens, body.logprobs, "prompt") for _, ids in prompts]
-    await _constrain(state, body, params)
-    return Prepared(prompts, params)
+    return Prepared(prompts, params, constraint_param=_constrain(state, body, params))

@@ -61,7 +61,7 @@ def register(app, state: ServerState) -> None:
         arrival = time.monotonic()
         chat = chat_request(body, state.settings.reasoning_parser is not None)
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        gen = prepared.start(state, new_id("msg", "_"), None, arrival)
+        gen = await prepared.start(state, new_id("msg", "_"), None, arrival)
         if body.stream:
             return stream_response(gen, stream(gen, prepared))
 

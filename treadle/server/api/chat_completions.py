@@ -16,7 +16,7 @@ def register(app, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
         prepared = await prepare_chat(state, body)
-        gen = prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
+        gen = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
         if body.stream:
             return stream_response(gen, stream(gen, body, prepared))
         return await gen.reply(request, lambda results: reply(gen, body, prepared, results))

@@ -97,7 +97,7 @@ def register(app, state: ServerState) -> None:
         if not body.messages:  # Ollama: an empty conversation loads the model
             return _loaded(name, {"message": {"role": "assistant", "content": ""}})
         prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
-        gen = prepared.start(state, new_id("ollama"), None, arrival)
+        gen = await prepared.start(state, new_id("ollama"), None, arrival)
         return await _respond(gen, prepared, body.stream, request, chat=True, name=name)
 
     @app.post("/api/generate")
@@ -116,7 +116,7 @@ def register(app, state: ServerState) -> None:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
             chat = _chat_request(OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name)
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        gen = prepared.start(state, new_id("ollama"), None, arrival)
+        gen = await prepared.start(state, new_id("ollama"), None, arrival)
         return await _respond(gen, prepared, body.stream, request, chat=False, name=name)
 
     @app.get("/api/tags")

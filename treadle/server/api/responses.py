@@ -86,7 +86,7 @@ def register(app, state: ServerState) -> None:
         chat = chat_request(body, conversation)
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
         reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
-        gen = prepared.start(state, reply.id, None, arrival)
+        gen = await prepared.start(state, reply.id, None, arrival)
         if body.stream:
             return stream_response(gen, reply.stream(gen, prepared))
         return await gen.reply(request, lambda choices: reply.final(gen, reply_blocks(prepared.chat_output(), choices[0].text), choices[0].finish_reason))

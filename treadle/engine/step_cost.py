@@ -1,0 +1,61 @@
+"""What a step costs on this machine, measured as the engine runs: the basis of the prefill cap.
+
+A step that holds decoding requests and a prompt chunk makes every one of those streams wait for
+the chunk: on two CPU cores, one 2048-token prefill step takes over a second, which a streaming
+user sees as a freeze. Sarathi-Serve's answer is stall-free batching: decode every running request
+each step and add only as much prompt as the step can carry without slowing it past a bound. The
+bound here is a ratio of time, not a token count, so the same setting fits a laptop, a server CPU
+or a GPU: `decode_stall_ratio` 1.0 lets prompt tokens make a decoding step at most about twice as
+long as a decode-only step.
+
+The model is two running averages:
+- `decode_s`: the time of recent decode-only steps (every running request one token);
+- `token_s`: the extra time one prompt token adds to a step (a step's time less the decode part,
+  per prompt token; a step of prompts alone counts all its time: an overestimate, so a cap on
+  the safe side).
+
+`prefill_cap(ratio)` is then ratio x decode_s / token_s tokens, never under MIN_CHUNK; None until
+both have been seen (the first steps run uncapped). The cap only changes how prompts are chunked,
+which changes no output in the batch-invariant default (docs/architecture.md, "Numerics").
+"""
+
+ALPHA = 0.2  # weight of the newest step in the running averages
+MIN_PROMPT_TOKENS = 32  # steps with fewer prompt tokens say too little about a token's cost
+MIN_CHUNK = 32  # the smallest prompt chunk a capped step carries: prompts always progress
+
+
+class StepCostModel:
+    def __init__(self):
+        self.decode_s: float | None = None
+        self.token_s: float | None = None
+
+    def observe(self, seconds: float, decode_rows: int, prompt_tokens: int) -> None:
+        if prompt_tokens == 0:
+            if decode_rows:
+                self.decode_s = _average(self.decode_s, seconds)
+            return
+        if prompt_tokens < MIN_PROMPT_TOKENS:
+            return
+        if decode_rows:
+            if self.decode_s is None:
+                return
+            extra = max(seconds - self.decode_s, 0.25 * seconds)  # noise must not make a token free
+        else:
+            extra = seconds
+        self.token_s = _average(self.token_s, extra / prompt_tokens)
+
+    def prefill_cap(self, ratio: float | None) -> int | None:
+        """Prompt tokens a step with decoding requests may carry; None: no cap (off, or not measured yet)."""
+        if not ratio or self.decode_s is None or not self.token_s:
+            return None
+        return max(MIN_CHUNK, int(ratio * self.decode_s / self.token_s))
+
+    def snapshot(self) -> dict:
+        return {
+            "decode_step_ms": None if self.decode_s is None else round(self.decode_s * 1e3, 3),
+            "prompt_token_ms": None if self.token_s is None else round(self.token_s * 1e3, 4),
+        }
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)

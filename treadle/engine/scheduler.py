@@ -8,8 +8,7 @@ admitted running request is preempted: its blocks are freed and it is recomputed
 
 Guarantees of one `schedule()`:
 - the step's tokens sum to at most max_num_batched_tokens; at most max_num_seqs are running;
-- with a request decoding and a `prefill_cap`, the step's other tokens sum to at most the cap
-  times ceil(requests with prompt left / requests decoding), at least 1;
+- with a request decoding and a `prefill_cap`, the step's other tokens sum to at most the cap;
 - every scheduled request has blocks for all its tokens up to num_computed + num_new;
 - no request appears twice; preempted requests are back at the head of the waiting queue.
 
@@ -51,14 +50,8 @@ class Scheduler:
         self.kv.begin_step()
         budget = self.max_num_batched_tokens
         preempted = False
-        prompt_budget = budget
-        if prefill_cap is not None:
-            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-            if decoding:
-                # the cap weighs the streams it would stall against the prompts that wait: with
-                # more prompts waiting than streams decoding (a burst), prompts get more of the step
-                prompting = len(self.running) - decoding + len(self.waiting)
-                prompt_budget = prefill_cap * max(1, -(-prompting // decoding))
+        decoding = prefill_cap is not None and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        prompt_budget = prefill_cap if decoding else budget
 
         for req in list(self.running):
             if budget == 0:

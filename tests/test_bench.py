@@ -230,6 +230,23 @@ def test_sharegpt_dataset_from_a_local_file(tok, tmp_path):
         sharegpt_dataset(tok, str(path), 7, seed=0)
 
 
+def test_editing_dataset_is_real_code_to_give_back_whole(tok):
+    import ast
+    import re
+
+    from treadle.bench.datasets import editing_dataset
+
+    reqs = editing_dataset(tok, 10, seed=0)
+    assert len(reqs) == 10 and len({r.prompt for r in reqs}) == 10
+    for r in reqs:
+        code = re.search(r"```python\n(.*)\n```", r.prompt, re.S).group(1)
+        tree = ast.parse(code)  # a whole, dedented function from the standard library
+        assert isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+        assert r.output_len == int(1.3 * len(tok.encode(code))) and r.prompt_len == len(tok.encode(r.prompt))
+        assert "type hints" in r.prompt or re.search(r"Rename the variable `(\w+)`", r.prompt).group(1) in code
+    assert {r.prompt for r in editing_dataset(tok, 10, seed=1)} != {r.prompt for r in reqs}
+
+
 def test_exact_text_repairs_lengths(tok):
     rng = random.Random(0)
     pool = tok.sample_ids()

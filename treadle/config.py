@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, fields
 
+from .engine.spec_decode import SpeculativeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -29,6 +31,9 @@ class EngineConfig:
     # a request's output constraint (JSON schema, regex, grammar) still compiling after this long
     # is refused as the request's own error, and refused at once the next time
     max_grammar_compile_seconds: float = 10.0
+    # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b, "adaptive": true} (a JSON text or a dict)
+    speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # compute threads; default: torch's choice
@@ -41,6 +46,7 @@ class EngineConfig:
             raise ValueError(f"decode_stall_ratio must be at least 0, got {self.decode_stall_ratio}")
         if self.max_grammar_compile_seconds <= 0:
             raise ValueError(f"max_grammar_compile_seconds must be positive, got {self.max_grammar_compile_seconds}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 

@@ -1,4 +1,5 @@
-"""Benchmark workloads with exact token lengths: random, prefix_repetition, sharegpt.
+"""Benchmark workloads with exact token lengths: random, prefix_repetition, sharegpt; and editing
+(real code to rewrite, for speculative decoding).
 
 Prompts are built from token ids of the served model's tokenizer, then decoded and re-encoded until
 the text is exactly the asked number of tokens, so that the server sees the length we report.
@@ -154,9 +155,61 @@ def sharegpt_dataset(tok, path: str, num, output_len: int | None = None, seed=0)
     return out
 
 
+# Pure-Python standard library modules whose functions the editing workload rewrites: real code that
+# nobody here wrote, present wherever Python is (so the set is fixed per Python version)
+EDITING_MODULES = (
+    "textwrap", "shlex", "fnmatch", "colorsys", "calendar", "difflib", "heapq", "bisect", "string", "html",
+    "ipaddress", "fractions", "statistics", "base64", "quopri", "gettext", "netrc", "ftplib", "configparser",
+    "argparse", "csv", "tokenize", "pprint", "dataclasses", "inspect", "zipfile", "tarfile", "pathlib",
+)  # fmt: skip
+EDITING_TASKS = (
+    "Add type hints to every parameter and to the return value of this Python function. Keep everything "
+    "else as it is. Reply with the whole function only, in one ```python block.",
+    "Rename the variable `{name}` to `{name}_value` everywhere in this Python function. Keep everything "
+    "else as it is. Reply with the whole function only, in one ```python block.",
+)
+
+
+def editing_dataset(tok, num, seed=0, min_tokens=80, max_tokens=600) -> list[BenchRequest]:
+    """Functions from the standard library's own source, each with an instruction to add type hints
+    or rename one of its variables and give the whole function back: most of the answer repeats the
+    prompt, as in real code edits. max_tokens is 1.3x the function's length; EOS ends a reply."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    functions = []
+    for name in EDITING_MODULES:
+        try:
+            source = inspect.getsource(importlib.import_module(name))
+        except (ImportError, OSError, TypeError):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                segment = ast.get_source_segment(source, node, padded=True)
+                text = textwrap.dedent(segment) if segment else None
+                if text and "\t" not in text:
+                    names = sorted({a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")})
+                    functions.append((text, names))
+    rng = random.Random(seed)
+    rng.shuffle(functions)
+    out = []
+    for text, names in functions:
+        n = len(tok.encode(text))
+        if not min_tokens <= n <= max_tokens:
+            continue
+        task = EDITING_TASKS[1].format(name=rng.choice(names)) if names and rng.random() < 0.5 else EDITING_TASKS[0]
+        prompt = f"{task}\n\n```python\n{text}\n```"
+        out.append(BenchRequest(prompt, len(tok.encode(prompt)), int(1.3 * n)))
+        if len(out) == num:
+            return out
+    raise ValueError(f"the editing workload has {len(out)} functions of {min_tokens}-{max_tokens} tokens, {num} asked")
+
+
 def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> None:
     """The dataset flags of `vllm bench serve`, shared by bench serve and bench throughput."""
-    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt"], default="random")
+    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt", "editing"], default="random")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--random-input-len", type=int, default=input_len)
@@ -185,6 +238,8 @@ def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
             args.prefix_repetition_output_len,
             seed,
         )
+    if args.dataset_name == "editing":
+        return editing_dataset(tok, args.num_prompts, seed)
     if not args.dataset_path:
         raise SystemExit("treadle bench: --dataset-path is required for sharegpt")
     return sharegpt_dataset(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len, seed)

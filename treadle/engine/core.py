@@ -31,15 +31,18 @@ from ..model.runner import InjectedFault, ModelRunner
 from .kv_cache_manager import KVCacheManager
 from .memory import process_memory
 from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToken, StepInput, child_request_id
-from .request import Request, RequestStatus, validate_prompt
+from .request import SPEC_PRIOR_ACCEPT_RATE, Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .spec_decode import propose_ngram
 from .step_cost import StepCostModel
 from .structured import GrammarCompiler, lower_thread_priority
 
 log = logging.getLogger("treadle")
 
 FAULT_ENV = "TREADLE_FAULT_INJECT"
+SPEC_RATE_WEIGHT = 0.3  # weight of the newest verification in a request's acceptance rate
+SPEC_RECOVERY = 0.05  # per step without proposals, how far that rate drifts back to the prior
 GRAMMAR_THREADS = 2  # one slow grammar must not hold up every other constrained request
 MAX_REMEMBERED_SLOW = 1024
 
@@ -131,6 +134,13 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.step_cost = StepCostModel()
+        self.spec = config.speculative_config
+        if self.spec is not None and self.spec.method != "ngram":
+            raise ValueError(f"speculative_config.method {self.spec.method!r} is not available yet in treadle (ngram is)")
+        self.spec_num_drafts = 0  # verifications: a request's proposals checked in one step
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}  # every unfinished choice, by its own id
         self._new_for_runner: list[NewRequestData] = []
@@ -337,6 +347,8 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         outputs, self._failed_outputs = self._failed_outputs, []
         self._admit_compiled(outputs)
+        if self.spec is not None:
+            self._propose()
         step = self.scheduler.schedule(self.step_cost.prefill_cap(self.config.decode_stall_ratio))
         step.new_requests, self._new_for_runner = self._new_for_runner, []
         step.finished_req_ids, self._finished_for_runner = self._finished_for_runner, []
@@ -358,8 +370,9 @@ class EngineCore:
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
             return outputs
-        decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) == 1)
-        self.step_cost.observe(time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows)
+        decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) - s.num_drafts == 1)
+        drafts = sum(s.num_drafts for s in step.scheduled)
+        self.step_cost.observe(time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows - drafts, drafts)
         self.scheduler.update_after_step()
         self.num_steps += 1
         self.consecutive_failed_steps = 0
@@ -376,7 +389,7 @@ class EngineCore:
                 group.forked = True
             cached = max(0, group.children[0].num_cached_tokens)
             for req_id in s.sample_ids:
-                outputs.append(self._append_token(self.requests[req_id], results[req_id], cached))
+                outputs.append(self._append_tokens(self.requests[req_id], results[req_id], cached, s.num_drafts))
         self._flush_runner_if_idle()
         return outputs
 
@@ -409,17 +422,33 @@ class EngineCore:
                 outputs.append(CoreOutput(gid, child.index, [], finish_reason="error", error=message))
         return outputs
 
-    def _append_token(self, req: Request, sampled: SampledToken, num_cached: int) -> CoreOutput:
+    def _append_tokens(self, req: Request, sampled: list[SampledToken], num_cached: int, num_drafts: int) -> CoreOutput:
+        """The step's tokens for one choice (one, or after a verification the confirmed proposals and
+        one more), each checked in turn: a stop inside the run ends the output there."""
         if req.params.pooling is not None:  # an embedding request: its vector, and it is done
-            out = CoreOutput(req.group_id, req.index, [], finish_reason="stop", num_cached_tokens=num_cached, embedding=sampled.embedding)
+            out = CoreOutput(req.group_id, req.index, [], finish_reason="stop", num_cached_tokens=num_cached, embedding=sampled[0].embedding)
             self._finish(req, "stop")
             return out
+        logprobs = [] if sampled[0].logprobs is not None else None
+        out = CoreOutput(req.group_id, req.index, [], logprobs, num_cached_tokens=num_cached)
+        for tok in sampled:
+            self._append_token(req, tok, out)
+            if out.finish_reason is not None:
+                break
+        if num_drafts:
+            self._count_verification(req, num_drafts, len(sampled) - 1)
+            if not req.is_finished:
+                self.scheduler.reject_drafts(req, num_drafts - (len(sampled) - 1))
+        return out
+
+    def _append_token(self, req: Request, sampled: SampledToken, out: CoreOutput) -> None:
         token = sampled.token_id
         req.all_token_ids.append(token)
         self.generation_tokens += 1
         p = req.params
-        out = CoreOutput(req.group_id, req.index, [token], [sampled.logprobs] if sampled.logprobs is not None else None,
-                         num_cached_tokens=num_cached)
+        out.new_token_ids.append(token)
+        if out.new_logprobs is not None:
+            out.new_logprobs.append(sampled.logprobs)
         can_stop = req.num_output_tokens >= p.min_tokens
         grammar_done = False
         if req.matcher is not None:
@@ -430,7 +459,7 @@ class EngineCore:
                 out.finish_reason, out.client_error = "error", True
                 out.error = f"the output constraint cannot continue: {req.matcher.get_error().splitlines()[0]}"
                 self._finish(req, "error")
-                return out
+                return
             else:
                 # complete: only EOS may follow. Sample it (the tokens are then those of an
                 # unconstrained run that wrote the same text), unless EOS cannot end this request.
@@ -444,7 +473,73 @@ class EngineCore:
             out.finish_reason = "length"
         if out.finish_reason is not None:
             self._finish(req, out.finish_reason)
-        return out
+
+    # ------------------------------------------------------------ speculative decoding
+
+    def _propose(self) -> None:
+        """Proposals for this step's decoding requests (n-gram lookup in each one's own tokens), as
+        many as can pay (`_spec_width`), none where they cannot be verified exactly (a grammar) or
+        would run past max_tokens / the model's length."""
+        spec = self.spec
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        for req in running:
+            req.spec_token_ids = []
+        for req in decoding:
+            p = req.params
+            if req.matcher is not None or p.pooling is not None:
+                continue
+            room = min(spec.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            k = self._spec_width(req, room, len(decoding)) if spec.adaptive else room
+            if k > 0:
+                req.spec_token_ids = propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _spec_width(self, req: Request, room: int, batch: int) -> int:
+        """How many proposals pay for this request now: the k that maximizes the time saved,
+        E[accepted of k] x (a decode step's time per token of the batch) - k x (a prompt token's
+        measured cost), with E from the request's acceptance rate a: a (1 - a^k) / (1 - a).
+        Unmeasured machine: propose (the first steps measure it). A request that stops paying
+        drifts back toward the prior, so that it is tried again now and then."""
+        cost = self.step_cost
+        if room <= 0:
+            return 0
+        if cost.decode_s is None or not cost.token_s:
+            return room
+        a = min(req.spec_accept_rate, 0.999)
+        per_token = cost.decode_s / batch
+        best_k, best = 0, 0.0
+        for k in range(1, room + 1):
+            gain = a * (1 - a**k) / (1 - a) * per_token - k * cost.token_s
+            if gain > best:
+                best_k, best = k, gain
+        if best_k == 0:
+            req.spec_accept_rate += SPEC_RECOVERY * (SPEC_PRIOR_ACCEPT_RATE - req.spec_accept_rate)
+        return best_k
+
+    def _count_verification(self, req: Request, num_drafts: int, accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        req.spec_accept_rate += SPEC_RATE_WEIGHT * (accepted / num_drafts - req.spec_accept_rate)
+
+    def spec_stats(self) -> dict | None:
+        if self.spec is None:
+            return None
+        d = self.spec_num_drafts
+        return {
+            "method": self.spec.method,
+            "num_speculative_tokens": self.spec.num_speculative_tokens,
+            "adaptive": self.spec.adaptive,
+            "num_drafts": d,
+            "num_draft_tokens": self.spec_num_draft_tokens,
+            "num_accepted_tokens": self.spec_num_accepted_tokens,
+            "accepted_per_position": list(self.spec_accepted_per_pos),
+            "mean_acceptance_length": 1 + self.spec_num_accepted_tokens / d if d else None,
+        }
 
     # ------------------------------------------------------------ stats
 
@@ -466,6 +561,7 @@ class EngineCore:
             "requests_received": self.requests_received,
             "compiled_decode": self.compile_status(),
             "batch_invariant": self.batch_invariant,
+            "spec_decode": self.spec_stats(),
             "step_cost": {**self.step_cost.snapshot(), "prefill_cap": self.step_cost.prefill_cap(self.config.decode_stall_ratio)},
             "architecture": self.model_config.architecture,
             "num_waiting_for_grammar": len(self._awaiting_grammar),

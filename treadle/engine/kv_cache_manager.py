@@ -79,8 +79,19 @@ class KVCacheManager:
         blocks.extend(cached_blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        self._cache_full_blocks(req, blocks, total)
+        # proposed tokens (speculative decoding) are not the request's yet: never hash their blocks
+        self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` (those held only rejected
+        proposals; they were never hashed)."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(extra))
 
     def _cache_full_blocks(self, req: Request, blocks: list[Block], num_tokens: int) -> None:
         if not self.enable_caching:

@@ -123,6 +123,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     start: int
     block_ids: list[int]
     sample_ids: list[str] = []
+    # speculative decoding: the last `num_drafts` of token_ids are proposals; the request samples
+    # from each of its last num_drafts + 1 rows and keeps the proposals its samples confirm
+    num_drafts: int = 0
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):

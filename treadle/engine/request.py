@@ -11,6 +11,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+SPEC_PRIOR_ACCEPT_RATE = 0.5
+
+
 class TokenHistory:
     """Prompt and output tokens of a sequence: `all_token_ids` with the first `num_prompt_tokens`
     the prompt (the core's `Request` and the runner's per-request state both keep one)."""
@@ -63,6 +66,8 @@ class Request(TokenHistory):
         self.finish_reason: str | None = None
         self.matcher = None  # structured output: the grammar's llguidance matcher, once compiled
         self.grammar_active = False  # whether the matcher follows the output yet (after reasoning)
+        self.spec_token_ids: list[int] = []  # speculative decoding: this step's proposed next tokens
+        self.spec_accept_rate = SPEC_PRIOR_ACCEPT_RATE  # running average of accepted / proposed
 
     @property
     def num_tokens(self) -> int:

@@ -3,13 +3,19 @@
 Each step every request tries to close the gap between its known tokens and its computed ones:
 running requests first (a decode token, or the next chunk of a long prompt), then waiting
 requests in order (a prefix-cache hit skips part of their prompt). A prompt longer than the
-budget left is chunked across steps. When the pool runs out of blocks, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later.
+budget left is chunked across steps. While any running request decodes, prompts get at most
+`prefill_cap` tokens of a step (the core sizes it from measured step costs, engine/step_cost.py),
+so that new prompts slow the streams already running instead of freezing them. When the pool runs
+out of blocks, the most recently admitted running request is preempted: its blocks are freed and
+it is recomputed later. A decoding request with proposed tokens (speculative decoding,
+`spec_token_ids`) computes them in the same step as its decode token; after verification the
+core hands the rejected ones back (`reject_drafts`).
 
 Guarantees of one `schedule()`:
 - the step's tokens sum to at most max_num_batched_tokens; at most max_num_seqs are running;
 - with a request decoding and a `prefill_cap`, the step's other tokens sum to at most the cap;
-- every scheduled request has blocks for all its tokens up to num_computed + num_new;
+- every scheduled request has blocks for all its tokens up to num_computed + num_new (proposals
+  included; their blocks are never hashed into the prefix cache);
 - no request appears twice; preempted requests are back at the head of the waiting queue.
 
 `schedule()` returns plain data for the model runner (`StepInput`: ids, token ids, positions,
@@ -58,9 +64,15 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new > 1:
-                num_new = min(num_new, prompt_budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            drafts = req.spec_token_ids if remaining == 1 else []
+            if drafts:  # a decode token and its proposals, verified in this step
+                num_new = min(1 + len(drafts), budget)
+                drafts = drafts[: num_new - 1]
+            else:
+                num_new = min(remaining, budget)
+                if num_new > 1:
+                    num_new = min(num_new, prompt_budget)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -71,9 +83,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            self._add(out, req, num_new)
+            self._add(out, req, num_new, drafts)
             budget -= num_new
-            if num_new > 1:
+            if num_new > 1 and not drafts:
                 prompt_budget -= num_new
 
         # No admissions in a step that had to preempt: memory is short.
@@ -99,15 +111,17 @@ class Scheduler:
             prompt_budget -= num_new
         return out
 
-    def _add(self, out: StepInput, req: Request, num_new: int) -> None:
+    def _add(self, out: StepInput, req: Request, num_new: int, drafts: list[int] = ()) -> None:
         start = req.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         samples = [req.request_id] if end == req.num_tokens else []
         table = self.kv.block_table(req.request_id)
-        out.scheduled.append(ScheduledRequest(req.request_id, req.all_token_ids[start:end], start, table, samples))
+        tokens = req.all_token_ids[start:end] + list(drafts)
+        out.scheduled.append(ScheduledRequest(req.request_id, tokens, start, table, samples, len(drafts)))
         self.scheduled.append((req, num_new))
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -120,6 +134,12 @@ class Scheduler:
         for req, num_new in self.scheduled:
             req.num_computed_tokens += num_new
         self.scheduled = []
+
+    def reject_drafts(self, req: Request, num_rejected: int) -> None:
+        """After a verification step: the rejected proposals' KV is not the request's; their slots
+        are computed again (with the right tokens) and their surplus blocks go back to the pool."""
+        req.num_computed_tokens -= num_rejected
+        self.kv.trim(req, req.num_computed_tokens)
 
     def admit_forked(self, parent: Request, child: Request) -> None:
         """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is free."""

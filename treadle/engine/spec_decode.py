@@ -1,5 +1,6 @@
-"""Speculative decoding, first part: the configuration (vLLM's `speculative_config` keys) and the
-n-gram proposer (prompt lookup decoding).
+"""Speculative decoding: the configuration (vLLM's `speculative_config` keys) and the n-gram
+proposer (prompt lookup decoding). Verification is the runner's and the core's
+(docs/architecture.md, "Speculative decoding").
 
 The proposer reads a request's own tokens (prompt and output so far): it finds the longest suffix
 of them, between `prompt_lookup_min` and `prompt_lookup_max` tokens, that also occurs earlier,
@@ -7,9 +8,7 @@ takes its most recent earlier occurrence, and proposes the (up to) `num_speculat
 that followed it there. Code edits, answers quoting their sources and JSON echoing its fields
 repeat earlier text, and then the proposal is often right.
 
-Not wired into the engine yet (issue 14): verification, rejection sampling, KV rollback, the
-adaptive policy and the metrics come next; until then neither `LLM(...)` nor `treadle serve`
-takes a speculative_config (an unknown engine argument / flag), so no one believes it is on.
+Methods "suffix" and "draft_model" parse here but the engine core refuses them for now.
 """
 
 import json

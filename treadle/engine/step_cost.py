@@ -29,8 +29,15 @@ class StepCostModel:
         self.decode_s: float | None = None
         self.token_s: float | None = None
 
-    def observe(self, seconds: float, decode_rows: int, prompt_tokens: int) -> None:
+    def observe(self, seconds: float, decode_rows: int, prompt_tokens: int, draft_tokens: int = 0) -> None:
+        """One step: its time, its decoding requests, its prompt tokens and its proposed tokens
+        (speculative decoding: charged at a prompt token's cost, so that a step of decodes and
+        their proposals still measures the decode part)."""
         if prompt_tokens == 0:
+            if draft_tokens:
+                if self.token_s is None:
+                    return
+                seconds = max(seconds - draft_tokens * self.token_s, 0.25 * seconds)
             if decode_rows:
                 self.decode_s = _average(self.decode_s, seconds)
             return

@@ -58,6 +58,19 @@ class RunnerRequest(TokenHistory):
         self.pooled_rows: list = []  # mean pooling: the hidden states of the prompt's chunks so far
 
 
+class Ahead(TokenHistory):
+    """A request as it would be with `drafts` accepted: what the sampler sees at a verification
+    row (penalties, min_tokens and the seeded draw all depend on the position)."""
+
+    __slots__ = ("request", "params", "all_token_ids", "num_prompt_tokens")
+
+    def __init__(self, req: RunnerRequest, drafts: list[int]):
+        self.request = req  # whose generator the row draws from
+        self.params = req.params
+        self.all_token_ids = req.all_token_ids + drafts
+        self.num_prompt_tokens = req.num_prompt_tokens
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -126,8 +139,9 @@ class ModelRunner:
             self.requests.pop(req_id, None)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> dict[str, SampledToken]:
-        """Run the step and sample: one token per request id in the scheduled `sample_ids`."""
+    def execute(self, step: StepInput) -> dict[str, list[SampledToken]]:
+        """Run the step and sample, per request id in the scheduled `sample_ids`: its token, or for
+        a request verifying proposals, the proposals its samples confirmed and one token more."""
         self.update_states(step)
         if not step.scheduled:
             return {}
@@ -137,33 +151,59 @@ class ModelRunner:
         pooling = {i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None}
         apart = pooling and self.isolate_pooling and len(step.scheduled) > 1
         logits, sample_rows, embeddings = self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling)
-        results = {req_id: SampledToken(-1, embedding=v) for req_id, v in embeddings.items()}
-        rows, ids = [], []
-        for j, i in enumerate(sample_rows):
-            for req_id in step.scheduled[i].sample_ids:
-                if req_id not in results:
-                    rows.append(j)
+        results = {req_id: [SampledToken(-1, embedding=v)] for req_id, v in embeddings.items()}
+        rows, ids, reqs = [], [], []
+        verified = {}  # request id -> its proposals, for requests whose rows verify some
+        first = 0  # each sampling request's first logits row (a verifying one has num_drafts + 1)
+        for i in sample_rows:
+            s = step.scheduled[i]
+            for req_id in s.sample_ids:
+                if req_id in results:
+                    continue
+                req = self.requests[req_id]
+                drafts = s.token_ids[len(s.token_ids) - s.num_drafts :] if s.num_drafts else []
+                if drafts:
+                    verified[req_id] = drafts
+                for p in range(len(drafts) + 1):
+                    rows.append(first + p)
                     ids.append(req_id)
+                    reqs.append(Ahead(req, drafts[:p]) if p else req)
+            first += 1 + s.num_drafts
         if not ids:
             return results
         logits = logits[torch.tensor(rows, device=self.device)]
-        reqs = [self.requests[req_id] for req_id in ids]
         masks = step.grammar_masks
         constrained = None
         if masks:
             rows_c = [j for j, req_id in enumerate(ids) if req_id in masks]
             data = b"".join(masks[ids[j]] for j in rows_c)
             constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
-        sampled = self.sampler.sample(logits, reqs, constrained)
-        for req, res in zip(reqs, sampled):
-            req.all_token_ids.append(res.token_id)
-        results.update(zip(ids, sampled))
+        rewindable = {j for j, req_id in enumerate(ids) if req_id in verified}
+        sampled = self.sampler.sample(logits, reqs, constrained, rewindable)
+        j = 0
+        while j < len(ids):
+            req_id = ids[j]
+            drafts = verified.get(req_id, ())
+            got = sampled[j : j + len(drafts) + 1]
+            # a proposal stands while the target's own sample at its position equals it; the first
+            # sample that differs (or the one after the last proposal) is the step's last token
+            n = 0
+            while n < len(drafts) and got[n].token_id == drafts[n]:
+                n += 1
+            req = self.requests[req_id]
+            if j + n in self.sampler.states:  # the seeded stream continues after the last row kept
+                req.sampler_state.set_state(self.sampler.states[j + n])
+            j += len(drafts) + 1
+            tokens = got[: n + 1]
+            req.all_token_ids.extend(t.token_id for t in tokens)
+            results[req_id] = tokens
         return results
 
     @torch.inference_mode()
     def compute_logits(self, step: StepInput, pooling: dict[int, str] | None = None):
-        """Run the step: (float32 logits of the last row of each scheduled request that samples,
-        those requests' indices into `step.scheduled` in the logits' order, {req_id: vector}).
+        """Run the step: (float32 logits of the last row of each scheduled request that samples (its
+        last num_drafts + 1 rows when it verifies proposals), those requests' indices into
+        `step.scheduled` in the logits' order, {req_id: vector}).
         `pooling` (scheduled index -> "last" or "mean") names the embedding requests; the vector of
         each one whose prompt ends in this step is its pooled, L2-normalized hidden state."""
         self._copy_blocks(step.block_copies)
@@ -230,7 +270,9 @@ class ModelRunner:
             meta.decode_mask = self._additive(mask[:, None, None, :])
 
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
-        logits_indices = torch.tensor([last_row[i] for i in sample_rows], dtype=torch.long, device=self.device)
+        # a request verifying proposals samples from its last num_drafts + 1 rows
+        rows = [r for i in sample_rows for r in range(last_row[i] - scheduled[i].num_drafts, last_row[i] + 1)]
+        logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = pos_t.to(self.device)
         if pooling:  # eagerly: the compiled graphs return logits only

@@ -1,8 +1,12 @@
 """The one sampler: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-Greedy rows take the argmax. Random rows draw by the exponential-race trick (argmax of p / E with
+Greedy rows take the argmax. Seeded rows draw by the exponential-race trick (argmax of p / E with
 E ~ Exp(1)), which samples exactly from p and lets each seeded request draw from its own generator,
-so its tokens do not depend on what else is in the batch.
+so its tokens do not depend on what else is in the batch; unseeded rows draw together from the
+engine's generator (inverse CDF: one uniform per row instead of one exponential per token). A request verifying k proposed tokens
+(speculative decoding) draws for its k + 1 rows in order from that generator, and the runner
+rewinds it to just after the last row it keeps (`states`): the n-th token of a seeded request is
+the n-th draw of its stream however many tokens were proposed.
 """
 
 import torch
@@ -18,15 +22,18 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.states: dict[int, torch.Tensor] = {}  # after sample(): row -> its generator's state after the row's draw
 
     def _generator(self, req) -> torch.Generator | None:
+        """A seeded request's own generator (a verification row's view shares its request's)."""
         if req.params.seed is None:
             return None
-        if req.sampler_state is None:
+        owner = getattr(req, "request", req)
+        if owner.sampler_state is None:
             g = torch.Generator(device=self.device)
             g.manual_seed(req.params.seed)
-            req.sampler_state = g
-        return req.sampler_state
+            owner.sampler_state = g
+        return owner.sampler_state
 
     def _adjust(self, logits: torch.Tensor, reqs: list) -> None:
         """In place: logit bias, min_tokens, repetition / presence / frequency penalties."""
@@ -51,11 +58,13 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def sample(self, logits: torch.Tensor, reqs: list, constrained=None) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, reqs: list, constrained=None, rewindable: set[int] | None = None) -> list[SampledToken]:
         """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
         constrained: (rows, allowed [len(rows), V] bool), the tokens a grammar allows those rows.
         Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k
-        (of the raw model distribution, before penalties, bias and grammar)."""
+        (of the raw model distribution, before penalties, bias and grammar). `rewindable`: rows
+        whose seeded generator's state after their draw is kept in `self.states`."""
+        self.states = {}
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         raw = logits
@@ -79,10 +88,25 @@ class Sampler:
             sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in random_rows], device=logits.device).unsqueeze(1)
             sub = self._filter(sub, [reqs[i].params for i in random_rows])
             probs = torch.softmax(sub, dim=-1)
-            race = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                race[j].exponential_(generator=self._generator(reqs[i]) or self.generator)
-            tokens[idx] = (probs / race).max(dim=-1).indices
+            chosen = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
+            seeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is not None]
+            unseeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is None]
+            if unseeded:  # the engine's generator, all rows at once: inverse CDF, one uniform per row
+                u = torch.tensor(unseeded, device=logits.device)
+                cdf = probs[u].cumsum(dim=-1)
+                point = torch.rand((len(unseeded), 1), generator=self.generator, device=logits.device) * cdf[:, -1:]
+                chosen[u] = torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+            if seeded:  # each from its own generator, row by row
+                race = torch.empty((len(seeded), probs.shape[1]), dtype=probs.dtype, device=logits.device)
+                for r, j in enumerate(seeded):
+                    i = random_rows[j]
+                    g = self._generator(reqs[i])
+                    race[r].exponential_(generator=g)
+                    if rewindable is not None and i in rewindable:
+                        self.states[i] = g.get_state()
+                s_idx = torch.tensor(seeded, device=logits.device)
+                chosen[s_idx] = (probs[s_idx] / race).max(dim=-1).indices
+            tokens[idx] = chosen
 
         results = []
         token_list = tokens.tolist()
@@ -110,8 +134,15 @@ class Sampler:
         if all(k == -1 for k in top_k) and all(p == 1.0 for p in top_p) and all(m == 0 for m in min_p):
             return logits
         vocab = logits.shape[1]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        if all(v != -1 for v in top_k):
+            # every row keeps at most its top k: only those need sorting (topk is sorted, and ties
+            # rank as in a full descending sort)
+            width = min(max(top_k), vocab)
+            sorted_logits, order = logits.topk(width, dim=-1)
+        else:
+            width = vocab
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(width, device=logits.device).unsqueeze(0)
         k = torch.tensor([vocab if v == -1 else min(v, vocab) for v in top_k], device=logits.device).unsqueeze(1)
         remove = ranks >= k
         probs = torch.softmax(sorted_logits.masked_fill(remove, -float("inf")), dim=-1)
@@ -119,4 +150,5 @@ class Sampler:
         remove |= before >= torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
         remove |= probs < torch.tensor(min_p, device=logits.device, dtype=probs.dtype).unsqueeze(1) * probs[:, :1]
         remove[:, 0] = False  # the best token always survives
-        return logits.scatter(1, order, sorted_logits.masked_fill(remove, -float("inf")))
+        out = torch.full_like(logits, -float("inf")) if width < vocab else logits
+        return out.scatter(1, order, sorted_logits.masked_fill(remove, -float("inf")))

@@ -40,6 +40,20 @@ class _EngineCollector:
             ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
+        spec = s.get("spec_decode")
+        if spec:
+            for name, key, doc in (
+                ("treadle:spec_decode_num_drafts", "num_drafts", "Verifications: a request's proposed tokens checked in one step."),
+                ("treadle:spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
+                ("treadle:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
+            ):
+                yield CounterMetricFamily(name, doc, value=spec[key])
+            per_pos = CounterMetricFamily(
+                "treadle:spec_decode_num_accepted_tokens_per_pos", "Accepted proposed tokens by their position in the proposal.", labels=["position"]
+            )
+            for pos, n in enumerate(spec["accepted_per_position"]):
+                per_pos.add_metric([str(pos)], n)
+            yield per_pos
 
 
 class ServerMetrics:

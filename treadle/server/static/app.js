@@ -221,6 +221,9 @@
         $("st-kvbar").style.width = (100 * used / Math.max(1, s.kv_blocks_total)).toFixed(1) + "%";
         $("st-hits").textContent = s.prefix_cache_queries ? (100 * s.prefix_cache_hits / s.prefix_cache_queries).toFixed(1) + "%" : "–";
         $("st-preempt").textContent = s.num_preemptions;
+        const spec = s.spec_decode;  // speculative decoding: 1 + accepted / verifications
+        $("st-spec-label").hidden = $("st-spec").hidden = !spec;
+        if (spec) $("st-spec").textContent = spec.mean_acceptance_length ? spec.mean_acceptance_length.toFixed(2) : "–";
         const now = performance.now();
         if (lastTokens !== null) {
           const tps = (s.generation_tokens - lastTokens) / ((now - lastTime) / 1000);

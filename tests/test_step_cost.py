@@ -39,3 +39,16 @@ def test_a_decode_time_drift_is_followed():
         m.observe(0.050, decode_rows=16, prompt_tokens=0)  # the batch grew
     assert abs(m.decode_s - 0.050) < 1e-4
     assert m.prefill_cap(1.0) in (49, 50)  # 1.0 x ~50 ms / 1 ms per token
+
+
+def test_proposed_tokens_are_charged_beyond_the_decodes_at_that_batch_size():
+    m = StepCostModel()
+    m.observe(0.500, decode_rows=0, prompt_tokens=1000)
+    assert m.draft_cost() == 3 * m.token_s  # not measured yet: three prompt tokens
+    m.observe(0.040, decode_rows=4, prompt_tokens=0)
+    m.observe(0.080, decode_rows=16, prompt_tokens=0)
+    assert m.decode_s_at(4) == 0.040 and m.decode_s_at(16) == 0.080
+    assert m.decode_s_at(2) == 0.020 and m.decode_s_at(32) == 0.080  # nearest, scaled down only
+    m.observe(0.080 + 10 * 0.003, decode_rows=16, prompt_tokens=0, draft_tokens=10)
+    assert abs(m.draft_cost() - 0.003) < 1e-9
+    assert m.decode_s_at(16) == 0.080  # a step with proposals is not a decode-only step

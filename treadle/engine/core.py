@@ -498,20 +498,21 @@ class EngineCore:
 
     def _spec_width(self, req: Request, room: int, batch: int) -> int:
         """How many proposals pay for this request now: the k that maximizes the time saved,
-        E[accepted of k] x (a decode step's time per token of the batch) - k x (a prompt token's
-        measured cost), with E from the request's acceptance rate a: a (1 - a^k) / (1 - a).
+        E[accepted of k] x (a decode step's time per token at this batch size) - k x (a proposed
+        token's measured cost), with E from the request's acceptance rate a: a (1 - a^k) / (1 - a).
         Unmeasured machine: propose (the first steps measure it). A request that stops paying
         drifts back toward the prior, so that it is tried again now and then."""
         cost = self.step_cost
         if room <= 0:
             return 0
-        if cost.decode_s is None or not cost.token_s:
+        step_s, draft_s = cost.decode_s_at(batch), cost.draft_cost()
+        if step_s is None or draft_s is None:
             return room
         a = min(req.spec_accept_rate, 0.999)
-        per_token = cost.decode_s / batch
+        per_token = step_s / batch
         best_k, best = 0, 0.0
         for k in range(1, room + 1):
-            gain = a * (1 - a**k) / (1 - a) * per_token - k * cost.token_s
+            gain = a * (1 - a**k) / (1 - a) * per_token - k * draft_s
             if gain > best:
                 best_k, best = k, gain
         if best_k == 0:

@@ -52,9 +52,12 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def bench_serve(url: str, out: str, name: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "treadle", "bench", "serve", "--base-url", url, "--dataset-name", "random",
-           "--random-input-len", "512", "--random-output-len", "256", "--ignore-eos", "--disable-tqdm",
+RANDOM_512_256 = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256", "--ignore-eos"]
+
+
+def bench_serve(url: str, out: str, name: str, extra: list[str], workload: list[str] = RANDOM_512_256) -> dict:
+    """One `treadle bench serve` run (the workload's flags, then `extra`), its saved JSON result."""
+    cmd = [sys.executable, "-m", "treadle", "bench", "serve", "--base-url", url, *workload, "--disable-tqdm",
            "--save-result", "--result-dir", out, "--result-filename", f"{name}.json", *extra]  # fmt: skip
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

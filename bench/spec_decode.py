@@ -19,23 +19,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import urllib.request
 
-from frontend_overhead import cpu_name, start_server, stop  # bench/ is this script's folder
+from frontend_overhead import bench_serve, cpu_name, start_server, stop  # bench/ is this script's folder
 
 RANDOM = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "128", "--ignore-eos"]
 DEFAULT_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
-
-
-def bench_serve(url: str, out: str, name: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "treadle", "bench", "serve", "--base-url", url, "--disable-tqdm", "--save-result",
-           "--result-dir", out, "--result-filename", f"{name}.json", *extra]  # fmt: skip
-    print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(os.path.join(out, f"{name}.json")) as f:
-        return json.load(f)
 
 
 def spec_stats(url: str) -> dict | None:
@@ -68,8 +58,8 @@ def main() -> int:
             for i in range(args.pairs):
                 seed = 100 * part + 2 * i
                 common = [*extra, "--num-warmups", "1"]
-                a = bench_serve(plain_url, args.out, f"p{part}-plain-{i}", [*common, "--seed", str(seed)])
-                b = bench_serve(spec_url, args.out, f"p{part}-spec-{i}", [*common, "--seed", str(seed)])
+                a = bench_serve(plain_url, args.out, f"p{part}-plain-{i}", [*common, "--seed", str(seed)], workload=[])
+                b = bench_serve(spec_url, args.out, f"p{part}-spec-{i}", [*common, "--seed", str(seed)], workload=[])
                 ratios.append(b["output_throughput"] / a["output_throughput"])
                 print(f"{title}, pair {i}: output tok/s {a['output_throughput']:.1f} without, {b['output_throughput']:.1f} with "
                       f"(ratio {ratios[-1]:.3f}); median TPOT {a['median_tpot_ms']:.1f} / {b['median_tpot_ms']:.1f} ms; "

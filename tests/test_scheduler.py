@@ -10,8 +10,8 @@ def make(rid, n):
     return Request(rid, None, list(range(100, 100 + n)), SamplingParams(max_tokens=8))
 
 
-def run_step(s: Scheduler, sampled_token=7):
-    out = s.schedule()
+def run_step(s: Scheduler, sampled_token=7, prefill_cap=None):
+    out = s.schedule(prefill_cap)
     scheduled = list(s.scheduled)
     s.update_after_step()
     for req, _ in scheduled:
@@ -139,29 +139,19 @@ def test_a_failed_step_leaves_nothing_findable_it_was_to_write():
     assert kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams())) == []
 
 
-def run_capped(s: Scheduler, cap, sampled_token=7):
-    out = s.schedule(cap)
-    scheduled = list(s.scheduled)
-    s.update_after_step()
-    for req, _ in scheduled:
-        if req.num_computed_tokens == req.num_tokens:
-            req.all_token_ids.append(sampled_token)
-    return out
-
-
 def test_prefill_cap_applies_only_while_a_request_decodes():
     s = Scheduler(KVCacheManager(256, 4, enable_caching=False), max_num_seqs=8, max_num_batched_tokens=64)
     first = make("first", 40)
     s.add_request(first)
-    assert pairs(run_capped(s, 8)) == [("first", 40)]  # nothing decodes: the whole budget
+    assert pairs(run_step(s, prefill_cap=8)) == [("first", 40)]  # nothing decodes: the whole budget
     late, later = Request("late", None, list(range(500, 530)), SamplingParams()), Request("later", None, list(range(600, 610)), SamplingParams())
     s.add_request(late)
     s.add_request(later)
     # first decodes: the prompts share 8 tokens per step, oldest first, chunked across steps
-    assert pairs(run_capped(s, 8)) == [("first", 1), ("late", 8)]
-    assert pairs(run_capped(s, 8)) == [("first", 1), ("late", 8)]
-    assert pairs(run_capped(s, 8)) == [("first", 1), ("late", 8)]
-    assert pairs(run_capped(s, 8)) == [("first", 1), ("late", 6), ("later", 2)]
-    assert pairs(run_capped(s, 8)) == [("first", 1), ("late", 1), ("later", 8)]
-    assert pairs(run_capped(s, None)) == [("first", 1), ("late", 1), ("later", 1)]
+    assert pairs(run_step(s, prefill_cap=8)) == [("first", 1), ("late", 8)]
+    assert pairs(run_step(s, prefill_cap=8)) == [("first", 1), ("late", 8)]
+    assert pairs(run_step(s, prefill_cap=8)) == [("first", 1), ("late", 8)]
+    assert pairs(run_step(s, prefill_cap=8)) == [("first", 1), ("late", 6), ("later", 2)]
+    assert pairs(run_step(s, prefill_cap=8)) == [("first", 1), ("late", 1), ("later", 8)]
+    assert pairs(run_step(s, prefill_cap=None)) == [("first", 1), ("late", 1), ("later", 1)]
     assert [r.num_computed_tokens for r in (first, late, later)] == [46, 32, 11]

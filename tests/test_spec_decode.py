@@ -1,11 +1,15 @@
-"""Speculative decoding's first part: vLLM's speculative_config keys, and the n-gram proposer."""
+"""Speculative decoding: vLLM's speculative_config keys, the n-gram and suffix proposers, and outputs
+that are those without speculation."""
 
 import collections
+import itertools
+import random
 
 import pytest
 import torch
 
 from treadle.engine.spec_decode import SpeculativeConfig, propose_ngram
+from treadle.engine.suffix_tree import SuffixTree
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
@@ -36,9 +40,72 @@ def test_config_takes_vllm_keys_and_names_what_is_wrong():
         ({"method": "ngram", "lookahead": 3}, r"unknown key\(s\) lookahead"),
         ({"method": "draft_model"}, "needs model"),
         ([1, 2], "must be a JSON object"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "max_tree_depth"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "max_cached_requests"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
+        ({"method": "ngram", "suffix_decoding_max_tree_depth": 8}, "apply to method suffix, not ngram"),
+        ({"method": "suffix", "prompt_lookup_max": 3}, "apply to method ngram, not suffix"),
     ]:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
+    c = SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0.2})
+    assert (c.num_speculative_tokens, c.suffix_decoding_max_tree_depth, c.suffix_decoding_min_token_prob) == (16, 16, 0.2)
+    assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24  # vLLM: the tree's depth
+
+
+def brute_count(seqs: dict, depth: int, pattern: list) -> int:
+    """How many suffixes (cut to depth tokens) of the sequences start with the pattern."""
+    return sum(s[i : i + depth][: len(pattern)] == pattern for s in seqs.values() for i in range(len(s)) if len(s) - i >= len(pattern))
+
+
+def test_suffix_tree_counts_every_pattern_as_brute_force_does():
+    """Sequences grown token by token, closed and removed in random order over a small alphabet (so
+    that edges split, leaves grow, nodes fuse and subtrees empty): every pattern's count in the
+    tree is the number of suffixes that start with it."""
+    rng = random.Random(0)
+    for _ in range(150):
+        depth, vocab = rng.randint(2, 6), rng.randint(1, 3)
+        tree, seqs, closed = SuffixTree(depth), {}, set()
+        for _ in range(rng.randint(1, 30)):
+            r = rng.random()
+            if r < 0.75 or not seqs:
+                sid = rng.randrange(5)
+                if sid in closed:
+                    continue
+                toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+                tree.extend(sid, toks)
+                seqs.setdefault(sid, []).extend(toks)
+            elif r < 0.87:
+                sid = rng.choice(sorted(seqs))
+                tree.close(sid)
+                closed.add(sid)
+            else:
+                sid = rng.choice(sorted(seqs))
+                tree.remove(sid)
+                del seqs[sid]
+                closed.discard(sid)
+        for n in range(1, depth + 1):
+            for pattern in map(list, itertools.product(range(vocab), repeat=n)):
+                found = tree.match(pattern)
+                assert (found[0].count if found else 0) == brute_count(seqs, depth, pattern), pattern
+    assert tree.num_nodes <= 2 * sum(len(s) for s in seqs.values()) + 1
+
+
+def test_suffix_tree_proposes_the_most_frequent_continuation_of_the_best_match():
+    tree = SuffixTree(8)
+    tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+    tree.extend(0, tokens)
+    # [1, 2, 3] occurred 4 times (the last one is the context's own end): followed by 4 twice, 5 once,
+    # so 4 has probability 2/4; then 1 and 2 follow every time (4, 1 and 2 sum to a score of 1.5).
+    # A pattern of m tokens proposes at most m (max_spec_factor 1): [3] alone proposes only [4].
+    assert tree.speculate(tokens, 5, 1.0, 0.1) == ([4, 1, 2], 1.5)
+    assert tree.speculate(tokens, 2, 1.0, 0.1) == ([4, 1], 1.0)
+    assert tree.speculate(tokens, 5, 1.0, 0.6) == ([], 0.0)  # 4's probability 0.5 is below 0.6
+    assert tree.speculate(tokens, 5, 0.34, 0.1) == ([4], 0.5)  # only the 3-token pattern may propose one
+    assert tree.speculate([9, 9], 5, 1.0, 0.1) == ([], 0.0)  # never occurred
+    tree.remove(0)
+    assert tree.num_nodes == 1 and tree.speculate(tokens, 5, 1.0, 0.1) == ([], 0.0)
 
 
 # ---------------------------------------------------------------- the engine: same outputs
@@ -81,9 +148,14 @@ def check_counts(llm) -> dict:
     return s
 
 
-def test_greedy_tokens_are_those_without_speculation_alone_and_batched(engines):
-    plain, spec = engines
-    alone = [token_ids(plain.generate([p], GREEDY))[0] for p in REPEATING]
+@pytest.fixture(scope="module")
+def alone(engines) -> list[list[int]]:
+    """Each repeating prompt's greedy tokens, alone on the plain engine."""
+    return [token_ids(engines[0].generate([p], GREEDY))[0] for p in REPEATING]
+
+
+def test_greedy_tokens_are_those_without_speculation_alone_and_batched(engines, alone):
+    _, spec = engines
     assert [token_ids(spec.generate([p], GREEDY))[0] for p in REPEATING] == alone
     assert token_ids(spec.generate(REPEATING, GREEDY)) == alone
     check_counts(spec)
@@ -115,13 +187,27 @@ def test_stops_inside_an_accepted_run_end_the_output_there(engines):
     assert spec.stats()["kv_blocks_used"] == 0
 
 
-def test_preempted_requests_recompute_to_the_same_tokens(make_llm, engines):
-    plain, _ = engines
+def test_preempted_requests_recompute_to_the_same_tokens(make_llm, alone):
     tight = make_llm(dtype="bfloat16", speculative_config=FORCED, num_kv_blocks=24)
-    alone = [token_ids(plain.generate([p], GREEDY))[0] for p in REPEATING]
     assert token_ids(tight.generate(REPEATING, GREEDY)) == alone
     assert tight.stats()["num_preemptions"] > 0
     check_counts(tight)
+
+
+def test_suffix_decoding_gives_the_same_tokens_and_proposes_earlier_outputs(make_llm, alone):
+    """Suffix decoding (batched with preemption, then alone): the tokens are those without
+    speculation; the second time round each request's proposals also come from the global tree,
+    which holds its first run's output, so nearly all of them are accepted."""
+    spec = make_llm(dtype="bfloat16", speculative_config={"method": "suffix", "num_speculative_tokens": 8, "adaptive": False}, num_kv_blocks=24)
+    assert token_ids(spec.generate(REPEATING, GREEDY)) == alone
+    assert spec.stats()["num_preemptions"] > 0
+    first = check_counts(spec)
+    assert first["cached_requests"] == len(REPEATING) and first["active_requests"] == 0
+    assert [token_ids(spec.generate([p], GREEDY))[0] for p in REPEATING] == alone
+    second = check_counts(spec)
+    first_rate = first["num_accepted_tokens"] / first["num_draft_tokens"]
+    second_rate = (second["num_accepted_tokens"] - first["num_accepted_tokens"]) / (second["num_draft_tokens"] - first["num_draft_tokens"])
+    assert first_rate < 0.7 and second_rate > 0.9, (first_rate, second_rate)
 
 
 def test_no_cached_block_holds_a_rejected_proposal(make_llm):

@@ -34,7 +34,7 @@ from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToke
 from .request import SPEC_PRIOR_ACCEPT_RATE, Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .spec_decode import propose_ngram
+from .spec_decode import make_proposer
 from .step_cost import StepCostModel
 from .structured import GrammarCompiler, lower_thread_priority
 
@@ -135,8 +135,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.step_cost = StepCostModel()
         self.spec = config.speculative_config
-        if self.spec is not None and self.spec.method != "ngram":
-            raise ValueError(f"speculative_config.method {self.spec.method!r} is not available yet in treadle (ngram is)")
+        if self.spec is not None and self.spec.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not available yet in treadle (ngram and suffix are)")
+        self.proposer = make_proposer(self.spec) if self.spec is not None else None
         self.spec_num_drafts = 0  # verifications: a request's proposals checked in one step
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -326,6 +327,8 @@ class EngineCore:
             self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
         req.matcher = None
+        if self.proposer is not None:
+            self.proposer.finish(req)
         self._finished_for_runner.append(req.request_id)
         group = self.groups.get(req.group_id)
         if group is not None and group.finished:
@@ -477,9 +480,9 @@ class EngineCore:
     # ------------------------------------------------------------ speculative decoding
 
     def _propose(self) -> None:
-        """Proposals for this step's decoding requests (n-gram lookup in each one's own tokens), as
-        many as can pay (`_spec_width`), none where they cannot be verified exactly (a grammar) or
-        would run past max_tokens / the model's length."""
+        """Proposals for this step's decoding requests (the configured proposer's), as many as can
+        pay (`_spec_width`), none where they cannot be verified exactly (a grammar) or would run
+        past max_tokens / the model's length."""
         spec = self.spec
         running = self.scheduler.running
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -494,7 +497,7 @@ class EngineCore:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
             k = self._spec_width(req, room, len(decoding)) if spec.adaptive else room
             if k > 0:
-                req.spec_token_ids = propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                req.spec_token_ids = self.proposer.propose(req, k)
 
     def _spec_width(self, req: Request, room: int, batch: int) -> int:
         """How many proposals pay for this request now: the k that maximizes the time saved,
@@ -540,6 +543,7 @@ class EngineCore:
             "num_accepted_tokens": self.spec_num_accepted_tokens,
             "accepted_per_position": list(self.spec_accepted_per_pos),
             "mean_acceptance_length": 1 + self.spec_num_accepted_tokens / d if d else None,
+            **self.proposer.stats(),
         }
 
     # ------------------------------------------------------------ stats

@@ -187,6 +187,40 @@ def test_stops_inside_an_accepted_run_end_the_output_there(engines):
     assert spec.stats()["kv_blocks_used"] == 0
 
 
+PEOPLE = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}}},
+    "required": ["people"],
+}
+
+
+def test_proposals_under_a_grammar_are_cut_where_it_refuses_them(engines, monkeypatch):
+    """Constrained requests speculate too: proposals are cut at the first token the grammar refuses
+    (a proposal it refuses never reaches verification: the core would fail the step), each verified
+    row is sampled under the matcher's state after the proposals before it, and the tokens are
+    those without speculation."""
+    plain, spec = engines
+    core = spec.engine.core
+    cuts, real = [], core._within_grammar
+
+    def spy(req, drafts):
+        kept = real(req, drafts)
+        if req.matcher is not None and len(kept) < len(drafts):
+            cuts.append((drafts, kept))
+        return kept
+
+    monkeypatch.setattr(core, "_within_grammar", spy)
+    before = spec.stats()["spec_decode"]
+    prompts = [chat("List four people with their name and age as JSON."), REPEATING[0]]
+    forms = [{"json": PEOPLE}, {"regex": "[a-z ]{10,120}"}]  # the second: no capitals, no full stops
+    for so in forms:
+        params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
+        assert token_ids(spec.generate(prompts, params)) == token_ids(plain.generate(prompts, params)), so
+    after = spec.stats()["spec_decode"]
+    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] > 20 and cuts
+    assert spec.stats()["kv_blocks_used"] == 0
+
+
 def test_preempted_requests_recompute_to_the_same_tokens(make_llm, alone):
     tight = make_llm(dtype="bfloat16", speculative_config=FORCED, num_kv_blocks=24)
     assert token_ids(tight.generate(REPEATING, GREEDY)) == alone

@@ -22,7 +22,7 @@ ENGINE_HELP = {
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
     "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (4-bit for every batch size), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
     "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
-    "speculative_config": 'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'; the engine proposes only where it pays unless "adaptive": false',
+    "speculative_config": 'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine proposes only where it pays unless "adaptive": false',
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",

@@ -290,14 +290,21 @@ class EngineCore:
         return f"the output constraint took longer than {self.config.max_grammar_compile_seconds:g} s to compile (--max-grammar-compile-seconds)"
 
     def _grammar_masks(self, step: StepInput) -> dict[str, bytes]:
-        """The allowed-token bitmask of every constrained sample of the step."""
+        """The allowed-token bitmasks of every constrained sample of the step: one, or for a request
+        verifying proposals one per row (the matcher walked through the proposals, then rolled back)."""
         masks = {}
         for s in step.scheduled:
             for req_id in s.sample_ids:
                 req = self.requests[req_id]
                 if req.matcher is not None and req.grammar_active:
-                    words = np.empty(self.grammars.mask_words, dtype=np.int32)
-                    self.grammars.fill_mask(req.matcher, words)
+                    drafts = s.token_ids[len(s.token_ids) - s.num_drafts :] if s.num_drafts else []
+                    words = np.empty((len(drafts) + 1, self.grammars.mask_words), dtype=np.int32)
+                    for row, token in enumerate([*drafts, None]):
+                        self.grammars.fill_mask(req.matcher, words[row])
+                        if token is not None and not req.matcher.consume_token(token):
+                            raise AssertionError(f"a proposal the grammar refuses reached verification: {token}")
+                    if drafts:
+                        req.matcher.rollback(len(drafts))
                     masks[req_id] = words.tobytes()
         return masks
 
@@ -481,8 +488,8 @@ class EngineCore:
 
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (the configured proposer's), as many as can
-        pay (`_spec_width`), none where they cannot be verified exactly (a grammar) or would run
-        past max_tokens / the model's length."""
+        pay (`_spec_width`), cut where the request's grammar would refuse them, none that would
+        run past max_tokens / the model's length."""
         spec = self.spec
         running = self.scheduler.running
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -490,14 +497,25 @@ class EngineCore:
             req.spec_token_ids = []
         for req in decoding:
             p = req.params
-            if req.matcher is not None or p.pooling is not None:
+            if p.pooling is not None:
                 continue
             room = min(spec.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
             k = self._spec_width(req, room, len(decoding)) if spec.adaptive else room
             if k > 0:
-                req.spec_token_ids = self.proposer.propose(req, k)
+                req.spec_token_ids = self._within_grammar(req, self.proposer.propose(req, k))
+
+    def _within_grammar(self, req: Request, drafts: list[int]) -> list[int]:
+        """The proposals up to the first one the request's grammar refuses; before the grammar
+        starts (it waits for its `after_token`), up to that token, so that every verified row is
+        either unconstrained or constrained by a known matcher state."""
+        if req.matcher is None or not drafts:
+            return drafts
+        if not req.grammar_active:
+            after = req.params.structured_outputs.after_token
+            return drafts[: drafts.index(after)] if after in drafts else drafts
+        return drafts[: req.matcher.validate_tokens(drafts)]
 
     def _spec_width(self, req: Request, room: int, batch: int) -> int:
         """How many proposals pay for this request now: the k that maximizes the time saved,

@@ -152,7 +152,7 @@ class ModelRunner:
         apart = pooling and self.isolate_pooling and len(step.scheduled) > 1
         logits, sample_rows, embeddings = self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling)
         results = {req_id: [SampledToken(-1, embedding=v)] for req_id, v in embeddings.items()}
-        rows, ids, reqs = [], [], []
+        rows, ids, reqs, positions = [], [], [], []
         verified = {}  # request id -> its proposals, for requests whose rows verify some
         first = 0  # each sampling request's first logits row (a verifying one has num_drafts + 1)
         for i in sample_rows:
@@ -168,15 +168,21 @@ class ModelRunner:
                     rows.append(first + p)
                     ids.append(req_id)
                     reqs.append(Ahead(req, drafts[:p]) if p else req)
+                    positions.append(p)
             first += 1 + s.num_drafts
         if not ids:
             return results
         logits = logits[torch.tensor(rows, device=self.device)]
         masks = step.grammar_masks
         constrained = None
-        if masks:
-            rows_c = [j for j, req_id in enumerate(ids) if req_id in masks]
-            data = b"".join(masks[ids[j]] for j in rows_c)
+        if masks:  # a request's masks: one per row it samples, back to back
+            rows_c, parts = [], []
+            for j, (req_id, p) in enumerate(zip(ids, positions)):
+                if req_id in masks:
+                    size = len(masks[req_id]) // (len(verified.get(req_id, ())) + 1)
+                    rows_c.append(j)
+                    parts.append(masks[req_id][p * size : (p + 1) * size])
+            data = b"".join(parts)
             constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
         rewindable = {j for j, req_id in enumerate(ids) if req_id in verified}
         sampled = self.sampler.sample(logits, reqs, constrained, rewindable)

@@ -9,15 +9,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 KEY = "test-key"
+SECOND_KEY = "second-test-key"
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
 def server():
-    """One real `treadle serve` (float32, API key set) for the server and bench tests."""
+    """One real `treadle serve` (float32; two API keys, /metrics behind them, request bodies
+    logged) for the server and bench tests."""
     from .server_process import ServerProcess
 
-    s = ServerProcess("--api-key", KEY, "--max-num-seqs", "32")
+    s = ServerProcess("--api-key", KEY, "--api-key", SECOND_KEY, "--metrics-require-key", "--log-requests", "--max-num-seqs", "32")
     try:
         s.wait_healthy()
         yield s

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -22,14 +23,20 @@ class ServerProcess:
         # Compiling decode steps is off unless a test asks for it: it is tested on its own.
         compile_flag = [] if "--compile" in args else ["--no-compile"]
         cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(self.port), "--dtype", "float32", *compile_flag, *args]
-        self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        # the server's output goes to a file (a pipe nobody reads would stop a chatty server)
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def output(self) -> str:
+        """Everything the server has printed (its log) so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read().decode()}")
+                raise RuntimeError(f"server exited: {self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return

@@ -227,7 +227,7 @@ def test_past_the_restart_limit_the_server_exits_non_zero():
         s.wait_healthy()
         os.kill(httpx.get(s.url + "/stats").json()["engine_pid"], signal.SIGKILL)
         assert s.proc.wait(30) == 1
-        output = s.proc.stdout.read().decode()
+        output = s.output()
         assert "killed by SIGKILL" in output and "giving up" in output
     finally:
         s.stop()
@@ -276,7 +276,7 @@ def test_a_model_the_core_cannot_load_ends_the_server_with_its_message(tmp_path)
     s = ServerProcess("--model", str(folder))
     try:
         assert s.proc.wait(60) == 1
-        output = s.proc.stdout.read().decode()
+        output = s.output()
         assert "corrupt or truncated safetensors file" in output and output.count("cannot serve") == 1
         assert "Traceback" not in output
     finally:

@@ -13,7 +13,7 @@ import pytest
 
 from .server_process import ServerProcess
 
-from .conftest import KEY, MODEL
+from .conftest import KEY, MODEL, SECOND_KEY
 
 
 @pytest.fixture(scope="module")
@@ -273,11 +273,34 @@ def test_auth_scope(server):
     assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "x"}), 401)
     assert_error(httpx.post(server.url + "/detokenize", json={"tokens": [1]}), 401)
     assert_error(httpx.post(server.url + "/v1/chat/completions", json={"messages": chat("x")}), 401)
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/version"):
         assert httpx.get(server.url + path).status_code == 200
+    assert_error(httpx.get(server.url + "/metrics"), 401)  # --metrics-require-key
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+    for key in (KEY, SECOND_KEY):  # --api-key given twice: either opens everything
+        for path in ("/v1/models", "/stats", "/metrics"):
+            assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {key}"}).status_code == 200, (key, path)
+    for near in (KEY[:-1], KEY + "x", f"{KEY},{SECOND_KEY}", f"{KEY} {SECOND_KEY}"):
+        assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {near}"}), 401)
+
+
+def test_request_bodies_are_logged_with_the_flag_and_keys_never(server):
+    marker = "a body the log should show"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": marker}, headers={"Authorization": f"Bearer {SECOND_KEY}"})
+    assert r.status_code == 200
+    output = server.output()
+    assert "request POST /tokenize: " in output and marker in output  # --log-requests
+    assert KEY not in output and SECOND_KEY not in output
+
+
+def test_api_keys_from_flags_or_the_environment():
+    from treadle.cli import api_keys_from
+
+    assert api_keys_from(["a", "b", "a"], "c") == ("a", "b")  # flags win; repeats dropped
+    assert api_keys_from(None, " c , d ,, ") == ("c", "d")  # $TREADLE_API_KEY: comma-separated
+    assert api_keys_from(None, None) == () and api_keys_from(None, " , ") == ()
 
 
 def test_disconnect_mid_stream_frees_everything(server, http):
@@ -362,7 +385,7 @@ def test_full_queue_is_503_and_sigterm_drains_then_aborts():
             chunks = results[name]
             assert chunks[-1] == "DONE"
             assert chunks[-2]["choices"][0]["finish_reason"] == "abort"
-        output = s.proc.stdout.read().decode()
+        output = s.output()
         assert "Traceback" not in output
     finally:
         s.stop()

@@ -346,6 +346,7 @@ def test_served_speculation_is_counted_in_metrics_and_stats():
             assert streamed == whole
             spec = http.get("/stats").json()["spec_decode"]
             metrics = http.get("/metrics").text
+        assert "Count from 1 to 30" not in server.output()  # no request body is logged without --log-requests
     finally:
         server.stop()
     assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] > 1

@@ -100,6 +100,13 @@ def default_served_name(model: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
+    """The keys of every --api-key, else of $TREADLE_API_KEY (comma-separated); blanks dropped."""
+    given = flags if flags else (env or "").split(",")
+    keys = tuple(dict.fromkeys(k.strip() for k in given if k.strip()))
+    return keys
+
+
 def cmd_serve(args) -> int:
     from .model.loader import resolve_model_path
     from .server.app import ServerSettings
@@ -113,7 +120,9 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name or default_served_name(args.model),
         model_root=resolve_model_path(args.model),
-        api_key=args.api_key or os.environ.get("TREADLE_API_KEY") or None,
+        api_keys=api_keys_from(args.api_key, os.environ.get("TREADLE_API_KEY")),
+        metrics_require_key=args.metrics_require_key,
+        log_requests=args.log_requests,
         max_waiting=args.max_waiting,
         chat_template=read_chat_template(args.chat_template),
         max_schema_bytes=args.max_schema_bytes,
@@ -142,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /stats (default: $TREADLE_API_KEY, else none)")
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /api/*, /tokenize, /detokenize, /stats; give it several times for several keys (default: $TREADLE_API_KEY, comma-separated, else none)",
+    )
+    srv.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind the API key too (default: open, for scrapers)")
+    srv.add_argument("--log-requests", action="store_true", help="log each request's route and body at INFO (default: off; headers and keys are never logged)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")

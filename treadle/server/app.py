@@ -1,6 +1,7 @@
 """The HTTP server: routes, authentication, errors; the API dialects live in server/api/."""
 
 import hmac
+import logging
 import os
 import re
 from contextlib import asynccontextmanager
@@ -26,6 +27,36 @@ __all__ = ["ServerSettings", "build_app"]
 _PYDANTIC_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|.*\[.*\].*|function-.*)$")
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/stats")
+LOGGED_BODY_CHARS = 4096
+log = logging.getLogger("treadle.server")
+
+
+class RequestLogger:
+    """`--log-requests`: each request's method, route and body (its first LOGGED_BODY_CHARS
+    characters) at INFO, as the app reads it; headers, and so keys, are never logged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks = []
+
+        async def receive_logged():
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    body = b"".join(chunks)
+                    text = body[:LOGGED_BODY_CHARS].decode(errors="replace")
+                    more = f" ... ({len(body)} bytes)" if len(body) > LOGGED_BODY_CHARS else ""
+                    log.info("request %s %s: %s%s", scope["method"], scope["path"], text, more)
+            return message
+
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            log.info("request %s %s", scope["method"], scope["path"])
+        await self.app(scope, receive_logged, send)
 
 
 def _presented_key(request: Request) -> str | None:
@@ -79,12 +110,20 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def on_unexpected(request: Request, exc: Exception):
         return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
 
+    protected = PROTECTED_PREFIXES + (("/metrics",) if settings.metrics_require_key else ())
+    keys = [k.encode() for k in settings.api_keys]
+
+    def key_accepted(token: str | None) -> bool:
+        """Constant time: every key is compared, whatever matched, and each comparison is hmac's."""
+        if token is None:
+            return False
+        presented = token.encode()
+        return sum(hmac.compare_digest(presented, k) for k in keys) > 0
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        key = settings.api_key
-        if key and request.url.path.startswith(PROTECTED_PREFIXES):
-            token = _presented_key(request)
-            if token is None or not hmac.compare_digest(token.encode(), key.encode()):
+        if keys and request.url.path.startswith(protected):
+            if not key_accepted(_presented_key(request)):
                 hint = "'Authorization: Bearer <key>' or 'x-api-key: <key>'" if dialect_of(request.url.path) == "anthropic" else "'Authorization: Bearer <key>'"
                 return error_response(request.url.path, 401, f"invalid or missing API key (send {hint})", code="invalid_api_key")
         return await call_next(request)
@@ -164,4 +203,6 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     for dialect in (chat_completions, completions, responses, anthropic, embeddings, ollama):
         dialect.register(app, state)
+    if settings.log_requests:
+        app.add_middleware(RequestLogger)
     return app

@@ -21,7 +21,9 @@ from .tools import ToolSetup, family_of, prepare_messages, template_supports_too
 class ServerSettings:
     served_model_name: str
     model_root: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens the protected routes; none: open
+    metrics_require_key: bool = False  # /metrics behind the key too
+    log_requests: bool = False  # log each request's route and body (never its headers or key)
     max_waiting: int = 1024
     chat_template: str | None = None
     max_schema_bytes: int = 256 * 1024

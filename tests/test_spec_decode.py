@@ -268,6 +268,11 @@ def continuations(llm) -> collections.Counter:
     return collections.Counter(tuple(c.token_ids) for o in llm.generate([COUNTING] * 30, SAMPLED) for c in o.outputs)
 
 
+@pytest.fixture(scope="module")
+def reference_continuations(engines) -> collections.Counter:
+    return continuations(engines[0])
+
+
 def homogeneity_p(a: collections.Counter, b: collections.Counter) -> float:
     """Chi-square test of homogeneity of two samples (outcomes expected fewer than 5 times merged)."""
     na, nb = sum(a.values()), sum(b.values())
@@ -290,14 +295,14 @@ def homogeneity_p(a: collections.Counter, b: collections.Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_unseeded_sampling_keeps_the_target_distribution(engines, make_llm, monkeypatch):
+def test_unseeded_sampling_keeps_the_target_distribution(engines, reference_continuations, make_llm, monkeypatch):
     """Accept a proposal only when the target's own sample equals it: for a point-mass proposal that
     is rejection sampling (accept with p(d), else the residual p given not d), so with top_k and top_p
     at temperature 1 the continuations have the target's distribution. A sampler that accepts any
     proposal inside the top-k (a classic bug) is rejected by the same test: it has the power."""
     plain, spec = engines
     before = spec.stats()["spec_decode"]
-    want, got = continuations(plain), continuations(spec)
+    want, got = reference_continuations, continuations(spec)
     after = spec.stats()["spec_decode"]
     assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
     assert after["num_draft_tokens"] - before["num_draft_tokens"] > after["num_accepted_tokens"] - before["num_accepted_tokens"]
@@ -307,8 +312,8 @@ def test_unseeded_sampling_keeps_the_target_distribution(engines, make_llm, monk
 
     real_sample = runner_module.Sampler.sample
 
-    def lenient(self, logits, reqs, constrained=None, rewindable=None):
-        out = real_sample(self, logits, reqs, constrained, rewindable)
+    def lenient(self, logits, reqs, constrained=None, rewindable=None, proposals=None):
+        out = real_sample(self, logits, reqs, constrained, rewindable, proposals)
         for i in range(len(reqs) - 1):
             nxt = reqs[i + 1]
             if isinstance(nxt, runner_module.Ahead):  # row i verifies the proposal the next row stands on
@@ -320,6 +325,65 @@ def test_unseeded_sampling_keeps_the_target_distribution(engines, make_llm, monk
     monkeypatch.setattr(runner_module.Sampler, "sample", lenient)
     buggy = make_llm(dtype="bfloat16", speculative_config=FORCED)
     assert homogeneity_p(want, continuations(buggy)) < 0.01
+
+
+# ---------------------------------------------------------------- draft models
+
+DRAFTED = {"num_speculative_tokens": 4, "adaptive": False}  # with "model": a draft model ({"model"} alone means one)
+
+
+def perturbed_draft(make_llm, gguf_path, **kwargs):
+    """The default model drafting for itself, its final norm's weights scaled by 1.5 +- 0.5 noise:
+    a sharper, slightly different model (proposals accepted and rejected; q != p)."""
+    llm = make_llm(dtype="bfloat16", speculative_config={"model": gguf_path, **DRAFTED}, **kwargs)
+    w = llm.engine.core.draft.runner.model.norm.weight2
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+    w.mul_((1.5 + 0.5 * noise).to(w.dtype))
+    return llm
+
+
+def test_draft_model_greedy_tokens_are_those_without_it_with_preemption(make_llm, gguf_path, alone):
+    """The draft's own KV (the target's block tables) is rebuilt after a preemption frees them."""
+    tight = perturbed_draft(make_llm, gguf_path, num_kv_blocks=24)
+    assert token_ids(tight.generate(REPEATING, GREEDY)) == alone
+    assert tight.stats()["num_preemptions"] > 0
+    assert [token_ids(tight.generate([p], GREEDY))[0] for p in REPEATING[:2]] == alone[:2]
+    check_counts(tight)
+
+
+def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, reference_continuations, monkeypatch):
+    """Seeded: the draft draws with the noise the target will draw, and the tokens (and logprobs)
+    are those without speculation. Unseeded: rejection sampling (keep with min(1, p/q), else draw
+    from (p - q)+) keeps the target's distribution; drawing from p instead of the residual, a
+    classic bug, is rejected by the same test."""
+    plain, _ = engines
+    drafted = perturbed_draft(make_llm, gguf_path)
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, seed=11, n=2, max_tokens=16, logprobs=2, ignore_eos=True)
+    want, got = plain.generate(REPEATING[:2], params), drafted.generate(REPEATING[:2], params)
+    for w, g in zip(want, got):
+        for cw, cg in zip(w.outputs, g.outputs):
+            assert cg.token_ids == cw.token_ids
+            assert [{t: lp.logprob for t, lp in d.items()} for d in cg.logprobs] == [{t: lp.logprob for t, lp in d.items()} for d in cw.logprobs]
+    check_counts(drafted)
+    before = drafted.stats()["spec_decode"]
+    reference, sampled = reference_continuations, continuations(drafted)
+    after = drafted.stats()["spec_decode"]
+    accepted, proposed = after["num_accepted_tokens"] - before["num_accepted_tokens"], after["num_draft_tokens"] - before["num_draft_tokens"]
+    assert 0 < accepted < proposed
+    assert homogeneity_p(reference, sampled) > 0.01
+
+    from treadle.model.sampler import Sampler
+
+    def from_p_on_rejection(self, probs, chosen, rows):
+        j_idx = torch.tensor([j for j, _, _ in rows])
+        tokens = torch.tensor([t for _, t, _ in rows])
+        q = torch.stack([qr for _, _, qr in rows])
+        p = probs[j_idx]
+        keep = torch.rand(len(rows), generator=self.generator) * q.gather(1, tokens[:, None]).squeeze(1) < p.gather(1, tokens[:, None]).squeeze(1)
+        chosen[j_idx] = torch.where(keep, tokens, self._inverse_cdf(p))
+
+    monkeypatch.setattr(Sampler, "_verify", from_p_on_rejection)
+    assert homogeneity_p(reference, continuations(drafted)) < 0.01
 
 
 # ---------------------------------------------------------------- the server: metrics and stats

@@ -34,6 +34,7 @@ from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToke
 from .request import SPEC_PRIOR_ACCEPT_RATE, Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .draft_model import PLACEHOLDER, DraftModel
 from .spec_decode import make_proposer
 from .step_cost import StepCostModel
 from .structured import GrammarCompiler, lower_thread_priority
@@ -135,9 +136,21 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.step_cost = StepCostModel()
         self.spec = config.speculative_config
+        self.proposer = make_proposer(self.spec) if self.spec is not None and self.spec.method != "draft_model" else None
+        self.draft = None
         if self.spec is not None and self.spec.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not available yet in treadle (ngram and suffix are)")
-        self.proposer = make_proposer(self.spec) if self.spec is not None else None
+            self.draft = DraftModel(
+                self.spec.model,
+                target_vocab=self.model_config.vocab_size,
+                dtype=self.dtype,
+                keep_int4=config.quantized_weights and self.dtype == torch.bfloat16,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                eos_token_ids=self.eos_token_ids,
+                seed=config.seed,
+                device=config.device,
+                batch_invariant=self.batch_invariant,
+            )
         self.spec_num_drafts = 0  # verifications: a request's proposals checked in one step
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -375,7 +388,8 @@ class EngineCore:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
         started = time.perf_counter()
         try:
-            results = self.runner.execute(step)
+            draft_probs = self.draft.propose(step, self.requests, self.runner) if self.draft is not None else None
+            results = self.runner.execute(step, draft_probs)
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
@@ -449,6 +463,7 @@ class EngineCore:
             self._count_verification(req, num_drafts, len(sampled) - 1)
             if not req.is_finished:
                 self.scheduler.reject_drafts(req, num_drafts - (len(sampled) - 1))
+                req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
         return out
 
     def _append_token(self, req: Request, sampled: SampledToken, out: CoreOutput) -> None:
@@ -502,8 +517,16 @@ class EngineCore:
             room = min(spec.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            if self.draft is not None:
+                if req.matcher is not None:  # a draft's proposals are not walked through grammars
+                    continue
+                room = min(room, self.draft.max_position - req.num_tokens)
             k = self._spec_width(req, room, len(decoding)) if spec.adaptive else room
-            if k > 0:
+            if k <= 0:
+                continue
+            if self.draft is not None:  # the draft fills them in once the step is scheduled
+                req.spec_token_ids = [PLACEHOLDER] * k
+            else:
                 req.spec_token_ids = self._within_grammar(req, self.proposer.propose(req, k))
 
     def _within_grammar(self, req: Request, drafts: list[int]) -> list[int]:
@@ -561,7 +584,7 @@ class EngineCore:
             "num_accepted_tokens": self.spec_num_accepted_tokens,
             "accepted_per_position": list(self.spec_accepted_per_pos),
             "mean_acceptance_length": 1 + self.spec_num_accepted_tokens / d if d else None,
-            **self.proposer.stats(),
+            **(self.proposer.stats() if self.proposer is not None else {"draft_model": self.spec.model}),
         }
 
     # ------------------------------------------------------------ stats

@@ -68,6 +68,8 @@ class Request(TokenHistory):
         self.grammar_active = False  # whether the matcher follows the output yet (after reasoning)
         self.spec_token_ids: list[int] = []  # speculative decoding: this step's proposed next tokens
         self.spec_accept_rate = SPEC_PRIOR_ACCEPT_RATE  # running average of accepted / proposed
+        self.draft_num_computed = 0  # draft model: positions whose draft KV is valid
+        self.draft_preemptions = 0  # num_preemptions when that count was last valid
 
     @property
     def num_tokens(self) -> int:

@@ -139,9 +139,11 @@ class ModelRunner:
             self.requests.pop(req_id, None)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> dict[str, list[SampledToken]]:
+    def execute(self, step: StepInput, draft_probs: dict | None = None) -> dict[str, list[SampledToken]]:
         """Run the step and sample, per request id in the scheduled `sample_ids`: its token, or for
-        a request verifying proposals, the proposals its samples confirmed and one token more."""
+        a request verifying proposals, the proposals its samples confirmed and one token more.
+        `draft_probs`: request id -> [num_drafts, V], the distributions a draft model drew that
+        request's proposals from (rejection sampling for its unseeded sampling rows)."""
         self.update_states(step)
         if not step.scheduled:
             return {}
@@ -185,7 +187,14 @@ class ModelRunner:
             data = b"".join(parts)
             constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
         rewindable = {j for j, req_id in enumerate(ids) if req_id in verified}
-        sampled = self.sampler.sample(logits, reqs, constrained, rewindable)
+        proposals = None
+        if draft_probs:
+            proposals = {
+                j: (verified[req_id][p], draft_probs[req_id][p])
+                for j, (req_id, p) in enumerate(zip(ids, positions))
+                if req_id in draft_probs and p < len(verified.get(req_id, ()))
+            }
+        sampled = self.sampler.sample(logits, reqs, constrained, rewindable, proposals)
         j = 0
         while j < len(ids):
             req_id = ids[j]

@@ -58,12 +58,37 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def sample(self, logits: torch.Tensor, reqs: list, constrained=None, rewindable: set[int] | None = None) -> list[SampledToken]:
+    def distributions(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The distribution each row samples from ([R, V] float32, no grammar): after penalties,
+        bias, min_tokens, temperature, top-k/top-p/min-p; a greedy row's is its argmax's point mass.
+        A draft model's proposals are drawn from these (speculative decoding)."""
+        logits = logits.clone()
+        self._adjust(logits, reqs)
+        probs = torch.zeros_like(logits)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        if greedy:
+            g = torch.tensor(greedy, device=logits.device)
+            probs[g, logits[g].max(dim=-1).indices] = 1.0
+        random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in random_rows], device=logits.device).unsqueeze(1)
+            probs[idx] = torch.softmax(self._filter(sub, [reqs[i].params for i in random_rows]), dim=-1)
+        return probs
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list, constrained=None, rewindable: set[int] | None = None, proposals: dict | None = None
+    ) -> list[SampledToken]:
         """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
         constrained: (rows, allowed [len(rows), V] bool), the tokens a grammar allows those rows.
         Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k
         (of the raw model distribution, before penalties, bias and grammar). `rewindable`: rows
-        whose seeded generator's state after their draw is kept in `self.states`."""
+        whose seeded generator's state after their draw is kept in `self.states`.
+        `proposals`: row -> (token, q), a draft model's proposal for an unseeded sampling row and
+        the distribution it was drawn from: standard rejection sampling, the proposal kept with
+        probability min(1, p / q), else a draw from the normalized residual (p - q)+, so that the
+        row's token has distribution p. (Greedy and seeded rows sample as always; a proposal
+        stands where it equals the sample.)"""
         self.states = {}
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -91,11 +116,14 @@ class Sampler:
             chosen = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
             seeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is not None]
             unseeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is None]
+            if proposals:
+                verifying = [j for j in unseeded if random_rows[j] in proposals]
+                if verifying:
+                    unseeded = [j for j in unseeded if random_rows[j] not in proposals]
+                    self._verify(probs, chosen, [(j, *proposals[random_rows[j]]) for j in verifying])
             if unseeded:  # the engine's generator, all rows at once: inverse CDF, one uniform per row
                 u = torch.tensor(unseeded, device=logits.device)
-                cdf = probs[u].cumsum(dim=-1)
-                point = torch.rand((len(unseeded), 1), generator=self.generator, device=logits.device) * cdf[:, -1:]
-                chosen[u] = torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+                chosen[u] = self._inverse_cdf(probs[u])
             if seeded:  # each from its own generator, row by row
                 race = torch.empty((len(seeded), probs.shape[1]), dtype=probs.dtype, device=logits.device)
                 for r, j in enumerate(seeded):
@@ -124,6 +152,28 @@ class Sampler:
                 top.extend((t, v, rank) for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1) if t != token)
             results.append(SampledToken(token, top))
         return results
+
+    def _inverse_cdf(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row of (unnormalized) probabilities, from the engine's generator."""
+        cdf = probs.cumsum(dim=-1)
+        point = torch.rand((probs.shape[0], 1), generator=self.generator, device=probs.device) * cdf[:, -1:]
+        return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+    def _verify(self, probs: torch.Tensor, chosen: torch.Tensor, rows: list) -> None:
+        """Rejection sampling of draft-model proposals: rows [(j, token, q)], j into probs/chosen."""
+        j_idx = torch.tensor([j for j, _, _ in rows], device=probs.device)
+        tokens = torch.tensor([t for _, t, _ in rows], device=probs.device)
+        q = torch.stack([qr for _, _, qr in rows]).to(probs.device)
+        p = probs[j_idx]
+        p_t, q_t = p.gather(1, tokens[:, None]).squeeze(1), q.gather(1, tokens[:, None]).squeeze(1)
+        u = torch.rand(len(rows), generator=self.generator, device=probs.device)
+        accepted = u * q_t < p_t  # u < p / q (q_t > 0: the proposal was drawn from q)
+        residual = (p - q).clamp_(min=0)
+        # where p <= q nowhere (p == q up to rounding) the residual is empty; p itself is then right
+        empty = residual.sum(dim=-1) <= 0
+        residual[empty] = p[empty]
+        drawn = self._inverse_cdf(residual)
+        chosen[j_idx] = torch.where(accepted, tokens, drawn)
 
     @staticmethod
     def _filter(logits: torch.Tensor, params) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Draft-model proposals (`{"method": "draft_model", "model": PATH}`): a smaller model with the
+target's vocabulary proposes k tokens per request, one forward per token, before the target's step
+verifies them (docs/architecture.md, "Speculative decoding").
+
+The draft has its own `ModelRunner`: its own weights and its own paged KV tensors, with as many
+blocks as the target's and addressed through the target's block tables, so the scheduler's
+allocation (blocks for the proposals, rolled back after rejection) serves both. Its KV is filled
+lazily: `Request.draft_num_computed` counts the positions whose draft KV is valid, and a request's
+first forward of a step computes from there to its newest token (its whole prompt the first time,
+one or two tokens after that). A preemption frees the blocks, so the count starts again; a prefix
+-cache hit does not help the draft (the cached blocks' draft KV may never have been computed), so
+a new request's draft computes its prompt in full, writing into shared blocks the same values any
+other request would, except the leading blocks another request of the same forward writes (the
+prompt of forked choices). After verification the count falls back to what the target kept.
+
+How a proposal is drawn, per request (the target's verification is the runner's and the sampler's):
+- greedy: the draft's argmax; the target keeps it where its own argmax is the same token.
+- seeded: the draft's argmax of q / E with E the very exponential noise the target will draw at that
+  position (a copy of the request's generator, advanced as the target's will be), so the target's
+  sample, and with it the output, is that of plain decoding whatever was proposed.
+- unseeded: a draw from the draft's distribution q (the request's settings applied to the draft's
+  logits); the target keeps it with probability min(1, p / q), else draws from (p - q)+.
+"""
+
+import torch
+
+from ..model.loader import load_model_files
+from ..model.runner import Ahead, ModelRunner
+from .protocol import ScheduledRequest, StepInput
+
+PLACEHOLDER = 0  # a proposal's token id until the draft has run (the scheduler needs only the count)
+
+
+class DraftModel:
+    def __init__(self, path: str, *, target_vocab: int, dtype: torch.dtype, keep_int4: bool, num_blocks: int, block_size: int, eos_token_ids, seed: int, device: str, batch_invariant: bool):
+        try:
+            files = load_model_files(path, keep_int4=keep_int4)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
+        if files.config.vocab_size != target_vocab:
+            raise ValueError(
+                f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, the target's has {target_vocab}: a draft model must share the target's"
+            )
+        self.config = files.config
+        self.max_position = files.config.max_position
+        self.runner = ModelRunner(
+            files.config,
+            files.weights,
+            int4=files.int4,
+            dtype=dtype,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            eos_token_ids=eos_token_ids,
+            seed=seed + 1,
+            device=device,
+            batch_invariant=batch_invariant,
+        )
+        self.sampler = self.runner.sampler
+        self.device = self.runner.device
+
+    @torch.inference_mode()
+    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner) -> dict[str, torch.Tensor]:
+        """Fill the step's placeholder proposals (each verifying request's last num_drafts tokens,
+        and its `spec_token_ids`) with the draft's; returns the distributions the unseeded sampling
+        requests' proposals were drawn from (request id -> [num_drafts, V])."""
+        work = [(s, requests[s.req_id]) for s in step.scheduled if s.num_drafts]
+        if not work:
+            return {}
+        drafts: dict[str, list[int]] = {s.req_id: [] for s, _ in work}
+        dists: dict[str, list[torch.Tensor]] = {s.req_id: [] for s, _ in work}
+        noise = {}  # seeded requests: a copy of the generator the target will draw from
+        for s, req in work:
+            if req.draft_preemptions != req.num_preemptions:  # blocks freed since: nothing is valid
+                req.draft_num_computed, req.draft_preemptions = 0, req.num_preemptions
+            if req.params.seed is not None and not req.params.greedy:
+                noise[s.req_id] = _generator_copy(target_runner, s.req_id, req.params.seed, self.device)
+        # forward 1: each request from its first position without draft KV up to its decode token,
+        # less the leading blocks an earlier request of this forward writes in full (the shared
+        # prompt blocks of forked choices, a prefix-cache hit): a forward writes every row's KV
+        # before any row reads it
+        bs = self.runner.block_size
+        first, written = [], set()
+        for s, req in work:
+            start = min(req.draft_num_computed, s.start)
+            lead = 0
+            while (lead + 1) * bs <= s.start and s.block_ids[lead] in written:
+                lead += 1
+            start = max(start, lead * bs)
+            end = s.start + 1
+            written.update(s.block_ids[b] for b in range(-(-start // bs), end // bs))
+            first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, s.block_ids, [s.req_id]))
+        logits = self.runner.compute_logits(StepInput(first))[0]
+        active = work
+        for j in range(max(s.num_drafts for s, _ in work)):
+            tokens = self._draw(logits, active, drafts, dists, noise)
+            for (s, req), token in zip(active, tokens):
+                drafts[s.req_id].append(token)
+                s.token_ids[len(s.token_ids) - s.num_drafts + j] = token
+                req.draft_num_computed = s.start + 1 + j  # draft KV now holds up to the newest proposal's input
+            active = [(s, req) for s, req in active if s.num_drafts > j + 1]
+            if not active:
+                break
+            rows = [ScheduledRequest(s.req_id, [drafts[s.req_id][j]], s.start + 1 + j, s.block_ids, [s.req_id]) for s, _ in active]
+            logits = self.runner.compute_logits(StepInput(rows))[0]
+        for s, req in work:
+            req.spec_token_ids = drafts[s.req_id]
+        return {rid: torch.stack(rows) for rid, rows in dists.items() if rows}
+
+    def _draw(self, logits: torch.Tensor, active: list, drafts: dict, dists: dict, noise: dict) -> list[int]:
+        """One proposal per active request from the draft's logits rows (in `active`'s order)."""
+        views = [Ahead(req, drafts[s.req_id]) if drafts[s.req_id] else req for s, req in active]
+        q = self.sampler.distributions(logits, views)
+        tokens = q.max(dim=-1).indices  # greedy rows: their argmax (a point mass)
+        for i, (s, req) in enumerate(active):
+            p = req.params
+            if p.greedy:
+                continue
+            if s.req_id in noise:  # the exponential race with the target's own noise at this position
+                race = torch.empty(q.shape[1], dtype=q.dtype, device=q.device).exponential_(generator=noise[s.req_id])
+                tokens[i] = (q[i] / race).max(dim=-1).indices
+            else:
+                tokens[i] = torch.multinomial(q[i], 1, generator=self.sampler.generator)[0]
+                dists[s.req_id].append(q[i])
+        return tokens.tolist()
+
+
+def _generator_copy(runner: ModelRunner, req_id: str, seed: int, device) -> torch.Generator:
+    """A generator in the state the target's sampler will draw this request's next row from."""
+    g = torch.Generator(device=device)
+    state = runner.requests[req_id].sampler_state if req_id in runner.requests else None
+    if state is None:
+        g.manual_seed(seed)
+    else:
+        g.set_state(state.get_state())
+    return g

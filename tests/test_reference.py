@@ -69,22 +69,25 @@ def test_text_equals_decoded_tokens(llm, cases):
 
 
 def test_speculative_decoding_matches_transformers(make_llm, cases):
-    """Speculation forced on in float32: n-gram proposals with all prompts in one batch, suffix
-    proposals with each prompt alone. A verification step has other row counts than a decode step,
-    which changes float32 rounding, so a divergence is allowed only at a near-tie of the reference."""
+    """Speculation forced on in float32: n-gram and suffix proposals with all prompts in one batch,
+    suffix proposals also alone (two prompts). A verification step has other row counts than a
+    decode step, which changes float32 rounding, so a divergence is allowed only at a near-tie of
+    the reference."""
     from .test_spec_decode import check_counts
 
     prompts, refs = cases
     names = list(prompts)
-    ngram = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False})
-    outs = ngram.generate([prompts[n] for n in names], greedy(NUM_TOKENS))
-    for name, out in zip(names, outs):
+    for config in (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False},
+        {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
+    ):
+        spec = make_llm(speculative_config=config)
+        outs = spec.generate([prompts[n] for n in names], greedy(NUM_TOKENS))
+        for name, out in zip(names, outs):
+            ref, rows = refs[name]
+            assert_matches_reference(prompts[name], out.outputs[0].token_ids, ref, rows, continuation(spec))
+        check_counts(spec)
+    for name in ("list", "chat"):
+        ours = spec.generate([prompts[name]], greedy(NUM_TOKENS))[0].outputs[0].token_ids
         ref, rows = refs[name]
-        assert_matches_reference(prompts[name], out.outputs[0].token_ids, ref, rows, continuation(ngram))
-    check_counts(ngram)
-    suffix = make_llm(speculative_config={"method": "suffix", "num_speculative_tokens": 8, "adaptive": False})
-    for name in names:
-        ours = suffix.generate([prompts[name]], greedy(NUM_TOKENS))[0].outputs[0].token_ids
-        ref, rows = refs[name]
-        assert_matches_reference(prompts[name], ours, ref, rows, continuation(suffix))
-    check_counts(suffix)
+        assert_matches_reference(prompts[name], ours, ref, rows, continuation(spec))

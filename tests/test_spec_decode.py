@@ -342,6 +342,16 @@ def perturbed_draft(make_llm, gguf_path, **kwargs):
     return llm
 
 
+def test_a_draft_model_must_share_the_targets_vocabulary(make_llm, tmp_path):
+    from .tiny_models import save_hf_model
+
+    save_hf_model(str(tmp_path / "tiny"), "llama")
+    with pytest.raises(ValueError, match="vocabulary of .* the target's has 49152"):
+        make_llm(dtype="bfloat16", speculative_config={"model": str(tmp_path / "tiny")})
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        make_llm(dtype="bfloat16", speculative_config={"model": str(tmp_path / "missing")})
+
+
 def test_draft_model_greedy_tokens_are_those_without_it_with_preemption(make_llm, gguf_path, alone):
     """The draft's own KV (the target's block tables) is rebuilt after a preemption frees them."""
     tight = perturbed_draft(make_llm, gguf_path, num_kv_blocks=24)

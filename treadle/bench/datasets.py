@@ -185,9 +185,10 @@ def editing_dataset(tok, num, seed=0, min_tokens=80, max_tokens=600) -> list[Ben
             source = inspect.getsource(importlib.import_module(name))
         except (ImportError, OSError, TypeError):
             continue
+        lines = source.splitlines(keepends=True)
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                segment = ast.get_source_segment(source, node, padded=True)
+                segment = _source_segment(lines, node)
                 text = textwrap.dedent(segment) if segment else None
                 if text and "\t" not in text:
                     names = sorted({a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")})
@@ -205,6 +206,17 @@ def editing_dataset(tok, num, seed=0, min_tokens=80, max_tokens=600) -> list[Ben
         if len(out) == num:
             return out
     raise ValueError(f"the editing workload has {len(out)} functions of {min_tokens}-{max_tokens} tokens, {num} asked")
+
+
+def _source_segment(lines: list[str], node) -> str:
+    """ast.get_source_segment(source, node, padded=True) from the source's lines split once (the
+    ast function splits the whole source again for every node: minutes for the editing modules)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    head = lines[first].encode()
+    if first == last:
+        return " " * len(head[: node.col_offset].decode()) + head[node.col_offset : node.end_col_offset].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([" " * len(head[: node.col_offset].decode()) + head[node.col_offset :].decode(), *lines[first + 1 : last], tail])
 
 
 def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> None:

@@ -34,7 +34,7 @@ from .protocol import CoreOutput, EngineCoreRequest, NewRequestData, SampledToke
 from .request import SPEC_PRIOR_ACCEPT_RATE, Request, RequestStatus, validate_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .draft_model import PLACEHOLDER, DraftModel
+from .draft_model import PLACEHOLDER, DraftModel, load_draft_files
 from .spec_decode import make_proposer
 from .step_cost import StepCostModel
 from .structured import GrammarCompiler, lower_thread_priority
@@ -107,6 +107,11 @@ class EngineCore:
         # the 4-bit weights serve the bfloat16 decode path only
         files = load_model_files(config.model, keep_int4=config.quantized_weights and self.dtype == torch.bfloat16)
         self.model_config, self.tokenizer = files.config, files.tokenizer
+        spec = config.speculative_config
+        draft_files = None
+        if spec is not None and spec.method == "draft_model":
+            keep_int4 = config.quantized_weights and self.dtype == torch.bfloat16
+            draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size, keep_int4=keep_int4)
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
         num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
@@ -138,12 +143,10 @@ class EngineCore:
         self.spec = config.speculative_config
         self.proposer = make_proposer(self.spec) if self.spec is not None and self.spec.method != "draft_model" else None
         self.draft = None
-        if self.spec is not None and self.spec.method == "draft_model":
+        if draft_files is not None:
             self.draft = DraftModel(
-                self.spec.model,
-                target_vocab=self.model_config.vocab_size,
+                draft_files,
                 dtype=self.dtype,
-                keep_int4=config.quantized_weights and self.dtype == torch.bfloat16,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 eos_token_ids=self.eos_token_ids,
@@ -151,6 +154,7 @@ class EngineCore:
                 device=config.device,
                 batch_invariant=self.batch_invariant,
             )
+            del draft_files
         self.spec_num_drafts = 0  # verifications: a request's proposals checked in one step
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -388,8 +392,10 @@ class EngineCore:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
         started = time.perf_counter()
         try:
-            draft_probs = self.draft.propose(step, self.requests, self.runner) if self.draft is not None else None
-            results = self.runner.execute(step, draft_probs)
+            if self.draft is None:
+                results = self.runner.execute(step)
+            else:  # the draft's distributions are tensors: the draft and the target share a process
+                results = self.runner.execute(step, self.draft.propose(step, self.requests, self.runner))
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
@@ -410,6 +416,8 @@ class EngineCore:
                 for child in group.children[1:]:
                     if not child.is_finished:
                         self.scheduler.admit_forked(parent, child)
+                        if child.status == RequestStatus.RUNNING:  # the draft's KV is shared as the target's
+                            child.draft_num_computed, child.draft_preemptions = parent.draft_num_computed, child.num_preemptions
                 group.forked = True
             cached = max(0, group.children[0].num_cached_tokens)
             for req_id in s.sample_ids:

@@ -5,13 +5,16 @@ verifies them (docs/architecture.md, "Speculative decoding").
 The draft has its own `ModelRunner`: its own weights and its own paged KV tensors, with as many
 blocks as the target's and addressed through the target's block tables, so the scheduler's
 allocation (blocks for the proposals, rolled back after rejection) serves both. Its KV is filled
+as the target computes prompts (every prompt chunk also runs through the draft) and otherwise
 lazily: `Request.draft_num_computed` counts the positions whose draft KV is valid, and a request's
-first forward of a step computes from there to its newest token (its whole prompt the first time,
-one or two tokens after that). A preemption frees the blocks, so the count starts again; a prefix
--cache hit does not help the draft (the cached blocks' draft KV may never have been computed), so
-a new request's draft computes its prompt in full, writing into shared blocks the same values any
-other request would, except the leading blocks another request of the same forward writes (the
-prompt of forked choices). After verification the count falls back to what the target kept.
+first forward of a step computes from there to its newest token (one or two tokens when it has
+been proposing; every output token since, when it starts again). A forked choice inherits its
+parent's count (its copy of the partial block is made in the draft's KV too). A preemption frees
+the blocks, so the count starts again; a prefix-cache hit does not help the draft (a cached block's
+draft KV may never have been computed: its output tokens ran while the request did not propose),
+so a new request's draft computes its prompt in full, writing into shared blocks the same values
+any other request would, except the leading blocks another request of the same forward writes.
+After verification the count falls back to what the target kept.
 
 How a proposal is drawn, per request (the target's verification is the runner's and the sampler's):
 - greedy: the draft's argmax; the target keeps it where its own argmax is the same token.
@@ -31,16 +34,22 @@ from .protocol import ScheduledRequest, StepInput
 PLACEHOLDER = 0  # a proposal's token id until the draft has run (the scheduler needs only the count)
 
 
+def load_draft_files(path: str, *, target_vocab: int, keep_int4: bool):
+    """The draft's files, refused with a clear error unless it shares the target's vocabulary (the
+    engine loads them before building the target, so that a wrong draft fails fast)."""
+    try:
+        files = load_model_files(path, keep_int4=keep_int4)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
+    if files.config.vocab_size != target_vocab:
+        raise ValueError(
+            f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, the target's has {target_vocab}: a draft model must share the target's"
+        )
+    return files
+
+
 class DraftModel:
-    def __init__(self, path: str, *, target_vocab: int, dtype: torch.dtype, keep_int4: bool, num_blocks: int, block_size: int, eos_token_ids, seed: int, device: str, batch_invariant: bool):
-        try:
-            files = load_model_files(path, keep_int4=keep_int4)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
-        if files.config.vocab_size != target_vocab:
-            raise ValueError(
-                f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, the target's has {target_vocab}: a draft model must share the target's"
-            )
+    def __init__(self, files, *, dtype: torch.dtype, num_blocks: int, block_size: int, eos_token_ids, seed: int, device: str, batch_invariant: bool):
         self.config = files.config
         self.max_position = files.config.max_position
         self.runner = ModelRunner(
@@ -63,33 +72,42 @@ class DraftModel:
         """Fill the step's placeholder proposals (each verifying request's last num_drafts tokens,
         and its `spec_token_ids`) with the draft's; returns the distributions the unseeded sampling
         requests' proposals were drawn from (request id -> [num_drafts, V])."""
-        work = [(s, requests[s.req_id]) for s in step.scheduled if s.num_drafts]
+        self.runner._copy_blocks(step.block_copies)  # a forked choice's copy of its partial block
+        work, first, written = [], [], set()
+        bs = self.runner.block_size
+        for s in step.scheduled:
+            req = requests[s.req_id]
+            if req.draft_preemptions != req.num_preemptions:  # blocks freed since: nothing is valid
+                req.draft_num_computed, req.draft_preemptions = 0, req.num_preemptions
+            if s.num_drafts:  # up to its decode token, whose logits give the first proposal
+                end = s.start + 1
+                work.append((s, req))
+            elif s.start < req.num_prompt_tokens and req.params.pooling is None:  # a prompt chunk
+                end = s.start + len(s.token_ids)
+            else:
+                continue
+            # from its first position without draft KV, less the leading blocks an earlier request
+            # of this forward writes in full (a prefix-cache hit): a forward writes every row's KV
+            # before any row reads it
+            start = min(req.draft_num_computed, s.start)
+            lead = 0
+            while (lead + 1) * bs <= s.start and s.block_ids[lead] in written:
+                lead += 1
+            start = max(start, lead * bs)
+            written.update(s.block_ids[b] for b in range(-(-start // bs), end // bs))
+            first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, s.block_ids, [s.req_id] if s.num_drafts else []))
+            req.draft_num_computed = end
+        if not first:
+            return {}
+        logits = self.runner.compute_logits(StepInput(first))[0]
         if not work:
             return {}
         drafts: dict[str, list[int]] = {s.req_id: [] for s, _ in work}
         dists: dict[str, list[torch.Tensor]] = {s.req_id: [] for s, _ in work}
         noise = {}  # seeded requests: a copy of the generator the target will draw from
         for s, req in work:
-            if req.draft_preemptions != req.num_preemptions:  # blocks freed since: nothing is valid
-                req.draft_num_computed, req.draft_preemptions = 0, req.num_preemptions
             if req.params.seed is not None and not req.params.greedy:
                 noise[s.req_id] = _generator_copy(target_runner, s.req_id, req.params.seed, self.device)
-        # forward 1: each request from its first position without draft KV up to its decode token,
-        # less the leading blocks an earlier request of this forward writes in full (the shared
-        # prompt blocks of forked choices, a prefix-cache hit): a forward writes every row's KV
-        # before any row reads it
-        bs = self.runner.block_size
-        first, written = [], set()
-        for s, req in work:
-            start = min(req.draft_num_computed, s.start)
-            lead = 0
-            while (lead + 1) * bs <= s.start and s.block_ids[lead] in written:
-                lead += 1
-            start = max(start, lead * bs)
-            end = s.start + 1
-            written.update(s.block_ids[b] for b in range(-(-start // bs), end // bs))
-            first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, s.block_ids, [s.req_id]))
-        logits = self.runner.compute_logits(StepInput(first))[0]
         active = work
         for j in range(max(s.num_drafts for s, _ in work)):
             tokens = self._draw(logits, active, drafts, dists, noise)

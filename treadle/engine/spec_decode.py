@@ -13,7 +13,8 @@ Verification is the runner's and the core's (docs/architecture.md, "Speculative 
   boilerplate that earlier requests wrote are then proposed too.
 
 Code edits, answers quoting their sources and JSON echoing its fields repeat earlier text, and then
-the proposal is often right. Method "draft_model" parses here but the engine core refuses it for now.
+the proposal is often right. Method "draft_model" (a smaller model's proposals) is
+`engine/draft_model.py`.
 """
 
 import json

@@ -119,8 +119,8 @@ def test_regex_choice_grammar_and_choices_with_seeds(llm):
 
 def test_preempted_constrained_requests_stay_valid(make_llm):
     llm = make_llm(num_kv_blocks=16, block_size=16)
-    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 30, "maxItems": 30}}, "required": ["items"]}
-    reqs = [(chat_prompt(llm, f"List {30 + i} small numbers."), SamplingParams(temperature=0, max_tokens=160, structured_outputs={"json": schema})) for i in range(4)]
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 20, "maxItems": 20}}, "required": ["items"]}
+    reqs = [(chat_prompt(llm, f"List {20 + i} small numbers."), SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema})) for i in range(4)]
     outs = run(llm, reqs)
     assert llm.engine.scheduler.num_preemptions > 0  # the premise: they recomputed each other
     for o in outs:

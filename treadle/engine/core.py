@@ -105,30 +105,18 @@ class EngineCore:
             torch.set_num_threads(config.threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
         # the 4-bit weights serve the bfloat16 decode path only
-        files = load_model_files(config.model, keep_int4=config.quantized_weights and self.dtype == torch.bfloat16)
+        keep_int4 = config.quantized_weights and self.dtype == torch.bfloat16
+        files = load_model_files(config.model, keep_int4=keep_int4)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
         draft_files = None
-        if spec is not None and spec.method == "draft_model":
-            keep_int4 = config.quantized_weights and self.dtype == torch.bfloat16
+        if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
             draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size, keep_int4=keep_int4)
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
         num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
-        self.runner = ModelRunner(
-            self.model_config,
-            files.weights,
-            int4=files.int4,
-            dtype=self.dtype,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            eos_token_ids=self.eos_token_ids,
-            seed=config.seed,
-            device=config.device,
-            fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)),
-            batch_invariant=self.batch_invariant,
-        )
+        self.runner = self._make_runner(files, num_blocks, config.seed, fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)))
         del files
         self._weight_bytes = self.runner.model.weight_bytes() if hasattr(self.runner.model, "weight_bytes") else None
         if config.compile and self.batch_invariant:
@@ -143,17 +131,8 @@ class EngineCore:
         self.spec = config.speculative_config
         self.proposer = make_proposer(self.spec) if self.spec is not None and self.spec.method != "draft_model" else None
         self.draft = None
-        if draft_files is not None:
-            self.draft = DraftModel(
-                draft_files,
-                dtype=self.dtype,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                eos_token_ids=self.eos_token_ids,
-                seed=config.seed,
-                device=config.device,
-                batch_invariant=self.batch_invariant,
-            )
+        if draft_files is not None:  # as many KV blocks as the target's: its block tables address both
+            self.draft = DraftModel(draft_files.config, self._make_runner(draft_files, num_blocks, config.seed + 1))
             del draft_files
         self.spec_num_drafts = 0  # verifications: a request's proposals checked in one step
         self.spec_num_draft_tokens = 0
@@ -175,6 +154,22 @@ class EngineCore:
         self.requests_received = 0
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
+
+    def _make_runner(self, files, num_blocks: int, seed: int, **extra) -> ModelRunner:
+        """A runner for these model files with the engine's settings (the target's, or a draft's)."""
+        return ModelRunner(
+            files.config,
+            files.weights,
+            int4=files.int4,
+            dtype=self.dtype,
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            eos_token_ids=self.eos_token_ids,
+            seed=seed,
+            device=self.config.device,
+            batch_invariant=self.batch_invariant,
+            **extra,
+        )
 
     # ------------------------------------------------------------ sizing
 

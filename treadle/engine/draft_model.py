@@ -49,23 +49,12 @@ def load_draft_files(path: str, *, target_vocab: int, keep_int4: bool):
 
 
 class DraftModel:
-    def __init__(self, files, *, dtype: torch.dtype, num_blocks: int, block_size: int, eos_token_ids, seed: int, device: str, batch_invariant: bool):
-        self.config = files.config
-        self.max_position = files.config.max_position
-        self.runner = ModelRunner(
-            files.config,
-            files.weights,
-            int4=files.int4,
-            dtype=dtype,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            eos_token_ids=eos_token_ids,
-            seed=seed + 1,
-            device=device,
-            batch_invariant=batch_invariant,
-        )
-        self.sampler = self.runner.sampler
-        self.device = self.runner.device
+    def __init__(self, config, runner: ModelRunner):
+        self.config = config
+        self.max_position = config.max_position
+        self.runner = runner  # its own weights and KV tensors (as many blocks as the target's)
+        self.sampler = runner.sampler
+        self.device = runner.device
 
     @torch.inference_mode()
     def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner) -> dict[str, torch.Tensor]:

@@ -389,3 +389,32 @@ def test_full_queue_is_503_and_sigterm_drains_then_aborts():
         assert "Traceback" not in output
     finally:
         s.stop()
+
+
+def test_limits_on_what_a_client_controls_are_clear_errors(http):
+    """Each limit (README, the serve flags) at its default: one past it is a 400 naming the
+    parameter and the flag, or for the body's size a 413 (declared, or counted from a chunked body)."""
+    base = {"model": MODEL, "messages": chat("hi"), "max_tokens": 1}
+    for extra, param, flag in [
+        ({"n": 65}, "n", "--max-n"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop", "--max-stop-strings"),
+        ({"stop": ["x" * 257]}, "stop", "--max-stop-length"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "--max-logit-bias"),
+        ({"messages": chat("hi") * 1025}, "messages", "--max-messages"),
+    ]:
+        r = http.post("/v1/chat/completions", json={**base, **extra})
+        assert_error(r, 400, param)
+        assert flag in r.json()["error"]["message"]
+    ok = http.post("/v1/chat/completions", json={**base, "n": 2, "stop": ["x" * 256] * 16, "logit_bias": {str(i): 0 for i in range(1024)}})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop": ["a"] * 17})
+    assert_error(r, 400, "stop")
+    big = b'{"model": "x", "prompt": "' + b"a" * (4 * 1024 * 1024) + b'"}'
+    assert_error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)
+
+    def chunks():
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    assert_error(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200  # still serving

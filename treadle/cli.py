@@ -126,6 +126,13 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting,
         chat_template=read_chat_template(args.chat_template),
         max_schema_bytes=args.max_schema_bytes,
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_length=args.max_stop_length,
+        max_logit_bias=args.max_logit_bias,
+        max_messages=args.max_messages,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_stored_responses=args.max_stored_responses,
@@ -162,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
+    srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body, in bytes: beyond it a 413 (default: 4194304)")
+    srv.add_argument("--max-n", type=int, default=64, help="most choices (n) a request may ask for (default: 64)")
+    srv.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask for, at most 20 (default: 20)")
+    srv.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings a request may send (default: 16)")
+    srv.add_argument("--max-stop-length", type=int, default=256, help="longest stop string a request may send, in characters (default: 256)")
+    srv.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries a request may send (default: 1024)")
+    srv.add_argument("--max-messages", type=int, default=1024, help="most messages a chat request may send (default: 1024)")
     srv.add_argument("--max-schema-bytes", type=int, default=256 * 1024, help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)")
     srv.add_argument(
         "--tool-call-parser",

@@ -31,6 +31,48 @@ LOGGED_BODY_CHARS = 4096
 log = logging.getLogger("treadle.server")
 
 
+class BodyLimit:
+    """`--max-request-bytes`: a body larger than the limit is a 413, by its Content-Length before
+    the app runs, or (a chunked body) once the bytes read pass the limit: the app then sees the body
+    end there, and whatever it answers is replaced by the 413."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send, int(declared))
+        seen, refused = 0, False
+
+        async def receive_limited():
+            nonlocal seen
+            if seen > self.limit:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def send_unless_refused(message):
+            nonlocal refused
+            if seen <= self.limit:
+                return await send(message)
+            if not refused:
+                refused = True
+                await self._refuse(scope, receive, send, seen)
+
+        await self.app(scope, receive_limited, send_unless_refused)
+
+    async def _refuse(self, scope, receive, send, size: int) -> None:
+        message = f"the request body is {size} bytes or more; this server accepts at most {self.limit} (--max-request-bytes)"
+        await error_response(scope["path"], 413, message)(scope, receive, send)
+
+
 class RequestLogger:
     """`--log-requests`: each request's method, route and body (its first LOGGED_BODY_CHARS
     characters) at INFO, as the app reads it; headers, and so keys, are never logged."""
@@ -205,4 +247,5 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         dialect.register(app, state)
     if settings.log_requests:
         app.add_middleware(RequestLogger)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     return app

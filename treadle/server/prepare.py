@@ -27,6 +27,14 @@ class ServerSettings:
     max_waiting: int = 1024
     chat_template: str | None = None
     max_schema_bytes: int = 256 * 1024
+    # limits on what a client controls (each a 400 naming the parameter; the body's size a 413)
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_n: int = 64
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters of one stop string
+    max_logit_bias: int = 1024  # entries
+    max_messages: int = 1024
     tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
     reasoning_parser: str | None = None  # qwen3, deepseek_r1
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
@@ -154,11 +162,30 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
             "max_tokens",
         )
     params = body.sampling_params(requested if requested is not None else room, logprobs)
+    check_limits(state.settings, params, "logprobs" if prompt_param == "prompt" else "top_logprobs")
     try:
         validate_prompt(ids, params, engine.vocab_size, engine.max_model_len)
     except ValueError as e:
         raise RequestError(str(e), prompt_param) from None
     return params
+
+
+def check_limits(settings: ServerSettings, params, logprobs_param: str) -> None:
+    """The server's limits on what a client controls (README, "Limits"), each a 400 naming its
+    parameter and the flag that sets it."""
+
+    def over(value: int, limit: int, param: str, what: str, flag: str) -> None:
+        if value > limit:
+            raise RequestError(f"{param}: {value} {what}; this server accepts at most {limit} ({flag})", param)
+
+    over(params.n, settings.max_n, "n", "choices asked", "--max-n")
+    if params.logprobs is not None:
+        over(params.logprobs, settings.max_logprobs, logprobs_param, "logprobs asked", "--max-logprobs")
+    stops = params.stop_strings
+    over(len(stops), settings.max_stop_strings, "stop", "stop strings", "--max-stop-strings")
+    if stops:
+        over(max(len(x) for x in stops), settings.max_stop_length, "stop", "characters in a stop string", "--max-stop-length")
+    over(len(params.logit_bias or {}), settings.max_logit_bias, "logit_bias", "entries", "--max-logit-bias")
 
 
 def _constrain(state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None) -> str | None:
@@ -196,6 +223,9 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     require_ready(state)
     check_model(state, body.model)
     body.check()
+    limit = state.settings.max_messages
+    if len(body.messages) > limit:
+        raise RequestError(f"messages: {len(body.messages)} messages; this server accepts at most {limit} (--max-messages)", "messages")
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
     text = chat_prompt(state, body, tools)
     ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

@@ -418,3 +418,28 @@ def test_limits_on_what_a_client_controls_are_clear_errors(http):
 
     assert_error(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200  # still serving
+
+
+def test_concurrent_requests_per_key_beyond_the_limit_are_429():
+    """--max-concurrent-per-key 1 with two keys: while one key's stream runs, its next request is
+    a 429 with Retry-After and the other key's goes through; once the stream ends (its client
+    leaves), it is served again."""
+    s = ServerProcess("--api-key", "one", "--api-key", "two", "--max-concurrent-per-key", "1")
+    try:
+        s.wait_healthy()
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}
+        auth = {k: {"Authorization": f"Bearer {k}"} for k in ("one", "two")}
+        long = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=long, headers=auth["one"], timeout=120) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # it is running
+            busy = httpx.post(s.url + "/v1/completions", json=body, headers=auth["one"], timeout=60)
+            assert_error(busy, 429)
+            assert busy.headers["retry-after"] == "1" and "--max-concurrent-per-key" in busy.json()["error"]["message"]
+            assert httpx.post(s.url + "/v1/completions", json=body, headers=auth["two"], timeout=60).status_code == 200
+        deadline = time.time() + 30  # the stream's end is noticed at its next token
+        while (r := httpx.post(s.url + "/v1/completions", json=body, headers=auth["one"], timeout=60)).status_code == 429 and time.time() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        s.stop()

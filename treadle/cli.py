@@ -133,6 +133,7 @@ def cmd_serve(args) -> int:
         max_stop_length=args.max_stop_length,
         max_logit_bias=args.max_logit_bias,
         max_messages=args.max_messages,
+        max_concurrent_per_key=args.max_concurrent_per_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_stored_responses=args.max_stored_responses,
@@ -175,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings a request may send (default: 16)")
     srv.add_argument("--max-stop-length", type=int, default=256, help="longest stop string a request may send, in characters (default: 256)")
     srv.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries a request may send (default: 1024)")
+    srv.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=0,
+        help="most requests in flight per API key (without keys: for the whole server); one more is a 429 with Retry-After (default: 0, no limit)",
+    )
     srv.add_argument("--max-messages", type=int, default=1024, help="most messages a chat request may send (default: 1024)")
     srv.add_argument("--max-schema-bytes", type=int, default=256 * 1024, help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)")
     srv.add_argument(

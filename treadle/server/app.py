@@ -73,6 +73,33 @@ class BodyLimit:
         await error_response(scope["path"], 413, message)(scope, receive, send)
 
 
+class ConcurrencyLimit:
+    """`--max-concurrent-per-key`: requests in flight on the protected routes, per API key (one
+    count for all without keys); one more is a 429 with Retry-After. A request counts until its
+    response (a stream included) has been sent."""
+
+    def __init__(self, app, limit: int, keyed: bool):
+        self.app, self.limit, self.keyed = app, limit, keyed
+        self.in_flight: dict[str, int] = {}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIXES):
+            return await self.app(scope, receive, send)
+        key = (_presented_key(Request(scope)) or "") if self.keyed else ""
+        if self.in_flight.get(key, 0) >= self.limit:
+            who = "this API key" if self.keyed else "this server"
+            message = f"{who} already has {self.limit} requests in flight (--max-concurrent-per-key); retry when one ends"
+            response = error_response(scope["path"], 429, message, headers={"Retry-After": "1"})
+            return await response(scope, receive, send)
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight[key] -= 1
+            if not self.in_flight[key]:
+                del self.in_flight[key]
+
+
 class RequestLogger:
     """`--log-requests`: each request's method, route and body (its first LOGGED_BODY_CHARS
     characters) at INFO, as the app reads it; headers, and so keys, are never logged."""
@@ -247,5 +274,7 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         dialect.register(app, state)
     if settings.log_requests:
         app.add_middleware(RequestLogger)
+    if settings.max_concurrent_per_key > 0:  # before the key check: a wrong key counts apart, until its 401
+        app.add_middleware(ConcurrencyLimit, limit=settings.max_concurrent_per_key, keyed=bool(settings.api_keys))
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     return app

@@ -35,6 +35,7 @@ class ServerSettings:
     max_stop_length: int = 256  # characters of one stop string
     max_logit_bias: int = 1024  # entries
     max_messages: int = 1024
+    max_concurrent_per_key: int = 0  # requests in flight per API key (global without keys); 0: no limit
     tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
     reasoning_parser: str | None = None  # qwen3, deepseek_r1
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first

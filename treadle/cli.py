@@ -100,6 +100,27 @@ def default_served_name(model: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+# limits on what a client controls: a `treadle serve` flag each, defaults from ServerSettings
+LIMIT_HELP = {
+    "max_request_bytes": "largest request body, in bytes: beyond it a 413",
+    "max_n": "most choices (n) a request may ask for",
+    "max_logprobs": "most logprobs / top_logprobs a request may ask for, at most 20",
+    "max_stop_strings": "most stop strings a request may send",
+    "max_stop_length": "longest stop string a request may send, in characters",
+    "max_logit_bias": "most logit_bias entries a request may send",
+    "max_messages": "most messages a chat request may send",
+    "max_concurrent_per_key": "most requests in flight per API key (without keys: for the whole server); one more is a 429 with Retry-After; 0: no limit",
+}
+
+
+def add_limit_args(parser) -> None:
+    from .server.prepare import ServerSettings
+
+    defaults = {f.name: f.default for f in fields(ServerSettings)}
+    for name, text in LIMIT_HELP.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name], help=f"{text} (default: {defaults[name]})")
+
+
 def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
     """The keys of every --api-key, else of $TREADLE_API_KEY (comma-separated); blanks dropped."""
     given = flags if flags else (env or "").split(",")
@@ -126,14 +147,7 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting,
         chat_template=read_chat_template(args.chat_template),
         max_schema_bytes=args.max_schema_bytes,
-        max_request_bytes=args.max_request_bytes,
-        max_n=args.max_n,
-        max_logprobs=args.max_logprobs,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_length=args.max_stop_length,
-        max_logit_bias=args.max_logit_bias,
-        max_messages=args.max_messages,
-        max_concurrent_per_key=args.max_concurrent_per_key,
+        **{name: getattr(args, name) for name in LIMIT_HELP},
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_stored_responses=args.max_stored_responses,
@@ -170,19 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
-    srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body, in bytes: beyond it a 413 (default: 4194304)")
-    srv.add_argument("--max-n", type=int, default=64, help="most choices (n) a request may ask for (default: 64)")
-    srv.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask for, at most 20 (default: 20)")
-    srv.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings a request may send (default: 16)")
-    srv.add_argument("--max-stop-length", type=int, default=256, help="longest stop string a request may send, in characters (default: 256)")
-    srv.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries a request may send (default: 1024)")
-    srv.add_argument(
-        "--max-concurrent-per-key",
-        type=int,
-        default=0,
-        help="most requests in flight per API key (without keys: for the whole server); one more is a 429 with Retry-After (default: 0, no limit)",
-    )
-    srv.add_argument("--max-messages", type=int, default=1024, help="most messages a chat request may send (default: 1024)")
+    add_limit_args(srv)
     srv.add_argument("--max-schema-bytes", type=int, default=256 * 1024, help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)")
     srv.add_argument(
         "--tool-call-parser",

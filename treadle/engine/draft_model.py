@@ -50,7 +50,6 @@ def load_draft_files(path: str, *, target_vocab: int, keep_int4: bool):
 
 class DraftModel:
     def __init__(self, config, runner: ModelRunner):
-        self.config = config
         self.max_position = config.max_position
         self.runner = runner  # its own weights and KV tensors (as many blocks as the target's)
         self.sampler = runner.sampler

@@ -51,12 +51,6 @@ class SuffixTree:
         self._seqs: dict[int, _Sequence] = {}
         self.num_nodes = 1
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
     def extend(self, seq_id: int, tokens) -> None:
         """Append tokens to a sequence (a new id starts a new one)."""
         seq = self._seqs.get(seq_id)

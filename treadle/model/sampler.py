@@ -71,10 +71,14 @@ class Sampler:
             probs[g, logits[g].max(dim=-1).indices] = 1.0
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in random_rows], device=logits.device).unsqueeze(1)
-            probs[idx] = torch.softmax(self._filter(sub, [reqs[i].params for i in random_rows]), dim=-1)
+            probs[torch.tensor(random_rows, device=logits.device)] = self._probs(logits, reqs, random_rows)
         return probs
+
+    def _probs(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> torch.Tensor:
+        """The sampling rows' distributions: temperature, then top-k/top-p/min-p, then softmax."""
+        idx = torch.tensor(rows, device=logits.device)
+        sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device).unsqueeze(1)
+        return torch.softmax(self._filter(sub, [reqs[i].params for i in rows]), dim=-1)
 
     def sample(
         self, logits: torch.Tensor, reqs: list, constrained=None, rewindable: set[int] | None = None, proposals: dict | None = None
@@ -110,9 +114,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in random_rows], device=logits.device).unsqueeze(1)
-            sub = self._filter(sub, [reqs[i].params for i in random_rows])
-            probs = torch.softmax(sub, dim=-1)
+            probs = self._probs(logits, reqs, random_rows)
             chosen = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
             seeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is not None]
             unseeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is None]

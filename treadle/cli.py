@@ -110,6 +110,8 @@ LIMIT_HELP = {
     "max_logit_bias": "most logit_bias entries a request may send",
     "max_messages": "most messages a chat request may send",
     "max_concurrent_per_key": "most requests in flight per API key (without keys: for the whole server); one more is a 429 with Retry-After; 0: no limit",
+    "request_body_timeout": "seconds a request's whole body may take to arrive; past it a 408, and the request is never admitted",
+    "max_stream_buffer_bytes": "bytes of a streamed reply its client has not taken yet; past it the stream and its engine requests are aborted",
 }
 
 
@@ -118,7 +120,7 @@ def add_limit_args(parser) -> None:
 
     defaults = {f.name: f.default for f in fields(ServerSettings)}
     for name, text in LIMIT_HELP.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name], help=f"{text} (default: {defaults[name]})")
+        parser.add_argument("--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name], help=f"{text} (default: {defaults[name]})")
 
 
 def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:

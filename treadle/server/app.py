@@ -1,5 +1,6 @@
 """The HTTP server: routes, authentication, errors; the API dialects live in server/api/."""
 
+import asyncio
 import hmac
 import logging
 import os
@@ -31,46 +32,59 @@ LOGGED_BODY_CHARS = 4096
 log = logging.getLogger("treadle.server")
 
 
-class BodyLimit:
-    """`--max-request-bytes`: a body larger than the limit is a 413, by its Content-Length before
-    the app runs, or (a chunked body) once the bytes read pass the limit: the app then sees the body
-    end there, and whatever it answers is replaced by the 413."""
+class BodyGate:
+    """The body arrives whole, in time and within its size, before the app sees the request.
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    `--max-request-bytes`: a body larger than the limit is a 413, by its Content-Length before a
+    byte is read, or once the bytes read pass the limit. `--request-body-timeout`: a body not
+    complete within that many seconds of the request's start is a 408 (a client that opens a
+    request and trickles its body, or stops, holds nothing but its connection meanwhile). Both
+    answers close the connection. The app then reads the body from here, and the connection's
+    later messages (a disconnect) from the server as usual."""
+
+    def __init__(self, app, limit: int, timeout: float):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, receive, send, int(declared))
-        seen, refused = 0, False
+            return await self._refuse(scope, receive, send, 413, self._too_large(int(declared)))
+        chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                text = f"the request body did not arrive within {self.timeout:g} s (--request-body-timeout)"
+                return await self._refuse(scope, receive, send, 408, text)
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete: nothing to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, 413, self._too_large(size))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        async def receive_limited():
-            nonlocal seen
-            if seen > self.limit:
-                return {"type": "http.request", "body": b"", "more_body": False}
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    return {"type": "http.request", "body": b"", "more_body": False}
-            return message
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        async def send_unless_refused(message):
-            nonlocal refused
-            if seen <= self.limit:
-                return await send(message)
-            if not refused:
-                refused = True
-                await self._refuse(scope, receive, send, seen)
+        await self.app(scope, replay, send)
 
-        await self.app(scope, receive_limited, send_unless_refused)
+    def _too_large(self, size: int) -> str:
+        return f"the request body is {size} bytes or more; this server accepts at most {self.limit} (--max-request-bytes)"
 
-    async def _refuse(self, scope, receive, send, size: int) -> None:
-        message = f"the request body is {size} bytes or more; this server accepts at most {self.limit} (--max-request-bytes)"
-        await error_response(scope["path"], 413, message)(scope, receive, send)
+    async def _refuse(self, scope, receive, send, status: int, message: str) -> None:
+        await error_response(scope["path"], status, message, headers={"Connection": "close"})(scope, receive, send)
 
 
 class ConcurrencyLimit:
@@ -251,7 +265,7 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
             return {"tokens": ids}
         if body.messages is not None:
             messages, _ = prepare_messages(plain_messages(body.messages), None, template_supports_tools(chat_template(state)))
-            text = render_chat(state, messages, body.add_generation_prompt, None)
+            text = await asyncio.to_thread(render_chat, state, messages, body.add_generation_prompt, None)
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:
             add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -276,5 +290,5 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         app.add_middleware(RequestLogger)
     if settings.max_concurrent_per_key > 0:  # before the key check: a wrong key counts apart, until its 401
         app.add_middleware(ConcurrencyLimit, limit=settings.max_concurrent_per_key, keyed=bool(settings.api_keys))
-    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
     return app

@@ -4,6 +4,7 @@ output constraint. The dialects (server/api/) translate their own request bodies
 chat or completion request and call `prepare_chat` / `prepare_completion`; the result starts an
 `EngineStream`."""
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,6 +37,8 @@ class ServerSettings:
     max_logit_bias: int = 1024  # entries
     max_messages: int = 1024
     max_concurrent_per_key: int = 0  # requests in flight per API key (global without keys); 0: no limit
+    request_body_timeout: float = 30.0  # seconds for a request's whole body to arrive; past it a 408
+    max_stream_buffer_bytes: int = 1024 * 1024  # a stream's bytes not yet taken by its client; past it the stream is aborted
     tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
     reasoning_parser: str | None = None  # qwen3, deepseek_r1
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
@@ -228,7 +231,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     if len(body.messages) > limit:
         raise RequestError(f"messages: {len(body.messages)} messages; this server accepts at most {limit} (--max-messages)", "messages")
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
-    text = chat_prompt(state, body, tools)
+    text = await asyncio.to_thread(chat_prompt, state, body, tools)  # the template is bounded, but not free: off the event loop
     ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
     reasoning = state.settings.reasoning_parser

@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -420,13 +421,36 @@ def test_limits_on_what_a_client_controls_are_clear_errors(http):
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200  # still serving
 
 
-def test_concurrent_requests_per_key_beyond_the_limit_are_429():
+LOOPING_TEMPLATE = (
+    "{% if messages[0].content == 'loop forever' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """A server with the slow- and greedy-client limits set low: two keys, one request in flight per
+    key, bodies within 2 s, 32 KiB of a stream not taken by its client; and a chat template (from a
+    file) that loops when the first message says so."""
+    template = tmp_path_factory.mktemp("template") / "looping.jinja"
+    template.write_text(LOOPING_TEMPLATE)
+    s = ServerProcess(
+        "--api-key", "one", "--api-key", "two", "--max-concurrent-per-key", "1",
+        "--request-body-timeout", "2", "--max-stream-buffer-bytes", "32768", "--chat-template", str(template),
+    )  # fmt: skip
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_concurrent_requests_per_key_beyond_the_limit_are_429(limited):
     """--max-concurrent-per-key 1 with two keys: while one key's stream runs, its next request is
     a 429 with Retry-After and the other key's goes through; once the stream ends (its client
     leaves), it is served again."""
-    s = ServerProcess("--api-key", "one", "--api-key", "two", "--max-concurrent-per-key", "1")
-    try:
-        s.wait_healthy()
+    s = limited
+    if True:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}
         auth = {k: {"Authorization": f"Bearer {k}"} for k in ("one", "two")}
         long = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -441,5 +465,89 @@ def test_concurrent_requests_per_key_beyond_the_limit_are_429():
         while (r := httpx.post(s.url + "/v1/completions", json=body, headers=auth["one"], timeout=60)).status_code == 429 and time.time() < deadline:
             time.sleep(0.1)
         assert r.status_code == 200
-    finally:
-        s.stop()
+
+
+def _raw_request(s, path: str, body: bytes, key: str, declared: int | None = None, rcvbuf: int | None = None) -> socket.socket:
+    """A request written by hand on a plain socket (the body possibly shorter than declared)."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", s.port))
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {declared or len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def _stats(s, key: str) -> dict:
+    return httpx.get(s.url + "/stats", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_never_admitted(limited):
+    """--request-body-timeout 2: a body that stops halfway gets a 408 (OpenAI's error shape) about
+    2 s after the request began, the connection is closed, and the engine never saw the request."""
+    s = limited
+    received = _stats(s, "two")["requests_received"]
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    start = time.monotonic()
+    with _raw_request(s, "/v1/completions", body[:10], "two", declared=len(body)) as sock:
+        sock.settimeout(30)
+        reply = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            reply += chunk
+    waited = time.monotonic() - start
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert "--request-body-timeout" in json.loads(payload)["error"]["message"]
+    assert 1.5 < waited < 20
+    assert _stats(s, "two")["requests_received"] == received
+    r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60)
+    assert r.status_code == 200  # a body sent at once is served
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted(limited):
+    """--max-stream-buffer-bytes 32768: a client (with a small socket buffer) reads the reply's
+    first bytes and then nothing; once the kernel's buffers and then 32 KiB of the server's are
+    full, the stream is aborted: the engine runs nothing, the key's request slot is free again,
+    and the log says why; all well within 30 s of the client's last read."""
+    s = limited
+    start = time.monotonic()
+    # 64 choices with 20 logprobs each: about a megabyte a second, so that the kernel's socket
+    # buffers (some MB on loopback) fill within seconds
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "n": 64, "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": 20}).encode()
+    with _raw_request(s, "/v1/completions", body, "two", rcvbuf=4096) as sock:
+        sock.settimeout(30)
+        assert sock.recv(256).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 30
+        while "aborted: its client took nothing" not in s.output() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "aborted: its client took nothing" in s.output()
+        while _stats(s, "two")["num_running"] and time.monotonic() < deadline:  # the core's next stats
+            time.sleep(0.1)
+        assert _stats(s, "two")["num_running"] == 0
+        assert time.monotonic() - start < 30
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60)
+        assert r.status_code == 200  # the stream's slot under --max-concurrent-per-key 1 is free
+
+
+def test_a_looping_chat_template_is_a_400_and_the_server_keeps_serving(limited):
+    """The template from --chat-template loops (nested ranges, no output) for one message: that
+    request is a 400 once the 5 s render limit passes, while the template runs off the event loop,
+    so /health and other keys' chats are answered meanwhile."""
+    s = limited
+    looping = {"model": MODEL, "messages": chat("loop forever"), "max_tokens": 1}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        pending = pool.submit(httpx.post, s.url + "/v1/chat/completions", json=looping, headers={"Authorization": "Bearer one"}, timeout=60)
+        time.sleep(0.5)
+        slowest = 0.0
+        while not pending.done():
+            t = time.monotonic()
+            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - t)
+            time.sleep(0.1)
+        r = pending.result()
+    assert_error(r, 400, "messages")
+    assert "ran longer than 5 s" in r.json()["error"]["message"]
+    assert 4.5 < time.monotonic() - start < 30 and slowest < 2
+    ok = httpx.post(s.url + "/v1/chat/completions", json={**looping, "messages": chat("hi")}, headers={"Authorization": "Bearer two"}, timeout=60)
+    assert ok.status_code == 200, ok.text

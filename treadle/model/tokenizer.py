@@ -6,12 +6,10 @@ BOS/EOS ids, the stop set (eos + eot/eom, + generation_config's eos list) and th
 
 import json
 import os
-from datetime import datetime
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from .chat_template import render
 from .config import ModelLoadError
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -116,38 +114,7 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
-        compiled = _compile_template(template)
-        try:
-            return compiled.render(**context)
-        except Exception as e:  # the template is the model's code: any failure is a bad request, not a crash
-            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
-
-
-def _raise_exception(message):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-
-
-_template_cache: dict[str, jinja2.Template] = {}
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Templates run sandboxed (they come from model files) with HF's conventions."""
-    template = _template_cache.get(source)
-    if template is None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            template = env.from_string(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"chat template does not parse: {e}") from e
-        _template_cache[source] = template
-    return template
+        return render(template, context)  # sandboxed and bounded; ValueError if it fails
 
 
 # ---------------------------------------------------------------- GGUF
@@ -159,6 +126,7 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise ModelLoadError(f"{path}: tokenizer.ggml.model/tokens: missing, the file carries no tokenizer")
+    _check_gguf_tokenizer(path, meta)
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if kind == "gpt2":
         backend = _byte_level_bpe(path, meta, tokens)
@@ -194,6 +162,41 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
     )
 
 
+def _check_gguf_tokenizer(path: str, meta: dict) -> None:
+    """The tokenizer.ggml.* values have the types and lengths the format gives them."""
+
+    def fail(key: str, expected: str):
+        value = meta[key]
+        shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:80]
+        raise ModelLoadError(f"{path}: tokenizer.ggml.{key.rsplit('.', 1)[1]} = {shown}: expected {expected}")
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        fail("tokenizer.ggml.tokens", "a non-empty list of strings")
+    n = len(tokens)
+    lists = {"tokenizer.ggml.token_type": int, "tokenizer.ggml.scores": (int, float), "tokenizer.ggml.merges": str}
+    for key, kind in lists.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
+            fail(key, f"a list of {'strings' if kind is str else 'numbers'}")
+        if value is not None and key != "tokenizer.ggml.merges" and len(value) != n:
+            fail(key, f"one entry per token ({n})")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        if key in meta and not isinstance(meta[key], str):
+            fail(key, "a string")
+    for key in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "unknown_token_id", "padding_token_id"):
+        value = meta.get("tokenizer.ggml." + key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n):
+            fail("tokenizer.ggml." + key, f"a token id below the vocabulary's {n}")
+    for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        value = meta.get("tokenizer.ggml." + key)
+        if value is not None and not isinstance(value, (bool, int)):
+            fail("tokenizer.ggml." + key, "a boolean")
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{path}: tokenizer.chat_template: expected a template string")
+
+
 def _byte_level_bpe(path: str, meta: dict, tokens: list[str]) -> HFTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in BPE_PRE_TOKENIZERS:
@@ -204,11 +207,25 @@ def _byte_level_bpe(path: str, meta: dict, tokens: list[str]) -> HFTokenizer:
     if merges is None:
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=False))
+    backend = HFTokenizer(_bpe(path, vocab, _merge_pairs(path, merges), ignore_merges=False))
     backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _merge_pairs(path: str, merges: list[str]) -> list[tuple[str, str]]:
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    for m, pair in zip(merges, pairs):
+        if len(pair) != 2:
+            raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {m!r}: expected two pieces separated by a space")
+    return pairs
+
+
+def _bpe(path: str, vocab: dict, pairs: list, **kwargs) -> models.BPE:
+    try:
+        return models.BPE(vocab, pairs, **kwargs)
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown pieces
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
 
 
 def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: list[int]) -> HFTokenizer:
@@ -217,14 +234,14 @@ def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: li
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = _merge_pairs(path, merges)
     else:
         if scores is None:
             raise ModelLoadError(f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges")
         pairs = _merges_from_scores(tokens, scores, token_types, vocab)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
-    backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend = HFTokenizer(_bpe(path, vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
     # As SentencePiece and llama.cpp: a space is prepended to every text fragment (the start, and
     # after each special token) even when it already starts with spaces. (tokenizers' Metaspace
@@ -289,6 +306,9 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         raise ModelLoadError(f"{path}: cannot parse: {e}") from e
     tok_config = read_json(os.path.join(folder, "tokenizer_config.json"))
     gen_config = read_json(os.path.join(folder, "generation_config.json"))
+    for name, value in (("tokenizer_config.json", tok_config), ("generation_config.json", gen_config)):
+        if not isinstance(value, dict):
+            raise ModelLoadError(f"{folder}/{name}: expected a JSON object, found {type(value).__name__}")
 
     def token_id(entry) -> int | None:
         if isinstance(entry, dict):
@@ -297,13 +317,13 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
 
     bos = token_id(tok_config.get("bos_token"))
     if bos is None:
-        bos = _first_id(config.get("bos_token_id"))
+        bos = _first_id(f"{folder}/config.json: bos_token_id", config.get("bos_token_id"))
     eos = token_id(tok_config.get("eos_token"))
     if eos is None:
-        eos = _first_id(config.get("eos_token_id"))
+        eos = _first_id(f"{folder}/config.json: eos_token_id", config.get("eos_token_id"))
     stop = {eos} if eos is not None else set()
-    for source in (gen_config.get("eos_token_id"), config.get("eos_token_id")):
-        stop.update(_as_list(source))
+    for where, source in (("generation_config.json", gen_config.get("eos_token_id")), ("config.json", config.get("eos_token_id"))):
+        stop.update(_as_list(f"{folder}/{where}: eos_token_id", source))
 
     chat_template = tok_config.get("chat_template")
     if isinstance(chat_template, list):  # named templates: take "default"
@@ -314,18 +334,26 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         with open(jinja_file, encoding="utf-8") as f:
             chat_template = f.read()
     if chat_template is None:
-        chat_template = read_json(os.path.join(folder, "chat_template.json")).get("chat_template")
+        extra = read_json(os.path.join(folder, "chat_template.json"))
+        chat_template = extra.get("chat_template") if isinstance(extra, dict) else None
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ModelLoadError(f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: expected a template string")
     return Tokenizer(
         backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder
     )
 
 
-def _as_list(value) -> list[int]:
+def _as_list(where: str, value) -> list[int]:
+    """Token ids from a config value: an id, a list of ids, or null."""
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    ids = value if isinstance(value, list) else [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 1 << 31:
+            raise ModelLoadError(f"{where} = {value!r}: expected a token id or a list of token ids")
+    return ids
 
 
-def _first_id(value) -> int | None:
-    ids = _as_list(value)
+def _first_id(where: str, value) -> int | None:
+    ids = _as_list(where, value)
     return ids[0] if ids else None

@@ -8,6 +8,7 @@ cache_read_input_tokens those that were. Errors use Anthropic's body (server/err
 `anthropic-version` header is accepted and not required.
 """
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -80,7 +81,7 @@ def register(app, state: ServerState) -> None:
         fields = body.model_dump(exclude_none=True)
         chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
         tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-        text = chat_prompt(state, chat, tools)
+        text = await asyncio.to_thread(chat_prompt, state, chat, tools)
         return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
 
 

@@ -88,6 +88,11 @@ class Linear:
     """
 
     int4_max_rows = 4
+    # batch-invariant mode: the dense GEMM in calls of at most this many rows. oneDNN's bf16 GEMM
+    # computes a row the same way for every M up to 32 and switches blocking beyond (measured on
+    # AMX and AVX-512 CPUs), so a row's logits would otherwise depend on how many rows share it.
+    INVARIANT_ROWS = 32
+    row_chunk: int | None = None
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int4=None, int8: bool = False):
         """weight None: the 4-bit form is the only one, used for every row count (batch-invariant mode)."""
@@ -119,4 +124,6 @@ class Linear:
             packed, scales_zeros, group = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
             return y if self.bias is None else y + self.bias
+        if self.row_chunk is not None and x.shape[0] > self.row_chunk:
+            return torch.cat([F.linear(part, self.weight, self.bias) for part in x.split(self.row_chunk)])
         return F.linear(x, self.weight, self.bias)

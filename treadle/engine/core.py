@@ -116,6 +116,9 @@ class EngineCore:
         num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
+        files.config.position_table = self.max_model_len
+        if draft_files is not None:
+            draft_files.config.position_table = self.max_model_len
         self.runner = self._make_runner(files, num_blocks, config.seed, fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)))
         del files
         self._weight_bytes = self.runner.model.weight_bytes() if hasattr(self.runner.model, "weight_bytes") else None

@@ -37,6 +37,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     sliding_window: int | None = None
     name: str = ""
+    # positions the engine will use (its max_model_len), set before the model is built: the rotary
+    # tables cover these, not the context length a file claims; None: max_position
+    position_table: int | None = None
 
 
 @dataclass
@@ -63,3 +66,64 @@ class ModelFiles:
     weights: dict
     tokenizer: "object"
     int4: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- values read from files
+
+# Bounds on what a file may claim: far above any real model, far below what would make the loader
+# allocate or loop without end before it finds the mistake.
+LIMITS = {
+    "vocab_size": (1, 1 << 24),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 20),
+    "num_layers": (1, 1024),
+    "num_heads": (1, 1024),
+    "num_kv_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "max_position": (2, 1 << 40),  # a prompt token and one more
+    "sliding_window": (1, 1 << 40),
+}
+
+
+def file_int(where: str, key: str, value, lo: int, hi: int) -> int:
+    """An integer a file gives under `key`, within [lo, hi]; else a ModelLoadError naming the key."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{where}: {key} = {value!r}: not an integer")
+    if not lo <= value <= hi:
+        raise ModelLoadError(f"{where}: {key} = {value}: out of range (expected {lo}..{hi})")
+    return value
+
+
+def file_float(where: str, key: str, value, positive: bool = True) -> float:
+    """A finite number a file gives under `key` (positive unless told); else a ModelLoadError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelLoadError(f"{where}: {key} = {value!r}: not a number")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")) or (positive and value <= 0):
+        raise ModelLoadError(f"{where}: {key} = {value}: expected a finite{' positive' if positive else ''} number")
+    return value
+
+
+def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> ModelConfig:
+    """Every hyperparameter within LIMITS and consistent with the others; `keys` names each field as
+    the file spells it (for the message)."""
+    for name, (lo, hi) in LIMITS.items():
+        value = getattr(config, name)
+        if value is not None or name != "sliding_window":
+            setattr(config, name, file_int(where, keys.get(name, name), value, lo, hi))
+    if config.num_heads % config.num_kv_heads:
+        raise ModelLoadError(f"{where}: {keys.get('num_kv_heads')} = {config.num_kv_heads}: does not divide {keys.get('num_heads')} = {config.num_heads}")
+    if config.head_dim % 2:
+        raise ModelLoadError(f"{where}: {keys.get('head_dim')} = {config.head_dim}: rotary embeddings need an even head size")
+    config.rms_norm_eps = file_float(where, keys.get("rms_norm_eps", "rms_norm_eps"), config.rms_norm_eps)
+    rope = config.rope
+    rope.theta = file_float(where, keys.get("rope_theta", "rope_theta"), rope.theta)
+    rope.factor = file_float(where, keys.get("rope_factor", "rope factor"), rope.factor)
+    rope.low_freq_factor = file_float(where, "rope low_freq_factor", rope.low_freq_factor)
+    rope.high_freq_factor = file_float(where, "rope high_freq_factor", rope.high_freq_factor)
+    rope.original_max_position = file_int(where, "rope original_max_position_embeddings", rope.original_max_position, 1, 1 << 40)
+    if rope.scaling_type == "llama3" and rope.low_freq_factor == rope.high_freq_factor:
+        raise ModelLoadError(f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: llama3 scaling divides by their difference")
+    return config

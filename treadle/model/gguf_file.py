@@ -9,6 +9,7 @@ Layout (v2/v3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 kv co
 u64 offset); tensor data at the next multiple of general.alignment (default 32).
 """
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
           10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
 _STRING, _ARRAY = 8, 9
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays
 _FLOAT_ARRAYS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
 
 
@@ -58,21 +61,23 @@ class _Cursor:
         self.pos += n
         return s
 
-    def value(self, vtype: int):
+    def value(self, vtype: int, depth: int = 0):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            if depth >= MAX_NESTING:
+                raise GGUFFormatError(f"arrays nested more than {MAX_NESTING} deep")
+            if count * (np.dtype(_NUMPY[etype]).itemsize if etype in _NUMPY else 8) > len(self.buf) - self.pos:
+                raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
             if etype in _NUMPY:
                 width = np.dtype(_NUMPY[etype]).itemsize
-                if self.pos + count * width > len(self.buf):
-                    raise GGUFFormatError("array runs past the end of the file")
                 arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
                 self.pos += count * width
                 return arr.tolist()
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
 
@@ -85,6 +90,7 @@ class GGUFFile:
                 raise GGUFFormatError(f"cannot map the file: {e}") from None
         buf = memoryview(self._map)
         c = _Cursor(buf)
+        where = "header"
         try:
             if bytes(buf[:4]) != b"GGUF":
                 raise GGUFFormatError(f"not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
@@ -93,18 +99,31 @@ class GGUFFile:
             if self.version not in (2, 3):
                 raise GGUFFormatError(f"GGUF version {self.version} is not supported (2, 3)")
             n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
+            if n_kv * 13 > len(buf) or n_tensors * 24 > len(buf):  # the smallest key/value and tensor info
+                raise GGUFFormatError(f"header claims {n_tensors} tensors and {n_kv} metadata entries; the file ({len(buf)} bytes) cannot hold them")
             self.metadata: dict = {}
-            for _ in range(n_kv):
+            for i in range(n_kv):
+                where = f"metadata entry {i}"
                 key = c.string()
+                where = f"metadata {key!r}"
                 self.metadata[key] = c.value(c.unpack("<I"))
             infos = []
-            for _ in range(n_tensors):
+            for i in range(n_tensors):
+                where = f"tensor info {i}"
                 name = c.string()
-                dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
+                where = f"tensor {name}"
+                n_dims = c.unpack("<I")
+                if not 1 <= n_dims <= MAX_DIMS:
+                    raise GGUFFormatError(f"{n_dims} dimensions (GGUF tensors have 1 to {MAX_DIMS})")
+                dims = [c.unpack("<Q") for _ in range(n_dims)]
                 infos.append((name, dims, c.unpack("<I"), c.unpack("<Q")))
         except struct.error as e:
-            raise GGUFFormatError(f"truncated header: {e}") from None
-        align = int(self.metadata.get("general.alignment", 32))
+            raise GGUFFormatError(f"truncated header ({where}): {e}") from None
+        except GGUFFormatError as e:
+            raise GGUFFormatError(f"{where}: {e}") from None
+        align = self.metadata.get("general.alignment", 32)
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
+            raise GGUFFormatError(f"general.alignment = {align!r}: expected an integer from 1 to {1 << 20}")
         start = -(-c.pos // align) * align
         self.tensors = [self._tensor(buf, start, *info) for info in infos]
 
@@ -114,7 +133,9 @@ class GGUFFile:
         except ValueError:
             raise GGUFFormatError(f"tensor {name}: unknown tensor type id {type_id}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(dims)) if dims else 1
+        if dims and dims[0] % block:
+            raise GGUFFormatError(f"tensor {name}: dimension 0 = {dims[0]}: not a multiple of {qtype.name}'s block of {block}")
+        n = math.prod(dims)
         n_bytes = n * type_size // block
         begin = start + offset
         if begin + n_bytes > len(buf):

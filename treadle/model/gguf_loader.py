@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import torch
 
-from .config import Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig
+from .config import LIMITS, Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
 from .gguf_file import open_gguf
 from .registry import HF_CLASS_NAMES, registered_architectures
 from .tokenizer import tokenizer_from_gguf
@@ -63,46 +63,56 @@ def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> Mode
             return default
         return meta[full]
 
-    hidden = int(get("embedding_length", required=True))
-    heads = int(get("attention.head_count", required=True))
+    def number(key, lo, hi, default=None, required=False):
+        return file_int(path, f"{arch}.{key}", get(key, default, required), lo, hi)
+
+    hidden = number("embedding_length", *LIMITS["hidden_size"], required=True)
+    heads = number("attention.head_count", *LIMITS["num_heads"], required=True)
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv: per-layer head counts are not supported")
-    head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    head_dim = number("attention.key_length", *LIMITS["head_dim"], default=hidden // heads)
+    if get("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"{path}: {arch}.attention.value_length: differs from key_length, not supported")
-    rope_dim = int(get("rope.dimension_count", head_dim))
+    rope_dim = get("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count = {rope_dim}: partial rotary embeddings are not supported")
+        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count = {rope_dim!r}: partial rotary embeddings are not supported")
     if get("expert_count", 0):
         raise ModelLoadError(f"{path}: {arch}.expert_count: mixture-of-experts models are not supported")
 
-    rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)))
+    rope = RopeConfig(theta=get("rope.freq_base", 10000.0))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ModelLoadError(f"{path}: {arch}.rope.scaling.type = {scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)")
         rope.scaling_type = "linear"
-        rope.factor = float(get("rope.scaling.factor", 1.0))
+        rope.factor = get("rope.scaling.factor", 1.0)
     vocab = meta.get("tokenizer.ggml.tokens")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
-        vocab_size=int(get("vocab_size", len(vocab) if vocab else 0)),
+        vocab_size=get("vocab_size", len(vocab) if isinstance(vocab, list) and vocab else 1),  # the embedding's rows, once read
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length", required=True)),
-        num_layers=int(get("block_count", required=True)),
+        intermediate_size=get("feed_forward_length", required=True),
+        num_layers=get("block_count", required=True),
         num_heads=heads,
-        num_kv_heads=int(kv_heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope=rope,
-        max_position=int(get("context_length", 4096)),
+        max_position=get("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=get("attention.sliding_window"),
         name=str(meta.get("general.name") or os.path.basename(path)),
     )
+    keys = {
+        "vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+        "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+        "head_dim": "attention.key_length", "max_position": "context_length", "sliding_window": "attention.sliding_window",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "rope_factor": "rope.scaling.factor",
+    }  # fmt: skip
+    return check_config(path, config, {field: f"{arch}.{key}" for field, key in keys.items()})
 
 
 def _hf_name(path: str, name: str) -> str:

@@ -54,6 +54,34 @@ class DecoderLayer:
         self.down = linear(("mlp.down_proj.weight",))
 
 
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a Llama-style decoder with this config reads, and its shape (HF names)."""
+    h, q, kv, ff = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (config.vocab_size, h)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
+        }  # fmt: skip
+        if config.attention_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (config.head_dim,), "self_attn.k_norm.weight": (config.head_dim,)})
+        shapes.update({p + k: v for k, v in layer.items()})
+    return shapes
+
+
+def check_weight_shapes(config: ModelConfig, weights: dict) -> None:
+    """Each weight present has the shape the config implies (a missing or extra one is reported
+    where it is taken); before any is converted, so a file whose tensors contradict its own
+    hyperparameters is a load error, not a failure in the first forward."""
+    for name, shape in expected_shapes(config).items():
+        if name in weights and tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"weight {name}: shape {tuple(weights[name].shape)}, expected {shape} from the model's configuration")
+
+
 class LlamaModel:
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
@@ -68,7 +96,10 @@ class LlamaModel:
         # Consumes `weights` and `int4`: each float32 tensor is freed as soon as its converted
         # copy exists, so loading never holds two full copies of the model.
         w = weights
+        check_weight_shapes(config, w)
         int4 = int4 if int4 is not None else {}
+        if "model.embed_tokens.weight" not in w or "model.norm.weight" not in w:
+            raise ModelLoadError(f"weight {'model.embed_tokens.weight' if 'model.embed_tokens.weight' not in w else 'model.norm.weight'}: missing")
         self.embed = w.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = RMSNorm(w.pop("model.norm.weight").to(device=device, dtype=dtype), config.rms_norm_eps)
         head = w.pop("lm_head.weight", None)
@@ -80,10 +111,13 @@ class LlamaModel:
         self.layers = [
             DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device, one_form=batch_invariant) for i in range(config.num_layers)
         ]
+        if batch_invariant:
+            for linear in [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]:
+                linear.row_chunk = Linear.INVARIANT_ROWS
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position).to(device)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.position_table or config.max_position).to(device)
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from . import openapi
 from .api import anthropic, chat_completions, completions, embeddings, ollama, responses
 from .engine_client import EngineClient
 from .errors import dialect_of, error_response
@@ -291,4 +292,5 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if settings.max_concurrent_per_key > 0:  # before the key check: a wrong key counts apart, until its 401
         app.add_middleware(ConcurrencyLimit, limit=settings.max_concurrent_per_key, keyed=bool(settings.api_keys))
     app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
+    openapi.install(app)
     return app

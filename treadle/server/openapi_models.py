@@ -1,0 +1,774 @@
+"""Response bodies of every route, as pydantic models, for the OpenAPI schema and its conformance tests.
+
+These models describe what the handlers really send (the dicts built in server/api/*.py and
+app.py, the `model_dump()` of protocol.py's models, errors.py's error bodies); nothing here builds
+a response. The rules they follow, so that a response checked against its schema (Schemathesis)
+never fails for a reason of the schema's own:
+
+- a key every response of that shape carries is a required field; a key that is only sometimes
+  there is optional (default None), which the schema then also lets be null;
+- a value that may be null allows None; a number that may be an int or a float is `float`
+  (JSON schema "number" takes both), an `int` field only ever holds ints;
+- no model forbids extra keys (pydantic's default: `additionalProperties` stays open), and the
+  open-ended bodies (/stats, /api/show's model_info, request fields echoed back) model only the
+  keys they always carry.
+
+Objects that also appear inside streamed snapshots (a Responses `response.created` event's
+response, Anthropic's `message_start` message) allow the null those snapshots carry; the streams
+themselves (SSE, NDJSON) are not modeled.
+
+`ROUTES` lists every route `build_app` registers: its 2xx JSON model, the other 2xx media types
+it can answer with, its dialect (which picks the error body, ERROR_MODELS) and the error statuses
+it can really return.
+"""
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .protocol import ModelCard, ModelList
+
+__all__ = [
+    "ROUTES",
+    "ERROR_MODELS",
+    "GLOBAL_ERRORS",
+    "ModelCard",
+    "ModelList",
+    # OpenAI
+    "OpenAIError",
+    "OpenAIErrorDetail",
+    "Usage",
+    "PromptTokensDetails",
+    "ToolCallFunction",
+    "ToolCall",
+    "ChatTopLogprob",
+    "ChatTokenLogprob",
+    "ChatLogprobs",
+    "ChatCompletionMessage",
+    "ChatCompletionChoice",
+    "ChatCompletion",
+    "CompletionLogprobs",
+    "CompletionChoice",
+    "Completion",
+    "ResponseOutputText",
+    "ResponseReasoningText",
+    "ResponseOutputMessage",
+    "ResponseReasoningItem",
+    "ResponseFunctionCall",
+    "ResponseOutputItem",
+    "ResponseError",
+    "ResponseIncompleteDetails",
+    "ResponseReasoning",
+    "ResponseInputTokensDetails",
+    "ResponseOutputTokensDetails",
+    "ResponseUsage",
+    "ResponseObject",
+    "ResponseDeleted",
+    "Embedding",
+    "EmbeddingUsage",
+    "EmbeddingList",
+    # Anthropic
+    "AnthropicError",
+    "AnthropicErrorDetail",
+    "AnthropicTextBlock",
+    "AnthropicThinkingBlock",
+    "AnthropicToolUseBlock",
+    "AnthropicContentBlock",
+    "AnthropicUsage",
+    "AnthropicMessage",
+    "AnthropicTokenCount",
+    # Ollama
+    "OllamaError",
+    "OllamaToolCallFunction",
+    "OllamaToolCall",
+    "OllamaMessage",
+    "OllamaChatResponse",
+    "OllamaGenerateResponse",
+    "OllamaModelDetails",
+    "OllamaModel",
+    "OllamaTags",
+    "OllamaRunningModel",
+    "OllamaPs",
+    "OllamaModelInfo",
+    "OllamaShow",
+    "OllamaEmbed",
+    "OllamaVersion",
+    # plain
+    "Health",
+    "Version",
+    "StatsMemory",
+    "Stats",
+    "TokenPiece",
+    "TokenizeResponse",
+    "DetokenizeResponse",
+    "OpenAPIDocument",
+]
+
+
+# ====================================================================== OpenAI
+
+
+class OpenAIErrorDetail(BaseModel):
+    """The inside of an OpenAI error body (protocol.error_body)."""
+
+    message: str
+    type: str = Field(description="errors.OPENAI_TYPES by status: BadRequestError, NotFoundError, ...")
+    param: str | None = Field(description="the request parameter at fault, or null")
+    code: int | str | None = Field(description="the HTTP status when no code is given, else a code such as model_not_found; a string within streams")
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error body, on /v1/* (but /v1/messages*), /tokenize, /detokenize, /stats, /metrics and unknown paths."""
+
+    error: OpenAIErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    """Prompt tokens read from the prefix cache."""
+
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """Token counts of a chat or text completion (collector.EngineStream.usage)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ToolCallFunction(BaseModel):
+    """A tool call's function: its name and arguments as JSON text."""
+
+    name: str
+    arguments: str = Field(description="the arguments as JSON text (complete JSON: a call cut short is left out)")
+
+
+class ToolCall(BaseModel):
+    """One tool call of a chat message (tools.ToolCall.as_openai)."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatTopLogprob(BaseModel):
+    """One of the most likely tokens at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(BaseModel):
+    """The chosen token at one position, its logprob and the top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs (chat_completions.chat_logprobs)."""
+
+    content: list[ChatTokenLogprob]
+
+
+class ChatCompletionMessage(BaseModel):
+    """The assistant's message of one choice (chat_output.ChatOutput.message)."""
+
+    role: Literal["assistant"]
+    content: str | None = Field(description="null only when the message has tool_calls and no text")
+    reasoning: str | None = Field(None, description="present (possibly null) only with --reasoning-parser")
+    reasoning_content: str | None = Field(None, description="the same as reasoning (vLLM's older name)")
+    tool_calls: list[ToolCall] | None = Field(None, description="present only when the reply called tools")
+
+
+class ChatCompletionChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str = Field(description="stop, length, tool_calls, abort (the server ended it), ...")
+
+
+class ChatCompletion(BaseModel):
+    """POST /v1/chat/completions, not streamed."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    """A text completion choice's logprobs (completions.completion_logprobs)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a text completion."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str = Field(description="stop, length, abort, ...")
+
+
+class Completion(BaseModel):
+    """POST /v1/completions, not streamed."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ResponseOutputText(BaseModel):
+    """A message item's text part."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseReasoningText(BaseModel):
+    """A reasoning item's text part."""
+
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseOutputMessage(BaseModel):
+    """An output item: the assistant's text (responses._item)."""
+
+    id: str
+    type: Literal["message"]
+    status: str = Field(description="completed (in_progress within a stream)")
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseReasoningItem(BaseModel):
+    """An output item: the model's reasoning (with --reasoning-parser)."""
+
+    id: str
+    type: Literal["reasoning"]
+    status: str
+    summary: list[Any]
+    content: list[ResponseReasoningText]
+
+
+class ResponseFunctionCall(BaseModel):
+    """An output item: one tool call."""
+
+    id: str
+    type: Literal["function_call"]
+    status: str
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+ResponseOutputItem = Annotated[Union[ResponseOutputMessage, ResponseReasoningItem, ResponseFunctionCall], Field(discriminator="type")]
+
+
+class ResponseError(BaseModel):
+    """Why a response failed."""
+
+    code: str
+    message: str
+
+
+class ResponseIncompleteDetails(BaseModel):
+    """Why a response is incomplete."""
+
+    reason: str = Field(description="max_output_tokens")
+
+
+class ResponseReasoning(BaseModel):
+    """The reasoning settings echoed back (always nulls here)."""
+
+    effort: str | None
+    summary: str | None
+
+
+class ResponseInputTokensDetails(BaseModel):
+    """Input tokens read from the prefix cache."""
+
+    cached_tokens: int
+
+
+class ResponseOutputTokensDetails(BaseModel):
+    """Output tokens spent reasoning."""
+
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    """A response's token counts (responses._Reply.usage)."""
+
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """POST /v1/responses (not streamed) and GET /v1/responses/{response_id} (responses._Reply.response)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"] = Field(description="in_progress only within a stream")
+    error: ResponseError | None
+    incomplete_details: ResponseIncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[ResponseOutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: ResponseReasoning
+    store: bool
+    temperature: float
+    text: dict[str, Any] = Field(description="the request's text object as given, or {format: {type: text}}")
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]] = Field(description="the request's tools as given")
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None = Field(description="an object in every finished response; null only within a stream's early events")
+    user: str | None
+    metadata: dict[str, Any]
+
+
+class ResponseDeleted(BaseModel):
+    """DELETE /v1/responses/{response_id}."""
+
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class Embedding(BaseModel):
+    """One input's vector: floats, or base64 of little-endian float32 with encoding_format base64."""
+
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    """Token counts of an embeddings request."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    """POST /v1/embeddings."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ====================================================================== Anthropic
+
+
+class AnthropicErrorDetail(BaseModel):
+    """The inside of an Anthropic error body (errors.anthropic_body)."""
+
+    type: str = Field(description="errors.ANTHROPIC_TYPES by status: invalid_request_error, overloaded_error, ...")
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body, on /v1/messages*."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicTextBlock(BaseModel):
+    """A text content block."""
+
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicThinkingBlock(BaseModel):
+    """A thinking content block (with --reasoning-parser); the signature is always empty."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class AnthropicToolUseBlock(BaseModel):
+    """A tool_use content block: the call's arguments parsed."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: Any = Field(description="the parsed arguments: an object, unless a tool's schema asks for another JSON value")
+
+
+AnthropicContentBlock = Annotated[Union[AnthropicTextBlock, AnthropicThinkingBlock, AnthropicToolUseBlock], Field(discriminator="type")]
+
+
+class AnthropicUsage(BaseModel):
+    """Anthropic's usage: input_tokens excludes the tokens read from the prefix cache."""
+
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessage(BaseModel):
+    """POST /v1/messages, not streamed (anthropic._message)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicContentBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = Field(description="null only in a stream's message_start")
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicTokenCount(BaseModel):
+    """POST /v1/messages/count_tokens."""
+
+    input_tokens: int
+
+
+# ====================================================================== Ollama
+
+
+class OllamaError(BaseModel):
+    """Ollama's error body, on /api/* (also a stream's last line when generation fails)."""
+
+    error: str
+
+
+class OllamaToolCallFunction(BaseModel):
+    """A tool call's function: its name and parsed arguments."""
+
+    name: str
+    arguments: Any = Field(description="the parsed arguments: an object, unless a tool's schema asks for another JSON value")
+
+
+class OllamaToolCall(BaseModel):
+    """One tool call of an Ollama message."""
+
+    function: OllamaToolCallFunction
+
+
+class OllamaMessage(BaseModel):
+    """The assistant's message of /api/chat (ollama._message)."""
+
+    role: Literal["assistant"]
+    content: str
+    thinking: str | None = Field(None, description="present only when the model reasoned (--reasoning-parser)")
+    tool_calls: list[OllamaToolCall] | None = Field(None, description="present only when the reply called tools")
+
+
+class _OllamaDone(BaseModel):
+    """The fields every finished /api/chat and /api/generate reply carries; the timings (ns) are absent from the load reply."""
+
+    model: str
+    created_at: str = Field(description="RFC 3339 time, UTC")
+    done: bool
+    done_reason: str = Field(description="stop, length, or load (a request with nothing to generate)")
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class OllamaChatResponse(_OllamaDone):
+    """POST /api/chat with stream false (or with no messages: the load reply, whatever stream says)."""
+
+    message: OllamaMessage
+
+
+class OllamaGenerateResponse(_OllamaDone):
+    """POST /api/generate with stream false (or with no prompt nor system: the load reply)."""
+
+    response: str
+    thinking: str | None = Field(None, description="present only when the model reasoned (--reasoning-parser)")
+
+
+class OllamaModelDetails(BaseModel):
+    """A model's details (ollama._model_entry)."""
+
+    parent_model: str
+    format: str = Field(description="gguf or safetensors")
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaModel(BaseModel):
+    """One model of /api/tags."""
+
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: OllamaModelDetails
+
+
+class OllamaTags(BaseModel):
+    """GET /api/tags."""
+
+    models: list[OllamaModel]
+
+
+class OllamaRunningModel(OllamaModel):
+    """One model of /api/ps."""
+
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class OllamaPs(BaseModel):
+    """GET /api/ps."""
+
+    models: list[OllamaRunningModel]
+
+
+class OllamaModelInfo(BaseModel):
+    """/api/show's model_info: the architecture and context length (also as `<family>.context_length`)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    general_architecture: str = Field(alias="general.architecture")
+    general_context_length: int = Field(alias="general.context_length")
+
+
+class OllamaShow(BaseModel):
+    """POST /api/show."""
+
+    model_config = ConfigDict(protected_namespaces=())
+    modelfile: str
+    parameters: str
+    template: str
+    details: OllamaModelDetails
+    model_info: OllamaModelInfo
+    capabilities: list[str]
+    modified_at: str
+
+
+class OllamaEmbed(BaseModel):
+    """POST /api/embed (model: the name as the request gave it)."""
+
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaVersion(BaseModel):
+    """GET /api/version."""
+
+    version: str
+
+
+# ====================================================================== plain endpoints
+
+
+class Health(BaseModel):
+    """GET /health: 200 {"status": "ok"}; 503 with the engine's state (loading, restarting, failed, stopped) and why."""
+
+    status: str
+    reason: str | None = Field(None, description="present only on a 503 whose engine gave a reason")
+
+
+class Version(BaseModel):
+    """GET /version."""
+
+    version: str
+
+
+class StatsMemory(BaseModel):
+    """/stats' memory: the front end's resident set (null where /proc is not), and the core's numbers once it reported."""
+
+    front_end_rss_bytes: int | None
+    front_end_peak_rss_bytes: int | None
+    weights_bytes: int | None = None
+    rss_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+
+class Stats(BaseModel):
+    """GET /stats: the engine core's latest snapshot (engine.core.EngineCore.stats) plus the front end's numbers.
+
+    Only the keys the front end adds are required; the core's are present once it has reported
+    (it has, whenever /stats answers 200) and are open-ended (spec_decode, step_cost, ...)."""
+
+    memory: StatsMemory
+    num_waiting: int
+    engine_pid: int | None
+    engine_restarts: int
+    kv_blocks_total: int | None = None
+    kv_blocks_free: int | None = None
+    kv_blocks_used: int | None = None
+    num_running: int | None = None
+    num_preemptions: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    prompt_tokens_computed: int | None = None
+    generation_tokens: int | None = None
+    steps: int | None = None
+    failed_steps: int | None = None
+    requests_received: int | None = None
+    architecture: str | None = None
+
+
+class TokenPiece(BaseModel):
+    """A token and its text (llama.cpp's with_pieces)."""
+
+    id: int
+    piece: str
+
+
+class TokenizeResponse(BaseModel):
+    """POST /tokenize: vLLM's {tokens, count, max_model_len} (prompt or messages), or llama.cpp's {tokens} (content)."""
+
+    tokens: list[int] | list[TokenPiece] = Field(description="ids; {id, piece} objects with llama.cpp's with_pieces")
+    count: int | None = Field(None, description="vLLM's shape only")
+    max_model_len: int | None = Field(None, description="vLLM's shape only")
+
+
+class DetokenizeResponse(BaseModel):
+    """POST /detokenize: the text, under vLLM's name (prompt) and llama.cpp's (content)."""
+
+    prompt: str
+    content: str
+
+
+class OpenAPIDocument(BaseModel):
+    """GET /openapi.json: FastAPI's generated document (only its top keys)."""
+
+    openapi: str
+    info: dict[str, Any]
+    paths: dict[str, Any]
+
+
+# ====================================================================== the route table
+
+ERROR_MODELS: dict[str, type[BaseModel]] = {
+    "openai": OpenAIError,
+    "anthropic": AnthropicError,
+    "ollama": OllamaError,
+    "plain": OpenAIError,  # errors.dialect_of: every path outside /v1/messages* and /api/* gets OpenAI's body
+}
+
+# Any route: BodyGate (app.py) wraps the whole app, so a body larger than --max-request-bytes is a 413
+# and one not complete within --request-body-timeout a 408 (both with the dialect's error body).
+_GATE = [408, 413]
+# The protected prefixes (app.PROTECTED_PREFIXES): 401 when --api-key is set and the key is wrong
+# or missing; 429 with --max-concurrent-per-key.
+_KEYED = [401, 429]
+# A generation: 400 (validation; request checks; a grammar the core refuses; GenerationFailed 400),
+# 404 (check_model), 503 (require_ready; queue full; engine dead; a stream aborted by shutdown),
+# 500 (an engine step failed: GenerationFailed 500), 499 (the client left before a non-streamed
+# reply: an empty body, see error_bodies).
+_GENERATE = [400, 404, 499, 500, 503]
+
+# Not per route: 404 for an unknown path and 405 for a known path with another method (Starlette's
+# HTTPException -> app.on_http_error, the path's dialect's error body, 405 with an Allow header);
+# 500 for an unexpected exception anywhere (app.on_unexpected: a bug).
+GLOBAL_ERRORS = [404, 405, 500]
+
+
+def _route(ok, dialect: str, errors: list[int], media: list[str] | None = None, error_bodies: dict | None = None, in_schema: bool = True) -> dict:
+    error_bodies = error_bodies or {}
+    return {
+        "ok": ok,
+        "media": media or [],
+        "dialect": dialect,
+        "errors": sorted(set(errors)),
+        "error_bodies": error_bodies,
+        "unavailable": error_bodies.get(503),  # the 503 body's model where it is not the error body (/health)
+        "in_schema": in_schema,
+    }
+
+
+def _anthropic(statuses: list[int]) -> list[int]:
+    """errors.anthropic_status: Anthropic's dialect answers 503 as 529 overloaded_error."""
+    return [529 if s == 503 else s for s in statuses]
+
+
+_EMPTY_499 = {499: None}
+
+# (method, FastAPI path) -> {
+#   "ok": the 2xx JSON body's model, None where the 2xx body is not JSON;
+#   "media": other 2xx media types the route can answer with;
+#   "dialect": openai | anthropic | ollama | plain (ERROR_MODELS gives the error body);
+#   "errors": the error statuses the route can return (GLOBAL_ERRORS aside);
+#   "error_bodies": statuses whose body is not the dialect's error body: a model, or None for no body;
+#   "unavailable": error_bodies' 503 model, or None (the dialect's error body);
+#   "in_schema": False for the routes FastAPI leaves out of /openapi.json.
+# }
+ROUTES: dict[tuple[str, str], dict] = {
+    # ---------------------------------------------------------------- plain endpoints (app.py)
+    ("GET", "/health"): _route(Health, "plain", [503] + _GATE, error_bodies={503: Health}),
+    ("GET", "/version"): _route(Version, "plain", _GATE),
+    ("GET", "/metrics"): _route(None, "plain", [401] + _GATE, media=["text/plain"]),  # 401 only with --metrics-require-key
+    ("GET", "/stats"): _route(Stats, "plain", [503] + _KEYED + _GATE),
+    ("POST", "/tokenize"): _route(TokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
+    ("POST", "/detokenize"): _route(DetokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
+    # ---------------------------------------------------------------- OpenAI
+    ("GET", "/v1/models"): _route(ModelList, "openai", _KEYED + _GATE),
+    ("GET", "/v1/models/{model_id}"): _route(ModelCard, "openai", [404] + _KEYED + _GATE),
+    ("POST", "/v1/chat/completions"): _route(ChatCompletion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("POST", "/v1/completions"): _route(Completion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    # 404 also for an unknown previous_response_id
+    ("POST", "/v1/responses"): _route(ResponseObject, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("GET", "/v1/responses/{response_id}"): _route(ResponseObject, "openai", [404] + _KEYED + _GATE),
+    ("DELETE", "/v1/responses/{response_id}"): _route(ResponseDeleted, "openai", [404] + _KEYED + _GATE),
+    # 499 here is a RequestError: OpenAI's error body, not an empty one
+    ("POST", "/v1/embeddings"): _route(EmbeddingList, "openai", [400, 404, 499, 500, 503] + _KEYED + _GATE),
+    # ---------------------------------------------------------------- Anthropic
+    ("POST", "/v1/messages"): _route(AnthropicMessage, "anthropic", _anthropic(_GENERATE) + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("POST", "/v1/messages/count_tokens"): _route(AnthropicTokenCount, "anthropic", _anthropic([400, 404, 503]) + _KEYED + _GATE),
+    # ---------------------------------------------------------------- Ollama (stream defaults to true)
+    ("POST", "/api/chat"): _route(OllamaChatResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499),
+    ("POST", "/api/generate"): _route(OllamaGenerateResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499),
+    ("GET", "/api/tags"): _route(OllamaTags, "ollama", _KEYED + _GATE),
+    ("GET", "/api/ps"): _route(OllamaPs, "ollama", _KEYED + _GATE),
+    ("POST", "/api/show"): _route(OllamaShow, "ollama", [400, 404, 503] + _KEYED + _GATE),
+    # no 499: embed_texts gets no request to watch here
+    ("POST", "/api/embed"): _route(OllamaEmbed, "ollama", [400, 404, 500, 503] + _KEYED + _GATE),
+    ("GET", "/api/version"): _route(OllamaVersion, "ollama", _KEYED + _GATE),
+    # ---------------------------------------------------------------- not in the OpenAPI document
+    ("GET", "/openapi.json"): _route(OpenAPIDocument, "plain", _GATE, in_schema=False),
+    ("HEAD", "/openapi.json"): _route(None, "plain", _GATE, in_schema=False),
+    # the web chat: FileResponse / StaticFiles (a Range request may get 206, or 416 in text/plain)
+    ("GET", "/"): _route(None, "plain", [416] + _GATE, media=["text/html"], error_bodies={416: None}, in_schema=False),
+    ("GET", "/static/{path}"): _route(None, "plain", [404, 416] + _GATE, media=["*/*"], error_bodies={416: None}, in_schema=False),
+}

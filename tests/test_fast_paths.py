@@ -103,17 +103,19 @@ def test_batch_invariant_path_within_kl_bound(make_llm, reference):
     assert mean_kl < KL_BOUND
 
 
-def test_compiled_decode_paths_within_kl_bound(make_llm, reference, tmp_path, monkeypatch):
-    """The compiled decode graphs (treadle/model/compiled.py) of every batch class: one request,
-    three (4-bit products), all eight (dense products), against float32, under the same bound."""
+def test_compiled_decode_path_within_kl_bound(make_llm, reference, tmp_path, monkeypatch):
+    """The compiled single-stream decode graph (treadle/model/compiled.py; 4-bit products and the
+    int8 head) of the default model against float32, under the same bound. Only the batch-1 class
+    is waited for (each class of this 30-layer model takes about a minute to compile on 2 cores);
+    every class's graph is checked against the eager path in tests/test_compiled.py."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     fast = make_llm(dtype="bfloat16", quantized_weights=True, compile=True, batch_invariant=False)
     compiled = fast.engine.runner.compiled
     deadline = time.time() + 1200
-    while compiled.state() == "compiling" and time.time() < deadline:
+    while "1" not in compiled.ready and compiled.failed is None and time.time() < deadline:  # classes load in order
         time.sleep(1)
-    assert compiled.state() == "ready", fast.engine.compile_status()
+    assert "1" in compiled.ready, fast.engine.compile_status()
     used = {}
     choose = compiled.forward_for
 
@@ -125,10 +127,12 @@ def test_compiled_decode_paths_within_kl_bound(make_llm, reference, tmp_path, mo
 
     compiled.forward_for = counting
     prompts, conts, ref = reference
-    for group in ([0], [1, 2, 3], list(range(8))):
-        got = forced_logprobs(fast, [prompts[i] for i in group], [conts[i] for i in group])
-        kl = torch.cat([(ref[i].exp() * (ref[i] - g)).sum(-1) for i, g in zip(group, got)])
-        agree = torch.cat([(g.argmax(-1) == torch.tensor(conts[i])).float() for i, g in zip(group, got)])
-        print(f"compiled, {len(group)} at once: mean KL {kl.mean():.4f}, greedy agreement {agree.mean():.1%}")
-        assert kl.mean().item() < KL_BOUND
-        assert used.get(len(group), 0) > NUM_TOKENS // 2  # most of the decode steps ran compiled
+    try:
+        got = forced_logprobs(fast, [prompts[0]], [conts[0]])[0]
+    finally:
+        compiled.stop()  # the other classes' compiling would take the CPU from the next tests
+    kl = (ref[0].exp() * (ref[0] - got)).sum(-1)
+    agree = (got.argmax(-1) == torch.tensor(conts[0])).float()
+    print(f"compiled, one stream: mean KL {kl.mean():.4f}, greedy agreement {agree.mean():.1%}")
+    assert kl.mean().item() < KL_BOUND
+    assert used.get(1, 0) > NUM_TOKENS // 2  # most of the decode steps ran compiled

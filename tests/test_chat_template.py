@@ -46,6 +46,12 @@ HUGE = [
     ("{{ ([[1] * 4000] * 4000)|sum(start=[]) }}", "items"),
     ("{{ (range(60000)|list)|tojson(indent=4000) }}", "JSON"),
     ("{{ [1]|batch(100000000, 'x')|list }}", "at most"),
+    ("{% set a = 'a' * 16000000 %}{% set b = [a] * 500 %}{{ b }}", "output value"),
+    ("{% set a = 'a' * 16000000 %}{% set b = [a] * 500 %}{{ b|string|length }}", "a text"),
+    ("{% set a = 'a' * 16000000 %}{% set b = [a] * 500 %}{{ '%s' % b }}", "formatted"),
+    ("{% set a = 'a' * 16000000 %}{% set b = [a] * 500 %}{{ b|tojson }}", "JSON"),
+    ("{% set a = 'a' * 10000000 %}{% set x %}{% for i in range(500) %}{{ a }}{% endfor %}{% endset %}", "block"),
+    ("{% set a = 'a' * 10000000 %}{% macro m() %}{{ a }}{{ a }}{% endmacro %}{{ m() }}", "block"),
 ]
 
 SLOW = [
@@ -92,5 +98,7 @@ def test_output_is_bounded_and_ordinary_templates_still_work():
     numbers = "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} {% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
     assert render(numbers, MESSAGES) == "5000 [1, 2] 10000 100000   ab  |"
     assert render("{{ messages|tojson(indent=2) }}", MESSAGES) == '[\n  {\n    "role": "user",\n    "content": "hi"\n  }\n]'
+    assert render("{{ messages|tojson(separators=(',', ':')) }}", MESSAGES) == '[{"role":"user","content":"hi"}]'  # Kimi-K2's
+    assert render("{{ 'Knowledge cutoff: 20240601, %s' % 'today' }} {{ '{} 1234567'.format(7) }}", MESSAGES) == "Knowledge cutoff: 20240601, today 7 1234567"
     big = "y" * (MAX_CHARS // 2)  # a long conversation is not a huge value
     assert len(render("{% for m in messages %}{{ m.content ~ '|' }}{% endfor %}", {"messages": [{"content": big}]})) == len(big) + 1

@@ -38,7 +38,10 @@ MAX_INT_ARGUMENT = 4096  # a width or count passed to a call or filter (range ha
 MAX_INT_BITS = 65536  # integers the template computes
 
 _TEMPLATE_FILE = "<template>"
-_NUMBER_IN_FORMAT = re.compile(r"\d{6,}")
+# widths and precisions: printf's %[flags][width][.precision]type, and str.format's {field:spec}
+_PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?[a-zA-Z%]")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+_DIGITS = re.compile(r"\d+")
 
 
 # filters whose numeric parameters say how much to make (the value itself may be any number)
@@ -53,10 +56,15 @@ def _raise_exception(message):
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-    """Hugging Face's tojson, written piece by piece so that an indented dump stops at the size limit."""
-    bounds, parts, size = _bounds(), [], 0
-    for piece in json.JSONEncoder(indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys).iterencode(value):
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
+    """Hugging Face's tojson. Its size is estimated before json.dumps builds it; an indented dump
+    (whose indentation can be most of it) is written piece by piece and stops at the limit."""
+    bounds = _bounds()
+    bounds.check_planned(estimated_chars(value, bounds.max_chars), "a JSON text")
+    if indent is None:
+        return json.dumps(value, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
+    parts, size = [], 0
+    for piece in json.JSONEncoder(indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators).iterencode(value):
         size += len(piece)
         bounds.check_planned(size, "a JSON text")
         parts.append(piece)
@@ -105,12 +113,17 @@ class _Bounds:
         if size > limit:
             raise TemplateLimit(f"the chat template asked for {what} of {size} {'characters' if text else 'items'}; at most {limit}")
 
-    def check_format(self, text) -> None:
-        """A printf or str.format pattern with a huge width or precision."""
-        if isinstance(text, str):
-            for m in _NUMBER_IN_FORMAT.finditer(text):
-                if int(m.group()) > MAX_INT_ARGUMENT:
-                    raise TemplateLimit(f"the chat template formats with a width of {m.group()}; at most {MAX_INT_ARGUMENT}")
+    def check_format(self, text, braces: bool = False) -> None:
+        """A printf (or, with `braces`, str.format) pattern with a huge width or precision."""
+        if not isinstance(text, str):
+            return
+        if braces:
+            numbers = [d for m in _BRACE_SPEC.finditer(text) for d in _DIGITS.findall(m.group(1))]
+        else:
+            numbers = [d for m in _PRINTF_SPEC.finditer(text) for d in m.groups() if d]
+        for d in numbers:
+            if len(d) > 6 or int(d) > MAX_INT_ARGUMENT:
+                raise TemplateLimit(f"the chat template formats with a width of {d}; at most {MAX_INT_ARGUMENT}")
 
 
 _local = threading.local()
@@ -143,7 +156,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
 
     def __init__(self):
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], finalize=_finalize)
         for name, f in list(self.filters.items()):
             self.filters[name] = _guarded_filter(name, f)
         self.filters["tojson"] = _guarded_filter("tojson", _tojson)
@@ -152,9 +165,16 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
         self.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 
     def checked_concat(self, parts) -> str:
+        """`a ~ b`: the parts' text, estimated before any is built."""
         bounds = _bounds()
-        parts = [str(p) for p in parts]
-        bounds.check_planned(sum(len(p) for p in parts), "a string")
+        bounds.check_planned(sum(estimated_chars(p, bounds.max_chars) for p in parts), "a string")
+        return "".join(str(p) for p in parts)
+
+    @staticmethod
+    def concat(parts) -> str:
+        """The join of a block's output ({% set %}...{% endset %}, macros, caller(), {% filter %})."""
+        parts = list(parts)
+        _bounds().check_planned(sum(len(p) for p in parts), "a block's text")
         return "".join(parts)
 
     def call_binop(self, context, operator, left, right):
@@ -174,6 +194,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
                 bounds.check_planned(a + b, "a sum", type(left))
         elif operator == "%":
             bounds.check_format(left)
+            bounds.check_planned(estimated_chars(right, bounds.max_chars) + (len(left) if isinstance(left, str) else 0), "a formatted text")
         result = super().call_binop(context, operator, left, right)
         bounds.check_size(result)
         return result
@@ -198,8 +219,36 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
     def wrap_str_format(self, value):
         """`str.format` and `format_map`, which the sandbox wraps: no huge widths either."""
         if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in ("format", "format_map"):
-            _bounds().check_format(value.__self__)
+            _bounds().check_format(value.__self__, braces=True)
         return super().wrap_str_format(value)
+
+
+def estimated_chars(value, budget: int) -> int:
+    """About how many characters str(value) has, counted without building it; stops counting once
+    past `budget` (a list of a million references to one long string is not walked to the end)."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, dict):
+        items = (x for pair in value.items() for x in pair)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = iter(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value.bit_length() // 3 + 2
+    else:
+        return 32  # other numbers, None, Undefined, a callable's repr
+    total = 2
+    for item in items:
+        total += 2 + estimated_chars(item, budget - total)
+        if total > budget:
+            break
+    return total
+
+
+def _finalize(value):
+    """What `{{ value }}` prints: its text estimated first, so a container of huge strings is refused unbuilt."""
+    bounds = _bounds()
+    bounds.check_planned(estimated_chars(value, bounds.max_chars), "an output value")
+    return value
 
 
 def _check_arguments(args, kwargs) -> None:
@@ -230,6 +279,8 @@ def _planned_by_filter(bounds: _Bounds, name: str, values: list, kwargs: dict) -
         _check_replace(bounds, values[0], values[1], values[2])
     elif name == "join" and values:
         _check_join(bounds, kwargs.get("d", arg if isinstance(arg, str) else ""), values[0])
+    elif name in ("string", "pprint", "e", "escape", "forceescape", "safe") and values:
+        bounds.check_planned(estimated_chars(values[0], bounds.max_chars), "a text")
     elif name == "indent" and text is not None:
         width = kwargs.get("width", arg if arg is not None else 4)
         width = len(width) if isinstance(width, str) else int(width)
@@ -282,10 +333,15 @@ def render(source: str, context: dict, *, max_chars: int = MAX_CHARS, time_limit
     template = compile_template(source)
     bounds = _Bounds(time.monotonic() + time_limit, max_chars, time_limit)
 
-    def trace(frame, event, arg):  # noqa: ARG001 (sys.settrace's signature)
-        if time.monotonic() > bounds.deadline:
+    def line(frame, event, arg):  # noqa: ARG001 (a local trace function's signature)
+        """At each line of the template's code: past the deadline, the template stops there."""
+        if event == "line" and time.monotonic() > bounds.deadline:
             raise TemplateLimit(f"the chat template ran longer than {time_limit:g} s")
-        return trace if frame.f_code.co_filename == _TEMPLATE_FILE else None
+        return line
+
+    def trace(frame, event, arg):  # noqa: ARG001 (sys.settrace's signature)
+        """Frames of the template's code are traced line by line; nothing else is (nor interrupted)."""
+        return line if frame.f_code.co_filename == _TEMPLATE_FILE else None
 
     previous_bounds, _local.bounds = getattr(_local, "bounds", None), bounds
     previous_trace = sys.gettrace()

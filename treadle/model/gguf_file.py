@@ -133,6 +133,8 @@ class GGUFFile:
         except ValueError:
             raise GGUFFormatError(f"tensor {name}: unknown tensor type id {type_id}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if 0 in dims:
+            raise GGUFFormatError(f"tensor {name}: dimension {dims.index(0)} is 0")
         if dims and dims[0] % block:
             raise GGUFFormatError(f"tensor {name}: dimension 0 = {dims[0]}: not a multiple of {qtype.name}'s block of {block}")
         n = math.prod(dims)

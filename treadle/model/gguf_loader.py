@@ -103,7 +103,7 @@ def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> Mode
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=get("attention.sliding_window"),
+        sliding_window=get("attention.sliding_window") or None,  # llama.cpp's converters write 0 for none
         name=str(meta.get("general.name") or os.path.basename(path)),
     )
     keys = {
@@ -233,7 +233,10 @@ def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             # Llama-3 style scaling stored as per-frequency divisors.
-            config.rope.freq_factors = _dequantize(path, tensor).reshape(-1).tolist()
+            factors = _dequantize(path, tensor).reshape(-1)
+            if factors.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+                raise ModelLoadError(f"{path}: tensor rope_freqs.weight: expected {config.head_dim // 2} finite positive factors, found {factors.shape[0]}")
+            config.rope.freq_factors = factors.tolist()
             continue
         hf = _hf_name(path, tensor.name)
         _check_supported(path, tensor)  # at load, though the data is decoded later

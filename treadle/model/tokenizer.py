@@ -5,12 +5,15 @@ BOS/EOS ids, the stop set (eos + eot/eom, + generation_config's eos list) and th
 """
 
 import json
+import logging
 import os
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from .chat_template import render
 from .config import ModelLoadError
+
+log = logging.getLogger("treadle")
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -186,8 +189,11 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
             fail(key, "a string")
     for key in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "unknown_token_id", "padding_token_id"):
         value = meta.get("tokenizer.ggml." + key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n):
-            fail("tokenizer.ggml." + key, f"a token id below the vocabulary's {n}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            fail("tokenizer.ggml." + key, "a token id")
+        if value is not None and not 0 <= value < n:  # as llama.cpp: a warning, and the id is not used
+            log.warning("%s: tokenizer.ggml.%s = %d is not a token of the vocabulary (%d tokens); ignored", path, key, value, n)
+            del meta["tokenizer.ggml." + key]
     for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
         value = meta.get("tokenizer.ggml." + key)
         if value is not None and not isinstance(value, (bool, int)):
@@ -292,8 +298,8 @@ def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ModelLoadError(f"{path}: cannot read: {type(e).__name__}: {e}") from e
 
 
 def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:

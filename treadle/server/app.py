@@ -204,6 +204,10 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         presented = token.encode()
         return sum(hmac.compare_digest(presented, k) for k in keys) > 0
 
+    # Middleware runs outermost last-added first: request logging, the per-key count, the key
+    # check, then the body gate (so a wrong key is a 401 before any body is read).
+    app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         if keys and request.url.path.startswith(protected):
@@ -291,6 +295,5 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         app.add_middleware(RequestLogger)
     if settings.max_concurrent_per_key > 0:  # before the key check: a wrong key counts apart, until its 401
         app.add_middleware(ConcurrencyLimit, limit=settings.max_concurrent_per_key, keyed=bool(settings.api_keys))
-    app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
     openapi.install(app)
     return app

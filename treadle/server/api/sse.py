@@ -5,6 +5,7 @@ import json
 import logging
 from collections import deque
 
+import anyio
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -74,6 +75,8 @@ class BoundedStreamingResponse(StreamingResponse):
         finally:
             producer.cancel()
             sender.cancel()
+            with anyio.CancelScope(shield=True):  # both ended (the body's own cleanup run) before the response is
+                await asyncio.gather(producer, sender, return_exceptions=True)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -81,4 +84,8 @@ def stream_response(gen, body, media_type: str = "text/event-stream") -> Streami
     """A streamed reply whose engine requests end with it: the body closes `gen` when it ends, and
     the background task closes it too if the body never ran (the client left before it started)."""
     limit = gen.state.settings.max_stream_buffer_bytes
-    return BoundedStreamingResponse(body, limit, gen.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(gen.close))
+
+    async def close() -> None:  # on the event loop (a plain function would run in a worker thread)
+        gen.close()
+
+    return BoundedStreamingResponse(body, limit, gen.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close))

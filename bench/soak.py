@@ -175,6 +175,10 @@ def _one(client: httpx.Client, i: int, spec, report: Report, lock: threading.Loc
                         event = json.loads(line[6:])
                         if "error" in event:
                             report.fail(i, kind, f"error event {event['error']}")
+                        if event.get("usage"):  # the last chunk (include_usage): every choice's tokens
+                            usage = event["usage"]["completion_tokens"]
+                            for entry in choices.values():
+                                entry["tokens"] = None if usage % expect["n"] else usage // expect["n"]
                         for c in event.get("choices", []):
                             entry = choices.setdefault(c["index"], {"text": "", "finish_reason": None, "tokens": None})
                             entry["text"] += (c.get("delta") or {}).get("content") or "" if chat else c.get("text", "")

@@ -16,6 +16,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free as well (KV events: the publisher, then its replay socket)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 class ServerProcess:
     def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()

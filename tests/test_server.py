@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .server_process import ServerProcess
+from .server_process import ServerProcess, free_port_pair
 
 from .conftest import KEY, MODEL, SECOND_KEY
 
@@ -437,6 +437,7 @@ def limited(tmp_path_factory):
     s = ServerProcess(
         "--api-key", "one", "--api-key", "two", "--max-concurrent-per-key", "1",
         "--request-body-timeout", "2", "--max-stream-buffer-bytes", "32768", "--chat-template", str(template),
+        "--kv-events-port", str(free_port_pair()),
     )  # fmt: skip
     try:
         s.wait_healthy()
@@ -551,3 +552,24 @@ def test_a_looping_chat_template_is_a_400_and_the_server_keeps_serving(limited):
     assert 4.5 < time.monotonic() - start < 30 and slowest < 2
     ok = httpx.post(s.url + "/v1/chat/completions", json={**looping, "messages": chat("hi")}, headers={"Authorization": "Bearer two"}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_the_engine_core_publishes_kv_events_where_stats_says(limited):
+    """--kv-events-port P: the engine core process publishes on the server's host at P (replay at
+    P + 1), /stats names both, and a prompt's full blocks are announced by their chained hashes."""
+    from treadle.engine.block_pool import hash_block_tokens
+
+    from .test_kv_events import replay
+
+    s = limited
+    stats = _stats(s, "two")
+    port = int(stats["kv_events_endpoint"].rsplit(":", 1)[1])
+    assert stats["kv_events_endpoint"] == f"tcp://127.0.0.1:{port}" and stats["kv_events_replay_endpoint"] == f"tcp://127.0.0.1:{port + 1}"
+    prompt = httpx.post(s.url + "/tokenize", json={"prompt": "The lighthouse keeper wrote down every ship that passed the island, " * 3}, headers={"Authorization": "Bearer two"}).json()["tokens"]
+    r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60)
+    assert r.status_code == 200
+    first = hash_block_tokens(None, prompt[:16])
+    deadline = time.time() + 10
+    while not any(first in e.block_hashes for _, b in replay(stats["kv_events_replay_endpoint"]) for e in b.events if hasattr(e, "block_hashes")):
+        assert time.time() < deadline, "the prompt's first block was not announced"
+        time.sleep(0.1)

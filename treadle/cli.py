@@ -41,7 +41,7 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip=("model",), defaults: dict | None = None) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint"), defaults: dict | None = None) -> None:
     """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
     for f in fields(EngineConfig):
         if f.name in skip:
@@ -140,6 +140,9 @@ def cmd_serve(args) -> int:
         return 2
     args.model = args.model_pos or args.model
     config = engine_config_from_args(args)
+    if args.kv_events_port is not None:  # on the server's own address only
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        config.kv_events_endpoint = f"tcp://{host}:{args.kv_events_port}"
     settings = ServerSettings(
         served_model_name=args.served_model_name or default_served_name(args.model),
         model_root=resolve_model_path(args.model),
@@ -180,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/*, /api/*, /tokenize, /detokenize, /stats; give it several times for several keys (default: $TREADLE_API_KEY, comma-separated, else none)",
+    )
+    srv.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish KV cache events (block stored / removed / all cleared, vLLM's ZMQ wire format) on --host at this port, the replay socket at the next one; /stats names them (default: off)",
     )
     srv.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind the API key too (default: open, for scrapers)")
     srv.add_argument("--log-requests", action="store_true", help="log each request's route and body at INFO (default: off; headers and keys are never logged)")

@@ -37,6 +37,9 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # compute threads; default: torch's choice
+    # publish KV cache events (vLLM's wire format, engine/kv_events.py) on this ZMQ endpoint,
+    # tcp://HOST:PORT, with the replay socket on PORT + 1 (`treadle serve --kv-events-port`)
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self):
         for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):

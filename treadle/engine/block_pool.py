@@ -40,6 +40,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, Block] = {}
+        # KV cache events (kv_events.py), when someone listens: every hash given and taken away, in order
+        self.events: list | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,8 +58,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = None
+                self.uncache_block(block)  # evicted: its content is about to be overwritten
             block.ref_count = 1
             out.append(block)
         return out
@@ -78,16 +79,25 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Give a full block its identity, unless another block already holds that content."""
+    def cache_block(self, block: Block, block_hash: BlockHash, parent: BlockHash | None = None, token_ids=(), extra=None) -> bool:
+        """Give a full block its identity, unless another block already holds that content.
+        (`parent`, `token_ids` and `extra` are what the hash was made of, for the event.)"""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            from .kv_events import BlockStored
+
+            self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), extra_keys=None if extra is None else [(extra,)]))
         return True
 
     def uncache_block(self, block: Block) -> None:
         """Take a block's identity away (its contents are not what the hash says)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                from .kv_events import BlockRemoved
+
+                self.events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None

@@ -129,6 +129,12 @@ class EngineCore:
             self.runner.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches)
             self.runner.compiled.start()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = None
+        if config.kv_events_endpoint:
+            from .kv_events import KVEventPublisher
+
+            self.kv.record_events()
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.step_cost = StepCostModel()
         self.spec = config.speculative_config
@@ -366,10 +372,19 @@ class EngineCore:
         if self._grammar_pool is not None:
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)
             self._grammar_pool = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[CoreOutput]:
+        outputs = self._step()
+        if self.kv_events is not None:  # what this step stored in and evicted from the prefix cache
+            self.kv_events.publish(self.kv.take_events())
+        return outputs
+
+    def _step(self) -> list[CoreOutput]:
         outputs, self._failed_outputs = self._failed_outputs, []
         self._admit_compiled(outputs)
         if self.spec is not None:
@@ -604,6 +619,8 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_events_endpoint": self.kv_events.endpoint if self.kv_events else None,
+            "kv_events_replay_endpoint": self.kv_events.replay_endpoint if self.kv_events else None,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "prompt_tokens_computed": self.prompt_tokens_computed,

@@ -24,6 +24,20 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def record_events(self) -> None:
+        """From now on, keep KV cache events (kv_events.py), starting with an empty cache's."""
+        from .kv_events import AllBlocksCleared
+
+        self.pool.events = [AllBlocksCleared()]
+
+    def take_events(self) -> list:
+        """The events since the last call (none unless record_events() was called)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
+
     def begin_step(self) -> None:
         self.step_hashed = []
 
@@ -101,8 +115,10 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._block_hashes(req)
+        bs = self.block_size
         for i in range(done, full):
-            if self.pool.cache_block(blocks[i], hashes[i]):
+            parent, extra = (hashes[i - 1], None) if i else (None, req.cache_salt)
+            if self.pool.cache_block(blocks[i], hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs], extra):
                 self.step_hashed.append(blocks[i])
         self.num_hashed_blocks[req.request_id] = full
 

@@ -109,3 +109,34 @@ def test_replay_from_a_sequence_number_and_a_malformed_request_is_ignored(engine
     sock.close()
     llm.generate([tokens(5, BLOCK + 1)], SamplingParams(max_tokens=1, temperature=0))
     assert len(replay(replay_endpoint)) == len(everything) + 1
+
+
+def test_an_index_built_from_the_events_predicts_the_engines_cached_tokens(engine):
+    """The router's view (treadle/router/kv_index.py), fed by a subscriber, predicts what the
+    engine reports as cached for a prompt that shares a prefix with earlier ones, to the block;
+    once those blocks are evicted, it predicts nothing for them."""
+    from treadle.router.kv_index import KVEventSubscriber, KVIndex, cached_tokens, prompt_block_hashes
+
+    llm, endpoint, replay_endpoint = engine
+    index = KVIndex()
+    subscriber = KVEventSubscriber(index, "w0", endpoint, replay_endpoint).start()
+    try:
+        shared = tokens(7, 2 * BLOCK + 3)
+        llm.generate([shared], SamplingParams(max_tokens=1, temperature=0))
+        follow_up = shared + tokens(8, BLOCK)
+        hashes = prompt_block_hashes(follow_up, BLOCK)
+        deadline = time.time() + 10
+        while index.match(hashes).get("w0", 0) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        predicted = cached_tokens(index.match(hashes)["w0"], len(follow_up), BLOCK)
+        out = llm.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0]
+        assert predicted == out.num_cached_tokens == 2 * BLOCK
+        for seed in (9, 10, 11):  # evict them (the pool has 12 blocks, the oldest freed go first)
+            llm.generate([tokens(seed, 5 * BLOCK)], SamplingParams(max_tokens=1, temperature=0))
+        deadline = time.time() + 10
+        while index.match(hashes)["w0"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert index.match(hashes)["w0"] == 0
+        assert llm.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0].num_cached_tokens == 0
+    finally:
+        subscriber.stop()

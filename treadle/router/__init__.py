@@ -1,0 +1,1 @@
+"""The router's side of scale-out (issue 16): where prompts are cached."""

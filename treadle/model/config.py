@@ -38,7 +38,7 @@ class ModelConfig:
     sliding_window: int | None = None
     name: str = ""
     # positions the engine will use (its max_model_len), set before the model is built: the rotary
-    # tables cover these, not the context length a file claims; None: max_position
+    # tables cover them where they exceed the model's own context (capped: llama.ROPE_TABLE_CAP)
     position_table: int | None = None
 
 

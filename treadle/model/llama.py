@@ -54,6 +54,9 @@ class DecoderLayer:
         self.down = linear(("mlp.down_proj.weight",))
 
 
+ROPE_TABLE_CAP = 1 << 17  # positions; beyond, only if the engine's max_model_len asks for them
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a Llama-style decoder with this config reads, and its shape (HF names)."""
     h, q, kv, ff = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
@@ -117,7 +120,9 @@ class LlamaModel:
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.position_table or config.max_position).to(device)
+        # the rotary tables cover the model's context (a file's claim capped) or the engine's longer
+        # max_model_len; the same size in the compiler's process as in the engine's (graphs see it)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max(min(config.max_position, ROPE_TABLE_CAP), config.position_table or 0)).to(device)
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

@@ -140,3 +140,19 @@ def test_an_index_built_from_the_events_predicts_the_engines_cached_tokens(engin
         assert llm.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0].num_cached_tokens == 0
     finally:
         subscriber.stop()
+
+
+def test_a_publisher_on_an_ipc_endpoint_replays_beside_it(tmp_path):
+    """Replicas inside one server publish on ipc:// endpoints; the replay socket is PATH-replay."""
+    from treadle.engine.kv_events import KVEventPublisher
+
+    publisher = KVEventPublisher(f"ipc://{tmp_path}/kv-0")
+    try:
+        assert publisher.replay_endpoint == f"ipc://{tmp_path}/kv-0-replay"
+        publisher.publish([BlockStored([b"h" * 32], None, list(range(BLOCK)), BLOCK)])
+        deadline = time.time() + 5
+        while not (got := replay(publisher.replay_endpoint)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert [e.block_hashes for _, b in got for e in b.events] == [[b"h" * 32]]
+    finally:
+        publisher.close()

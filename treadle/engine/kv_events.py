@@ -70,14 +70,14 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class KVEventPublisher:
     """PUB (and replay ROUTER) sockets fed by a thread, so a step never waits on a subscriber.
-    `endpoint` is tcp://HOST:PORT; the replay socket is bound at PORT + 1."""
+    `endpoint` is tcp://HOST:PORT, the replay socket then bound at PORT + 1; or ipc://PATH, the
+    replay socket at ipc://PATH-replay (replicas inside one server)."""
 
     def __init__(self, endpoint: str, *, data_parallel_rank: int | None = None, buffer_steps: int = 10_000, topic: str = ""):
         import zmq
 
         self.endpoint = endpoint
-        host, _, port = endpoint.rpartition(":")
-        self.replay_endpoint = f"{host}:{int(port) + 1}"
+        self.replay_endpoint = replay_endpoint_of(endpoint)
         self._rank = data_parallel_rank
         self._topic = topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=100_000)
@@ -134,6 +134,13 @@ class KVEventPublisher:
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def replay_endpoint_of(endpoint: str) -> str:
+    if endpoint.startswith("ipc://"):
+        return endpoint + "-replay"
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}"
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

@@ -41,7 +41,7 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint"), defaults: dict | None = None) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint", "cpu_affinity"), defaults: dict | None = None) -> None:
     """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
     for f in fields(EngineConfig):
         if f.name in skip:
@@ -166,6 +166,12 @@ def cmd_serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         max_engine_restarts=args.max_engine_restarts,
         log_level=args.log_level,
+        data_parallel_size=args.data_parallel_size,
+        routing={
+            "policy": args.routing_policy,
+            "balance_abs_threshold": args.balance_abs_threshold,
+            "balance_rel_threshold": args.balance_rel_threshold,
+        },
     )
 
 
@@ -183,6 +189,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/*, /api/*, /tokenize, /detokenize, /stats; give it several times for several keys (default: $TREADLE_API_KEY, comma-separated, else none)",
+    )
+    srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine core processes (replicas) behind this one server, each with its share of the cores (default: 1)",
+    )
+    srv.add_argument(
+        "--routing-policy",
+        choices=["cache_aware", "round_robin", "least_loaded"],
+        default="cache_aware",
+        help="with replicas: the one holding the prompt's longest cached prefix unless the load is out of balance (cache_aware), in turn, or the least busy (default: cache_aware)",
+    )
+    srv.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=32,
+        help="cache_aware: when the busiest and idlest replicas differ by more requests in flight than this, and ... (default: 32)",
+    )
+    srv.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.5,
+        help="... the busiest has more than this many times the idlest's, the idlest takes the request whatever is cached (default: 1.5)",
     )
     srv.add_argument(
         "--kv-events-port",

@@ -40,6 +40,8 @@ class EngineConfig:
     # publish KV cache events (vLLM's wire format, engine/kv_events.py) on this ZMQ endpoint,
     # tcp://HOST:PORT, with the replay socket on PORT + 1 (`treadle serve --kv-events-port`)
     kv_events_endpoint: str | None = None
+    # the cores this engine's process (and its compute threads) may run on; None: any
+    cpu_affinity: list[int] | None = None
 
     def __post_init__(self):
         for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):

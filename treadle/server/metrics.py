@@ -12,54 +12,71 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class _EngineCollector:
+    """The engine's series; with data-parallel replicas (server/replicas.py), every series once per
+    replica with a `replica` label."""
+
     def __init__(self, async_engine):
         self.async_engine = async_engine
 
     def collect(self):
         client = self.async_engine
-        yield CounterMetricFamily("treadle:engine_restarts", "Restarts of the engine core process after it died.", value=client.num_restarts)
-        s = client.stats()
-        if "kv_blocks_total" not in s:
-            return  # no snapshot yet: the core is loading
-        used = s["kv_blocks_total"] - s["kv_blocks_free"]
-        yield GaugeMetricFamily("treadle:num_requests_running", "Requests in the running batch.", value=s["num_running"])
-        yield GaugeMetricFamily(
-            "treadle:num_requests_waiting", "Requests waiting to be scheduled.", value=s["num_waiting"]
-        )
-        yield GaugeMetricFamily("treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", value=used / s["kv_blocks_total"])
-        yield GaugeMetricFamily("treadle:kv_blocks_used", "KV blocks with ref count > 0.", value=used)
-        yield GaugeMetricFamily("treadle:kv_blocks_total", "KV blocks in the pool.", value=s["kv_blocks_total"])
-        yield GaugeMetricFamily(
-            "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", value=len(s["compiled_decode"]["ready"])
-        )
-        for name, key, doc in (
-            ("treadle:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-            ("treadle:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-            ("treadle:num_preemptions", "num_preemptions", "Preemptions of running requests."),
-            ("treadle:prompt_tokens", "prompt_tokens_computed", "Prompt tokens run through the model."),
-            ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
-        ):
-            yield CounterMetricFamily(name, doc, value=s[key])
-        spec = s.get("spec_decode")
-        if spec:
+        replicas = getattr(client, "replicas", None)
+        sources = [(None, client)] if not replicas else [(str(i), r) for i, r in enumerate(replicas)]
+        families: dict[str, object] = {}
+
+        def add(kind, name: str, doc: str, replica: str | None, value, **labels) -> None:
+            family = families.get(name)
+            if family is None:
+                names = (["replica"] if replica is not None else []) + list(labels)
+                family = families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=names)
+            family.add_metric(([replica] if replica is not None else []) + list(labels.values()), value)
+
+        for replica, engine in sources:
+            add("counter", "treadle:engine_restarts", "Restarts of the engine core process after it died.", replica, engine.num_restarts)
+            s = engine.stats()
+            if "kv_blocks_total" not in s:
+                continue  # no snapshot yet: the core is loading
+            used = s["kv_blocks_total"] - s["kv_blocks_free"]
+            add("gauge", "treadle:num_requests_running", "Requests in the running batch.", replica, s["num_running"])
+            add("gauge", "treadle:num_requests_waiting", "Requests waiting to be scheduled.", replica, s["num_waiting"])
+            add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", replica, used / s["kv_blocks_total"])
+            add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", replica, used)
+            add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", replica, s["kv_blocks_total"])
+            add("gauge", "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", replica, len(s["compiled_decode"]["ready"]))
             for name, key, doc in (
-                ("treadle:spec_decode_num_drafts", "num_drafts", "Verifications: a request's proposed tokens checked in one step."),
-                ("treadle:spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
-                ("treadle:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
+                ("treadle:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                ("treadle:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                ("treadle:num_preemptions", "num_preemptions", "Preemptions of running requests."),
+                ("treadle:prompt_tokens", "prompt_tokens_computed", "Prompt tokens run through the model."),
+                ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
             ):
-                yield CounterMetricFamily(name, doc, value=spec[key])
-            per_pos = CounterMetricFamily(
-                "treadle:spec_decode_num_accepted_tokens_per_pos", "Accepted proposed tokens by their position in the proposal.", labels=["position"]
-            )
-            for pos, n in enumerate(spec["accepted_per_position"]):
-                per_pos.add_metric([str(pos)], n)
-            yield per_pos
+                add("counter", name, doc, replica, s[key])
+            spec = s.get("spec_decode")
+            if spec:
+                for name, key, doc in (
+                    ("treadle:spec_decode_num_drafts", "num_drafts", "Verifications: a request's proposed tokens checked in one step."),
+                    ("treadle:spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
+                    ("treadle:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
+                ):
+                    add("counter", name, doc, replica, spec[key])
+                for pos, n in enumerate(spec["accepted_per_position"]):
+                    add("counter", "treadle:spec_decode_num_accepted_tokens_per_pos", "Accepted proposed tokens by their position in the proposal.", replica, n, position=str(pos))
+        if replicas:
+            for i, n in enumerate(client.routed):
+                add("counter", "treadle:router_requests", "Requests routed to each replica.", str(i), n)
+        yield from families.values()
 
 
 class ServerMetrics:
     def __init__(self, async_engine):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(async_engine))
+        if hasattr(async_engine, "replicas"):  # the router's prediction for each routed request (cache_aware)
+            hits = Histogram(
+                "treadle:router_predicted_hit_tokens", "Prompt tokens the router expected the chosen replica to find cached.",
+                buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry,
+            )  # fmt: skip
+            async_engine.observe_prediction = hits.observe
         self.request_success = Counter(
             "treadle:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=self.registry
         )

@@ -61,9 +61,16 @@ def serve(
     shutdown_timeout: float,
     max_engine_restarts: int = 3,
     log_level: str = "info",
+    data_parallel_size: int = 1,
+    routing: dict | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = EngineClient(engine_config, max_restarts=max_engine_restarts, log_level=log_level)
+    if data_parallel_size > 1:
+        from .replicas import ReplicaSet
+
+        engine = ReplicaSet(engine_config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
+    else:
+        engine = EngineClient(engine_config, max_restarts=max_engine_restarts, log_level=log_level)
     app = build_app(engine, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)

@@ -1,0 +1,96 @@
+"""`treadle serve --data-parallel-size 2`: two engine core processes behind one front end
+(server/replicas.py), requests routed by the prompt's cached prefix, known from KV events."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from .fuzz_model_files import write_seed_hf
+from .server_process import ServerProcess
+
+BLOCK = 16
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 37 + i * 7) % 260 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    write_seed_hf(folder)
+    s = ServerProcess(folder, "--data-parallel-size", "2", "--max-model-len", "256", "--served-model-name", "tiny")
+    try:
+        s.wait_healthy()
+        deadline = time.time() + 60
+        while not all(r["ready"] for r in httpx.get(s.url + "/stats", timeout=10).json().get("replicas", [{"ready": False}])):
+            assert time.time() < deadline
+            time.sleep(0.2)
+        yield s
+    finally:
+        s.stop()
+
+
+def complete(s, prompt: list[int]) -> dict:
+    r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def routed(s) -> list[int]:
+    return [r["routed_requests"] for r in httpx.get(s.url + "/stats", timeout=10).json()["replicas"]]
+
+
+def test_stats_and_metrics_speak_per_replica(server):
+    stats = httpx.get(server.url + "/stats", timeout=10).json()
+    assert stats["data_parallel_size"] == 2 and stats["routing_policy"] == "cache_aware" and len(stats["replicas"]) == 2
+    assert stats["kv_blocks_total"] == sum(r["kv_blocks_total"] for r in stats["replicas"])
+    assert len({r["engine_pid"] for r in stats["replicas"]}) == 2
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    for i in ("0", "1"):
+        assert f'treadle:num_requests_running{{replica="{i}"}}' in metrics and f'treadle:kv_blocks_total{{replica="{i}"}}' in metrics
+
+
+def test_a_shared_prefix_goes_where_it_is_cached_and_the_prediction_holds(server):
+    """Sequential requests with nothing cached spread over both replicas; a prompt extending an
+    earlier one goes to the replica that served it, which reports the predicted cached tokens."""
+    before = routed(server)
+    first, other = tokens(1, 3 * BLOCK + 4), tokens(2, 3 * BLOCK + 4)
+    complete(server, first)
+    after_first = routed(server)
+    complete(server, other)
+    after_other = routed(server)
+    r_first = [a - b for a, b in zip(after_first, before)].index(1)
+    r_other = [a - b for a, b in zip(after_other, after_first)].index(1)
+    assert r_first != r_other  # nothing cached, equal load: spread
+    time.sleep(0.5)  # the KV events of those steps reach the router
+    # the second one first: spreading alone would send it to the first one's replica
+    for prompt, replica in ((other + tokens(4, BLOCK), r_other), (first + tokens(3, BLOCK), r_first)):
+        start = routed(server)
+        reply = complete(server, prompt)
+        assert [a - b for a, b in zip(routed(server), start)].index(1) == replica
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    line = next(x for x in metrics.splitlines() if x.startswith("treadle:router_predicted_hit_tokens_sum"))
+    assert float(line.split()[-1]) >= 2 * 3 * BLOCK
+
+
+def test_a_dead_replica_fails_nothing_new_and_comes_back(server):
+    stats = httpx.get(server.url + "/stats", timeout=10).json()
+    victim = stats["replicas"][0]["engine_pid"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.time() + 5
+    while httpx.get(server.url + "/stats", timeout=10).json()["replicas"][0]["ready"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # the other one serves
+    for seed in range(5, 9):
+        complete(server, tokens(seed, 20))
+    deadline = time.time() + 90
+    while not all(r["ready"] for r in httpx.get(server.url + "/stats", timeout=10).json()["replicas"]):
+        assert time.time() < deadline, "the replica was not restarted"
+        time.sleep(0.2)
+    stats = httpx.get(server.url + "/stats", timeout=10).json()
+    assert stats["engine_restarts"] == 1 and stats["replicas"][0]["engine_pid"] != victim

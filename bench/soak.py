@@ -26,7 +26,6 @@ The suite runs a 500-request variant (tests/test_soak.py) through `run()`.
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -310,11 +309,6 @@ def plot(report: Report, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=10000)
@@ -327,12 +321,12 @@ def main() -> int:
     ap.add_argument("server_args", nargs="*", help="extra `treadle serve` flags (after --)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, HERE)
+    from frontend_overhead import cpu_name, free_port, wait_healthy
+
     proc = None
     url, pid = args.url, args.pid
     if url is None:
-        sys.path.insert(0, HERE)
-        from frontend_overhead import free_port, wait_healthy
-
         port = free_port()
         cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(port), "--num-kv-blocks", "40", "--max-num-seqs", "16", *args.server_args]
         print("server:", " ".join(cmd), flush=True)

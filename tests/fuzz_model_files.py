@@ -302,9 +302,6 @@ def gguf_metadata_mutation(st, keys: list[str], token_count: int):
     return st.tuples(st.sampled_from(keys + EXTRA_GGUF_KEYS), entry).map(lambda kv: (kv[0], *kv[1]))
 
 
-JSON_VALUES = None
-
-
 def _json_values(st):
     scalars = st.none() | st.booleans() | st.sampled_from(INTERESTING + [-1, -(2**63)]).map(int) | st.sampled_from(FLOATS[:7]) | st.text(max_size=12)
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)

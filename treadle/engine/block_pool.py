@@ -16,12 +16,23 @@ import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .kv_events import BlockRemoved, BlockStored
+
 BlockHash = bytes
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids, extra=None) -> BlockHash:
     """Chained sha256 of (parent hash, this block's token ids, extra keys such as cache_salt)."""
     return hashlib.sha256(pickle.dumps((parent, tuple(token_ids), extra), protocol=5)).digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids, block_size: int, cache_salt=None) -> list[BlockHash]:
+    """Append the hashes of the full blocks of `token_ids` past the `hashes` already made (the
+    chain: each block's hash includes its parent's; the first block's, the cache_salt)."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        i = len(hashes)
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size], cache_salt if i == 0 else None))
+    return hashes
 
 
 @dataclass(eq=False)
@@ -87,8 +98,6 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if self.events is not None:
-            from .kv_events import BlockStored
-
             self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), extra_keys=None if extra is None else [(extra,)]))
         return True
 
@@ -97,7 +106,5 @@ class BlockPool:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
             if self.events is not None:
-                from .kv_events import BlockRemoved
-
                 self.events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None

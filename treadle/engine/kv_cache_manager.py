@@ -7,7 +7,7 @@ Should that step fail, `forget_step()` drops the hashes it gave: KV that was nev
 be found by a later request.
 """
 
-from .block_pool import Block, BlockPool, hash_block_tokens
+from .block_pool import Block, BlockPool, extend_block_hashes
 from .request import Request
 
 
@@ -52,14 +52,7 @@ class KVCacheManager:
 
     def _block_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the request's full blocks of known tokens, computed once each."""
-        bs = self.block_size
-        hashes = req.block_hashes
-        while (len(hashes) + 1) * bs <= req.num_tokens:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            extra = req.cache_salt if i == 0 else None
-            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs : (i + 1) * bs], extra))
-        return hashes
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
 
     def find_cached_prefix(self, req: Request) -> list[Block]:
         """The longest run of cached full blocks at the head of the request, leaving its last token to compute."""

@@ -70,10 +70,10 @@ class _Cursor:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if depth >= MAX_NESTING:
                 raise GGUFFormatError(f"arrays nested more than {MAX_NESTING} deep")
-            if count * (np.dtype(_NUMPY[etype]).itemsize if etype in _NUMPY else 8) > len(self.buf) - self.pos:
+            width = np.dtype(_NUMPY[etype]).itemsize if etype in _NUMPY else 8  # a string's length at least
+            if count * width > len(self.buf) - self.pos:
                 raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
             if etype in _NUMPY:
-                width = np.dtype(_NUMPY[etype]).itemsize
                 arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
                 self.pos += count * width
                 return arr.tolist()

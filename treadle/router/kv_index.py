@@ -12,7 +12,7 @@ sequence numbers) from the worker's replay socket.
 import logging
 import threading
 
-from ..engine.block_pool import hash_block_tokens
+from ..engine.block_pool import extend_block_hashes
 from ..engine.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 
 log = logging.getLogger("treadle.router")
@@ -20,12 +20,7 @@ log = logging.getLogger("treadle.router")
 
 def prompt_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
     """The chained hashes of the prompt's full blocks, as the engine's KV manager computes them."""
-    hashes: list[bytes] = []
-    parent = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], cache_salt if i == 0 else None)
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, cache_salt)
 
 
 def cached_tokens(num_blocks: int, prompt_len: int, block_size: int) -> int:

@@ -132,10 +132,8 @@ class ReplicaSet:
         return self.replicas[ready[0]] if ready else self.replicas[0]
 
     tokenizer = property(lambda self: self._first_ready().tokenizer)
-    processor = property(lambda self: self._first_ready().processor)
     max_model_len = property(lambda self: self._first_ready().max_model_len)
     vocab_size = property(lambda self: self._first_ready().vocab_size)
-    pid = property(lambda self: self._first_ready().pid)
     num_restarts = property(lambda self: sum(r.num_restarts for r in self.replicas))
     num_unfinished = property(lambda self: sum(r.num_unfinished for r in self.replicas))
     num_waiting = property(lambda self: sum(r.num_waiting for r in self.replicas))
@@ -166,8 +164,7 @@ class ReplicaSet:
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:
-            if request_id in r._streams:
-                r.abort(request_id)
+            r.abort(request_id)  # a no-op where the request is not
 
     def abort_all(self) -> None:
         for r in self.replicas:

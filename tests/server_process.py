@@ -31,15 +31,20 @@ def free_port_pair() -> int:
 
 
 class ServerProcess:
+    command = "serve"
+
     def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # Compiling decode steps is off unless a test asks for it: it is tested on its own.
-        compile_flag = [] if "--compile" in args else ["--no-compile"]
-        cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(self.port), "--dtype", "float32", *compile_flag, *args]
+        cmd = [sys.executable, "-m", "treadle", self.command, "--port", str(self.port), *self.default_args(args), *args]
         # the server's output goes to a file (a pipe nobody reads would stop a chatty server)
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    @staticmethod
+    def default_args(args) -> list[str]:
+        # Compiling decode steps is off unless a test asks for it: it is tested on its own.
+        return ["--dtype", "float32", *([] if "--compile" in args else ["--no-compile"])]
 
     def output(self) -> str:
         """Everything the server has printed (its log) so far."""
@@ -66,3 +71,13 @@ class ServerProcess:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class RouterProcess(ServerProcess):
+    """`treadle router` as a real process on a free loopback port."""
+
+    command = "router"
+
+    @staticmethod
+    def default_args(args) -> list[str]:
+        return ["--health-check-interval", "0.5"]

@@ -1,4 +1,4 @@
-"""The `treadle` command: serve (the OpenAI-compatible server), chat (terminal), run (one prompt), bench."""
+"""The `treadle` command: serve (the OpenAI-compatible server), router (in front of several), chat (terminal), run (one prompt), bench."""
 
 import argparse
 import os
@@ -175,6 +175,73 @@ def cmd_serve(args) -> int:
     )
 
 
+def add_routing_args(parser, what: str) -> None:
+    """The routing policy's flags, the same for replicas inside a server and workers behind a router."""
+    parser.add_argument(
+        "--routing-policy",
+        choices=["cache_aware", "round_robin", "least_loaded"],
+        default="cache_aware",
+        help=f"the {what} holding the prompt's longest cached prefix unless the load is out of balance (cache_aware), in turn, or the least busy (default: cache_aware)",
+    )
+    parser.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=32,
+        help=f"cache_aware: when the busiest and idlest {what}s differ by more requests in flight than this, and ... (default: 32)",
+    )
+    parser.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.5,
+        help="... the busiest has more than this many times the idlest's, the idlest takes the request whatever is cached (default: 1.5)",
+    )
+
+
+def cmd_router(args) -> int:
+    from .model.loader import load_tokenizer
+    from .router.prompts import PromptReader
+    from .router.server import RouterSettings, run_router
+    from .server.serve import read_chat_template
+
+    settings = RouterSettings(
+        workers=args.worker,
+        policy=args.routing_policy,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        api_keys=api_keys_from(args.api_key, os.environ.get("TREADLE_API_KEY")),
+        worker_api_key=args.worker_api_key or os.environ.get("TREADLE_WORKER_API_KEY") or None,
+        health_check_interval=args.health_check_interval,
+        max_request_bytes=args.max_request_bytes,
+        request_body_timeout=args.request_body_timeout,
+    )
+    prompts = PromptReader(
+        load_tokenizer(args.model), chat_template=read_chat_template(args.chat_template), tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser
+    )
+    return run_router(settings, prompts, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def add_router_parser(sub) -> None:
+    from .server.prepare import ServerSettings
+
+    r = sub.add_parser("router", help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached")
+    r.add_argument("--model", "-m", default=None, help="the workers' model: its tokenizer and chat template are read (no weights) to hash prompts as the engines do (default: the embedded SmolLM2-135M-Instruct)")
+    r.add_argument("--worker", action="append", required=True, metavar="URL", help="a treadle serve worker's base URL, e.g. http://10.0.0.2:8000; give it once per worker (start workers with --kv-events-port for cache_aware)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    r.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    r.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' from clients, as treadle serve does (default: $TREADLE_API_KEY, comma-separated, else none)")
+    r.add_argument("--worker-api-key", default=None, help="the key sent to the workers instead of the client's (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)")
+    add_routing_args(r, "worker")
+    r.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between health checks of each worker (default: 2)")
+    r.add_argument("--chat-template", default=None, help="the workers' --chat-template, if they have one (default: the model's)")
+    r.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"], help="the workers' --tool-call-parser (default: auto)")
+    r.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"], help="the workers' --reasoning-parser (default: off)")
+    defaults = {f.name: f.default for f in fields(ServerSettings)}
+    r.add_argument("--max-request-bytes", type=int, default=defaults["max_request_bytes"], help=f"{LIMIT_HELP['max_request_bytes']} (default: {defaults['max_request_bytes']})")
+    r.add_argument("--request-body-timeout", type=float, default=defaults["request_body_timeout"], help=f"{LIMIT_HELP['request_body_timeout']} (default: {defaults['request_body_timeout']})")
+    r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
+    r.set_defaults(func=cmd_router)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description="An LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,24 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="engine core processes (replicas) behind this one server, each with its share of the cores (default: 1)",
     )
-    srv.add_argument(
-        "--routing-policy",
-        choices=["cache_aware", "round_robin", "least_loaded"],
-        default="cache_aware",
-        help="with replicas: the one holding the prompt's longest cached prefix unless the load is out of balance (cache_aware), in turn, or the least busy (default: cache_aware)",
-    )
-    srv.add_argument(
-        "--balance-abs-threshold",
-        type=int,
-        default=32,
-        help="cache_aware: when the busiest and idlest replicas differ by more requests in flight than this, and ... (default: 32)",
-    )
-    srv.add_argument(
-        "--balance-rel-threshold",
-        type=float,
-        default=1.5,
-        help="... the busiest has more than this many times the idlest's, the idlest takes the request whatever is cached (default: 1.5)",
-    )
+    add_routing_args(srv, "replica")
     srv.add_argument(
         "--kv-events-port",
         type=int,
@@ -261,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
     add_engine_args(srv, defaults={"compile": True, "decode_stall_ratio": 1.0})  # a server runs long enough to profit; its streams must not freeze
     srv.set_defaults(func=cmd_serve)
+
+    add_router_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -619,6 +619,8 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "block_size": self.config.block_size,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
             "kv_events_endpoint": self.kv_events.endpoint if self.kv_events else None,
             "kv_events_replay_endpoint": self.kv_events.replay_endpoint if self.kv_events else None,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,

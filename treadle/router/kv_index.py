@@ -76,20 +76,29 @@ class KVEventSubscriber:
         self.last_seq = -1
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
+        self._reset = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{worker}", daemon=True)
 
     def start(self) -> "KVEventSubscriber":
         self._thread.start()
         return self
 
+    def reset(self) -> None:
+        """The worker's engine restarted (a new publisher, numbered from 0 again, with an empty
+        cache): forget what it held and replay the new one's events."""
+        self._reset.set()
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(2)
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        batch = decode_batch(payload)
+        if seq == 0 and batch.events and isinstance(batch.events[0], AllBlocksCleared):
+            self.last_seq = -1  # a fresh publisher (the worker's engine restarted): its numbers start again
         if seq <= self.last_seq:
             return  # seen already (a replay overlaps the live stream)
-        self.index.apply(self.worker, decode_batch(payload))
+        self.index.apply(self.worker, batch)
         self.last_seq = seq
 
     def _replay(self, start: int) -> None:
@@ -119,11 +128,16 @@ class KVEventSubscriber:
         try:
             self._replay(0)  # what was published before this subscriber joined
             while not self._stop.is_set():
+                if self._reset.is_set():
+                    self._reset.clear()
+                    self.index.forget(self.worker)
+                    self.last_seq = -1
+                    self._replay(0)
                 if not sub.poll(200):
                     continue
                 _, seq_bytes, payload = sub.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
-                if seq > self.last_seq + 1:  # missed some: get them first
+                if seq > self.last_seq + 1 and seq > 0:  # missed some: get them first
                     self._replay(self.last_seq + 1)
                 self._apply(seq, payload)
         finally:

@@ -100,7 +100,7 @@ class ConcurrencyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIXES):
             return await self.app(scope, receive, send)
-        key = (_presented_key(Request(scope)) or "") if self.keyed else ""
+        key = (presented_key(Request(scope)) or "") if self.keyed else ""
         if self.in_flight.get(key, 0) >= self.limit:
             who = "this API key" if self.keyed else "this server"
             message = f"{who} already has {self.limit} requests in flight (--max-concurrent-per-key); retry when one ends"
@@ -143,7 +143,20 @@ class RequestLogger:
         await self.app(scope, receive_logged, send)
 
 
-def _presented_key(request: Request) -> str | None:
+def key_accepted(keys: list[bytes], token: str | None) -> bool:
+    """Constant time: every key is compared, whatever matched, and each comparison is hmac's."""
+    if token is None:
+        return False
+    presented = token.encode()
+    return sum(hmac.compare_digest(presented, k) for k in keys) > 0
+
+
+def key_refused(path: str):
+    hint = "'Authorization: Bearer <key>' or 'x-api-key: <key>'" if dialect_of(path) == "anthropic" else "'Authorization: Bearer <key>'"
+    return error_response(path, 401, f"invalid or missing API key (send {hint})", code="invalid_api_key")
+
+
+def presented_key(request: Request) -> str | None:
     """The key a client sent: `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` on its routes."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
@@ -197,13 +210,6 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
     protected = PROTECTED_PREFIXES + (("/metrics",) if settings.metrics_require_key else ())
     keys = [k.encode() for k in settings.api_keys]
 
-    def key_accepted(token: str | None) -> bool:
-        """Constant time: every key is compared, whatever matched, and each comparison is hmac's."""
-        if token is None:
-            return False
-        presented = token.encode()
-        return sum(hmac.compare_digest(presented, k) for k in keys) > 0
-
     # Middleware runs outermost last-added first: request logging, the per-key count, the key
     # check, then the body gate (so a wrong key is a 401 before any body is read).
     app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
@@ -211,9 +217,8 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         if keys and request.url.path.startswith(protected):
-            if not key_accepted(_presented_key(request)):
-                hint = "'Authorization: Bearer <key>' or 'x-api-key: <key>'" if dialect_of(request.url.path) == "anthropic" else "'Authorization: Bearer <key>'"
-                return error_response(request.url.path, 401, f"invalid or missing API key (send {hint})", code="invalid_api_key")
+            if not key_accepted(keys, presented_key(request)):
+                return key_refused(request.url.path)
         return await call_next(request)
 
     # ------------------------------------------------------------ the web chat (no key needed to load it)

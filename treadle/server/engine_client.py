@@ -56,6 +56,7 @@ class EngineClient:
         self.restart_window = restart_window
         self.log_level = log_level
         self.on_fatal = lambda message: None  # set by the server: exit non-zero
+        self.on_ready = lambda: None  # each time a core (the first or a restarted one) is ready
         self.state = "loading"  # loading -> ready; ready -> restarting -> ready; any -> failed
         self.reason: str | None = None  # why not ready (restarting, failed)
         self.load_error: str | None = None
@@ -226,6 +227,7 @@ class EngineClient:
                 self._stats = msg.stats
                 self.state, self.reason = "ready", None
                 log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)
+                self.on_ready()
             elif isinstance(msg, LoadFailed):
                 self._fail(msg.error)
 

@@ -62,8 +62,8 @@ class _EngineCollector:
                 for pos, n in enumerate(spec["accepted_per_position"]):
                     add("counter", "treadle:spec_decode_num_accepted_tokens_per_pos", "Accepted proposed tokens by their position in the proposal.", replica, n, position=str(pos))
         if replicas:
-            for i, n in enumerate(client.routed):
-                add("counter", "treadle:router_requests", "Requests routed to each replica.", str(i), n)
+            for i in range(len(client.replicas)):
+                add("counter", "treadle:router_requests", "Requests routed to each replica.", str(i), client.router.routed.get(str(i), 0))
         yield from families.values()
 
 

@@ -3,24 +3,15 @@
 N engine core processes, each an `EngineClient` of its own (started, watched and restarted as one
 engine is), each with its share of the machine's cores (its compute threads pinned to them where
 the machine has enough). `ReplicaSet` offers the front end the one-engine interface and routes each
-new request to a replica by `--routing-policy`:
-
-- `round_robin`: the next ready replica in turn;
-- `least_loaded`: the ready replica with the fewest requests in flight;
-- `cache_aware` (the default): the replica holding the longest prefix of the prompt's full KV
-  blocks, known exactly from the replicas' KV events (engine/kv_events.py on ipc:// endpoints,
-  router/kv_index.py), unless the load is out of balance. As SGLang's router: when the busiest and
-  the idlest replica differ by more than `--balance-abs-threshold` requests and the busiest has
-  more than `--balance-rel-threshold` times the idlest's, the least loaded replica takes it; else
-  the best prefix match does (ties: the least loaded). A prefix saves its prompt's compute only
-  where it is cached; an idle replica saves waiting. The thresholds say when waiting costs more.
+new request to a replica by `--routing-policy` (router/policy.py: round_robin, least_loaded, or
+cache_aware, the default: the replica holding the prompt's longest cached prefix, known exactly from
+the replicas' KV events on ipc:// endpoints, unless the load is out of balance).
 
 A replica that dies fails its own requests (EngineDead, as one engine's do) and is restarted by
 its client; meanwhile it is not ready, so new requests go to the others. The server is healthy
 while one replica is ready, and fails only when every replica has given up.
 """
 
-import itertools
 import logging
 import os
 import shutil
@@ -28,12 +19,12 @@ import tempfile
 from dataclasses import replace
 
 from ..config import EngineConfig
-from ..router.kv_index import KVEventSubscriber, KVIndex, cached_tokens, prompt_block_hashes
+from ..router.kv_index import KVEventSubscriber
+from ..router.policy import RoutingPolicy
 from .engine_client import EngineClient, EngineDead
 
 log = logging.getLogger("treadle.server")
 
-POLICIES = ("cache_aware", "round_robin", "least_loaded")
 ADDITIVE = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions",
             "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens", "requests_received",
             "num_steps", "num_failed_steps")  # fmt: skip
@@ -60,10 +51,7 @@ class ReplicaSet:
         max_restarts: int = 3,
         log_level: str = "info",
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"routing policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        self.policy = policy
-        self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
+        self.router = RoutingPolicy(policy, balance_abs_threshold, balance_rel_threshold)
         self.block_size = config.block_size
         self._events_dir = tempfile.mkdtemp(prefix="treadle-kv-")
         self.replicas: list[EngineClient] = []
@@ -74,12 +62,10 @@ class ReplicaSet:
             client = EngineClient(rc, max_restarts=max_restarts, log_level=log_level)
             client.on_fatal = lambda message, i=i: self._replica_failed(i, message)
             self.replicas.append(client)
-        self.index = KVIndex()
+        self.index = self.router.index
         self._subscribers = [
             KVEventSubscriber(self.index, str(i), r.config.kv_events_endpoint, r.config.kv_events_endpoint + "-replay") for i, r in enumerate(self.replicas)
         ]
-        self._turn = itertools.count()
-        self.routed = [0] * size  # requests routed to each replica
         self.observe_prediction = lambda tokens: None  # the metrics' histogram (cache_aware)
         self.on_fatal = lambda message: None
         self._draining = False
@@ -87,7 +73,8 @@ class ReplicaSet:
     # ------------------------------------------------------------ the one-engine interface
 
     async def start(self) -> None:
-        for s in self._subscribers:
+        for r, s in zip(self.replicas, self._subscribers):
+            r.on_ready = s.reset  # a restarted replica's events are numbered from 0 again
             s.start()
         for r in self.replicas:
             await r.start()
@@ -158,9 +145,10 @@ class ReplicaSet:
         ready = self._ready()
         if not ready:
             raise EngineDead(self.reason or "no replica is running")
-        i = self.route(ready, prompt_token_ids, cache_salt)
-        self.routed[i] += 1
-        return self.replicas[i].add_request(request_id, prompt_token_ids, params, cache_salt, out_queue)
+        choice = self.router.choose({str(i): self.replicas[i].num_unfinished for i in ready}, prompt_token_ids, self.block_size, cache_salt)
+        if choice.predicted_hit_tokens is not None:
+            self.observe_prediction(choice.predicted_hit_tokens)
+        return self.replicas[int(choice.worker)].add_request(request_id, prompt_token_ids, params, cache_salt, out_queue)
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:
@@ -173,24 +161,6 @@ class ReplicaSet:
     def abort_all_threadsafe(self) -> None:
         for r in self.replicas:
             r.abort_all_threadsafe()
-
-    # ------------------------------------------------------------ routing
-
-    def route(self, ready: list[int], prompt_token_ids: list[int], cache_salt: str | None) -> int:
-        loads = {i: self.replicas[i].num_unfinished for i in ready}
-        if self.policy == "round_robin":
-            return ready[next(self._turn) % len(ready)]
-        least = min(ready, key=lambda i: (loads[i], i))
-        if self.policy == "least_loaded":
-            return least
-        busiest, idlest = max(loads.values()), min(loads.values())
-        if busiest - idlest > self.balance_abs_threshold and busiest > self.balance_rel_threshold * idlest:
-            self.observe_prediction(0)
-            return least
-        matched = self.index.match(prompt_block_hashes(prompt_token_ids, self.block_size, cache_salt))
-        best = max(ready, key=lambda i: (matched.get(str(i), 0), -loads[i], -self.routed[i], -i))  # no match: spread
-        self.observe_prediction(cached_tokens(matched.get(str(best), 0), len(prompt_token_ids), self.block_size))
-        return best
 
     # ------------------------------------------------------------ stats
 
@@ -205,6 +175,6 @@ class ReplicaSet:
                 base[key] = sum(values)
         base["engine_restarts"] = self.num_restarts
         base["data_parallel_size"] = len(self.replicas)
-        base["routing_policy"] = self.policy
-        base["replicas"] = [{**s, "replica": i, "ready": r.ready, "routed_requests": self.routed[i]} for i, (s, r) in enumerate(zip(per, self.replicas))]
+        base["routing_policy"] = self.router.policy
+        base["replicas"] = [{**s, "replica": i, "ready": r.ready, "routed_requests": self.router.routed.get(str(i), 0)} for i, (s, r) in enumerate(zip(per, self.replicas))]
         return base

@@ -71,6 +71,11 @@ def test_stored_and_removed_blocks_are_published_with_their_chained_hashes(engin
     # 12 blocks: two more 5-block prompts evict the first prompt's blocks (oldest freed first)
     for seed in (3, 4):
         llm.generate([tokens(seed, 5 * BLOCK)], SamplingParams(max_tokens=1, temperature=0))
+    live = []  # first the live stream, until it is quiet (the publisher's thread has sent everything)
+    while sub.poll(1000):
+        topic, seq, payload = sub.recv_multipart()
+        live.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+    sub.close()
     batches = replay(replay_endpoint)
     assert [seq for seq, _ in batches] == list(range(len(batches)))
     events = [e for _, b in batches for e in b.events]
@@ -87,11 +92,6 @@ def test_stored_and_removed_blocks_are_published_with_their_chained_hashes(engin
     assert set(want) <= set(removed)  # evicted, and said so
     assert removed.index(want[0]) > stored_hashes.index(want[0])
     # the live subscriber got the same batches
-    live = []
-    while sub.poll(1000):
-        topic, seq, payload = sub.recv_multipart()
-        live.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
-    sub.close()
     assert [seq for seq, _ in live] == [seq for seq, _ in batches]
     assert batches[-1][1].ts >= batches[0][1].ts and batches[0][1].data_parallel_rank is None
     assert llm.stats()["kv_events_endpoint"] == endpoint

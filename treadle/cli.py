@@ -171,6 +171,8 @@ def cmd_serve(args) -> int:
             "policy": args.routing_policy,
             "balance_abs_threshold": args.balance_abs_threshold,
             "balance_rel_threshold": args.balance_rel_threshold,
+            "backend": args.data_parallel_backend,
+            "ray_address": args.ray_address,
         },
     )
 
@@ -263,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="engine core processes (replicas) behind this one server, each with its share of the cores (default: 1)",
     )
+    srv.add_argument(
+        "--data-parallel-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="where the replicas run: child processes of this server (mp), or Ray actors placed on an existing Ray cluster (ray; see --ray-address) (default: mp)",
+    )
+    srv.add_argument("--ray-address", default=None, help="the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster `ray start` began on this machine)")
     add_routing_args(srv, "replica")
     srv.add_argument(
         "--kv-events-port",

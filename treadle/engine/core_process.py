@@ -35,13 +35,15 @@ def _end_with_parent() -> None:
         pass
 
 
-def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str) -> None:
-    """Entry point of the child process (multiprocessing, spawn)."""
-    _end_with_parent()
-    # Ctrl-C, or a service manager's SIGTERM, reaches the whole process group: the front end
-    # drains, then sends Shutdown (and if it dies, PR_SET_PDEATHSIG ends us).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str, in_actor: bool = False) -> None:
+    """Entry point of the child process (multiprocessing, spawn), or of a Ray actor's call
+    (in_actor: Ray owns the process, its signals and its logging)."""
+    if not in_actor:
+        _end_with_parent()
+        # Ctrl-C, or a service manager's SIGTERM, reaches the whole process group: the front end
+        # drains, then sends Shutdown (and if it dies, PR_SET_PDEATHSIG ends us).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[core]: %(message)s")
     if config.cpu_affinity:  # a data-parallel replica's share of the machine (before torch starts its threads)
         os.sched_setaffinity(0, config.cpu_affinity)

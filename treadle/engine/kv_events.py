@@ -70,14 +70,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class KVEventPublisher:
     """PUB (and replay ROUTER) sockets fed by a thread, so a step never waits on a subscriber.
-    `endpoint` is tcp://HOST:PORT, the replay socket then bound at PORT + 1; or ipc://PATH, the
-    replay socket at ipc://PATH-replay (replicas inside one server)."""
+    `endpoint` is tcp://HOST:PORT, the replay socket then bound at PORT + 1; tcp://HOST:*, both
+    on free ports (a Ray-placed replica; `endpoint` and `replay_endpoint` name them); or
+    ipc://PATH, the replay socket at ipc://PATH-replay (replicas inside one server)."""
 
     def __init__(self, endpoint: str, *, data_parallel_rank: int | None = None, buffer_steps: int = 10_000, topic: str = ""):
         import zmq
 
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint_of(endpoint)
         self._rank = data_parallel_rank
         self._topic = topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=100_000)
@@ -88,9 +87,11 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://HOST:* binds a free port: this names it
         self._replay = ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
-        self._replay.bind(self.replay_endpoint)
+        self._replay.bind(replay_endpoint_of(endpoint))
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="treadle-kv-events", daemon=True)
         self._thread.start()
@@ -140,7 +141,7 @@ def replay_endpoint_of(endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         return endpoint + "-replay"
     host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + 1}"
+    return f"{host}:*" if port == "*" else f"{host}:{int(port) + 1}"
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

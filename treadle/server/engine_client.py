@@ -14,10 +14,6 @@ If the core process dies (kill -9, OOM), its sentinel wakes the loop: every in-f
 
 import asyncio
 import logging
-import multiprocessing
-import shutil
-import signal
-import tempfile
 import time
 from collections import deque
 
@@ -25,12 +21,13 @@ import zmq
 import zmq.asyncio
 
 from ..config import EngineConfig
-from ..engine.core_process import LOAD_FAILED_EXIT, run_engine_core
+from ..engine.core_process import LOAD_FAILED_EXIT
 from ..engine.memory import process_memory
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
 from ..engine.sampling_params import SamplingParams
+from .launchers import LocalLauncher
 
 log = logging.getLogger("treadle.server")
 
@@ -39,19 +36,10 @@ class EngineDead(RuntimeError):
     pass
 
 
-def _describe_exit(pid: int, code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"the engine core process (pid {pid}) was killed by {name}"
-    return f"the engine core process (pid {pid}) exited with code {code}"
-
-
 class EngineClient:
-    def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window: float = 600.0, log_level: str = "info"):
+    def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window: float = 600.0, log_level: str = "info", launcher=None):
         self.config = config
+        self.launcher = launcher or LocalLauncher()  # where the core runs (launchers.py)
         self.max_restarts = max_restarts
         self.restart_window = restart_window
         self.log_level = log_level
@@ -75,7 +63,6 @@ class EngineClient:
         self._send_sock = None
         self._recv_sock = None
         self._reader: asyncio.Task | None = None
-        self._ipc_dir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.draining = False  # set by the server on SIGINT/SIGTERM: a core that dies now is not restarted
@@ -107,7 +94,7 @@ class EngineClient:
             deadline = time.monotonic() + timeout
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-        self._teardown()
+        self._teardown(final=True)
 
     def kill_now(self) -> None:
         """Last resort at exit (no event loop): the core must not outlive the server."""
@@ -116,38 +103,31 @@ class EngineClient:
         if proc is not None and proc.is_alive():
             proc.kill()
             proc.join(5)
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.launcher.close()
 
     def _spawn(self) -> None:
         from ..model.registry import registered_architectures
 
-        self._ipc_dir = tempfile.mkdtemp(prefix="treadle-")
-        in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        in_bind, out_bind = self.launcher.addresses()
         self._send_sock = zmq.Context.instance().socket(zmq.PUSH)
         self._send_sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; the core drains it every step
         self._send_sock.setsockopt(zmq.LINGER, 0)
-        self._send_sock.bind(in_addr)
+        self._send_sock.bind(in_bind)
         self._recv_sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._recv_sock.setsockopt(zmq.RCVHWM, 0)
         self._recv_sock.setsockopt(zmq.LINGER, 0)
-        self._recv_sock.bind(out_addr)
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(self.config, registered_architectures(), in_addr, out_addr, self.log_level),
-            name="treadle-engine-core",
-            daemon=True,
-        )
-        proc.start()
+        self._recv_sock.bind(out_bind)
+        in_addr, out_addr = (sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self._send_sock, self._recv_sock))  # tcp://HOST:* named
+        proc = self.launcher.launch(self.config, registered_architectures(), in_addr, out_addr, self.log_level)
         self._proc = proc
         self._adds_sent = 0
-        self._loop.add_reader(proc.sentinel, self._on_exit, proc)
+        proc.watch(self._loop, self._on_exit)
         self._reader = self._loop.create_task(self._read(self._recv_sock))
 
-    def _teardown(self) -> None:
+    def _teardown(self, final: bool = False) -> None:
         proc = self._proc
         if proc is not None:
-            self._loop.remove_reader(proc.sentinel)
+            proc.unwatch()
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
@@ -156,9 +136,8 @@ class EngineClient:
         for sock in (self._send_sock, self._recv_sock):
             if sock is not None:
                 sock.close(linger=0)
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        self._proc = self._reader = self._send_sock = self._recv_sock = self._ipc_dir = None
+        self.launcher.close() if final else self.launcher.cleanup()
+        self._proc = self._reader = self._send_sock = self._recv_sock = None
 
     def _fail(self, message: str) -> None:
         if self.state == "failed":
@@ -168,7 +147,6 @@ class EngineClient:
         self.on_fatal(message)
 
     def _on_exit(self, proc) -> None:
-        self._loop.remove_reader(proc.sentinel)
         self._loop.create_task(self._after_exit(proc))
 
     async def _after_exit(self, proc) -> None:
@@ -181,11 +159,13 @@ class EngineClient:
                 await asyncio.sleep(0.01)
         if self._closing or proc is not self._proc or self.state == "failed":
             return
-        reason = _describe_exit(proc.pid, proc.exitcode)
+        if proc.pid is None:
+            proc.pid = self.pid  # a Ray actor's, from its Ready
+        reason = proc.describe_exit()
         if self.draining:  # shutting down anyway: no new core
             log.error("%s while the server drains; failing %d in-flight requests", reason, len(self._streams))
             self._fail_all(reason)
-            self._teardown()
+            self._teardown(final=True)
             self.state, self.reason = "stopped", reason
             return
         log.error("%s; failing %d in-flight requests and restarting it", reason, len(self._streams))
@@ -197,6 +177,7 @@ class EngineClient:
             self._restart_times.popleft()
         if len(self._restart_times) >= self.max_restarts:
             self._fail(f"{reason}; {len(self._restart_times)} restarts within {self.restart_window:.0f} s already, giving up")
+            self.launcher.close()
             return
         self._restart_times.append(now)
         self.num_restarts += 1
@@ -227,7 +208,10 @@ class EngineClient:
                 self._stats = msg.stats
                 self.state, self.reason = "ready", None
                 log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)
-                self.on_ready()
+                try:
+                    self.on_ready()
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop this reader
+                    log.exception("on_ready failed")
             elif isinstance(msg, LoadFailed):
                 self._fail(msg.error)
 
@@ -262,6 +246,11 @@ class EngineClient:
             log.warning("cannot reach the engine core: %s", e)
 
     # ------------------------------------------------------------ called by the HTTP handlers
+
+    @property
+    def core_stats(self) -> dict:
+        """The core's latest stats snapshot, as it sent it."""
+        return self._stats
 
     @property
     def num_unfinished(self) -> int:

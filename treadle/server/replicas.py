@@ -22,8 +22,11 @@ from ..config import EngineConfig
 from ..router.kv_index import KVEventSubscriber
 from ..router.policy import RoutingPolicy
 from .engine_client import EngineClient, EngineDead
+from .launchers import LocalLauncher
 
 log = logging.getLogger("treadle.server")
+
+BACKENDS = ("mp", "ray")
 
 ADDITIVE = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions",
             "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens", "requests_received",
@@ -50,40 +53,73 @@ class ReplicaSet:
         balance_rel_threshold: float = 1.5,
         max_restarts: int = 3,
         log_level: str = "info",
+        backend: str = "mp",
+        ray_address: str | None = None,
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"data-parallel backend {backend!r}: expected one of {', '.join(BACKENDS)}")
         self.router = RoutingPolicy(policy, balance_abs_threshold, balance_rel_threshold)
         self.block_size = config.block_size
+        self.backend = backend
         self._events_dir = tempfile.mkdtemp(prefix="treadle-kv-")
         self.replicas: list[EngineClient] = []
-        for i, cpus in enumerate(cpu_shares(size)):
-            threads = config.threads or (len(cpus) if cpus else None)
-            endpoint = f"ipc://{self._events_dir}/kv-{i}"
-            rc = replace(config, threads=threads, cpu_affinity=cpus, kv_events_endpoint=endpoint)
-            client = EngineClient(rc, max_restarts=max_restarts, log_level=log_level)
+        for i, (rc, launcher) in enumerate(self._placements(config, size, ray_address)):
+            client = EngineClient(rc, max_restarts=max_restarts, log_level=log_level, launcher=launcher)
             client.on_fatal = lambda message, i=i: self._replica_failed(i, message)
             self.replicas.append(client)
         self.index = self.router.index
-        self._subscribers = [
-            KVEventSubscriber(self.index, str(i), r.config.kv_events_endpoint, r.config.kv_events_endpoint + "-replay") for i, r in enumerate(self.replicas)
-        ]
+        self._subscribers: list[KVEventSubscriber | None] = [None] * size  # each replica's, from its Ready on
         self.observe_prediction = lambda tokens: None  # the metrics' histogram (cache_aware)
         self.on_fatal = lambda message: None
         self._draining = False
 
+    def _placements(self, config: EngineConfig, size: int, ray_address: str | None):
+        """Each replica's config and launcher. mp: a child process pinned to its share of this
+        machine's cores, its KV events on an ipc:// endpoint. ray: an actor wherever Ray places
+        it, with --threads CPUs (default: the cluster's CPUs over the replicas), its KV events on
+        free tcp ports of its node (the actor names them in its stats)."""
+        if self.backend == "mp":
+            for i, cpus in enumerate(cpu_shares(size)):
+                threads = config.threads or (len(cpus) if cpus else None)
+                endpoint = f"ipc://{self._events_dir}/kv-{i}"
+                yield replace(config, threads=threads, cpu_affinity=cpus, kv_events_endpoint=endpoint), LocalLauncher()
+            return
+        from .launchers import RayLauncher, connect_ray
+
+        cluster_cpus = connect_ray(ray_address)
+        threads = config.threads or max(1, int(cluster_cpus // size))
+        if threads * size > cluster_cpus:
+            log.warning("%d replicas x %d threads ask for more CPUs than the Ray cluster has (%g): some wait to be placed", size, threads, cluster_cpus)
+        for i in range(size):
+            yield replace(config, threads=threads, cpu_affinity=None, kv_events_endpoint="tcp://NODE:*"), RayLauncher(i, threads)
+
     # ------------------------------------------------------------ the one-engine interface
 
     async def start(self) -> None:
-        for r, s in zip(self.replicas, self._subscribers):
-            r.on_ready = s.reset  # a restarted replica's events are numbered from 0 again
-            s.start()
-        for r in self.replicas:
+        for i, r in enumerate(self.replicas):
+            r.on_ready = lambda i=i: self._replica_ready(i)
             await r.start()
+
+    def _replica_ready(self, i: int) -> None:
+        """A replica's core (the first, or a restarted one) is ready: read its KV events, at the
+        endpoint its stats name (a Ray-placed one binds free ports on its own node)."""
+        stats = self.replicas[i].core_stats
+        endpoint, replay = stats.get("kv_events_endpoint"), stats.get("kv_events_replay_endpoint")
+        sub = self._subscribers[i]
+        if sub is not None and sub.endpoint == endpoint:
+            sub.reset()  # the same endpoint, a new publisher: its events are numbered from 0 again
+            return
+        if sub is not None:
+            sub.stop()
+        self.index.forget(str(i))
+        self._subscribers[i] = KVEventSubscriber(self.index, str(i), endpoint, replay).start() if endpoint and replay else None
 
     async def stop(self, timeout: float = 10.0) -> None:
         for r in self.replicas:
             await r.stop(timeout)
         for s in self._subscribers:
-            s.stop()
+            if s is not None:
+                s.stop()
         shutil.rmtree(self._events_dir, ignore_errors=True)
 
     def kill_now(self) -> None:
@@ -176,5 +212,6 @@ class ReplicaSet:
         base["engine_restarts"] = self.num_restarts
         base["data_parallel_size"] = len(self.replicas)
         base["routing_policy"] = self.router.policy
+        base["data_parallel_backend"] = self.backend
         base["replicas"] = [{**s, "replica": i, "ready": r.ready, "routed_requests": self.router.routed.get(str(i), 0)} for i, (s, r) in enumerate(zip(per, self.replicas))]
         return base

@@ -65,7 +65,7 @@ def serve(
     routing: dict | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if data_parallel_size > 1:
+    if data_parallel_size > 1 or (routing or {}).get("backend") == "ray":
         from .replicas import ReplicaSet
 
         engine = ReplicaSet(engine_config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)

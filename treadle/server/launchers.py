@@ -1,0 +1,241 @@
+"""Where an engine core runs: a child process of the server, or a Ray actor on a Ray cluster.
+
+Either way the core is `engine/core_process.run_engine_core` behind the same two ZMQ sockets
+(engine_client.py): only the addresses differ (ipc:// paths for a child, tcp:// on the server's
+node address for an actor, which may be on another machine) and how its end is noticed. A
+launcher starts a core and returns a handle the client watches:
+
+    handle.watch(loop, on_exit)   on_exit(handle) once the core has ended, however it ended
+    handle.is_alive() / kill() / join(timeout) / describe_exit()
+
+`LocalLauncher` spawns a process (multiprocessing, spawn) and watches its sentinel.
+`RayLauncher` keeps one actor per replica (`RayEngineCore`), placed by Ray by its resources
+(`num_cpus` = the replica's threads, spread over the nodes), and runs the core in it: the
+call's result is how its end is noticed (a return on Shutdown, an error if the actor died). The
+actor is created with `max_restarts=-1`: when its process dies, Ray starts it again (on any node
+that has the resources) and the client's next run goes to the restarted actor; the client's own
+restart budget (`--max-engine-restarts`) still decides when to give up.
+"""
+
+import logging
+import multiprocessing
+import shutil
+import tempfile
+
+log = logging.getLogger("treadle.server")
+
+
+def describe_exit(pid: int | None, code: int | None) -> str:
+    import signal
+
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the engine core process (pid {pid}) was killed by {name}"
+    return f"the engine core process (pid {pid}) exited with code {code}"
+
+
+# ------------------------------------------------------------------ a child process
+
+
+class LocalCore:
+    def __init__(self, proc):
+        self.proc = proc
+        self.pid = proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    def watch(self, loop, on_exit) -> None:
+        self._loop = loop
+
+        def ended():
+            loop.remove_reader(self.proc.sentinel)
+            on_exit(self)
+
+        loop.add_reader(self.proc.sentinel, ended)
+
+    def unwatch(self) -> None:
+        self._loop.remove_reader(self.proc.sentinel)
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self, timeout: float) -> None:
+        self.proc.join(timeout)
+
+    def describe_exit(self) -> str:
+        return describe_exit(self.pid, self.proc.exitcode)
+
+
+class LocalLauncher:
+    """Cores as child processes, talking over ipc:// sockets in a private folder."""
+
+    def __init__(self):
+        self._dir: str | None = None
+
+    def addresses(self) -> tuple[str, str]:
+        self.cleanup()
+        self._dir = tempfile.mkdtemp(prefix="treadle-")
+        return f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+
+    def launch(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> LocalCore:
+        from ..engine.core_process import run_engine_core
+
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, registry, in_addr, out_addr, log_level), name="treadle-engine-core", daemon=True
+        )
+        proc.start()
+        return LocalCore(proc)
+
+    def cleanup(self) -> None:
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def close(self) -> None:
+        self.cleanup()
+
+
+# ------------------------------------------------------------------ a Ray actor
+
+
+class RayCore:
+    def __init__(self, actor, ref):
+        self.actor, self.ref = actor, ref
+        self.pid: int | None = None  # the client learns it from the core's Ready
+        self.exitcode: int | None = None
+        self.error: BaseException | None = None
+        self._done = False
+        self._task = None
+
+    def watch(self, loop, on_exit) -> None:
+        async def wait():
+            try:
+                self.exitcode = await self.ref
+            except Exception as e:  # noqa: BLE001 - RayActorError and kin: the actor died
+                self.error = e
+            self._done = True
+            on_exit(self)
+
+        self._task = loop.create_task(wait())
+
+    def unwatch(self) -> None:
+        if self._task is not None and not self._done:
+            self._task.cancel()
+
+    def is_alive(self) -> bool:
+        return not self._done
+
+    def kill(self) -> None:
+        """The actor's process ends now; Ray restarts the actor (max_restarts=-1)."""
+        import ray
+
+        ray.kill(self.actor, no_restart=False)
+
+    def join(self, timeout: float) -> None:
+        pass  # its end is the watched call's result
+
+    def describe_exit(self) -> str:
+        if self.error is not None:
+            first = str(self.error).strip().splitlines()[0] if str(self.error).strip() else type(self.error).__name__
+            return f"the engine core's Ray actor (pid {self.pid}) died: {first}"
+        return describe_exit(self.pid, self.exitcode)
+
+
+class RayEngineCore:
+    """The Ray actor of one replica: it runs an engine core until Shutdown (or its death)."""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def run(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> int:
+        from dataclasses import replace
+
+        import ray
+
+        from ..engine.core_process import run_engine_core
+
+        node = _ray_node_address(ray.get_runtime_context().get_node_id()) or ray.util.get_node_ip_address()
+        host = f"[{node}]" if ":" in node else node
+        # the KV events on this node's address, free ports; the core's stats name them
+        config = replace(config, kv_events_endpoint=f"tcp://{host}:*" if config.kv_events_endpoint else None)
+        try:
+            run_engine_core(config, registry, in_addr, out_addr, log_level, in_actor=True)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+        return 0
+
+
+def _ray_node_address(node_id: str) -> str | None:
+    """The address a Ray node registered with (`ray start --node-ip-address`)."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("Alive"):
+            return node.get("NodeManagerAddress")
+    return None
+
+
+def connect_ray(address: str | None) -> float:
+    """Join the existing Ray cluster at `address` (default: $RAY_ADDRESS, else the one started on
+    this machine by `ray start`); its CPUs."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--data-parallel-backend ray needs Ray: pip install 'ray[default]'") from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address or "auto", namespace="treadle", log_to_driver=True, configure_logging=False)
+        except ConnectionError as e:
+            raise ValueError(f"cannot join the Ray cluster at {address or 'auto'}: {e} (start one with `ray start --head`)") from None
+    return ray.cluster_resources().get("CPU", 0.0)
+
+
+class RayLauncher:
+    """Cores as Ray actors on an existing cluster (connect_ray); the sockets on this node's
+    cluster address."""
+
+    def __init__(self, index: int, num_cpus: float):
+        import ray
+
+        self.index, self.num_cpus = index, num_cpus
+        self.host = _ray_node_address(ray.get_runtime_context().get_node_id()) or ray.util.get_node_ip_address()
+        self.actor = None
+
+    def addresses(self) -> tuple[str, str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:*", f"tcp://{host}:*"
+
+    def launch(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> RayCore:
+        import ray
+
+        if self.actor is None:
+            import uuid
+
+            name = f"treadle-engine-core-{self.index}-{uuid.uuid4().hex[:8]}"  # several servers may share a cluster
+            options = dict(num_cpus=self.num_cpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", name=name)
+            self.actor = ray.remote(RayEngineCore).options(**options).remote()
+            log.info("replica %d: a Ray actor with %g CPUs", self.index, self.num_cpus)
+        return RayCore(self.actor, self.actor.run.remote(config, registry, in_addr, out_addr, log_level))
+
+    def cleanup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - the cluster may be gone already
+                log.warning("replica %d: cannot kill its Ray actor: %s", self.index, e)
+            self.actor = None

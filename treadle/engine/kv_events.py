@@ -95,7 +95,7 @@ class KVEventPublisher:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="treadle-kv-events", daemon=True)
         self._thread.start()
-        log.info("publishing KV cache events on %s (replay on %s)", endpoint, self.replay_endpoint)
+        log.info("publishing KV cache events on %s (replay on %s)", self.endpoint, self.replay_endpoint)
 
     def publish(self, events: list) -> None:
         if events:

@@ -36,6 +36,10 @@ class BenchRequest:
     prompt_len: int  # tokens of the prompt (content tokens for chat)
     output_len: int
     schema: dict | None = None  # a JSON schema to constrain the output to (bench serve --structured-output-ratio)
+    conversation: int | None = None  # multiturn: which conversation, its turn, and its system prompt
+    turn: int = 0
+    system: str | None = None
+    messages: list[dict] | None = None  # multiturn: the whole conversation sent (set as the run goes)
 
 
 class EngineTokenizer:
@@ -219,9 +223,25 @@ def _source_segment(lines: list[str], node) -> str:
     return "".join([" " * len(head[: node.col_offset].decode()) + head[node.col_offset :].decode(), *lines[first + 1 : last], tail])
 
 
+def multiturn_dataset(tok, conversations: int, turns: int, turn_tokens: int, system_tokens: int, output_len: int, seed=0) -> list[BenchRequest]:
+    """Conversations of `turns` user messages of `turn_tokens` tokens each after a system prompt of
+    `system_tokens` tokens (each conversation its own, random text as the random dataset's).
+    The requests come conversation by conversation, turn by turn; the run (serve.py) sends each
+    turn with the whole conversation so far, the model's actual earlier replies included."""
+    rng = random.Random(seed)
+    pool = tok.sample_ids()
+    out = []
+    for c in range(conversations):
+        system = exact_text(tok, [rng.choice(pool) for _ in range(system_tokens)], system_tokens, rng, pool) if system_tokens else None
+        for t in range(turns):
+            text = exact_text(tok, [rng.choice(pool) for _ in range(turn_tokens)], turn_tokens, rng, pool)
+            out.append(BenchRequest(text, turn_tokens, output_len, conversation=c, turn=t, system=system))
+    return out
+
+
 def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> None:
     """The dataset flags of `vllm bench serve`, shared by bench serve and bench throughput."""
-    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt", "editing"], default="random")
+    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt", "editing", "multiturn"], default="random")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--random-input-len", type=int, default=input_len)
@@ -233,6 +253,10 @@ def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> No
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     p.add_argument("--prefix-repetition-output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--multiturn-conversations", type=int, default=16, help="multiturn: conversations (each a chain of turns; --max-concurrency of them at once)")
+    p.add_argument("--multiturn-turns", type=int, default=4, help="multiturn: user turns per conversation")
+    p.add_argument("--multiturn-turn-tokens", type=int, default=64, help="multiturn: tokens of each new user message")
+    p.add_argument("--multiturn-system-prompt-tokens", type=int, default=256, help="multiturn: tokens of each conversation's own system prompt")
 
 
 def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
@@ -249,6 +273,10 @@ def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
             args.prefix_repetition_num_prefixes,
             args.prefix_repetition_output_len,
             seed,
+        )
+    if args.dataset_name == "multiturn":
+        return multiturn_dataset(
+            tok, args.multiturn_conversations, args.multiturn_turns, args.multiturn_turn_tokens, args.multiturn_system_prompt_tokens, args.random_output_len, seed
         )
     if args.dataset_name == "editing":
         return editing_dataset(tok, args.num_prompts, seed)

@@ -34,6 +34,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # absolute arrival of each content chunk
     error: str = ""
     structured: bool = False  # sent with a JSON schema (structured_outputs)
+    text: str = ""  # the reply (multiturn: the next turn sends it back)
+    turn: int | None = None  # multiturn: the turn's index in its conversation
 
 
 def percentile_stats(values_s: list[float], percentiles: list[float]) -> dict:

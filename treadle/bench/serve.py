@@ -10,6 +10,7 @@ import time
 from datetime import datetime
 
 import httpx
+import numpy as np
 from tqdm import tqdm
 
 from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
@@ -17,6 +18,7 @@ from .metrics import METRIC_TITLES, RequestResult, class_metrics, compute_metric
 from .structured import base_schema, check_structured_args, request_schemas
 
 GRAMMAR_COUNTERS = ("grammars_compiled", "grammar_cache_hits")  # treadle's GET /stats
+SERVER_COUNTERS = GRAMMAR_COUNTERS + ("prefix_cache_queries", "prefix_cache_hits")  # prompt tokens looked up, and found cached
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +74,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
     if req.schema is not None:
         payload["structured_outputs"] = {"json": req.schema}
     if chat:
-        payload["messages"] = [{"role": "user", "content": req.prompt}]
+        payload["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
         if args.logprobs is not None:
             payload["logprobs"] = True
             payload["top_logprobs"] = args.logprobs
@@ -80,7 +82,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
         payload["prompt"] = req.prompt
         if args.logprobs is not None:
             payload["logprobs"] = args.logprobs
-    result = RequestResult(prompt_len=req.prompt_len, structured=req.schema is not None)
+    result = RequestResult(prompt_len=req.prompt_len, structured=req.schema is not None, turn=req.turn if req.conversation is not None else None)
+    pieces = []
     start = time.perf_counter()
     result.start = start
     last = start
@@ -102,6 +105,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
                     result.error = str(chunk["error"])
                     return result
                 if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    pieces.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
                     if not result.ttft:
                         result.ttft = now - start
                     else:
@@ -113,6 +118,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
                     result.output_len = usage.get("completion_tokens", 0)
                     result.server_prompt_len = usage.get("prompt_tokens", 0)
         result.latency = last - start
+        result.text = "".join(pieces)
         result.success = result.ttft > 0
         if not result.success:
             result.error = "no tokens were streamed"
@@ -141,20 +147,31 @@ async def probe_health(client: httpx.AsyncClient, url: str, interval: float, sto
     return latencies, failed
 
 
-async def grammar_counters(client: httpx.AsyncClient, url: str) -> dict:
-    """The server's grammar counters from GET /stats; None for each it does not report (a server
-    other than treadle), so that a run against it still completes."""
+async def server_counters(client: httpx.AsyncClient, url: str) -> dict:
+    """The server's counters from GET /stats (a treadle router's: summed over its workers); None for
+    each it does not report (a server other than treadle), so that a run against it still completes."""
     try:
         r = await client.get(url, timeout=10)
         stats = r.json() if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         stats = {}
-    return {k: stats.get(k) if isinstance(stats, dict) else None for k in GRAMMAR_COUNTERS}
+    if not isinstance(stats, dict):
+        stats = {}
+    if "workers" in stats:  # treadle router
+        per = [w.get("stats") or {} for w in stats["workers"]]
+        return {k: sum(s[k] for s in per if isinstance(s.get(k), int)) if any(isinstance(s.get(k), int) for s in per) else None for k in SERVER_COUNTERS}
+    return {k: stats.get(k) for k in SERVER_COUNTERS}
 
 
 def counter_deltas(before: dict, after: dict) -> dict:
     """What each counter grew by over the run; None unless the server reported it at both ends."""
-    return {k: after[k] - before[k] if isinstance(before[k], int) and isinstance(after[k], int) else None for k in GRAMMAR_COUNTERS}
+    return {k: after[k] - before[k] if isinstance(before[k], int) and isinstance(after[k], int) else None for k in before}
+
+
+def prefix_cache_section(deltas: dict) -> dict:
+    queries, hits = deltas.get("prefix_cache_queries"), deltas.get("prefix_cache_hits")
+    rate = hits / queries if queries and hits is not None else None
+    return {"prefix_cache_queried_tokens": queries, "prefix_cache_hit_tokens": hits, "prefix_cache_hit_rate": rate}
 
 
 async def warm_up(client: httpx.AsyncClient, url: str, model: str, requests: list[BenchRequest], chat: bool, args) -> None:
@@ -178,7 +195,7 @@ def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[flo
 
 
 async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
-    chat = args.backend == "openai-chat"
+    chat = args.backend == "openai-chat" or args.dataset_name == "multiturn"  # a conversation is a chat
     endpoint = args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
     url = base_url(args) + endpoint
     limit = args.max_concurrency or len(requests) or 1
@@ -195,23 +212,42 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
                 bar.update(1)
             return r
 
+        async def conversation(turns: list[BenchRequest]) -> list[RequestResult]:
+            """One conversation's turns in order, each sent with the replies actually received."""
+            out = []
+            async with semaphore:
+                history = [{"role": "system", "content": turns[0].system}] if turns[0].system else []
+                for req in turns:
+                    history.append({"role": "user", "content": req.prompt})
+                    req.messages = list(history)
+                    r = await send_request(client, url, model, req, chat, args)
+                    out.append(r)
+                    if bar:
+                        bar.update(1)
+                    if not r.success:
+                        break  # the rest of this conversation cannot be sent as it would have been
+                    history.append({"role": "assistant", "content": r.text})
+            return out
+
         stats_url = base_url(args) + "/stats"
-        before = await grammar_counters(client, stats_url) if args.structured_output_ratio else None
+        before = await server_counters(client, stats_url)
         stop = asyncio.Event()
         probe = None
         if args.health_probe_interval:
             probe = asyncio.create_task(probe_health(client, base_url(args) + "/health", args.health_probe_interval, stop))
         start = time.perf_counter()
         tasks = []
-        for req, gap in zip(requests, _arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)):
+        units = conversations(requests) if args.dataset_name == "multiturn" else [[r] for r in requests]
+        for unit, gap in zip(units, _arrival_gaps(len(units), args.request_rate, args.burstiness, args.seed)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(req)))
-        results = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(conversation(unit) if unit[0].conversation is not None else _one(limited(unit[0]))))
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - start
         stop.set()
         health = health_probe_stats(*await probe) if probe else None
-        grammars = counter_deltas(before, await grammar_counters(client, stats_url)) if before is not None else None
+        deltas = counter_deltas(before, await server_counters(client, stats_url))
+        grammars = {k: deltas[k] for k in GRAMMAR_COUNTERS} if args.structured_output_ratio else None
         if bar:
             bar.close()
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
@@ -231,6 +267,7 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         "logprobs": args.logprobs,
         **metrics,
         "health_probe_latency_ms": health,
+        **prefix_cache_section(deltas),
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
         "ttfts": [r.ttft for r in results],
@@ -238,9 +275,33 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         "itls": [r.itl for r in results],
         "errors": [r.error for r in results],
     }
+    if args.dataset_name == "multiturn":
+        result["multiturn"] = multiturn_section(results)
     if grammars is not None:
         result["structured_output"] = structured_section(args, results, duration, percentiles, goodput, grammars)
     return result
+
+
+async def _one(coro) -> list:
+    return [await coro]
+
+
+def conversations(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+    by: dict[int, list[BenchRequest]] = {}
+    for r in requests:
+        by.setdefault(r.conversation, []).append(r)
+    return [sorted(turns, key=lambda r: r.turn) for turns in by.values()]
+
+
+def multiturn_section(results: list[RequestResult]) -> dict:
+    """TTFT by turn: the first turn computes its whole prompt, later ones find their history cached
+    (where it is)."""
+    turns = sorted({r.turn for r in results if r.turn is not None})
+    by_turn = {}
+    for t in turns:
+        ok = [r.ttft for r in results if r.turn == t and r.success]
+        by_turn[str(t + 1)] = {"completed": len(ok), "median_ttft_ms": float(np.median(ok) * 1000) if ok else None}
+    return {"ttft_by_turn": by_turn}
 
 
 def structured_section(args, results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict, grammars: dict) -> dict:
@@ -286,6 +347,16 @@ def print_report(result: dict, args) -> None:
     for name in args.percentile_metrics.split(","):
         print(_rule(METRIC_TITLES[name][0]))
         _print_latency(result, name, args)
+    if result.get("prefix_cache_hit_rate") is not None:
+        print(_rule("Prefix Cache (server's /stats)"))
+        print(_line("Prompt tokens looked up:", result["prefix_cache_queried_tokens"]))
+        print(_line("Prompt tokens found cached:", result["prefix_cache_hit_tokens"]))
+        print(_num("Prefix cache hit rate (%):", 100 * result["prefix_cache_hit_rate"]))
+    if "multiturn" in result:
+        print(_rule("Multi-turn: median TTFT by turn"))
+        for t, m in result["multiturn"]["ttft_by_turn"].items():
+            if m["median_ttft_ms"] is not None:
+                print(_num(f"Turn {t} median TTFT (ms):", m["median_ttft_ms"]))
     health = result.get("health_probe_latency_ms")
     if health:
         print(_rule("Health Probe (GET /health)"))

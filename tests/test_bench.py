@@ -10,7 +10,7 @@ import pytest
 
 from treadle.bench.datasets import BenchRequest, LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
 from treadle.bench.metrics import RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
-from treadle.bench.serve import add_serve_args, bench_serve, cmd_bench_serve, counter_deltas, grammar_counters, print_report, send_request
+from treadle.bench.serve import add_serve_args, bench_serve, cmd_bench_serve, counter_deltas, print_report, run_benchmark, send_request, server_counters
 from treadle.bench.structured import DEFAULT_SCHEMA, check_structured_args, distinct_schemas, request_schemas, schema_bytes, structured_flags
 from treadle.bench.sweep import plot_sweep
 
@@ -173,12 +173,12 @@ def test_schema_request_field_and_class_metrics(capsys):
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             plain = await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1), False, args)
             constrained = await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1, DEFAULT_SCHEMA), False, args)
-            return plain, constrained, await grammar_counters(client, "http://test/stats")
+            return plain, constrained, await server_counters(client, "http://test/stats")
 
     plain, constrained, counters = asyncio.run(go())
     assert "structured_outputs" not in sent[0] and sent[1]["structured_outputs"] == {"json": DEFAULT_SCHEMA}
     assert (plain.structured, constrained.structured) == (False, True)
-    assert counter_deltas(counters, counters) == {"grammars_compiled": None, "grammar_cache_hits": None}
+    assert set(counter_deltas(counters, counters).values()) == {None}  # not treadle: nothing reported, nothing made up
 
     a, b = synthetic(0.0, 0.5, [0.1, 0.1, 0.1], 4), synthetic(0.2, 1.0, [0.3], 2)
     b.structured = True
@@ -338,3 +338,61 @@ def test_sweep_plots_are_written(tmp_path):
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multiturn_turns_send_the_actual_earlier_replies(monkeypatch):
+    """Each turn carries the conversation so far: its system prompt, every earlier user message and
+    the replies the server actually gave (here each reply names the request that produced it), and
+    a conversation's turns go in order while conversations interleave."""
+    from treadle.bench import serve as serve_module
+    from treadle.bench.datasets import multiturn_dataset
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+        def sample_ids(self):
+            return list(range(97, 123))
+
+    sent = []
+
+    def handler(request):
+        if request.url.path == "/stats":
+            n = len(sent)
+            return httpx.Response(200, json={"prefix_cache_queries": 100 * n, "prefix_cache_hits": 40 * n})
+        body = json.loads(request.content)
+        sent.append(body["messages"])
+        chunk = {"choices": [{"index": 0, "delta": {"content": f"reply-{len(sent)}"}}], "usage": {"completion_tokens": 1, "prompt_tokens": 2}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(serve_module.httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    requests = multiturn_dataset(Tok(), conversations=3, turns=3, turn_tokens=5, system_tokens=7, output_len=4, seed=1)
+    assert len(requests) == 9 and len({r.system for r in requests}) == 3 and all(len(r.system) == 7 and len(r.prompt) == 5 for r in requests)
+    args = serve_args("--dataset-name", "multiturn", "--max-concurrency", "2", "--disable-tqdm", "--base-url", "http://test")
+    result = asyncio.run(run_benchmark(args, requests, "m"))
+    assert result["completed"] == 9 and result["endpoint"] == "/v1/chat/completions"
+    by_system = {}
+    for messages in sent:
+        assert messages[0]["role"] == "system"
+        by_system.setdefault(messages[0]["content"], []).append(messages)
+    assert len(by_system) == 3
+    for turns in by_system.values():
+        assert [len(m) for m in turns] == [2, 4, 6]  # system + (user, assistant) per earlier turn + user
+        for earlier, later in zip(turns, turns[1:]):
+            assert later[: len(earlier)] == earlier
+            reply = later[len(earlier)]
+            assert reply["role"] == "assistant" and reply["content"] == f"reply-{sent.index(earlier) + 1}"  # that request's own reply
+    assert result["prefix_cache_hit_rate"] == pytest.approx(0.4)
+    assert set(result["multiturn"]["ttft_by_turn"]) == {"1", "2", "3"}
+
+
+def test_live_multiturn_hits_the_prefix_cache(server):
+    args = bench_args(server, dataset_name="multiturn", multiturn_conversations=3, multiturn_turns=3, multiturn_turn_tokens=16,
+                      multiturn_system_prompt_tokens=64, random_output_len=6, max_concurrency=2, ignore_eos=True)  # fmt: skip
+    result = bench_serve(args)
+    assert result["failed"] == 0 and result["completed"] == 9
+    assert result["prefix_cache_hit_tokens"] > 0 and 0 < result["prefix_cache_hit_rate"] < 1  # later turns find their history

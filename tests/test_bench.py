@@ -386,6 +386,7 @@ def test_multiturn_turns_send_the_actual_earlier_replies(monkeypatch):
             assert later[: len(earlier)] == earlier
             reply = later[len(earlier)]
             assert reply["role"] == "assistant" and reply["content"] == f"reply-{sent.index(earlier) + 1}"  # that request's own reply
+    assert result["total_input_tokens"] == 3 * ((7 + 5) + (7 + 5 + 1 + 5) + (7 + 5 + 1 + 5 + 1 + 5))  # the whole conversation sent, its replies included
     assert result["prefix_cache_hit_rate"] == pytest.approx(0.4)
     assert set(result["multiturn"]["ttft_by_turn"]) == {"1", "2", "3"}
 

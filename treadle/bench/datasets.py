@@ -39,6 +39,7 @@ class BenchRequest:
     conversation: int | None = None  # multiturn: which conversation, its turn, and its system prompt
     turn: int = 0
     system: str | None = None
+    system_len: int = 0
     messages: list[dict] | None = None  # multiturn: the whole conversation sent (set as the run goes)
 
 
@@ -227,7 +228,9 @@ def multiturn_dataset(tok, conversations: int, turns: int, turn_tokens: int, sys
     """Conversations of `turns` user messages of `turn_tokens` tokens each after a system prompt of
     `system_tokens` tokens (each conversation its own, random text as the random dataset's).
     The requests come conversation by conversation, turn by turn; the run (serve.py) sends each
-    turn with the whole conversation so far, the model's actual earlier replies included."""
+    turn with the whole conversation so far, the model's actual earlier replies included (its
+    input tokens then count the whole conversation's content). --request-rate paces the starts of
+    conversations; --max-concurrency bounds the conversations in flight."""
     rng = random.Random(seed)
     pool = tok.sample_ids()
     out = []
@@ -235,7 +238,7 @@ def multiturn_dataset(tok, conversations: int, turns: int, turn_tokens: int, sys
         system = exact_text(tok, [rng.choice(pool) for _ in range(system_tokens)], system_tokens, rng, pool) if system_tokens else None
         for t in range(turns):
             text = exact_text(tok, [rng.choice(pool) for _ in range(turn_tokens)], turn_tokens, rng, pool)
-            out.append(BenchRequest(text, turn_tokens, output_len, conversation=c, turn=t, system=system))
+            out.append(BenchRequest(text, turn_tokens, output_len, conversation=c, turn=t, system=system, system_len=system_tokens if system else 0))
     return out
 
 

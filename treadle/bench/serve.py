@@ -217,16 +217,21 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
             out = []
             async with semaphore:
                 history = [{"role": "system", "content": turns[0].system}] if turns[0].system else []
-                for req in turns:
+                sent_tokens = turns[0].system_len  # content tokens of the conversation so far
+                for i, req in enumerate(turns):
                     history.append({"role": "user", "content": req.prompt})
+                    sent_tokens += req.prompt_len
                     req.messages = list(history)
-                    r = await send_request(client, url, model, req, chat, args)
+                    r = await send_request(client, url, model, dataclasses.replace(req, prompt_len=sent_tokens), chat, args)
                     out.append(r)
                     if bar:
                         bar.update(1)
-                    if not r.success:
-                        break  # the rest of this conversation cannot be sent as it would have been
+                    if not r.success:  # the rest cannot be sent as it would have been: failed with it
+                        for later in turns[i + 1 :]:
+                            out.append(RequestResult(prompt_len=later.prompt_len, turn=later.turn, error=f"an earlier turn of its conversation failed: {r.error}"))
+                        break
                     history.append({"role": "assistant", "content": r.text})
+                    sent_tokens += r.output_len
             return out
 
         stats_url = base_url(args) + "/stats"
@@ -347,7 +352,9 @@ def print_report(result: dict, args) -> None:
     for name in args.percentile_metrics.split(","):
         print(_rule(METRIC_TITLES[name][0]))
         _print_latency(result, name, args)
-    if result.get("prefix_cache_hit_rate") is not None:
+    if result.get("prefix_cache_hit_rate") is None:
+        print("Prefix cache: the server reports no prefix-cache counters in /stats")
+    else:
         print(_rule("Prefix Cache (server's /stats)"))
         print(_line("Prompt tokens looked up:", result["prefix_cache_queried_tokens"]))
         print(_line("Prompt tokens found cached:", result["prefix_cache_hit_tokens"]))
@@ -415,6 +422,8 @@ def make_tokenizer(args):
 
 def bench_serve(args, seed: int | None = None, tok=None) -> dict:
     check_structured_args(args)
+    if args.dataset_name == "multiturn":
+        args.backend = "openai-chat"  # a conversation is a chat
     model = resolve_model(args)
     tok = tok or make_tokenizer(args)
     seed = args.seed if seed is None else seed

@@ -11,7 +11,7 @@ defaults (bfloat16, batch-invariant, prefix caching), measured by `treadle bench
 2. random (256 in / 64 out, 48 prompts, 8 users, no shared prefixes) on the same two servers:
    output throughput;
 3. the seed workload (512 in / 256 out, 16 users) on N=2 x 1 thread (cache_aware) and on N=1 x 2
-   threads.
+   threads, each with the default KV pool.
 """
 
 import argparse
@@ -74,15 +74,15 @@ def main() -> int:
         try:
             results["runs"][f"multiturn {policy}"] = bench(url, multiturn, args.work_dir, f"multiturn-{policy}")
             results["runs"][f"random {policy}"] = bench(url, random_, args.work_dir, f"random-{policy}")
-            if policy == "cache_aware":
-                results["runs"]["seed N=2x1"] = bench(url, seed, args.work_dir, "seed-n2")
         finally:
             stop(proc)
-    proc, url = start(["--threads", "2"], os.path.join(args.work_dir, "server-n1.log"))
-    try:
-        results["runs"]["seed N=1x2"] = bench(url, seed, args.work_dir, "seed-n1")
-    finally:
-        stop(proc)
+    # the seed workload on the default KV pool: N=2 x 1 thread (cache_aware) against N=1 x 2 threads
+    for name, flags in (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"])):
+        proc, url = start(flags, os.path.join(args.work_dir, f"server-{name[5:]}.log"))
+        try:
+            results["runs"][name] = bench(url, seed, args.work_dir, name.replace(" ", "-").replace("=", ""))
+        finally:
+            stop(proc)
     runs = results["runs"]
     ca, rr = runs["multiturn cache_aware"], runs["multiturn round_robin"]
     results["ratios"] = {

@@ -94,3 +94,48 @@ def test_a_dead_replica_fails_nothing_new_and_comes_back(server):
         time.sleep(0.2)
     stats = httpx.get(server.url + "/stats", timeout=10).json()
     assert stats["engine_restarts"] == 1 and stats["replicas"][0]["engine_pid"] != victim
+
+
+def test_a_replica_killed_mid_run_loses_no_request_and_leaks_no_block(server):
+    """Concurrent streams on both replicas, one replica killed while its streams run: every
+    request ends, either with its whole output or with an error, none twice; then every block is
+    free on every replica."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, max_tokens = 8, 48
+
+    def one(i: int):
+        body = {"model": "tiny", "prompt": tokens(40 + i, 24), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                return "error"
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]  # ended properly, not cut off
+        chunks = [json.loads(e) for e in events[:-1]]
+        if any("error" in c for c in chunks):
+            return "error"
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == max_tokens  # no error: the whole output
+        return "full"
+
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
+        deadline = time.time() + 30
+        while True:
+            replicas = httpx.get(server.url + "/stats", timeout=10).json()["replicas"]
+            if replicas[1]["ready"] and replicas[1]["num_running"] > 0 and replicas[0]["num_running"] > 0:
+                break
+            assert time.time() < deadline, replicas
+            time.sleep(0.02)
+        os.kill(replicas[1]["engine_pid"], signal.SIGKILL)
+        outcomes = [f.result(timeout=120) for f in futures]
+    assert len(outcomes) == n and "error" in outcomes and "full" in outcomes, outcomes
+    deadline = time.time() + 90
+    while True:
+        stats = httpx.get(server.url + "/stats", timeout=10).json()
+        if all(r["ready"] for r in stats["replicas"]) and all(r["num_running"] == 0 and r["kv_blocks_used"] == 0 for r in stats["replicas"]):
+            break
+        assert time.time() < deadline, [(r["ready"], r["num_running"], r["kv_blocks_used"]) for r in stats["replicas"]]
+        time.sleep(0.2)

@@ -124,6 +124,25 @@ def test_outputs_through_the_router_equal_one_engine(cluster):
         assert text == r.json()["choices"][0]["text"]
 
 
+def test_predictions_hold_within_a_block_under_concurrent_load(cluster):
+    """Follow-ups of cached prompts sent all at once (with cold prompts among them): each reply's
+    cached tokens are the router's prediction, within one block."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, _, router = cluster
+    bases = [tokens(30 + s, 3 * BLOCK + 2) for s in range(3)]
+    for b in bases:
+        complete(router, b)
+    time.sleep(0.5)
+    prompts = [b + tokens(40 + 3 * i + j, BLOCK) for i, b in enumerate(bases) for j in range(2)] + [tokens(60 + s, 2 * BLOCK) for s in range(3)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda p: complete(router, p, max_tokens=4), prompts))
+    for r in replies:
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert abs(int(r.headers["x-treadle-predicted-cached-tokens"]) - cached) <= BLOCK, (r.headers, cached)
+    assert sum(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies[:6]) >= 6 * 2 * BLOCK  # the follow-ups found their bases
+
+
 def test_router_metrics_and_stats(cluster):
     _, workers, router = cluster
     metrics = httpx.get(router.url + "/metrics", timeout=10).text

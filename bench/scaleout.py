@@ -57,27 +57,30 @@ def bench(url: str, flags: list[str], out_dir: str, name: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks-per-replica", type=int, default=200)
+    ap.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    ap.add_argument("--only-multiturn", action="store_true", help="the multiturn comparison alone")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run of the script)")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "scaleout.json"))
     ap.add_argument("--work-dir", default="/tmp/treadle-scaleout")
     args = ap.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     q = args.quick
-    multiturn = ["--dataset-name", "multiturn", "--multiturn-conversations", "6" if q else "16", "--multiturn-turns", "3" if q else "4",
+    multiturn = ["--dataset-name", "multiturn", "--multiturn-conversations", "6" if q else "16", "--multiturn-turns", "3" if q else str(args.turns),
                  "--multiturn-turn-tokens", "64", "--multiturn-system-prompt-tokens", "256", "--random-output-len", "64", "--max-concurrency", "8"]  # fmt: skip
     random_ = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "12" if q else "48", "--max-concurrency", "8"]
     seed = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256", "--num-prompts", "16" if q else "32", "--max-concurrency", "16"]
     replicas = ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)]
-    results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "blocks_per_replica": args.blocks_per_replica, "runs": {}}
+    results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "blocks_per_replica": args.blocks_per_replica, "turns": args.turns, "runs": {}}
     for policy in ("cache_aware", "round_robin"):
         proc, url = start([*replicas, "--routing-policy", policy], os.path.join(args.work_dir, f"server-{policy}.log"))
         try:
             results["runs"][f"multiturn {policy}"] = bench(url, multiturn, args.work_dir, f"multiturn-{policy}")
-            results["runs"][f"random {policy}"] = bench(url, random_, args.work_dir, f"random-{policy}")
+            if not args.only_multiturn:
+                results["runs"][f"random {policy}"] = bench(url, random_, args.work_dir, f"random-{policy}")
         finally:
             stop(proc)
     # the seed workload on the default KV pool: N=2 x 1 thread (cache_aware) against N=1 x 2 threads
-    for name, flags in (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"])):
+    for name, flags in () if args.only_multiturn else (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"])):
         proc, url = start(flags, os.path.join(args.work_dir, f"server-{name[5:]}.log"))
         try:
             results["runs"][name] = bench(url, seed, args.work_dir, name.replace(" ", "-").replace("=", ""))
@@ -88,9 +91,10 @@ def main() -> int:
     results["ratios"] = {
         "multiturn hit rate cache_aware / round_robin": ca["prefix_cache_hit_rate"] / rr["prefix_cache_hit_rate"] if rr["prefix_cache_hit_rate"] else None,
         "multiturn median TTFT cache_aware / round_robin": ca["median_ttft_ms"] / rr["median_ttft_ms"],
-        "random throughput cache_aware / round_robin": runs["random cache_aware"]["output_throughput"] / runs["random round_robin"]["output_throughput"],
-        "seed throughput N=2x1 / N=1x2": runs["seed N=2x1"]["output_throughput"] / runs["seed N=1x2"]["output_throughput"],
     }
+    if not args.only_multiturn:
+        results["ratios"]["random throughput cache_aware / round_robin"] = runs["random cache_aware"]["output_throughput"] / runs["random round_robin"]["output_throughput"]
+        results["ratios"]["seed throughput N=2x1 / N=1x2"] = runs["seed N=2x1"]["output_throughput"] / runs["seed N=1x2"]["output_throughput"]
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))

@@ -103,7 +103,7 @@ def test_a_replica_killed_mid_run_loses_no_request_and_leaks_no_block(server):
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    n, max_tokens = 8, 48
+    n, max_tokens = 8, 200  # long enough that the killed replica is still generating
 
     def one(i: int):
         body = {"model": "tiny", "prompt": tokens(40 + i, 24), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,

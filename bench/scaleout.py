@@ -2,12 +2,13 @@
 N=2 x 1 thread against N=1 x 2 threads, each configuration a fresh `treadle serve` on the
 defaults (bfloat16, batch-invariant, prefix caching), measured by `treadle bench serve`.
 
-    python bench/scaleout.py [--quick] [--out docs/scaleout.json]
+    python bench/scaleout.py [--turns 8 --blocks-per-replica 320] [--only-multiturn] [--quick] [--out F]
 
-1. multiturn (--multiturn-*: 16 conversations x 4 turns, 256-token system prompts, 64-token user
-   messages, 64-token replies, 8 conversations at once) on 2 replicas x 1 thread, a KV pool per
-   replica of `--blocks-per-replica` blocks (about half the conversations' final length), routed
-   cache_aware, then round_robin: prefix-cache hit rate and median TTFT;
+1. multiturn (--multiturn-*: 16 conversations x `--turns` turns, 256-token system prompts, 64-token
+   user messages, 64-token replies, 8 conversations at once) on 2 replicas x 1 thread, a KV pool
+   per replica of `--blocks-per-replica` blocks (about half of the 8 in-flight conversations' final
+   length: 320 for 8 turns, 200 for 4), routed cache_aware, then round_robin: prefix-cache hit
+   rate and median TTFT;
 2. random (256 in / 64 out, 48 prompts, 8 users, no shared prefixes) on the same two servers:
    output throughput;
 3. the seed workload (512 in / 256 out, 16 users) on N=2 x 1 thread (cache_aware) and on N=1 x 2
@@ -56,11 +57,11 @@ def bench(url: str, flags: list[str], out_dir: str, name: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks-per-replica", type=int, default=200)
-    ap.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    ap.add_argument("--blocks-per-replica", type=int, default=320)
+    ap.add_argument("--turns", type=int, default=8, help="multiturn: turns per conversation")
     ap.add_argument("--only-multiturn", action="store_true", help="the multiturn comparison alone")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run of the script)")
-    ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "scaleout.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "scaleout-8turns.json"))
     ap.add_argument("--work-dir", default="/tmp/treadle-scaleout")
     args = ap.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)

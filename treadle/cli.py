@@ -231,7 +231,7 @@ def add_router_parser(sub) -> None:
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     r.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     r.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' from clients, as treadle serve does (default: $TREADLE_API_KEY, comma-separated, else none)")
-    r.add_argument("--worker-api-key", default=None, help="the key sent to the workers instead of the client's (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)")
+    r.add_argument("--worker-api-key", default=None, help="the key sent to the workers instead of the client's, and with the router's own health checks of their /stats: needed when the workers have --api-key (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)")
     add_routing_args(r, "worker")
     r.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between health checks of each worker (default: 2)")
     r.add_argument("--chat-template", default=None, help="the workers' --chat-template, if they have one (default: the model's)")

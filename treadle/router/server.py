@@ -23,8 +23,10 @@ Replies carry `x-treadle-worker` (the worker's URL) and, where the policy predic
 """
 
 import asyncio
+import json
 import logging
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -305,8 +307,6 @@ def build_router_app(router: Router) -> FastAPI:
         finally:
             await router.stop()
 
-    from contextlib import asynccontextmanager
-
     app = FastAPI(title="treadle router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None, lifespan=asynccontextmanager(lifespan))
     keys = [k.encode() for k in settings.api_keys]
     app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
@@ -363,8 +363,6 @@ def build_router_app(router: Router) -> FastAPI:
 
 
 def _previous_response_id(body: bytes) -> str | None:
-    import json
-
     try:
         data = json.loads(body)
     except ValueError:

@@ -152,20 +152,12 @@ class RayCore:
 class RayEngineCore:
     """The Ray actor of one replica: it runs an engine core until Shutdown (or its death)."""
 
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
     def run(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> int:
         from dataclasses import replace
 
-        import ray
-
         from ..engine.core_process import run_engine_core
 
-        node = _ray_node_address(ray.get_runtime_context().get_node_id()) or ray.util.get_node_ip_address()
-        host = f"[{node}]" if ":" in node else node
+        host = _node_host()
         # the KV events on this node's address, free ports; the core's stats name them
         config = replace(config, kv_events_endpoint=f"tcp://{host}:*" if config.kv_events_endpoint else None)
         try:
@@ -175,14 +167,15 @@ class RayEngineCore:
         return 0
 
 
-def _ray_node_address(node_id: str) -> str | None:
-    """The address a Ray node registered with (`ray start --node-ip-address`)."""
+def _node_host() -> str:
+    """This process's Ray node address as it registered (`ray start --node-ip-address`), ready
+    for a tcp:// endpoint ([...] around IPv6)."""
     import ray
 
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id and node.get("Alive"):
-            return node.get("NodeManagerAddress")
-    return None
+    node_id = ray.get_runtime_context().get_node_id()
+    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive")), None)
+    address = address or ray.util.get_node_ip_address()
+    return f"[{address}]" if ":" in address else address
 
 
 def connect_ray(address: str | None) -> float:
@@ -205,15 +198,12 @@ class RayLauncher:
     cluster address."""
 
     def __init__(self, index: int, num_cpus: float):
-        import ray
-
         self.index, self.num_cpus = index, num_cpus
-        self.host = _ray_node_address(ray.get_runtime_context().get_node_id()) or ray.util.get_node_ip_address()
+        self.host = _node_host()
         self.actor = None
 
     def addresses(self) -> tuple[str, str]:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:*", f"tcp://{host}:*"
+        return f"tcp://{self.host}:*", f"tcp://{self.host}:*"
 
     def launch(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> RayCore:
         import ray

@@ -221,6 +221,37 @@ def test_proposals_under_a_grammar_are_cut_where_it_refuses_them(engines, monkey
     assert spec.stats()["kv_blocks_used"] == 0
 
 
+def test_a_walk_past_the_end_of_sequence_leaves_the_requests_matcher_as_it_was(engines):
+    """Proposals may hold the EOS token (a chat's earlier turns end with it). Once it stops an
+    accepting grammar only EOS may follow; llguidance's rollback does not count that EOS, so the
+    walk must not touch the request's matcher (rolling back len(proposals) undid a real token)."""
+    import numpy as np
+
+    from treadle.engine.structured import MatcherWalk, StructuredOutputsParams
+
+    core = engines[1].engine.core
+    grammars, tok = core.grammars, engines[1].tokenizer
+    eos = sorted(tok.stop_token_ids)[0]
+    matcher = grammars.compile(StructuredOutputsParams(regex="[a-z ]{3,20}"))
+    for t in tok.encode("the fox"):
+        assert matcher.consume_token(t)
+
+    def allowed(words):
+        return set(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: grammars.vocab_size]).tolist())
+
+    before = np.empty(grammars.mask_words, dtype=np.int32)
+    grammars.fill_mask(matcher, before)
+    assert eos in allowed(before) and len(allowed(before)) > 1  # accepting, and it may go on
+    word = tok.encode(" ran")
+    masks = MatcherWalk(grammars, matcher).masks([*word, eos, eos])
+    assert all(allowed(masks[i]) == allowed(before) for i in range(len(word)))  # letters and spaces all along
+    assert allowed(masks[len(word) + 1]) == allowed(masks[len(word) + 2]) == {eos}  # stopped: EOS only
+    after = np.empty_like(before)
+    grammars.fill_mask(matcher, after)
+    assert not matcher.is_stopped() and not matcher.is_error() and (after == before).all()
+    assert matcher.consume_token(tok.encode("x")[0])  # it still follows the output from "the fox"
+
+
 def test_preempted_requests_recompute_to_the_same_tokens(make_llm, alone):
     tight = make_llm(dtype="bfloat16", speculative_config=FORCED, num_kv_blocks=24)
     assert token_ids(tight.generate(REPEATING, GREEDY)) == alone
@@ -394,6 +425,33 @@ def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, refer
 
     monkeypatch.setattr(Sampler, "_verify", from_p_on_rejection)
     assert homogeneity_p(reference, continuations(drafted)) < 0.01
+
+
+def test_draft_model_proposals_under_a_grammar_are_the_grammars(make_llm, gguf_path, engines):
+    """A constrained request draws each proposal under the grammar's mask after the proposals
+    before it, so none is refused at verification (the core would fail the step); greedy and
+    seeded tokens are those without speculation, and proposals are accepted. One whose grammar
+    waits for a start token (a reasoning model's end of thinking) never proposes that token."""
+    plain, _ = engines
+    drafted = perturbed_draft(make_llm, gguf_path)
+    prompts = [chat("List four people with their name and age as JSON."), REPEATING[0], REPEATING[1]]
+    forms = [{"json": PEOPLE}, {"regex": "[a-z ]{10,120}"}]
+    for so in forms:
+        for params in (
+            SamplingParams(temperature=0, max_tokens=60, structured_outputs=so),
+            SamplingParams(temperature=1.0, top_k=40, seed=5, max_tokens=40, logprobs=1, structured_outputs=so),
+        ):
+            want, got = plain.generate(prompts, params), drafted.generate(prompts, params)
+            assert token_ids(got) == token_ids(want), (so, params.temperature)
+            assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    s = check_counts(drafted)
+    assert s["num_accepted_tokens"] > 50
+    comma = drafted.tokenizer.encode(",")[0]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[0-9]{1,3}", "after_token": comma})
+    before = drafted.stats()["spec_decode"]["num_drafts"]
+    assert token_ids(drafted.generate([REPEATING[1]], params)) == token_ids(plain.generate([REPEATING[1]], params))
+    assert drafted.stats()["spec_decode"]["num_drafts"] > before
+    assert drafted.stats()["kv_blocks_used"] == 0
 
 
 # ---------------------------------------------------------------- the server: metrics and stats

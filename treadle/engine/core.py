@@ -37,7 +37,7 @@ from .scheduler import Scheduler
 from .draft_model import PLACEHOLDER, DraftModel, load_draft_files
 from .spec_decode import make_proposer
 from .step_cost import StepCostModel
-from .structured import GrammarCompiler, lower_thread_priority
+from .structured import GrammarCompiler, MatcherWalk, lower_thread_priority
 
 log = logging.getLogger("treadle")
 
@@ -312,20 +312,17 @@ class EngineCore:
 
     def _grammar_masks(self, step: StepInput) -> dict[str, bytes]:
         """The allowed-token bitmasks of every constrained sample of the step: one, or for a request
-        verifying proposals one per row (the matcher walked through the proposals, then rolled back)."""
+        verifying proposals one per row (a copy of the matcher walked through the proposals)."""
         masks = {}
         for s in step.scheduled:
             for req_id in s.sample_ids:
                 req = self.requests[req_id]
                 if req.matcher is not None and req.grammar_active:
-                    drafts = s.token_ids[len(s.token_ids) - s.num_drafts :] if s.num_drafts else []
-                    words = np.empty((len(drafts) + 1, self.grammars.mask_words), dtype=np.int32)
-                    for row, token in enumerate([*drafts, None]):
-                        self.grammars.fill_mask(req.matcher, words[row])
-                        if token is not None and not req.matcher.consume_token(token):
-                            raise AssertionError(f"a proposal the grammar refuses reached verification: {token}")
-                    if drafts:
-                        req.matcher.rollback(len(drafts))
+                    if s.num_drafts:
+                        words = MatcherWalk(self.grammars, req.matcher).masks(s.token_ids[len(s.token_ids) - s.num_drafts :])
+                    else:
+                        words = np.empty((1, self.grammars.mask_words), dtype=np.int32)
+                        self.grammars.fill_mask(req.matcher, words[0])
                     masks[req_id] = words.tobytes()
         return masks
 
@@ -400,15 +397,14 @@ class EngineCore:
                 group = self.groups[self.requests[s.req_id].group_id]
                 if not group.forked:  # every choice samples its first token from the prompt's last row
                     s.sample_ids = [c.request_id for c in group.children if not c.is_finished]
-        step.grammar_masks = self._grammar_masks(step)
         for req, n in self.scheduler.scheduled:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
         started = time.perf_counter()
         try:
-            if self.draft is None:
-                results = self.runner.execute(step)
-            else:  # the draft's distributions are tensors: the draft and the target share a process
-                results = self.runner.execute(step, self.draft.propose(step, self.requests, self.runner))
+            # the draft's distributions are tensors: the draft and the target share a process
+            draft_probs = None if self.draft is None else self.draft.propose(step, self.requests, self.runner, self.grammars)
+            step.grammar_masks = self._grammar_masks(step)  # after the draft: its proposals are the rows' tokens
+            results = self.runner.execute(step, draft_probs)
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
@@ -539,8 +535,6 @@ class EngineCore:
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
             if self.draft is not None:
-                if req.matcher is not None:  # a draft's proposals are not walked through grammars
-                    continue
                 room = min(room, self.draft.max_position - req.num_tokens)
             k = self._spec_width(req, room, len(decoding)) if spec.adaptive else room
             if k <= 0:

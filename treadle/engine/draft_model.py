@@ -25,11 +25,13 @@ How a proposal is drawn, per request (the target's verification is the runner's 
   logits); the target keeps it with probability min(1, p / q), else draws from (p - q)+.
 """
 
+import numpy as np
 import torch
 
 from ..model.loader import load_model_files
 from ..model.runner import Ahead, ModelRunner
 from .protocol import ScheduledRequest, StepInput
+from .structured import MatcherWalk, allowed_from_bitmask
 
 PLACEHOLDER = 0  # a proposal's token id until the draft has run (the scheduler needs only the count)
 
@@ -56,10 +58,14 @@ class DraftModel:
         self.device = runner.device
 
     @torch.inference_mode()
-    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner) -> dict[str, torch.Tensor]:
+    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars=None) -> dict[str, torch.Tensor]:
         """Fill the step's placeholder proposals (each verifying request's last num_drafts tokens,
         and its `spec_token_ids`) with the draft's; returns the distributions the unseeded sampling
-        requests' proposals were drawn from (request id -> [num_drafts, V])."""
+        requests' proposals were drawn from (request id -> [num_drafts, V]). A request under a
+        grammar draws each proposal under the grammar's mask after the proposals before it (a copy
+        of its matcher walks ahead: `grammars` is the core's GrammarCompiler); one whose grammar
+        waits for its start token never proposes that token, so each verified row is either
+        unconstrained or constrained by a known matcher state."""
         self.runner._copy_blocks(step.block_copies)  # a forked choice's copy of its partial block
         work, first, written = [], [], set()
         bs = self.runner.block_size
@@ -96,10 +102,20 @@ class DraftModel:
         for s, req in work:
             if req.params.seed is not None and not req.params.greedy:
                 noise[s.req_id] = _generator_copy(target_runner, s.req_id, req.params.seed, self.device)
+        walks, banned = {}, {}  # constrained requests: a matcher walking ahead, or the token that starts the grammar
+        for s, req in work:
+            if req.matcher is not None:
+                if req.grammar_active:
+                    walks[s.req_id] = MatcherWalk(grammars, req.matcher)
+                else:
+                    banned[s.req_id] = req.params.structured_outputs.after_token
         active = work
         for j in range(max(s.num_drafts for s, _ in work)):
-            tokens = self._draw(logits, active, drafts, dists, noise)
+            constrained = self._masks(active, walks, banned, logits.shape[1]) if walks or banned else None
+            tokens = self._draw(logits, active, drafts, dists, noise, constrained)
             for (s, req), token in zip(active, tokens):
+                if s.req_id in walks:
+                    walks[s.req_id].advance(token)
                 drafts[s.req_id].append(token)
                 s.token_ids[len(s.token_ids) - s.num_drafts + j] = token
                 req.draft_num_computed = s.start + 1 + j  # draft KV now holds up to the newest proposal's input
@@ -112,10 +128,31 @@ class DraftModel:
             req.spec_token_ids = drafts[s.req_id]
         return {rid: torch.stack(rows) for rid, rows in dists.items() if rows}
 
-    def _draw(self, logits: torch.Tensor, active: list, drafts: dict, dists: dict, noise: dict) -> list[int]:
+    @staticmethod
+    def _masks(active: list, walks: dict, banned: dict, vocab: int):
+        """The allowed tokens of the active constrained rows: (rows, allowed [len(rows), V])."""
+        rows, allowed = [], []
+        for i, (s, _) in enumerate(active):
+            if s.req_id in walks:
+                walk = walks[s.req_id]
+                words = np.empty(walk.compiler.mask_words, dtype=np.int32)
+                walk.mask(words)
+                allowed.append(allowed_from_bitmask(words.tobytes(), 1, vocab)[0])
+            elif s.req_id in banned:
+                row = torch.ones(vocab, dtype=torch.bool)
+                row[banned[s.req_id]] = False
+                allowed.append(row)
+            else:
+                continue
+            rows.append(i)
+        return (rows, torch.stack(allowed)) if rows else None
+
+    def _draw(self, logits: torch.Tensor, active: list, drafts: dict, dists: dict, noise: dict, constrained=None) -> list[int]:
         """One proposal per active request from the draft's logits rows (in `active`'s order)."""
         views = [Ahead(req, drafts[s.req_id]) if drafts[s.req_id] else req for s, req in active]
-        q = self.sampler.distributions(logits, views)
+        if constrained is not None:
+            constrained = (constrained[0], constrained[1].to(logits.device))
+        q = self.sampler.distributions(logits, views, constrained)
         tokens = q.max(dim=-1).indices  # greedy rows: their argmax (a point mass)
         for i, (s, req) in enumerate(active):
             p = req.params

@@ -193,6 +193,33 @@ class GrammarCompiler:
         matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
 
+class MatcherWalk:
+    """A request's matcher walked ahead through proposed tokens (speculative decoding) on a copy
+    (2 us), so the request's own matcher never needs putting back: llguidance's `rollback` does
+    not count an end-of-sequence token that stopped an accepting grammar, and a stopped matcher
+    (only EOS may follow) takes no more tokens."""
+
+    def __init__(self, compiler: GrammarCompiler, matcher):
+        self.compiler, self.matcher = compiler, matcher.deep_copy()
+
+    def mask(self, out: np.ndarray) -> None:
+        self.compiler.fill_mask(self.matcher, out)
+
+    def advance(self, token: int) -> None:
+        """Consume a token the current mask allows (a refused one is a bug: AssertionError)."""
+        if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+            raise AssertionError(f"a proposal the grammar refuses reached verification: {token}")
+
+    def masks(self, tokens: list[int]) -> np.ndarray:
+        """The masks before each token and after the last ([len(tokens) + 1, words])."""
+        words = np.empty((len(tokens) + 1, self.compiler.mask_words), dtype=np.int32)
+        for row, token in enumerate([*tokens, None]):
+            self.mask(words[row])
+            if token is not None:
+                self.advance(token)
+        return words
+
+
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
 
 

@@ -58,12 +58,28 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def distributions(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
-        """The distribution each row samples from ([R, V] float32, no grammar): after penalties,
-        bias, min_tokens, temperature, top-k/top-p/min-p; a greedy row's is its argmax's point mass.
-        A draft model's proposals are drawn from these (speculative decoding)."""
+    @staticmethod
+    def _constrain(logits: torch.Tensor, raw: torch.Tensor, constrained) -> None:
+        """In place: the rows a grammar constrains (rows, allowed [len(rows), V] bool) keep only
+        its tokens. Where min_tokens or a bias banned the grammar's only way on, the grammar wins."""
+        rows, allowed = constrained
+        idx = torch.tensor(rows, device=logits.device)
+        masked = logits[idx].masked_fill(~allowed, -float("inf"))
+        dead = torch.isneginf(masked).all(dim=-1)
+        if dead.any():
+            masked[dead] = raw[idx][dead].masked_fill(~allowed[dead], -float("inf"))
+        logits[idx] = masked
+
+    def distributions(self, logits: torch.Tensor, reqs: list, constrained=None) -> torch.Tensor:
+        """The distribution each row samples from ([R, V] float32): after penalties, bias,
+        min_tokens, the grammar's mask (`constrained`, as in `sample`), temperature,
+        top-k/top-p/min-p; a greedy row's is its argmax's point mass. A draft model's proposals are
+        drawn from these (speculative decoding)."""
+        raw = logits
         logits = logits.clone()
         self._adjust(logits, reqs)
+        if constrained is not None:
+            self._constrain(logits, raw, constrained)
         probs = torch.zeros_like(logits)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
@@ -100,14 +116,7 @@ class Sampler:
         logits = logits.clone()
         self._adjust(logits, reqs)
         if constrained is not None:
-            rows, allowed = constrained
-            idx = torch.tensor(rows, device=logits.device)
-            masked = logits[idx].masked_fill(~allowed, -float("inf"))
-            # a grammar's only way on banned by min_tokens or a bias: the grammar wins
-            dead = torch.isneginf(masked).all(dim=-1)
-            if dead.any():
-                masked[dead] = raw[idx][dead].masked_fill(~allowed[dead], -float("inf"))
-            logits[idx] = masked
+            self._constrain(logits, raw, constrained)
 
         # max(dim).indices: the first maximal index, like argmax, but ~1.6x faster on CPU
         tokens = logits.max(dim=-1).indices

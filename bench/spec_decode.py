@@ -1,7 +1,7 @@
 """What does speculative decoding give, and what does it cost where nothing matches? treadle serve
 with and without `--speculative-config`, driven by `treadle bench serve`, alternated pairs.
 
-    python bench/spec_decode.py [--pairs 2] [--config JSON] [--out bench-results/spec]
+    python bench/spec_decode.py [--pairs 2] [--config JSON] [--server-args FLAGS] [--out bench-results/spec]
 
 1. Editing, 1 user: `--dataset-name editing --backend openai-chat` (functions from the Python
    standard library's own source, each to be returned whole with type hints added or a variable
@@ -23,6 +23,7 @@ import sys
 import urllib.request
 
 from frontend_overhead import bench_serve, cpu_name, start_server, stop  # bench/ is this script's folder
+from peer_compare import wait_compiled
 
 RANDOM = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "128", "--ignore-eos"]
 DEFAULT_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
@@ -40,11 +41,15 @@ def main() -> int:
     ap.add_argument("--editing-prompts", type=int, default=12)
     ap.add_argument("--out", default="bench-results/spec")
     ap.add_argument("--skip-part", type=int, action="append", default=[], help="1, 2 or 3")
+    ap.add_argument("--server-args", default="", help="more flags for both servers, e.g. '--no-batch-invariant --compile'")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores, {cpu_name()}", flush=True)
-    plain, plain_url = start_server(["--max-num-seqs", "16"], os.path.join(args.out, "plain.log"))
-    spec, spec_url = start_server(["--max-num-seqs", "16", "--speculative-config", args.config], os.path.join(args.out, "spec.log"))
+    common_args = ["--max-num-seqs", "16", *args.server_args.split()]
+    plain, plain_url = start_server(common_args, os.path.join(args.out, "plain.log"))
+    spec, spec_url = start_server([*common_args, "--speculative-config", args.config], os.path.join(args.out, "spec.log"))
+    for url in (plain_url, spec_url):  # with --compile: measure the servers their compiled graphs make
+        wait_compiled(url)
     parts = {
         1: ("editing, 1 user", ["--dataset-name", "editing", "--backend", "openai-chat", "--max-concurrency", "1", "--num-prompts", str(args.editing_prompts)], 2.0),
         2: ("random, 1 user", [*RANDOM, "--max-concurrency", "1", "--num-prompts", "6"], 0.97),

@@ -105,23 +105,6 @@ def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, 
     outputs = [o.outputs[0].token_ids for o in second.generate(prompts(3), GREEDY)]
     assert outputs == expected  # float32: the compiled graphs pick the same tokens
     assert sorted(second.engine.runner.compiled.ready) == ["1", "2+"]  # none failed and was dropped
-    second.engine.close()
-
-    # Speculative decoding on the same graphs: a verification (a decode token and its k
-    # proposals) runs as k + 1 decode rows, so one request's verification steps take the "2+" graph.
-    spec = LLM(folder, dtype="float32", compile=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False})
-    c = spec.engine.runner.compiled
-    assert wait_settled(spec.engine, timeout=120)["state"] == "ready" and c.compiler is None
-    rows, choose = [], c.forward_for
-    c.forward_for = lambda num_decode, width: (rows.append(num_decode), choose(num_decode, width))[1]
-    plain = LLM(folder, dtype="float32")
-    for prompt in prompts(3)[:2]:  # one request at a time: more than one row is a verification
-        want = plain.generate([prompt], GREEDY)[0].outputs[0].token_ids
-        assert spec.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
-    stats = spec.stats()["spec_decode"]
-    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
-    assert any(n > 1 for n in rows), rows
-    assert sorted(c.ready) == ["1", "2+"]  # no graph failed on a verification step and was dropped
 
 
 def test_unusable_artefacts_leave_the_engine_eager(tmp_path, cache_home):

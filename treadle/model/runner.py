@@ -225,17 +225,11 @@ class ModelRunner:
         bs = self.block_size
         window = self.config.sliding_window
         scheduled = step.scheduled
-        kernel = self.attention_kernel
-        # A verification (a decode token and its proposals) runs as that many decode rows on one
-        # block table, each row's keys up to its own position (every row's KV is written before any
-        # row reads it), so the compiled decode graphs serve verification steps too. The kernel
-        # reads each row through its table anyway, and only the graphs need decode fields.
-        split = not kernel or self.compiled is not None
-        decode_like = [len(s.token_ids) == 1 or (split and s.num_drafts > 0 and len(s.token_ids) == s.num_drafts + 1) for s in scheduled]
-        # Decode rows first (one batched attention call), then prompt chunks.
-        order = sorted(range(len(scheduled)), key=lambda i: not decode_like[i])
+        # Single-token queries first (one batched attention call), then prompt chunks.
+        order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
         ids, positions, slots = [], [], []
         decode_tables, decode_lens, prefills = [], [], []
+        kernel = self.attention_kernel
         kernel_tables, kernel_rows = [], []  # with the kernel: each request's table, each row's request
         prompt_chunks = 0
         last_row = {}
@@ -249,13 +243,13 @@ class ModelRunner:
             positions.append(pos)
             table_t = torch.tensor(table, dtype=torch.long)
             slots.append(table_t[pos // bs] * bs + pos % bs)
-            prompt_chunks += not decode_like[i]
+            prompt_chunks += n > 1
             if kernel:
                 kernel_rows.extend([len(kernel_tables)] * n)
                 kernel_tables.append(table_t)
-            if decode_like[i]:
-                decode_tables.extend([table_t] * n)
-                decode_lens.extend(range(start + 1, end + 1))
+            if n == 1:
+                decode_tables.append(table_t)
+                decode_lens.append(end)
             elif not kernel:  # the kernel reads every row's keys through its table
                 mask = None
                 if start > 0 or (window is not None and end > window):
@@ -300,11 +294,11 @@ class ModelRunner:
             hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
             return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
-        # A compiled graph takes decode-only steps (verifications included) where every row samples
-        # (a 1-token prompt chunk that is not the prompt's last samples nothing, and the graphs were
-        # traced with one sample per row). Should one ever fail, its class goes back to eager and
-        # the step reruns eagerly: it rewrites the same KV slots.
-        if self.compiled is not None and decode_tables and not prompt_chunks and len(rows) == len(decode_tables):
+        # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
+        # that is not the prompt's last samples nothing, and the graphs were traced with one sample
+        # per row). Should one ever fail, its class goes back to eager and the step reruns eagerly:
+        # it rewrites the same KV slots.
+        if self.compiled is not None and decode_tables and not prompt_chunks and len(sample_rows) == len(decode_tables):
             compiled = self.compiled.forward_for(len(decode_tables), width)
             if compiled is not None:
                 try:

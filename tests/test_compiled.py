@@ -86,6 +86,27 @@ def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home
     # the bound of the other bf16 fast paths (tests/test_fast_paths.py), per row rather than on average
     assert worst_kl < 0.02, (worst_kl, agreement)
     assert agreement > 0.9
+    llm.engine.close()
+
+    # Speculative decoding on the same graphs (loaded from the cache): the graphs attend with the
+    # kernel, so a verification (a decode token and its k proposals, one request here) runs on
+    # the graph of its k + 1 rows, against the eager forward on the same step.
+    spec = LLM(path, dtype="bfloat16", compile=True, max_num_seqs=8, batch_invariant=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False})  # fmt: skip
+    engine = spec.engine
+    c = engine.runner.compiled
+    assert c.kernel and wait_settled(engine, timeout=120)["state"] == "ready" and c.compiler is None
+    seen.clear()
+    choose = c.forward_for
+    c.forward_for = both
+    for prompt in [*prompts(2), [11, 12, 13, 14, 15] * 6]:  # a random model's greedy output comes to loop
+        spec.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    stats = spec.stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    verified = [step for n, steps in seen.items() if n > 1 for step in steps]
+    assert verified, sorted(seen)
+    assert max(kl for kl, _ in verified) < 0.02 and sum(a for _, a in verified) / len(verified) > 0.9
+    assert sorted(c.ready) == ["1", "2-4", "5+"]  # no graph failed on a verification step and was dropped
 
 
 def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, cache_home):

@@ -126,7 +126,7 @@ class EngineCore:
             # inductor's fused kernels round differently from the eager ones
             log.info("batch-invariant mode: decode steps run eagerly (compiled graphs are not used)")
         elif config.compile:
-            self.runner.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches)
+            self.runner.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches, kernel=self.runner.attention_kernel)
             self.runner.compiled.start()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_events = None

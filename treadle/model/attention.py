@@ -55,6 +55,8 @@ def paged_attention(
     flat_v.index_copy_(0, meta.slot_mapping, v)
     if meta.kernel_args is not None:
         tables, row_table, key_begin, key_end, span = meta.kernel_args
+        if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
+            return torch.ops.treadle.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale)
         return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span)
     n = meta.num_decode_tokens
     decode_out = None

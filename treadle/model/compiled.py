@@ -85,13 +85,20 @@ def cache_root() -> str:
 
 
 def artefact_dir(
-    model_path: str, dtype: torch.dtype, quantized: bool, block_size: int, device: torch.device, model_class: type | None = None
+    model_path: str,
+    dtype: torch.dtype,
+    quantized: bool,
+    block_size: int,
+    device: torch.device,
+    model_class: type | None = None,
+    kernel: bool = False,
 ) -> str:
     """One folder per model file, compute path, KV block size, device, CPU vector unit, torch and
-    treadle code (and the model class's own file, a plugin's included): any change compiles anew."""
+    treadle code (and the model class's own file, a plugin's included), and whether the graphs
+    attend with treadle's kernel: any change compiles anew."""
     h = hashlib.sha256()
     st = os.stat(model_path)
-    h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}".encode())
+    h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}|kernel={kernel}".encode())
     h.update(f"|{block_size}|{device}|{torch.backends.cpu.get_cpu_capability()}".encode())
     # inductor's kernels are generated for the number of compute threads
     h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{Linear.int4_max_rows}|{torch.get_num_threads()}".encode())
@@ -120,36 +127,56 @@ def _configure_torch() -> None:
     fx_config.use_duck_shape = False  # a context width must not be tied to an unrelated size
 
 
-def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, block: int = 0):
-    """Decode-step inputs of `batch` requests over `width` blocks, every slot in block `block`."""
+def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, block: int = 0, kernel: bool = False):
+    """Decode-step inputs of `batch` rows over `width` blocks, every slot in block `block`. With
+    `kernel`, the fields of treadle's attention kernel (one table per row, so that every input's
+    first size is the row count; `graph_kernel_args`), else SDPA's decode fields."""
     dev = kv_caches[0][0].device
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((batch,), block * block_size, dtype=torch.long, device=dev),
-        num_decode_tokens=batch,
-        decode_block_tables=torch.full((batch, width), block, dtype=torch.long, device=dev),
-        decode_mask=torch.zeros(batch, 1, 1, width * block_size, dtype=model.dtype, device=dev),
-    )
+    slots = torch.full((batch,), block * block_size, dtype=torch.long, device=dev)
+    if kernel:
+        tables = torch.full((batch, width), block, dtype=torch.long, device=dev)
+        ends = torch.ones(batch, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, kernel_args=graph_kernel_args(tables, torch.zeros_like(ends), ends))
+    else:
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=batch,
+            decode_block_tables=torch.full((batch, width), block, dtype=torch.long, device=dev),
+            decode_mask=torch.zeros(batch, 1, 1, width * block_size, dtype=model.dtype, device=dev),
+        )
     ids = torch.zeros(batch, dtype=torch.long, device=dev)
     positions = torch.zeros(batch, dtype=torch.long, device=dev)
     return ids, positions, kv_caches, meta, torch.arange(batch, device=dev)
+
+
+def graph_kernel_args(row_tables: torch.Tensor, key_begin: torch.Tensor, key_end: torch.Tensor) -> tuple:
+    """The kernel's fields as a graph takes them: each row's own table ([rows, width]), the row ->
+    table map the identity, and no span (an int would be baked into the graph)."""
+    rows = torch.arange(row_tables.shape[0], dtype=torch.long, device=row_tables.device)
+    return (row_tables, rows, key_begin, key_end, None)
 
 
 def _decode(model, input_ids, positions, kv_caches, meta, logits_indices):
     return type(model).forward.__wrapped__(model, input_ids, positions, kv_caches, meta, logits_indices)
 
 
-def compile_class(model, kv_caches, block_size: int, cls: DecodeClass):
+def compile_class(model, kv_caches, block_size: int, cls: DecodeClass, kernel: bool = False):
     """torch's precompiled function of one decode class (minutes: run it in the compiler process)."""
-    ids, positions, kv, meta, indices = inputs = example_inputs(model, kv_caches, cls.example, 2, block_size)
+    ids, positions, kv, meta, indices = inputs = example_inputs(model, kv_caches, cls.example, 2, block_size, kernel=kernel)
     mark = torch._dynamo.mark_dynamic
-    mark(meta.decode_block_tables, 1)
-    mark(meta.decode_mask, 3)
+    if kernel:
+        per_row = list(meta.kernel_args[:4])
+        mark(per_row[0], 1)
+    else:
+        per_row = [meta.decode_block_tables, meta.decode_mask]
+        mark(meta.decode_block_tables, 1)
+        mark(meta.decode_mask, 3)
     for k_cache, v_cache in kv:
         mark(k_cache, 0)
         mark(v_cache, 0)
     if cls.low != cls.high:
         bounds = {"min": cls.low, "max": cls.high or 1 << 30}  # torch wants a finite bound
-        for t in (ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_mask, indices):
+        for t in (ids, positions, meta.slot_mapping, *per_row, indices):
             mark(t, 0, **bounds)
     with torch.no_grad():
         return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))
@@ -168,14 +195,15 @@ def _end_with_parent(parent: int) -> None:
 class CompiledDecode:
     """The engine's side: load artefacts (starting the compiler for missing ones) in the background."""
 
-    def __init__(self, engine_config, model, kv_caches):
+    def __init__(self, engine_config, model, kv_caches, kernel: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = engine_config.block_size
+        self.kernel = kernel  # the graphs attend with treadle's kernel (as the eager path does)
         quantized = has_quantized(model)
         self.classes = decode_classes(quantized)
         self.dir = artefact_dir(
-            resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device, type(model)
+            resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device, type(model), kernel
         )
         self.engine_config = engine_config
         self.ready: dict[str, object] = {}  # class name -> its loaded function, bound to the model
@@ -265,7 +293,7 @@ class CompiledDecode:
         with open(artefact_path(self.dir, cls), "rb") as f:
             fn = torch.compiler.load_compiled_function(f)
         # Check the guards once, on this engine's KV cache, then not on every step.
-        inputs = example_inputs(self.model, self.kv_caches, cls.example, 2, self.block_size)
+        inputs = example_inputs(self.model, self.kv_caches, cls.example, 2, self.block_size, kernel=self.kernel)
         with torch.no_grad():
             fits = fn.guard_check(self.model, *inputs)
         if not fits:
@@ -304,7 +332,7 @@ def main() -> None:
         if os.path.exists(path):
             continue
         t = time.perf_counter()
-        fn = compile_class(runner.model, runner.kv_caches, config.block_size, cls)
+        fn = compile_class(runner.model, runner.kv_caches, config.block_size, cls, kernel=runner.attention_kernel)
         fn.save_compiled_function(path + ".tmp")
         os.replace(path + ".tmp", path)
         print(f"decode class {cls.name}: compiled in {time.perf_counter() - t:.1f} s -> {path}", flush=True)

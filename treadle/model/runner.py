@@ -18,6 +18,7 @@ from ..engine.request import TokenHistory
 from ..engine.structured import allowed_from_bitmask
 from . import kernels
 from .attention import AttentionMetadata, PrefillChunk
+from .compiled import graph_kernel_args
 from .config import ModelConfig
 from .registry import resolve_model_class
 from .sampler import Sampler
@@ -272,7 +273,7 @@ class ModelRunner:
             span = int((key_end - key_begin).max())
             meta.kernel_args = (tables, torch.tensor(kernel_rows, dtype=torch.long), key_begin, key_end, span)
             meta.num_decode_tokens = len(decode_tables)
-        if decode_tables and (not kernel or self.compiled is not None):
+        if decode_tables and (not kernel or (self.compiled is not None and not self.compiled.kernel)):
             meta.num_decode_tokens = len(decode_tables)
             tables = _padded(decode_tables)
             width = tables.shape[1]
@@ -296,17 +297,35 @@ class ModelRunner:
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
-        # per row). Should one ever fail, its class goes back to eager and the step reruns eagerly:
-        # it rewrites the same KV slots.
-        if self.compiled is not None and decode_tables and not prompt_chunks and len(sample_rows) == len(decode_tables):
-            compiled = self.compiled.forward_for(len(decode_tables), width)
+        # per row); graphs that attend with the kernel also take verifications (a decode token and
+        # its proposals, every row sampling). Should one ever fail, its class goes back to eager and
+        # the step reruns eagerly: it rewrites the same KV slots.
+        graph = self._graph_meta(meta, scheduled, decode_tables, prompt_chunks, len(rows), len(ids))
+        if graph is not None:
+            n, graph_meta = graph
+            compiled = self.compiled.forward_for(n, (graph_meta.kernel_args[0] if self.compiled.kernel else graph_meta.decode_block_tables).shape[1])
             if compiled is not None:
                 try:
-                    # the graphs were traced with SDPA's decode fields (the kernel is opaque to them)
-                    return compiled(input_ids, pos_t, self.kv_caches, replace(meta, kernel_args=None), logits_indices), sample_rows, {}
+                    return compiled(input_ids, pos_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
-                    self.compiled.discard(len(decode_tables), e)
+                    self.compiled.discard(n, e)
         return self.model.forward(*inputs), sample_rows, {}
+
+    def _graph_meta(self, meta, scheduled, decode_tables, prompt_chunks: int, num_sampled: int, num_rows: int):
+        """(rows, the metadata a compiled graph takes) for a step one can take, else None. Kernel
+        graphs: every row decodes or verifies and samples; one table per row. SDPA graphs (traced
+        with SDPA's decode fields): one-token decode rows only (a verification as decode rows
+        gathers its blocks once per row: slower than eager, docs/benchmarks.md)."""
+        if self.compiled is None or num_sampled != num_rows:
+            return None
+        if self.compiled.kernel:
+            if meta.kernel_args is None or not all(len(s.token_ids) == s.num_drafts + 1 for s in scheduled):
+                return None
+            tables, row_table, key_begin, key_end, _ = meta.kernel_args
+            return num_rows, replace(meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None)
+        if not decode_tables or prompt_chunks or len(decode_tables) != num_rows:
+            return None
+        return num_rows, replace(meta, kernel_args=None)
 
     def _compute_apart(self, step: StepInput, pooling: dict[int, str]):
         """compute_logits with each embedding request in a forward of its own (the others, in runs

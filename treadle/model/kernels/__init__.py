@@ -103,6 +103,29 @@ def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, 
     return out
 
 
+@torch.library.custom_op("treadle::paged_attention", mutates_args=())
+def paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    row_table: torch.Tensor,
+    key_begin: torch.Tensor,
+    key_end: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention` as a torch operator, for the compiled decode graphs: inductor calls it as
+    an opaque kernel (the same C code, so the same bits as the eager path)."""
+    if not available():
+        raise RuntimeError(f"treadle's attention kernel is unavailable ({_error})")
+    return paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale)
+
+
+@paged_attention_op.register_fake
+def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale):
+    return q.new_empty(q.shape)
+
+
 def unusable_reason(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the kernel cannot serve this model, or None: it takes bfloat16 on the CPU, head_dim a
     multiple of 16 up to 256, at most 16 query heads per KV head, and needs a C compiler."""

@@ -13,9 +13,11 @@ at a time, which would stall every request being served. So:
   the traced graph, its guards and inductor's generated code), one request first; the thread
   loads each artefact as it appears. Stopping the engine stops the compiler; finished classes stay
   cached, so the next start resumes;
-- each loaded graph serves the decode-only steps of its class; steps with prompt tokens, classes
-  not yet loaded, and any failure (no C++ compiler, a torch that cannot load the artefact) stay
-  eager, which computes the same function.
+- each loaded graph serves the decode-only steps of its class (rows, not requests: where the
+  engine attends with treadle's kernel the graphs do too, as the operator
+  `treadle::paged_attention`, each row with its own table, so a verification of k proposals is
+  k + 1 rows of a graph); steps with prompt tokens, classes not yet loaded, and any failure (no
+  C++ compiler, a torch that cannot load the artefact) stay eager, which computes the same function.
 
 Classes: dynamic shapes make one graph serve every context length and, beyond one request, every
 batch size of its class; the 4-bit/int8 kernels switch to dense products above

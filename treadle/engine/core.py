@@ -404,7 +404,7 @@ class EngineCore:
             # the draft's distributions are tensors: the draft and the target share a process
             draft_probs = None if self.draft is None else self.draft.propose(step, self.requests, self.runner, self.grammars)
             step.grammar_masks = self._grammar_masks(step)  # after the draft: its proposals are the rows' tokens
-            results = self.runner.execute(step, draft_probs)
+            results = self.runner.execute(step) if draft_probs is None else self.runner.execute(step, draft_probs)
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()

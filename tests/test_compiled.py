@@ -17,11 +17,18 @@ from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """inductor's own cache (generated C++ and its builds), shared by this file's tests: each test
+    still compiles its artefacts in a compiler process, but the tiny models' kernels build once."""
+    return tmp_path_factory.mktemp("inductor")
+
+
 @pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    """Artefacts and inductor's cache in a fresh folder (inherited by the compiler process)."""
+def cache_home(tmp_path, monkeypatch, inductor_cache):
+    """treadle's artefacts in a fresh folder (inherited by the compiler process)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache" / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
     return tmp_path / "cache"
 
 
@@ -207,7 +214,7 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
 
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
-    server = ServerProcess(folder, "--compile", env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": str(cache_home / "inductor")})
+    server = ServerProcess(folder, "--compile", env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]})
     try:
         server.wait_healthy()
         stats = httpx.get(server.url + "/stats").json()

@@ -434,18 +434,18 @@ def test_draft_model_proposals_under_a_grammar_are_the_grammars(make_llm, gguf_p
     waits for a start token (a reasoning model's end of thinking) never proposes that token."""
     plain, _ = engines
     drafted = perturbed_draft(make_llm, gguf_path)
-    prompts = [chat("List four people with their name and age as JSON."), REPEATING[0], REPEATING[1]]
+    prompts = [chat("List four people with their name and age as JSON."), REPEATING[0]]
     forms = [{"json": PEOPLE}, {"regex": "[a-z ]{10,120}"}]
     for so in forms:
         for params in (
-            SamplingParams(temperature=0, max_tokens=60, structured_outputs=so),
-            SamplingParams(temperature=1.0, top_k=40, seed=5, max_tokens=40, logprobs=1, structured_outputs=so),
+            SamplingParams(temperature=0, max_tokens=48, structured_outputs=so),
+            SamplingParams(temperature=1.0, top_k=40, seed=5, max_tokens=32, logprobs=1, structured_outputs=so),
         ):
             want, got = plain.generate(prompts, params), drafted.generate(prompts, params)
             assert token_ids(got) == token_ids(want), (so, params.temperature)
             assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
     s = check_counts(drafted)
-    assert s["num_accepted_tokens"] > 50
+    assert s["num_accepted_tokens"] > 40
     comma = drafted.tokenizer.encode(",")[0]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[0-9]{1,3}", "after_token": comma})
     before = drafted.stats()["spec_decode"]["num_drafts"]

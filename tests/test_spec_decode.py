@@ -196,7 +196,7 @@ PEOPLE = {
 
 def test_proposals_under_a_grammar_are_cut_where_it_refuses_them(engines, monkeypatch):
     """Constrained requests speculate too: proposals are cut at the first token the grammar refuses
-    (a proposal it refuses never reaches verification: the core would fail the step), each verified
+    (a proposal it refuses never reaches verification: the core counts any that does), each verified
     row is sampled under the matcher's state after the proposals before it, and the tokens are
     those without speculation."""
     plain, spec = engines
@@ -218,6 +218,7 @@ def test_proposals_under_a_grammar_are_cut_where_it_refuses_them(engines, monkey
         assert token_ids(spec.generate(prompts, params)) == token_ids(plain.generate(prompts, params)), so
     after = spec.stats()["spec_decode"]
     assert after["num_accepted_tokens"] - before["num_accepted_tokens"] > 20 and cuts
+    assert after["grammar_refused_draft_tokens"] == before["grammar_refused_draft_tokens"]
     assert spec.stats()["kv_blocks_used"] == 0
 
 
@@ -243,7 +244,8 @@ def test_a_walk_past_the_end_of_sequence_leaves_the_requests_matcher_as_it_was(e
     grammars.fill_mask(matcher, before)
     assert eos in allowed(before) and len(allowed(before)) > 1  # accepting, and it may go on
     word = tok.encode(" ran")
-    masks = MatcherWalk(grammars, matcher).masks([*word, eos, eos])
+    masks, refused = MatcherWalk(grammars, matcher).masks([*word, eos, eos])
+    assert refused == 0
     assert all(allowed(masks[i]) == allowed(before) for i in range(len(word)))  # letters and spaces all along
     assert allowed(masks[len(word) + 1]) == allowed(masks[len(word) + 2]) == {eos}  # stopped: EOS only
     after = np.empty_like(before)
@@ -429,7 +431,7 @@ def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, refer
 
 def test_draft_model_proposals_under_a_grammar_are_the_grammars(make_llm, gguf_path, engines):
     """A constrained request draws each proposal under the grammar's mask after the proposals
-    before it, so none is refused at verification (the core would fail the step); greedy and
+    before it, so none is refused at verification (the core counts any that is); greedy and
     seeded tokens are those without speculation, and proposals are accepted. One whose grammar
     waits for a start token (a reasoning model's end of thinking) never proposes that token."""
     plain, _ = engines
@@ -445,7 +447,7 @@ def test_draft_model_proposals_under_a_grammar_are_the_grammars(make_llm, gguf_p
             assert token_ids(got) == token_ids(want), (so, params.temperature)
             assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
     s = check_counts(drafted)
-    assert s["num_accepted_tokens"] > 40
+    assert s["num_accepted_tokens"] > 40 and s["grammar_refused_draft_tokens"] == 0
     comma = drafted.tokenizer.encode(",")[0]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[0-9]{1,3}", "after_token": comma})
     before = drafted.stats()["spec_decode"]["num_drafts"]

@@ -145,6 +145,7 @@ class EngineCore:
             del draft_files
         self.spec_num_drafts = 0  # verifications: a request's proposals checked in one step
         self.spec_num_draft_tokens = 0
+        self.spec_grammar_refused = 0  # proposals a grammar refused at verification (a parser past its limits)
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
         self.groups: dict[str, RequestGroup] = {}
@@ -319,7 +320,8 @@ class EngineCore:
                 req = self.requests[req_id]
                 if req.matcher is not None and req.grammar_active:
                     if s.num_drafts:
-                        words = MatcherWalk(self.grammars, req.matcher).masks(s.token_ids[len(s.token_ids) - s.num_drafts :])
+                        words, refused = MatcherWalk(self.grammars, req.matcher).masks(s.token_ids[len(s.token_ids) - s.num_drafts :])
+                        self.spec_grammar_refused += refused
                     else:
                         words = np.empty((1, self.grammars.mask_words), dtype=np.int32)
                         self.grammars.fill_mask(req.matcher, words[0])
@@ -404,7 +406,7 @@ class EngineCore:
             # the draft's distributions are tensors: the draft and the target share a process
             draft_probs = None if self.draft is None else self.draft.propose(step, self.requests, self.runner, self.grammars)
             step.grammar_masks = self._grammar_masks(step)  # after the draft: its proposals are the rows' tokens
-            results = self.runner.execute(step) if draft_probs is None else self.runner.execute(step, draft_probs)
+            results = self.runner.execute(step, draft_probs) if draft_probs else self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
@@ -599,6 +601,7 @@ class EngineCore:
             "num_accepted_tokens": self.spec_num_accepted_tokens,
             "accepted_per_position": list(self.spec_accepted_per_pos),
             "mean_acceptance_length": 1 + self.spec_num_accepted_tokens / d if d else None,
+            "grammar_refused_draft_tokens": self.spec_grammar_refused,
             **(self.proposer.stats() if self.proposer is not None else {"draft_model": self.spec.model}),
         }
 

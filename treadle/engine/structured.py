@@ -205,19 +205,26 @@ class MatcherWalk:
     def mask(self, out: np.ndarray) -> None:
         self.compiler.fill_mask(self.matcher, out)
 
-    def advance(self, token: int) -> None:
-        """Consume a token the current mask allows (a refused one is a bug: AssertionError)."""
-        if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
-            raise AssertionError(f"a proposal the grammar refuses reached verification: {token}")
+    def advance(self, token: int) -> bool:
+        """Consume a token; False if the grammar refuses it. Proposals are drawn under the mask or
+        cut where it refuses them, so a refusal is the parser giving up (past its limits): the copy
+        is then in error, and its masks allow only EOS. The rows after a refused proposal are
+        discarded anyway unless the target samples that token, and then the request's own matcher
+        ends the request as plain decoding would."""
+        if self.matcher.is_stopped():
+            return True
+        return self.matcher.consume_token(token)
 
-    def masks(self, tokens: list[int]) -> np.ndarray:
-        """The masks before each token and after the last ([len(tokens) + 1, words])."""
+    def masks(self, tokens: list[int]) -> tuple[np.ndarray, int]:
+        """The masks before each token and after the last ([len(tokens) + 1, words]), and how many
+        of the tokens the grammar refused."""
         words = np.empty((len(tokens) + 1, self.compiler.mask_words), dtype=np.int32)
+        refused = 0
         for row, token in enumerate([*tokens, None]):
             self.mask(words[row])
             if token is not None:
-                self.advance(token)
-        return words
+                refused += not self.advance(token)
+        return words, refused
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list", "grammar": "grammar"}

@@ -51,7 +51,7 @@ from .loader import resolve_model_path
 
 log = logging.getLogger("treadle.compile")
 
-_SOURCES = ("llama.py", "layers.py", "attention.py", "compiled.py", "gguf_loader.py", "hf_loader.py")
+_SOURCES = ("llama.py", "layers.py", "attention.py", "compiled.py", "gguf_loader.py", "hf_loader.py", "kernels/__init__.py")
 
 
 @dataclass(frozen=True)

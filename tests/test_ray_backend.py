@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from .fuzz_model_files import write_seed_hf
+from .replica_routing import assert_routing_follows_the_cache, complete
 from .server_process import ServerProcess, free_port
 
-BLOCK = 16
 # Ray maps 127.0.0.1 to the machine's primary address on Linux unless told it is not a cluster
 # across machines: this keeps every Ray socket (and treadle's, which follow the node address) on loopback
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -60,16 +60,6 @@ def wait_all_ready(server, timeout: float = 120) -> dict:
         time.sleep(0.3)
 
 
-def complete(server, prompt: list[int], max_tokens: int = 2) -> dict:
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def routed(server) -> list[int]:
-    return [r["routed_requests"] for r in httpx.get(server.url + "/stats", timeout=10).json()["replicas"]]
-
-
 def live_treadle_actors(dashboard: str) -> list:
     from ray.util.state import list_actors
 
@@ -84,21 +74,7 @@ def test_the_replicas_are_ray_actors_and_route_by_cache(cluster):
     assert stats["data_parallel_backend"] == "ray"
     assert {r["engine_pid"] for r in stats["replicas"]} <= {a.pid for a in actors}  # the cores run in the actors
     assert all(r["kv_events_endpoint"].startswith("tcp://127.0.0.1:") for r in stats["replicas"])
-    first, other = tokens(1, 3 * BLOCK + 3), tokens(2, 3 * BLOCK + 3)
-    before = routed(server)
-    complete(server, first)
-    mid = routed(server)
-    complete(server, other)
-    after = routed(server)
-    r_first = [a - b for a, b in zip(mid, before)].index(1)
-    r_other = [a - b for a, b in zip(after, mid)].index(1)
-    assert r_first != r_other
-    time.sleep(0.5)
-    for prompt, replica in ((other + tokens(4, BLOCK), r_other), (first + tokens(3, BLOCK), r_first)):
-        start = routed(server)
-        reply = complete(server, prompt)
-        assert [a - b for a, b in zip(routed(server), start)].index(1) == replica
-        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+    assert_routing_follows_the_cache(server, tokens)
 
 
 def test_outputs_equal_one_engine(cluster):

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from .fuzz_model_files import write_seed_hf
+from .replica_routing import BLOCK, assert_routing_follows_the_cache, complete
 from .server_process import ServerProcess
 
-BLOCK = 16
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -34,16 +34,6 @@ def server(tmp_path_factory):
         s.stop()
 
 
-def complete(s, prompt: list[int]) -> dict:
-    r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def routed(s) -> list[int]:
-    return [r["routed_requests"] for r in httpx.get(s.url + "/stats", timeout=10).json()["replicas"]]
-
-
 def test_stats_and_metrics_speak_per_replica(server):
     stats = httpx.get(server.url + "/stats", timeout=10).json()
     assert stats["data_parallel_size"] == 2 and stats["routing_policy"] == "cache_aware" and len(stats["replicas"]) == 2
@@ -57,22 +47,7 @@ def test_stats_and_metrics_speak_per_replica(server):
 def test_a_shared_prefix_goes_where_it_is_cached_and_the_prediction_holds(server):
     """Sequential requests with nothing cached spread over both replicas; a prompt extending an
     earlier one goes to the replica that served it, which reports the predicted cached tokens."""
-    before = routed(server)
-    first, other = tokens(1, 3 * BLOCK + 4), tokens(2, 3 * BLOCK + 4)
-    complete(server, first)
-    after_first = routed(server)
-    complete(server, other)
-    after_other = routed(server)
-    r_first = [a - b for a, b in zip(after_first, before)].index(1)
-    r_other = [a - b for a, b in zip(after_other, after_first)].index(1)
-    assert r_first != r_other  # nothing cached, equal load: spread
-    time.sleep(0.5)  # the KV events of those steps reach the router
-    # the second one first: spreading alone would send it to the first one's replica
-    for prompt, replica in ((other + tokens(4, BLOCK), r_other), (first + tokens(3, BLOCK), r_first)):
-        start = routed(server)
-        reply = complete(server, prompt)
-        assert [a - b for a, b in zip(routed(server), start)].index(1) == replica
-        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+    assert_routing_follows_the_cache(server, tokens)
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     line = next(x for x in metrics.splitlines() if x.startswith("treadle:router_predicted_hit_tokens_sum"))
     assert float(line.split()[-1]) >= 2 * 3 * BLOCK

@@ -20,7 +20,6 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
@@ -319,12 +318,9 @@ class EngineCore:
             for req_id in s.sample_ids:
                 req = self.requests[req_id]
                 if req.matcher is not None and req.grammar_active:
-                    if s.num_drafts:
-                        words, refused = MatcherWalk(self.grammars, req.matcher).masks(s.token_ids[len(s.token_ids) - s.num_drafts :])
-                        self.spec_grammar_refused += refused
-                    else:
-                        words = np.empty((1, self.grammars.mask_words), dtype=np.int32)
-                        self.grammars.fill_mask(req.matcher, words[0])
+                    drafts = s.token_ids[len(s.token_ids) - s.num_drafts :] if s.num_drafts else []
+                    words, refused = MatcherWalk(self.grammars, req.matcher).masks(drafts)
+                    self.spec_grammar_refused += refused
                     masks[req_id] = words.tobytes()
         return masks
 

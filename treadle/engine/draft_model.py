@@ -58,7 +58,7 @@ class DraftModel:
         self.device = runner.device
 
     @torch.inference_mode()
-    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars=None) -> dict[str, torch.Tensor]:
+    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars) -> dict[str, torch.Tensor]:
         """Fill the step's placeholder proposals (each verifying request's last num_drafts tokens,
         and its `spec_token_ids`) with the draft's; returns the distributions the unseeded sampling
         requests' proposals were drawn from (request id -> [num_drafts, V]). A request under a

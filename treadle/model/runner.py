@@ -302,8 +302,8 @@ class ModelRunner:
         # the step reruns eagerly: it rewrites the same KV slots.
         graph = self._graph_meta(meta, scheduled, decode_tables, prompt_chunks, len(rows), len(ids))
         if graph is not None:
-            n, graph_meta = graph
-            compiled = self.compiled.forward_for(n, (graph_meta.kernel_args[0] if self.compiled.kernel else graph_meta.decode_block_tables).shape[1])
+            n, width, graph_meta = graph
+            compiled = self.compiled.forward_for(n, width)
             if compiled is not None:
                 try:
                     return compiled(input_ids, pos_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
@@ -312,20 +312,21 @@ class ModelRunner:
         return self.model.forward(*inputs), sample_rows, {}
 
     def _graph_meta(self, meta, scheduled, decode_tables, prompt_chunks: int, num_sampled: int, num_rows: int):
-        """(rows, the metadata a compiled graph takes) for a step one can take, else None. Kernel
-        graphs: every row decodes or verifies and samples; one table per row. SDPA graphs (traced
-        with SDPA's decode fields): one-token decode rows only (a verification as decode rows
-        gathers its blocks once per row: slower than eager, docs/benchmarks.md)."""
+        """(rows, blocks per row, the metadata a compiled graph takes) for a step one can take, else
+        None. Kernel graphs: every row decodes or verifies and samples; one table per row. SDPA
+        graphs (traced with SDPA's decode fields): one-token decode rows only (a verification as
+        decode rows gathers its blocks once per row: slower than eager, docs/benchmarks.md)."""
         if self.compiled is None or num_sampled != num_rows:
             return None
         if self.compiled.kernel:
             if meta.kernel_args is None or not all(len(s.token_ids) == s.num_drafts + 1 for s in scheduled):
                 return None
             tables, row_table, key_begin, key_end, _ = meta.kernel_args
-            return num_rows, replace(meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None)
+            graph_meta = replace(meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None)
+            return num_rows, tables.shape[1], graph_meta
         if not decode_tables or prompt_chunks or len(decode_tables) != num_rows:
             return None
-        return num_rows, replace(meta, kernel_args=None)
+        return num_rows, meta.decode_block_tables.shape[1], replace(meta, kernel_args=None)
 
     def _compute_apart(self, step: StepInput, pooling: dict[int, str]):
         """compute_logits with each embedding request in a forward of its own (the others, in runs

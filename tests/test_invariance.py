@@ -97,7 +97,7 @@ def test_batch_neighbours_do_not_change_the_tokens(invariant, alone, size):
 def test_the_flag_parses_both_ways_and_defaults_to_auto():
     import argparse
 
-    from treadle.cli import add_engine_args, engine_config_from_args
+    from treadle.config import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from treadle.engine.spec_decode import SpeculativeConfig, propose_ngram
+from treadle.config import SpeculativeConfig
+from treadle.engine.spec_decode import propose_ngram
 from treadle.engine.suffix_tree import SuffixTree
 
 

@@ -5,70 +5,7 @@ import os
 import sys
 from dataclasses import fields
 
-from .config import EngineConfig
-
-ENGINE_HELP = {
-    "model": "a GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "compute type: auto (bfloat16 where the CPU has native bf16, else float32), float32, bfloat16",
-    "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
-    "block_size": "tokens per KV block",
-    "num_kv_blocks": "KV blocks in the pool (overrides --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)",
-    "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one engine step",
-    "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
-    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
-    "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
-    "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
-    "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (4-bit for every batch size), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
-    "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
-    "speculative_config": 'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine proposes only where it pays unless "adaptive": false',
-    "seed": "seed of the sampler for requests without their own seed",
-    "device": "torch device to run on",
-    "threads": "compute threads (default: torch's choice)",
-}
-
-
-def parse_size(text: str) -> int:
-    """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        if t and t[-1] in scale:
-            return int(float(t[:-1]) * scale[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
-
-
-def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint", "cpu_affinity"), defaults: dict | None = None) -> None:
-    """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
-    for f in fields(EngineConfig):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = (defaults or {}).get(f.name, f.default)
-        help_text = f"{ENGINE_HELP.get(f.name, '')} (default: {default})"
-        if f.type in (bool, "bool", bool | None, "bool | None"):
-            if default is None:
-                help_text = f"{ENGINE_HELP.get(f.name, '')} (default: auto)"
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif f.name == "kv_cache_memory_bytes":
-            parser.add_argument(flag, type=parse_size, default=default, help=help_text)
-        elif f.name in ("dtype",):
-            parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
-        elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
-            parser.add_argument(flag, type=float, default=default, help=help_text)
-        elif f.name in ("device", "speculative_config"):
-            parser.add_argument(flag, default=default, help=help_text)
-        else:
-            parser.add_argument(flag, type=int, default=default, help=help_text)
-
-
-def engine_config_from_args(args) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**values)
-
+from .config import ENGINE_HELP, add_engine_args, engine_config_from_args
 
 def cmd_run(args) -> int:
     from .engine.llm_engine import LLMEngine

@@ -1,8 +1,103 @@
-"""Engine settings: the one place where their defaults live (the CLI flags are generated from it)."""
+"""Engine settings: the one place where their defaults live, and the CLI flags generated from them
+(`add_engine_args`, `engine_config_from_args`); `SpeculativeConfig`, vLLM's `speculative_config`."""
 
+import argparse
+import json
 from dataclasses import dataclass, fields
 
-from .engine.spec_decode import SpeculativeConfig
+
+METHODS = ("ngram", "suffix", "draft_model")
+MAX_SPECULATIVE_TOKENS = 32
+MAX_TREE_DEPTH = 256
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None  # default: 4; suffix: suffix_decoding_max_tree_depth (at most 32)
+    prompt_lookup_min: int | None = None  # default: 2, or prompt_lookup_max if that is smaller
+    prompt_lookup_max: int | None = None  # default: 5, or prompt_lookup_min if that is larger
+    adaptive: bool = True  # propose only where it pays (batch size, acceptance, measured step cost)
+    model: str | None = None  # draft_model: the draft's GGUF file or HF folder
+    # suffix: vLLM's keys and defaults, except the global tree's size (1000 requests, not 10,000:
+    # a cached token costs ~200 bytes of Python objects here)
+    suffix_decoding_max_tree_depth: int = 24  # longest pattern + proposal, in tokens
+    suffix_decoding_max_cached_requests: int = 1000  # requests whose outputs the global tree holds; 0: none
+    suffix_decoding_max_spec_factor: float = 1.0  # propose at most this x the matched pattern's length
+    suffix_decoding_min_token_prob: float = 0.1  # stop where the estimated probability falls below this
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        depth = self.suffix_decoding_max_tree_depth
+        if not _is_int(depth) or not 2 <= depth <= MAX_TREE_DEPTH:
+            raise ValueError(f"speculative_config.suffix_decoding_max_tree_depth must be an integer in [2, {MAX_TREE_DEPTH}], got {depth!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        if not _is_int(cached) or cached < 0:
+            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not _is_number(factor) or factor <= 0:
+            raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(depth, MAX_SPECULATIVE_TOKENS) if self.method == "suffix" else 4
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+        if lo is None and hi is None:
+            lo, hi = 2, 5
+        elif lo is None:
+            lo = min(2, hi)
+        elif hi is None:
+            hi = max(5, lo)
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.method draft_model needs model (the draft's GGUF file or folder)")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a JSON text, a dict (vLLM's keys; `{"model": PATH}` without a method is a draft
+        model, as in vLLM) or a SpeculativeConfig; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = dict(value)
+        if "method" not in value and "model" in value:
+            value["method"] = "draft_model"
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        method = value.get("method", "ngram")
+        for prefix, owner in (("prompt_lookup_", "ngram"), ("suffix_decoding_", "suffix")):
+            stray = sorted(k for k in value if k.startswith(prefix))
+            if stray and method != owner:
+                raise ValueError(f"speculative_config: {', '.join(stray)} apply to method {owner}, not {method}")
+        return cls(**value)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 
 
 @dataclass
@@ -60,3 +155,66 @@ ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
 
 DEFAULT_KV_CACHE_CAP_BYTES = 1 << 30
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+ENGINE_HELP = {
+    "model": "a GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "compute type: auto (bfloat16 where the CPU has native bf16, else float32), float32, bfloat16",
+    "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV blocks in the pool (overrides --kv-cache-memory-bytes)",
+    "kv_cache_memory_bytes": "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
+    "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
+    "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (4-bit for every batch size), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
+    "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
+    "speculative_config": 'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine proposes only where it pays unless "adaptive": false',
+    "seed": "seed of the sampler for requests without their own seed",
+    "device": "torch device to run on",
+    "threads": "compute threads (default: torch's choice)",
+}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if t and t[-1] in scale:
+            return int(float(t[:-1]) * scale[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint", "cpu_affinity"), defaults: dict | None = None) -> None:
+    """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
+    for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = (defaults or {}).get(f.name, f.default)
+        help_text = f"{ENGINE_HELP.get(f.name, '')} (default: {default})"
+        if f.type in (bool, "bool", bool | None, "bool | None"):
+            if default is None:
+                help_text = f"{ENGINE_HELP.get(f.name, '')} (default: auto)"
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif f.name == "kv_cache_memory_bytes":
+            parser.add_argument(flag, type=parse_size, default=default, help=help_text)
+        elif f.name in ("dtype",):
+            parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
+        elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
+            parser.add_argument(flag, type=float, default=default, help=help_text)
+        elif f.name in ("device", "speculative_config"):
+            parser.add_argument(flag, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=int, default=default, help=help_text)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**values)

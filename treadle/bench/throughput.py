@@ -13,7 +13,7 @@ def add_throughput_args(p) -> None:
 
 
 def cmd_bench_throughput(args) -> int:
-    from ..cli import engine_config_from_args
+    from ..config import engine_config_from_args
     from ..engine.sampling_params import SamplingParams
     from ..llm import LLM
 

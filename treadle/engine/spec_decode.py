@@ -1,4 +1,4 @@
-"""Speculative decoding: the configuration (vLLM's `speculative_config` keys) and the proposers.
+"""Speculative decoding: the proposers (the configuration, vLLM's `speculative_config` keys, is `config.SpeculativeConfig`).
 Verification is the runner's and the core's (docs/architecture.md, "Speculative decoding").
 
 - ngram (prompt lookup decoding): in a request's own tokens (prompt and output so far), the longest
@@ -17,106 +17,12 @@ the proposal is often right. Method "draft_model" (a smaller model's proposals) 
 `engine/draft_model.py`.
 """
 
-import json
 from collections import deque
-from dataclasses import dataclass, fields
 
 import numpy as np
 
+from ..config import SpeculativeConfig
 from .suffix_tree import SuffixTree
-
-METHODS = ("ngram", "suffix", "draft_model")
-MAX_SPECULATIVE_TOKENS = 32
-MAX_TREE_DEPTH = 256
-
-
-@dataclass
-class SpeculativeConfig:
-    method: str = "ngram"
-    num_speculative_tokens: int | None = None  # default: 4; suffix: suffix_decoding_max_tree_depth (at most 32)
-    prompt_lookup_min: int | None = None  # default: 2, or prompt_lookup_max if that is smaller
-    prompt_lookup_max: int | None = None  # default: 5, or prompt_lookup_min if that is larger
-    adaptive: bool = True  # propose only where it pays (batch size, acceptance, measured step cost)
-    model: str | None = None  # draft_model: the draft's GGUF file or HF folder
-    # suffix: vLLM's keys and defaults, except the global tree's size (1000 requests, not 10,000:
-    # a cached token costs ~200 bytes of Python objects here)
-    suffix_decoding_max_tree_depth: int = 24  # longest pattern + proposal, in tokens
-    suffix_decoding_max_cached_requests: int = 1000  # requests whose outputs the global tree holds; 0: none
-    suffix_decoding_max_spec_factor: float = 1.0  # propose at most this x the matched pattern's length
-    suffix_decoding_min_token_prob: float = 0.1  # stop where the estimated probability falls below this
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        depth = self.suffix_decoding_max_tree_depth
-        if not _is_int(depth) or not 2 <= depth <= MAX_TREE_DEPTH:
-            raise ValueError(f"speculative_config.suffix_decoding_max_tree_depth must be an integer in [2, {MAX_TREE_DEPTH}], got {depth!r}")
-        cached = self.suffix_decoding_max_cached_requests
-        if not _is_int(cached) or cached < 0:
-            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")
-        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-        if not _is_number(factor) or factor <= 0:
-            raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
-        if not _is_number(prob) or not 0 <= prob <= 1:
-            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
-        if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = min(depth, MAX_SPECULATIVE_TOKENS) if self.method == "suffix" else 4
-        k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if v is not None and (not _is_int(v) or v < 1):
-                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
-        if lo is None and hi is None:
-            lo, hi = 2, 5
-        elif lo is None:
-            lo = min(2, hi)
-        elif hi is None:
-            hi = max(5, lo)
-        if lo > hi:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
-        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.method draft_model needs model (the draft's GGUF file or folder)")
-
-    @classmethod
-    def parse(cls, value) -> "SpeculativeConfig | None":
-        """From a JSON text, a dict (vLLM's keys; `{"model": PATH}` without a method is a draft
-        model, as in vLLM) or a SpeculativeConfig; None stays None."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        value = dict(value)
-        if "method" not in value and "model" in value:
-            value["method"] = "draft_model"
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        method = value.get("method", "ngram")
-        for prefix, owner in (("prompt_lookup_", "ngram"), ("suffix_decoding_", "suffix")):
-            stray = sorted(k for k in value if k.startswith(prefix))
-            if stray and method != owner:
-                raise ValueError(f"speculative_config: {', '.join(stray)} apply to method {owner}, not {method}")
-        return cls(**value)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
 
 def make_proposer(config: SpeculativeConfig):
     """The proposer of an n-gram or suffix configuration."""

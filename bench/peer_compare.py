@@ -26,7 +26,7 @@ import tarfile
 import time
 import urllib.request
 
-from treadle.model.compiled import cache_root
+from treadle.utils import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"
 CACHE = os.path.join(cache_root(), "llama.cpp")

@@ -64,7 +64,7 @@ def make_llm():
     import functools
 
     from treadle import LLM
-    from treadle.engine import core as llm_engine
+    from treadle.model import worker as model_worker
 
     import dataclasses
 
@@ -73,10 +73,10 @@ def make_llm():
         files = original(model, keep_int4)
         return dataclasses.replace(files, weights={k: v.float() for k, v in files.weights.items()})
 
-    original = llm_engine.load_model_files
+    original = model_worker.load_model_files
     cached = functools.lru_cache(maxsize=4)(load_float32)
     # engines consume the weight dicts they are given: hand each one its own dicts (same tensors)
-    llm_engine.load_model_files = lambda model, keep_int4=False: dataclasses.replace(
+    model_worker.load_model_files = lambda model, keep_int4=False: dataclasses.replace(
         cached(model, keep_int4), weights=dict(cached(model, keep_int4).weights), int4=dict(cached(model, keep_int4).int4)
     )
 
@@ -85,4 +85,4 @@ def make_llm():
         return LLM(**kwargs)
 
     yield build
-    llm_engine.load_model_files = original
+    model_worker.load_model_files = original

@@ -60,7 +60,7 @@ def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home
     write_gguf(path, "llama", hf, tiny_tokenizer(), quantize=gguf.GGMLQuantizationType.Q4_1)
     llm = LLM(path, dtype="bfloat16", compile=True, max_num_seqs=8, batch_invariant=False)
     engine = llm.engine
-    c = engine.runner.compiled
+    c = engine.worker.compiled
     assert [k.name for k in c.classes] == ["1", "2-4", "5+"]  # 4-bit weights: the int4/dense switch splits classes
     status = wait_settled(engine)
     assert status["state"] == "ready", status
@@ -101,7 +101,7 @@ def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home
     spec = LLM(path, dtype="bfloat16", compile=True, max_num_seqs=8, batch_invariant=False,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False})  # fmt: skip
     engine = spec.engine
-    c = engine.runner.compiled
+    c = engine.worker.compiled
     assert c.kernel and wait_settled(engine, timeout=120)["state"] == "ready" and c.compiler is None
     seen.clear()
     choose = c.forward_for
@@ -120,7 +120,7 @@ def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, 
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     first = LLM(folder, dtype="float32", compile=True)
-    assert [k.name for k in first.engine.runner.compiled.classes] == ["1", "2+"]  # no 4-bit weights
+    assert [k.name for k in first.engine.worker.compiled.classes] == ["1", "2+"]  # no 4-bit weights
     assert wait_settled(first.engine)["state"] == "ready"
     # A token budget of 1 makes steps of one prompt token whose row does not sample: the graphs,
     # traced with one sample per row, must not take them.
@@ -129,10 +129,10 @@ def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, 
 
     second = LLM(folder, dtype="float32", compile=True, max_num_batched_tokens=1)
     status = wait_settled(second.engine, timeout=120)
-    assert status["state"] == "ready" and second.engine.runner.compiled.compiler is None
+    assert status["state"] == "ready" and second.engine.worker.compiled.compiler is None
     outputs = [o.outputs[0].token_ids for o in second.generate(prompts(3), GREEDY)]
     assert outputs == expected  # float32: the compiled graphs pick the same tokens
-    assert sorted(second.engine.runner.compiled.ready) == ["1", "2+"]  # none failed and was dropped
+    assert sorted(second.engine.worker.compiled.ready) == ["1", "2+"]  # none failed and was dropped
 
 
 def test_unusable_artefacts_leave_the_engine_eager(tmp_path, cache_home):
@@ -143,13 +143,13 @@ def test_unusable_artefacts_leave_the_engine_eager(tmp_path, cache_home):
     llm = LLM(folder, dtype="float32", compile=True)
     status = wait_settled(llm.engine, timeout=120)
     assert status["state"] == "failed" and status["ready"] == [] and status["error"]
-    assert llm.engine.runner.compiled.compiler is None  # every artefact existed: nothing to compile
+    assert llm.engine.worker.compiled.compiler is None  # every artefact existed: nothing to compile
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(2), GREEDY)] == expected
 
 
 def test_engine_without_compile_reports_off(make_llm):
     llm = make_llm(max_num_seqs=2)
-    assert llm.engine.runner.compiled is None
+    assert llm.engine.worker.compiled is None
     assert llm.stats()["compiled_decode"] == {"state": "off", "classes": [], "ready": [], "error": None}
 
 
@@ -176,7 +176,7 @@ def test_a_compiled_graph_that_fails_goes_back_to_eager(tmp_path, cache_home):
     expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32").generate(prompts(1), GREEDY)]
     write_unloadable_artefacts(folder)  # nothing to compile, and nothing loadable
     llm = LLM(folder, dtype="float32", compile=True)
-    c = llm.engine.runner.compiled
+    c = llm.engine.worker.compiled
     wait_settled(llm.engine, timeout=120)
     calls = []
 
@@ -193,7 +193,7 @@ def test_close_ends_the_compiler_process(tmp_path, cache_home):
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     llm = LLM(folder, dtype="float32", compile=True)
-    c = llm.engine.runner.compiled
+    c = llm.engine.worker.compiled
     deadline = time.time() + 30
     while c.compiler is None and time.time() < deadline:
         time.sleep(0.1)
@@ -253,7 +253,7 @@ def _stat(pid: str) -> list[str] | None:
 def _is_compiler(pid: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"treadle.model.compiled import main" in f.read()
+            return b"treadle.model.compiler_process import main" in f.read()
     except OSError:
         return False
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
-from treadle.engine.protocol import ScheduledRequest, StepInput
+from treadle.step import ScheduledRequest, StepInput
 from treadle.engine.request import Request
 from treadle.model.layers import Linear
 
@@ -111,7 +111,7 @@ def test_compiled_decode_path_within_kl_bound(make_llm, reference, tmp_path, mon
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     fast = make_llm(dtype="bfloat16", quantized_weights=True, compile=True, batch_invariant=False)
-    compiled = fast.engine.runner.compiled
+    compiled = fast.engine.worker.compiled
     deadline = time.time() + 1200
     while "1" not in compiled.ready and compiled.failed is None and time.time() < deadline:  # classes load in order
         time.sleep(1)

@@ -99,7 +99,7 @@ def test_builtin_architectures_and_their_hf_class_names_are_the_llama_decoder(fr
 
 
 def test_string_target_is_imported_on_first_lookup_only(fresh_registry, tmp_path):
-    (tmp_path / "lazy_family.py").write_text("class Model:\n    pass\n")
+    (tmp_path / "lazy_family.py").write_text("from treadle.model.interface import CausalLM\n\n\nclass Model(CausalLM):\n    pass\n")
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.delitem(sys.modules, "lazy_family", raising=False)
     register_model("lazy", "lazy_family:Model")
@@ -122,6 +122,15 @@ def test_class_target_is_kept_as_its_import_string(fresh_registry):
 def test_unknown_architecture_names_itself_and_lists_the_registered_ones(fresh_registry):
     with pytest.raises(ModelLoadError, match=r"architecture 'phi3': not registered \(registered: .*llama.*qwen3"):
         resolve_model_class("phi3")
+
+
+def test_a_class_that_does_not_implement_the_model_interface_is_refused(fresh_registry, tmp_path):
+    (tmp_path / "odd_family.py").write_text("class Model:\n    def forward(self, *args):\n        pass\n")
+    fresh_registry.syspath_prepend(str(tmp_path))
+    fresh_registry.delitem(sys.modules, "odd_family", raising=False)
+    register_model("odd", "odd_family:Model")
+    with pytest.raises(ModelLoadError, match=r"architecture 'odd': odd_family:Model is not a subclass of treadle.model.interface.CausalLM"):
+        resolve_model_class("odd")
 
 
 @pytest.mark.parametrize("target", ["no_such_module_xyz:Model", "treadle.model.llama:NoSuchModel"])

@@ -202,7 +202,7 @@ def test_proposals_under_a_grammar_are_cut_where_it_refuses_them(engines, monkey
     those without speculation."""
     plain, spec = engines
     core = spec.engine.core
-    cuts, real = [], core._within_grammar
+    cuts, real = [], core.spec.within_grammar
 
     def spy(req, drafts):
         kept = real(req, drafts)
@@ -210,7 +210,7 @@ def test_proposals_under_a_grammar_are_cut_where_it_refuses_them(engines, monkey
             cuts.append((drafts, kept))
         return kept
 
-    monkeypatch.setattr(core, "_within_grammar", spy)
+    monkeypatch.setattr(core.spec, "within_grammar", spy)
     before = spec.stats()["spec_decode"]
     prompts = [chat("List four people with their name and age as JSON."), REPEATING[0]]
     forms = [{"json": PEOPLE}, {"regex": "[a-z ]{10,120}"}]  # the second: no capitals, no full stops
@@ -232,7 +232,7 @@ def test_a_walk_past_the_end_of_sequence_leaves_the_requests_matcher_as_it_was(e
     from treadle.engine.structured import MatcherWalk, StructuredOutputsParams
 
     core = engines[1].engine.core
-    grammars, tok = core.grammars, engines[1].tokenizer
+    grammars, tok = core.structured.compiler, engines[1].tokenizer
     eos = sorted(tok.stop_token_ids)[0]
     matcher = grammars.compile(StructuredOutputsParams(regex="[a-z ]{3,20}"))
     for t in tok.encode("the fox"):
@@ -343,14 +343,15 @@ def test_unseeded_sampling_keeps_the_target_distribution(engines, reference_cont
     assert len(want) >= 4 and homogeneity_p(want, got) > 0.01
 
     from treadle.model import runner as runner_module
+    from treadle.model.verification import HistoryWithDrafts
 
     real_sample = runner_module.Sampler.sample
 
-    def lenient(self, logits, reqs, constrained=None, rewindable=None, proposals=None):
-        out = real_sample(self, logits, reqs, constrained, rewindable, proposals)
+    def lenient(self, logits, reqs, constrained=None, verification=None):
+        out = real_sample(self, logits, reqs, constrained, verification)
         for i in range(len(reqs) - 1):
             nxt = reqs[i + 1]
-            if isinstance(nxt, runner_module.Ahead):  # row i verifies the proposal the next row stands on
+            if isinstance(nxt, HistoryWithDrafts):  # row i verifies the proposal the next row stands on
                 proposal = nxt.all_token_ids[-1]
                 if proposal in logits[i].topk(4).indices.tolist():
                     out[i] = type(out[i])(proposal, out[i].logprobs)

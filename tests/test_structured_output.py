@@ -187,9 +187,9 @@ def test_grammars_compile_off_the_step_loop_and_are_cached(make_llm, monkeypatch
         for d in eng.step():
             text += "".join(c.text for c in d.outputs)
     assert text in ("alpha", "beta") and waiting == "w"
-    before = core.grammars.cache_hits
+    before = core.structured.compiler.cache_hits
     llm.generate([chat_prompt(llm, "Again.")], SamplingParams(max_tokens=5, structured_outputs=so))
-    assert core.grammars.cache_hits > before
+    assert core.structured.compiler.cache_hits > before
 
 
 class GivesUp:

@@ -28,45 +28,32 @@ How a proposal is drawn, per request (the target's verification is the runner's 
 import numpy as np
 import torch
 
-from ..model.loader import load_model_files
-from ..model.runner import Ahead, ModelRunner
-from .protocol import ScheduledRequest, StepInput
-from .structured import MatcherWalk, allowed_from_bitmask
+from ..model.runner import ModelRunner
+from ..model.verification import HistoryWithDrafts
+from ..step import ScheduledRequest, StepInput
+from ..model.sampler import allowed_from_bitmask
+from .structured import MatcherWalk
 
-PLACEHOLDER = 0  # a proposal's token id until the draft has run (the scheduler needs only the count)
-
-
-def load_draft_files(path: str, *, target_vocab: int, keep_int4: bool):
-    """The draft's files, refused with a clear error unless it shares the target's vocabulary (the
-    engine loads them before building the target, so that a wrong draft fails fast)."""
-    try:
-        files = load_model_files(path, keep_int4=keep_int4)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
-    if files.config.vocab_size != target_vocab:
-        raise ValueError(
-            f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, the target's has {target_vocab}: a draft model must share the target's"
-        )
-    return files
 
 
 class DraftModel:
-    def __init__(self, config, runner: ModelRunner):
-        self.max_position = config.max_position
+    def __init__(self, runner: ModelRunner):
+        self.max_position = runner.config.max_position
         self.runner = runner  # its own weights and KV tensors (as many blocks as the target's)
         self.sampler = runner.sampler
         self.device = runner.device
 
     @torch.inference_mode()
-    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars) -> dict[str, torch.Tensor]:
-        """Fill the step's placeholder proposals (each verifying request's last num_drafts tokens,
-        and its `spec_token_ids`) with the draft's; returns the distributions the unseeded sampling
-        requests' proposals were drawn from (request id -> [num_drafts, V]). A request under a
+    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """The draft's proposals for the step's placeholders (each verifying request's last
+        num_drafts tokens), request id -> tokens, also set as the requests' `spec_token_ids`; and
+        the distributions the unseeded sampling requests' proposals were drawn from (request id ->
+        [num_drafts, V]). The step itself is left as it is (`spec_decode.fill_proposals`). A request under a
         grammar draws each proposal under the grammar's mask after the proposals before it (a copy
         of its matcher walks ahead: `grammars` is the core's GrammarCompiler); one whose grammar
         waits for its start token never proposes that token, so each verified row is either
         unconstrained or constrained by a known matcher state."""
-        self.runner._copy_blocks(step.block_copies)  # a forked choice's copy of its partial block
+        self.runner.copy_blocks(step.block_copies)  # a forked choice's copy of its partial block
         work, first, written = [], [], set()
         bs = self.runner.block_size
         for s in step.scheduled:
@@ -92,10 +79,10 @@ class DraftModel:
             first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, s.block_ids, [s.req_id] if s.num_drafts else []))
             req.draft_num_computed = end
         if not first:
-            return {}
+            return {}, {}
         logits = self.runner.compute_logits(StepInput(first))[0]
         if not work:
-            return {}
+            return {}, {}
         drafts: dict[str, list[int]] = {s.req_id: [] for s, _ in work}
         dists: dict[str, list[torch.Tensor]] = {s.req_id: [] for s, _ in work}
         noise = {}  # seeded requests: a copy of the generator the target will draw from
@@ -117,7 +104,6 @@ class DraftModel:
                 if s.req_id in walks:
                     walks[s.req_id].advance(token)
                 drafts[s.req_id].append(token)
-                s.token_ids[len(s.token_ids) - s.num_drafts + j] = token
                 req.draft_num_computed = s.start + 1 + j  # draft KV now holds up to the newest proposal's input
             active = [(s, req) for s, req in active if s.num_drafts > j + 1]
             if not active:
@@ -126,7 +112,7 @@ class DraftModel:
             logits = self.runner.compute_logits(StepInput(rows))[0]
         for s, req in work:
             req.spec_token_ids = drafts[s.req_id]
-        return {rid: torch.stack(rows) for rid, rows in dists.items() if rows}
+        return drafts, {rid: torch.stack(rows) for rid, rows in dists.items() if rows}
 
     @staticmethod
     def _masks(active: list, walks: dict, banned: dict, vocab: int):
@@ -149,7 +135,7 @@ class DraftModel:
 
     def _draw(self, logits: torch.Tensor, active: list, drafts: dict, dists: dict, noise: dict, constrained=None) -> list[int]:
         """One proposal per active request from the draft's logits rows (in `active`'s order)."""
-        views = [Ahead(req, drafts[s.req_id]) if drafts[s.req_id] else req for s, req in active]
+        views = [HistoryWithDrafts(req, drafts[s.req_id]) if drafts[s.req_id] else req for s, req in active]
         if constrained is not None:
             constrained = (constrained[0], constrained[1].to(logits.device))
         q = self.sampler.distributions(logits, views, constrained)

@@ -8,7 +8,7 @@ puts the same two halves in two processes (`server/engine_client.py`, `engine/co
 import itertools
 
 from ..config import EngineConfig
-from .core import EngineCore, cpu_has_native_bf16, resolve_dtype  # noqa: F401 (re-exported)
+from .core import EngineCore
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .protocol import EngineCoreRequest, params_to_dict
@@ -32,6 +32,7 @@ class LLMEngine:
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
     dtype = property(lambda self: self.core.dtype)
     runner = property(lambda self: self.core.runner)
+    worker = property(lambda self: self.core.worker)
     scheduler = property(lambda self: self.core.scheduler)
     kv = property(lambda self: self.core.kv)
 
@@ -59,7 +60,7 @@ class LLMEngine:
         text, token_ids = self.encode_prompt(prompt, add_special_tokens)
         self.validate_prompt(token_ids, params)
         if params.structured_outputs is not None:
-            self.core.grammars.compile(params.structured_outputs)  # a grammar that cannot compile: ValueError now
+            self.core.structured.compiler.compile(params.structured_outputs)  # a grammar that cannot compile: ValueError now
         self.processor.add_request(request_id, text, token_ids, params)
         self.core.add_request(EngineCoreRequest(request_id, token_ids, params_to_dict(params), cache_salt))
         return request_id

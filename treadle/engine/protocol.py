@@ -5,8 +5,8 @@ Two boundaries, one vocabulary of msgspec structs (plain values only: ids, ints,
 - front end <-> engine core (`EngineCoreRequest`, `Abort`, `Shutdown` in; `Ready`, `LoadFailed`,
   `CoreOutputs` out): what crosses between the HTTP process and the engine core process, encoded
   as msgpack. Token ids go in and token ids come out; text is made in the front end.
-- scheduler -> model runner (`StepInput` of `ScheduledRequest`s, `NewRequestData`): what one step
-  computes. In-process today, never a live `Request`, so the runner could live elsewhere.
+- scheduler -> model runner: `treadle/step.py` (`StepInput` and its parts), shared by engine/ and
+  model/.
 
 msgspec encodes and decodes these in microseconds and validates types on decode; pyzmq carries the
 bytes (see docs/architecture.md for why this pair).
@@ -100,51 +100,6 @@ class CoreOutputs(msgspec.Struct, tag=True):
 
 ToCore = EngineCoreRequest | Abort | Shutdown
 FromCore = Ready | LoadFailed | CoreOutputs
-
-
-# ---------------------------------------------------------------- scheduler -> model runner
-
-
-class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request the runner has not seen: the sampling state it keeps for it, keyed by id."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    params: dict
-
-
-class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's share of a step: compute `token_ids` at positions start, start + 1, ...
-    into the blocks `block_ids`; `sample_ids` sample one token each from its last row (itself,
-    or every choice of an n > 1 request at its first token; empty when the step ends mid-prompt)."""
-
-    req_id: str
-    token_ids: list[int]
-    start: int
-    block_ids: list[int]
-    sample_ids: list[str] = []
-    # speculative decoding: the last `num_drafts` of token_ids are proposals; the request samples
-    # from each of its last num_drafts + 1 rows and keeps the proposals its samples confirm
-    num_drafts: int = 0
-
-
-class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
-    scheduled: list[ScheduledRequest]
-    new_requests: list[NewRequestData] = []
-    finished_req_ids: list[str] = []
-    block_copies: list[tuple[int, int]] = []  # (src, dst) block copies before the step
-    # constrained samples: sample id -> the allowed-token bitmask (int32 words, little-endian)
-    grammar_masks: dict[str, bytes] = {}
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-
-class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
-    token_id: int  # -1 for an embedding request, which samples nothing
-    logprobs: list[tuple[int, float, int]] | None = None  # as CoreOutput.new_logprobs, one token
-    embedding: list[float] | None = None
 
 
 # ---------------------------------------------------------------- encoding

@@ -2,6 +2,7 @@
 
 import enum
 
+from ..step import TokenHistory
 from .sampling_params import SamplingParams
 
 
@@ -12,23 +13,6 @@ class RequestStatus(enum.Enum):
 
 
 SPEC_PRIOR_ACCEPT_RATE = 0.5
-
-
-class TokenHistory:
-    """Prompt and output tokens of a sequence: `all_token_ids` with the first `num_prompt_tokens`
-    the prompt (the core's `Request` and the runner's per-request state both keep one)."""
-
-    __slots__ = ()
-    all_token_ids: list[int]
-    num_prompt_tokens: int
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
 
 
 class Request(TokenHistory):

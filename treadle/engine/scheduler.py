@@ -19,19 +19,36 @@ Guarantees of one `schedule()`:
 - no request appears twice; preempted requests are back at the head of the waiting queue.
 
 `schedule()` returns plain data for the model runner (`StepInput`: ids, token ids, positions,
-block ids); the `Request` objects stay here. `update_after_step()` commits the step once it ran.
+block ids); the `Request` objects stay here. `update_after_step()` commits the step once it ran,
+and `update_from_output()` appends what it sampled, one token at a time, each checked for the
+ends a core decides: a stop token or EOS (after min_tokens), a grammar that is complete or cannot
+go on, max_tokens, the model's length. A finished request's blocks are freed at once.
 """
 
 from collections import deque
 
+from ..step import SampledToken, ScheduledRequest, StepInput
 from .kv_cache_manager import KVCacheManager
-from .protocol import ScheduledRequest, StepInput
+from .protocol import CoreOutput
 from .request import Request, RequestStatus
+from .structured import StructuredOutputManager
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        spec=None,
+    ):
         self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.spec = spec  # the SpeculationPolicy, told of every verification
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -41,6 +58,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, found cached
+        self.generation_tokens = 0  # output tokens appended
+        self.finished: list[Request] = []  # finished since the last take_finished()
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -130,6 +149,71 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def update_from_output(self, step: StepInput, results: dict[str, list[SampledToken]], requests: dict[str, Request]) -> list[CoreOutput]:
+        """After a step ran (and `update_after_step`): every sampling choice's output. The other
+        choices of an n > 1 request that sampled their first token from its prompt's last row
+        fork from it first. A choice that finishes is finished here; `take_finished` hands it on."""
+        outputs = []
+        for s in step.scheduled:
+            if not s.sample_ids:
+                continue
+            parent = requests[s.req_id]
+            for req_id in s.sample_ids:
+                if req_id != s.req_id:
+                    self.admit_forked(parent, requests[req_id])
+            for req_id in s.sample_ids:
+                outputs.append(self._update_request(requests[req_id], results[req_id], s.num_drafts))
+        return outputs
+
+    def _update_request(self, req: Request, sampled: list[SampledToken], num_drafts: int) -> CoreOutput:
+        """One choice's tokens of the step (one, or after a verification the confirmed proposals
+        and one more), each checked in turn: a stop inside the run ends the output there."""
+        num_cached = max(0, req.num_cached_tokens)
+        if req.params.pooling is not None:  # an embedding request: its vector, and it is done
+            out = CoreOutput(req.group_id, req.index, [], finish_reason="stop", num_cached_tokens=num_cached, embedding=sampled[0].embedding)
+            self.finish(req, "stop")
+            return out
+        logprobs = [] if sampled[0].logprobs is not None else None
+        out = CoreOutput(req.group_id, req.index, [], logprobs, num_cached_tokens=num_cached)
+        for tok in sampled:
+            self._append_token(req, tok, out)
+            if out.finish_reason is not None:
+                break
+        if num_drafts:
+            if self.spec is not None:
+                self.spec.observe_verification(req, num_drafts, len(sampled) - 1)
+            if not req.is_finished:
+                self.reject_drafts(req, num_drafts - (len(sampled) - 1))
+                req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
+        return out
+
+    def _append_token(self, req: Request, sampled: SampledToken, out: CoreOutput) -> None:
+        token = sampled.token_id
+        req.all_token_ids.append(token)
+        self.generation_tokens += 1
+        p = req.params
+        out.new_token_ids.append(token)
+        if out.new_logprobs is not None:
+            out.new_logprobs.append(sampled.logprobs)
+        can_stop = req.num_output_tokens >= p.min_tokens
+        error, complete = StructuredOutputManager.accept_token(req, token)
+        if error is not None:
+            out.finish_reason, out.client_error, out.error = "error", True, error
+            self.finish(req, "error")
+            return
+        # a complete grammar: only EOS may follow. Sample it (the tokens are then those of an
+        # unconstrained run that wrote the same text), unless EOS cannot end this request.
+        grammar_done = complete and (p.ignore_eos or not can_stop)
+        if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            out.stop_reason = token if token in p.stop_token_ids else None
+            out.finish_reason = "stop"
+        elif grammar_done:
+            out.finish_reason = "stop"
+        elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            out.finish_reason = "length"
+        if out.finish_reason is not None:
+            self.finish(req, out.finish_reason)
+
     def update_after_step(self) -> None:
         for req, num_new in self.scheduled:
             req.num_computed_tokens += num_new
@@ -142,7 +226,9 @@ class Scheduler:
         self.kv.trim(req, req.num_computed_tokens)
 
     def admit_forked(self, parent: Request, child: Request) -> None:
-        """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is free."""
+        """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is
+        free. Either way it reports its parent's prefix-cache hit (the request's)."""
+        child.num_cached_tokens = parent.num_cached_tokens
         copy = self.kv.fork(parent, child)
         if copy is False:
             self.waiting.appendleft(child)
@@ -150,11 +236,25 @@ class Scheduler:
         if copy is not None:
             self.pending_copies.append(copy)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
+        # a draft model's KV is shared as the target's
+        child.draft_num_computed, child.draft_preemptions = parent.draft_num_computed, child.num_preemptions
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last call (by `finish`, here or by the core)."""
+        done, self.finished = self.finished, []
+        return done
 
     def finish(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        req.matcher = None
+        self.finished.append(req)
+        if req.status == RequestStatus.WAITING and req not in self.waiting:
+            req.status = RequestStatus.FINISHED  # an unforked choice: it holds nothing
+            req.finish_reason = reason
+            return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:

@@ -22,7 +22,129 @@ from collections import deque
 import numpy as np
 
 from ..config import SpeculativeConfig
+from .request import SPEC_PRIOR_ACCEPT_RATE
 from .suffix_tree import SuffixTree
+
+SPEC_RATE_WEIGHT = 0.3  # weight of the newest verification in a request's acceptance rate
+SPEC_RECOVERY = 0.05  # per step without proposals, how far that rate drifts back to the prior
+PLACEHOLDER = 0  # a draft model's proposal until the draft has run (the scheduler needs only the count)
+
+
+class SpeculationPolicy:
+    """Which decoding requests propose how many tokens each step, and what verification found.
+
+    Before each step, every decoding request gets at most k proposals (`propose`): the configured
+    proposer's (n-gram, suffix), or placeholders that the draft model fills once the step is
+    scheduled; as many as pay when `adaptive` (`width`), cut where the request's grammar would
+    refuse them, none that would run past max_tokens or the model's length. After it, each
+    verification updates the request's acceptance rate and the counters of /stats."""
+
+    def __init__(self, config: SpeculativeConfig, step_cost, max_model_len: int, draft_max_position: int | None = None):
+        self.config = config
+        self.step_cost = step_cost  # measured step costs (engine/step_cost.py)
+        self.max_model_len = max_model_len
+        self.draft_max_position = draft_max_position  # with a draft model: its context length
+        self.proposer = None if config.method == "draft_model" else make_proposer(config)
+        self.num_drafts = 0  # verifications: a request's proposals checked in one step
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.grammar_refused = 0  # proposals a grammar refused at verification (a parser past its limits)
+        self.accepted_per_pos = [0] * config.num_speculative_tokens
+
+    def propose(self, running: list) -> None:
+        """Set `spec_token_ids` of every running request for the coming step."""
+        spec = self.config
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        for req in running:
+            req.spec_token_ids = []
+        for req in decoding:
+            p = req.params
+            if p.pooling is not None:
+                continue
+            room = min(spec.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            if self.draft_max_position is not None:
+                room = min(room, self.draft_max_position - req.num_tokens)
+            k = self.width(req, room, len(decoding)) if spec.adaptive else room
+            if k <= 0:
+                continue
+            if self.proposer is None:  # the draft fills them in once the step is scheduled
+                req.spec_token_ids = [PLACEHOLDER] * k
+            else:
+                req.spec_token_ids = self.within_grammar(req, self.proposer.propose(req, k))
+
+    @staticmethod
+    def within_grammar(req, drafts: list[int]) -> list[int]:
+        """The proposals up to the first one the request's grammar refuses; before the grammar
+        starts (it waits for its `after_token`), up to that token, so that every verified row is
+        either unconstrained or constrained by a known matcher state."""
+        if req.matcher is None or not drafts:
+            return drafts
+        if not req.grammar_active:
+            after = req.params.structured_outputs.after_token
+            return drafts[: drafts.index(after)] if after in drafts else drafts
+        return drafts[: req.matcher.validate_tokens(drafts)]
+
+    def width(self, req, room: int, batch: int) -> int:
+        """How many proposals pay for this request now: the k that maximizes the time saved,
+        E[accepted of k] x (a decode step's time per token at this batch size) - k x (a proposed
+        token's measured cost), with E from the request's acceptance rate a: a (1 - a^k) / (1 - a).
+        Unmeasured machine: propose (the first steps measure it). A request that stops paying
+        drifts back toward the prior, so that it is tried again now and then."""
+        cost = self.step_cost
+        if room <= 0:
+            return 0
+        step_s, draft_s = cost.decode_s_at(batch), cost.draft_cost()
+        if step_s is None or draft_s is None:
+            return room
+        a = min(req.spec_accept_rate, 0.999)
+        per_token = step_s / batch
+        best_k, best = 0, 0.0
+        for k in range(1, room + 1):
+            gain = a * (1 - a**k) / (1 - a) * per_token - k * draft_s
+            if gain > best:
+                best_k, best = k, gain
+        if best_k == 0:
+            req.spec_accept_rate += SPEC_RECOVERY * (SPEC_PRIOR_ACCEPT_RATE - req.spec_accept_rate)
+        return best_k
+
+    def observe_verification(self, req, num_drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+        req.spec_accept_rate += SPEC_RATE_WEIGHT * (accepted / num_drafts - req.spec_accept_rate)
+
+    def finish(self, req) -> None:
+        if self.proposer is not None:
+            self.proposer.finish(req)
+
+    def stats(self) -> dict:
+        d = self.num_drafts
+        return {
+            "method": self.config.method,
+            "num_speculative_tokens": self.config.num_speculative_tokens,
+            "adaptive": self.config.adaptive,
+            "num_drafts": d,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_pos),
+            "mean_acceptance_length": 1 + self.num_accepted_tokens / d if d else None,
+            "grammar_refused_draft_tokens": self.grammar_refused,
+            **(self.proposer.stats() if self.proposer is not None else {"draft_model": self.config.model}),
+        }
+
+
+def fill_proposals(step, proposals: dict[str, list[int]]) -> None:
+    """Write a draft model's proposals into the step's placeholders (each verifying request's last
+    num_drafts tokens)."""
+    for s in step.scheduled:
+        tokens = proposals.get(s.req_id)
+        if tokens:
+            s.token_ids[len(s.token_ids) - s.num_drafts :] = tokens
+
 
 def make_proposer(config: SpeculativeConfig):
     """The proposer of an n-gram or suffix configuration."""

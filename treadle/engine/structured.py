@@ -19,7 +19,9 @@ Who does what (docs/architecture.md, "Structured output"):
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +32,8 @@ import numpy as np
 JSON_WHITESPACE = r"(?:[ ]|\n[ \t]{0,20})?"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 CACHE_SIZE = 256
+GRAMMAR_THREADS = 2  # one slow grammar must not hold up every other constrained request
+MAX_REMEMBERED_SLOW = 1024
 # llguidance's limits, but for the Earley row size: 2000 (its default) refuses objects with a
 # thousand optional properties at their first token; the work of one step stays bounded by
 # step_max_items (50,000) whatever this is.
@@ -242,10 +246,104 @@ def lower_thread_priority() -> None:
         pass
 
 
-def allowed_from_bitmask(data: bytes, rows: int, vocab_size: int):
-    """A bool tensor [rows, vocab_size] from `rows` bitmasks of int32 words, back to back."""
-    import torch
+# ---------------------------------------------------------------- the engine core's side
 
-    arr = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
-    bits = np.unpackbits(arr, axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(bits.astype(bool))
+
+@dataclass
+class AwaitedGrammar:
+    future: Future  # the matchers, one per choice
+    since: float  # when the request arrived (time.monotonic)
+    key: str  # the constraint's canonical text
+
+
+class StructuredOutputManager:
+    """The grammar lifecycle of the engine core's requests: compile on a thread while the request
+    waits (never in a step), ready or refused (a compile error, or past
+    max_grammar_compile_seconds: refused at once the next time), then each step's bitmasks and
+    each sampled token's advance of the request's matcher."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_compile_seconds: float):
+        self.compiler = GrammarCompiler(tokenizer, vocab_size)
+        self.max_compile_seconds = max_compile_seconds
+        self._pool: ThreadPoolExecutor | None = None
+        self._awaiting: dict[str, AwaitedGrammar] = {}  # group id -> its matchers, one per choice
+        self._too_slow: set[str] = set()  # constraints that ran out of compile time, by canonical text
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._awaiting)
+
+    def slow_error(self) -> str:
+        return f"the output constraint took longer than {self.max_compile_seconds:g} s to compile (--max-grammar-compile-seconds)"
+
+    def submit(self, request_id: str, so: StructuredOutputsParams, n: int) -> str | None:
+        """Start compiling a request's grammar (one matcher per choice); the refusal's text instead
+        if this constraint ran out of time before."""
+        if so.key() in self._too_slow:
+            return self.slow_error()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="treadle-grammar", initializer=lower_thread_priority)
+        future = self._pool.submit(lambda: [self.compiler.compile(so) for _ in range(n)])
+        self._awaiting[request_id] = AwaitedGrammar(future, time.monotonic(), so.key())
+        return None
+
+    def take_finished(self, live: set | dict, idle: bool) -> list[tuple[str, list | None, str | None]]:
+        """The requests whose grammars are settled: (id, matchers, None) once compiled, (id, None,
+        error) when refused. Requests no longer `live` (aborted while compiling) are dropped. With
+        nothing else to run (`idle`), wait a little for one."""
+        if not self._awaiting:
+            return []
+        if idle:
+            wait([a.future for a in self._awaiting.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        now, settled = time.monotonic(), []
+        for rid, awaited in list(self._awaiting.items()):
+            if rid not in live:
+                del self._awaiting[rid]
+                continue
+            if not awaited.future.done():
+                if now - awaited.since > self.max_compile_seconds:
+                    del self._awaiting[rid]
+                    if len(self._too_slow) < MAX_REMEMBERED_SLOW:
+                        self._too_slow.add(awaited.key)  # refused at once the next time
+                    settled.append((rid, None, self.slow_error()))
+                continue
+            del self._awaiting[rid]
+            try:
+                settled.append((rid, awaited.future.result(), None))
+            except ValueError as e:
+                settled.append((rid, None, str(e)))
+        return settled
+
+    def masks(self, step, requests: dict) -> tuple[dict[str, bytes], int]:
+        """The allowed-token bitmasks of every constrained sample of the step: one, or for a request
+        verifying proposals one per row (a copy of the matcher walked through the proposals); and
+        how many proposals a grammar refused (a parser past its limits)."""
+        masks, refused = {}, 0
+        for s in step.scheduled:
+            for req_id in s.sample_ids:
+                req = requests[req_id]
+                if req.matcher is not None and req.grammar_active:
+                    drafts = s.token_ids[len(s.token_ids) - s.num_drafts :] if s.num_drafts else []
+                    words, n = MatcherWalk(self.compiler, req.matcher).masks(drafts)
+                    refused += n
+                    masks[req_id] = words.tobytes()
+        return masks, refused
+
+    @staticmethod
+    def accept_token(req, token: int) -> tuple[str | None, bool]:
+        """Advance a request's matcher by one output token: (the error if the grammar cannot go on,
+        whether the grammar is complete). A grammar waiting for its `after_token` starts after it."""
+        if req.matcher is None:
+            return None, False
+        if not req.grammar_active:
+            req.grammar_active = token == req.params.structured_outputs.after_token
+            return None, False
+        if not req.matcher.consume_token(token):
+            # a grammar too complex to go on (past llguidance's limits): the request's own doing
+            return f"the output constraint cannot continue: {req.matcher.get_error().splitlines()[0]}", False
+        return None, req.matcher.is_stopped()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

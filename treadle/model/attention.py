@@ -98,3 +98,9 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
     return out
 
+
+def graph_kernel_args(row_tables: torch.Tensor, key_begin: torch.Tensor, key_end: torch.Tensor) -> tuple:
+    """The kernel's fields as a graph takes them: each row's own table ([rows, width]), the row ->
+    table map the identity, and no span (an int would be baked into the graph)."""
+    rows = torch.arange(row_tables.shape[0], dtype=torch.long, device=row_tables.device)
+    return (row_tables, rows, key_begin, key_end, None)

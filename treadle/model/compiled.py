@@ -27,15 +27,12 @@ the engine's real KV cache; after that `forward_for` and the runner admit only t
 allow.
 """
 
-import ctypes
-import fcntl
 import functools
 import hashlib
 import inspect
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -44,14 +41,14 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..engine.memory import process_memory
-from .attention import AttentionMetadata
+from ..utils import cache_root, process_memory
+from .attention import AttentionMetadata, graph_kernel_args
 from .layers import Linear
 from .loader import resolve_model_path
 
 log = logging.getLogger("treadle.compile")
 
-_SOURCES = ("llama.py", "layers.py", "attention.py", "compiled.py", "gguf_loader.py", "hf_loader.py", "kernels/__init__.py")
+_SOURCES = ("llama.py", "interface.py", "worker.py", "layers.py", "attention.py", "compiled.py", "compiler_process.py", "gguf_loader.py", "hf_loader.py", "kernels/__init__.py")
 
 
 @dataclass(frozen=True)
@@ -70,20 +67,11 @@ class DecodeClass:
         return self.low <= n and (self.high is None or n <= self.high)
 
 
-def has_quantized(model) -> bool:
-    return model.lm_head.int8 is not None or any(layer.qkv.int4 is not None for layer in model.layers)
-
-
 def decode_classes(quantized: bool) -> list[DecodeClass]:
     few = Linear.int4_max_rows
     if quantized:
         return [DecodeClass(1, 1, 1), DecodeClass(2, few, min(3, few)), DecodeClass(few + 1, None, few + 3)]
     return [DecodeClass(1, 1, 1), DecodeClass(2, None, 4)]
-
-
-def cache_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "treadle")
 
 
 def artefact_dir(
@@ -118,7 +106,7 @@ def artefact_path(folder: str, cls: DecodeClass) -> str:
     return os.path.join(folder, f"decode-{cls.name}.bin")
 
 
-def _configure_torch() -> None:
+def configure_torch() -> None:
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
@@ -151,13 +139,6 @@ def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, bl
     return ids, positions, kv_caches, meta, torch.arange(batch, device=dev)
 
 
-def graph_kernel_args(row_tables: torch.Tensor, key_begin: torch.Tensor, key_end: torch.Tensor) -> tuple:
-    """The kernel's fields as a graph takes them: each row's own table ([rows, width]), the row ->
-    table map the identity, and no span (an int would be baked into the graph)."""
-    rows = torch.arange(row_tables.shape[0], dtype=torch.long, device=row_tables.device)
-    return (row_tables, rows, key_begin, key_end, None)
-
-
 def _decode(model, input_ids, positions, kv_caches, meta, logits_indices):
     return type(model).forward.__wrapped__(model, input_ids, positions, kv_caches, meta, logits_indices)
 
@@ -184,16 +165,6 @@ def compile_class(model, kv_caches, block_size: int, cls: DecodeClass, kernel: b
         return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))
 
 
-def _end_with_parent(parent: int) -> None:
-    """In the compiler process: exit when the engine's process does, even a killed one."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # it died before the line above
-        sys.exit(0)
-
-
 class CompiledDecode:
     """The engine's side: load artefacts (starting the compiler for missing ones) in the background."""
 
@@ -202,7 +173,7 @@ class CompiledDecode:
         self.kv_caches = kv_caches
         self.block_size = engine_config.block_size
         self.kernel = kernel  # the graphs attend with treadle's kernel (as the eager path does)
-        quantized = has_quantized(model)
+        quantized = model.has_quantized_linears()
         self.classes = decode_classes(quantized)
         self.dir = artefact_dir(
             resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device, type(model), kernel
@@ -250,7 +221,7 @@ class CompiledDecode:
 
     def _run(self) -> None:
         try:
-            _configure_torch()
+            configure_torch()
             if not all(os.path.exists(artefact_path(self.dir, c)) for c in self.classes):
                 self._start_compiler()
             for cls in self.classes:
@@ -277,7 +248,7 @@ class CompiledDecode:
         spec = json.dumps({**asdict(config), "out": self.dir, "parent": os.getpid(), "registry": registered_architectures()})
         logf = open(self._log_path(), "ab")  # noqa: SIM115 - handed to the child
         self.compiler = subprocess.Popen(
-            [sys.executable, "-c", "from treadle.model.compiled import main; main()", spec],
+            [sys.executable, "-c", "from treadle.model.compiler_process import main; main()", spec],
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -304,41 +275,3 @@ class CompiledDecode:
         self.ready[cls.name] = functools.partial(fn, self.model)
         self.loaded_bytes += max(0, process_memory().get("VmRSS", 0) - before)
         log.info("compiled decode steps of %s requests in use (loaded in %.1f s)", cls.name, time.perf_counter() - t)
-
-
-def main() -> None:
-    """The compiler process: build the engine's model, save one artefact per class, in order."""
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
-
-    spec = json.loads(sys.argv[1])
-    out = spec.pop("out")
-    _end_with_parent(spec.pop("parent"))
-    from .registry import restore_registry
-
-    restore_registry(spec.pop("registry", {}))  # architectures registered in the engine's process
-    # Two compilers of the same artefacts (two servers started at once) take turns, before either
-    # loads the model.
-    lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if any(all(os.path.exists(artefact_path(out, c)) for c in decode_classes(q)) for q in (True, False)):
-        return  # the other compiler made them
-    _configure_torch()
-    # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
-    # number of blocks as a dynamic size.
-    config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
-    engine = LLMEngine(config)
-    runner = engine.runner
-    for cls in decode_classes(has_quantized(runner.model)):
-        path = artefact_path(out, cls)
-        if os.path.exists(path):
-            continue
-        t = time.perf_counter()
-        fn = compile_class(runner.model, runner.kv_caches, config.block_size, cls, kernel=runner.attention_kernel)
-        fn.save_compiled_function(path + ".tmp")
-        os.replace(path + ".tmp", path)
-        print(f"decode class {cls.name}: compiled in {time.perf_counter() - t:.1f} s -> {path}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -116,6 +116,15 @@ class Linear:
                 int4.GROUP,
             )
 
+    def stored_forms(self) -> list[tuple[torch.Tensor, str]]:
+        """Every tensor this layer keeps, with the type its bytes are counted under."""
+        forms = [(t, str(t.dtype).removeprefix("torch.")) for t in (self.weight, self.bias) if t is not None]
+        if self.int4 is not None:
+            forms += [(self.int4[0], "int4"), (self.int4[1], "int4")]  # the packed values and their scales
+        if self.int8 is not None:
+            forms += [(self.int8[0], "int8"), (self.int8[1], "int8")]
+        return forms
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and x.shape[0] <= self.int4_max_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), *self.int8)

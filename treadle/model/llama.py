@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionMetadata, paged_attention
 from .config import Int4Weight, ModelConfig, ModelLoadError
+from .interface import CausalLM
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -85,7 +86,8 @@ def check_weight_shapes(config: ModelConfig, weights: dict) -> None:
             raise ModelLoadError(f"weight {name}: shape {tuple(weights[name].shape)}, expected {shape} from the model's configuration")
 
 
-class LlamaModel:
+class LlamaModel(CausalLM):
+    provides_hidden_states = True
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
 
@@ -115,7 +117,7 @@ class LlamaModel:
             DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device, one_form=batch_invariant) for i in range(config.num_layers)
         ]
         if batch_invariant:
-            for linear in [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]:
+            for linear in self.linears():
                 linear.row_chunk = Linear.INVARIANT_ROWS
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
@@ -127,40 +129,21 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
-    def weight_bytes(self) -> int:
-        """Bytes of every stored weight form (a tensor shared by two uses counted once)."""
-        seen, total = set(), 0
-        tensors = [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.signed_sin]
-        linears = [self.lm_head]
-        for layer in self.layers:
-            tensors += [n.weight2 for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
-            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-        for x in linears:
-            tensors += [x.weight, x.bias, *(x.int4[:2] if x.int4 else ()), *(x.int8 or ())]
-        for t in tensors:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
+        return [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.signed_sin] + [n.weight2 for n in norms]
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run the step's T tokens; return float32 logits of the rows in `logits_indices`."""
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         return self.lm_head(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])).float()
 
     def hidden_states(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """The final (normed) hidden state of every one of the step's T rows: what embeddings pool."""
         return self.norm(self.residual_stream(input_ids, positions, kv_caches, meta))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of final hidden states."""
         return self.lm_head(hidden).float()
 
     def residual_stream(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:

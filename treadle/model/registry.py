@@ -5,7 +5,8 @@ An architecture name is what a model file calls itself: GGUF's `general.architec
 imported on first use, so the registry is plain strings that a child process can be handed
 (`registered_architectures` -> `restore_registry`).
 
-Plugins add architectures: a module named in TREADLE_PLUGINS (comma-separated) or an entry point of
+A family is one module with a subclass of `interface.CausalLM` and one line here (`_registry`);
+plugins add architectures: a module named in TREADLE_PLUGINS (comma-separated) or an entry point of
 group `treadle.plugins` calls `register_model` when imported (an entry point's object is also called,
 if callable). Every lookup loads the plugins first, once per process.
 """
@@ -80,6 +81,10 @@ def resolve_model_class(arch: str) -> type:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as e:
             raise ModelLoadError(f"architecture {arch!r}: cannot import {target}: {e}") from e
+        from .interface import CausalLM  # torch: only once a model is built
+
+        if not (isinstance(obj, type) and issubclass(obj, CausalLM)):
+            raise ModelLoadError(f"architecture {arch!r}: {target} is not a subclass of treadle.model.interface.CausalLM")
         _classes[target] = obj
     return _classes[target]
 

@@ -13,15 +13,16 @@ from dataclasses import replace
 
 import torch
 
-from ..engine.protocol import SampledToken, StepInput, params_from_dict
-from ..engine.request import TokenHistory
-from ..engine.structured import allowed_from_bitmask
+from ..engine.protocol import params_from_dict
+from ..step import SampledToken, StepInput, TokenHistory
+
 from . import kernels
-from .attention import AttentionMetadata, PrefillChunk
-from .compiled import graph_kernel_args
+from .attention import AttentionMetadata, PrefillChunk, graph_kernel_args
+
 from .config import ModelConfig
 from .registry import resolve_model_class
-from .sampler import Sampler
+from .sampler import Sampler, allowed_from_bitmask
+from .verification import HistoryWithDrafts, Verification
 
 
 def release_freed_memory() -> None:
@@ -57,19 +58,6 @@ class RunnerRequest(TokenHistory):
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_state = None  # the request's own generator, when it has a seed
         self.pooled_rows: list = []  # mean pooling: the hidden states of the prompt's chunks so far
-
-
-class Ahead(TokenHistory):
-    """A request as it would be with `drafts` accepted: what the sampler sees at a verification
-    row (penalties, min_tokens and the seeded draw all depend on the position)."""
-
-    __slots__ = ("request", "params", "all_token_ids", "num_prompt_tokens")
-
-    def __init__(self, req: RunnerRequest, drafts: list[int]):
-        self.request = req  # whose generator the row draws from
-        self.params = req.params
-        self.all_token_ids = req.all_token_ids + drafts
-        self.num_prompt_tokens = req.num_prompt_tokens
 
 
 class ModelRunner:
@@ -123,7 +111,8 @@ class ModelRunner:
         mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
         return mask.masked_fill_(~allowed, float("-inf")).to(self.device)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy blocks (src, dst) in every layer's KV (a forked choice's own copy of a partial block)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -170,7 +159,7 @@ class ModelRunner:
                 for p in range(len(drafts) + 1):
                     rows.append(first + p)
                     ids.append(req_id)
-                    reqs.append(Ahead(req, drafts[:p]) if p else req)
+                    reqs.append(HistoryWithDrafts(req, drafts[:p]) if p else req)
                     positions.append(p)
             first += 1 + s.num_drafts
         if not ids:
@@ -187,32 +176,14 @@ class ModelRunner:
                     parts.append(masks[req_id][p * size : (p + 1) * size])
             data = b"".join(parts)
             constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
-        rewindable = {j for j, req_id in enumerate(ids) if req_id in verified}
-        proposals = None
-        if draft_probs:
-            proposals = {
-                j: (verified[req_id][p], draft_probs[req_id][p])
-                for j, (req_id, p) in enumerate(zip(ids, positions))
-                if req_id in draft_probs and p < len(verified.get(req_id, ()))
-            }
-        sampled = self.sampler.sample(logits, reqs, constrained, rewindable, proposals)
-        j = 0
-        while j < len(ids):
-            req_id = ids[j]
-            drafts = verified.get(req_id, ())
-            got = sampled[j : j + len(drafts) + 1]
-            # a proposal stands while the target's own sample at its position equals it; the first
-            # sample that differs (or the one after the last proposal) is the step's last token
-            n = 0
-            while n < len(drafts) and got[n].token_id == drafts[n]:
-                n += 1
-            req = self.requests[req_id]
-            if j + n in self.sampler.states:  # the seeded stream continues after the last row kept
-                req.sampler_state.set_state(self.sampler.states[j + n])
-            j += len(drafts) + 1
-            tokens = got[: n + 1]
-            req.all_token_ids.extend(t.token_id for t in tokens)
-            results[req_id] = tokens
+        verification = Verification(ids, positions, verified, draft_probs) if verified else None
+        sampled = self.sampler.sample(logits, reqs, constrained, verification)
+        if verification is not None:
+            results.update(verification.accept(sampled, self.requests))
+        else:
+            for req_id, tok in zip(ids, sampled):
+                self.requests[req_id].all_token_ids.append(tok.token_id)
+                results[req_id] = [tok]
         return results
 
     @torch.inference_mode()
@@ -222,7 +193,7 @@ class ModelRunner:
         `step.scheduled` in the logits' order, {req_id: vector}).
         `pooling` (scheduled index -> "last" or "mean") names the embedding requests; the vector of
         each one whose prompt ends in this step is its pooled, L2-normalized hidden state."""
-        self._copy_blocks(step.block_copies)
+        self.copy_blocks(step.block_copies)
         bs = self.block_size
         window = self.config.sliding_window
         scheduled = step.scheduled

@@ -3,15 +3,15 @@
 Greedy rows take the argmax. Seeded rows draw by the exponential-race trick (argmax of p / E with
 E ~ Exp(1)), which samples exactly from p and lets each seeded request draw from its own generator,
 so its tokens do not depend on what else is in the batch; unseeded rows draw together from the
-engine's generator (inverse CDF: one uniform per row instead of one exponential per token). A request verifying k proposed tokens
-(speculative decoding) draws for its k + 1 rows in order from that generator, and the runner
-rewinds it to just after the last row it keeps (`states`): the n-th token of a seeded request is
-the n-th draw of its stream however many tokens were proposed.
+engine's generator (inverse CDF: one uniform per row instead of one exponential per token). A
+step's speculative verification rows (`verification.Verification`) keep their seeded generators'
+states and check a draft model's proposals by rejection sampling as they are sampled.
 """
 
+import numpy as np
 import torch
 
-from ..engine.protocol import SampledToken
+from ..step import SampledToken
 
 
 class Sampler:
@@ -22,7 +22,6 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.states: dict[int, torch.Tensor] = {}  # after sample(): row -> its generator's state after the row's draw
 
     def _generator(self, req) -> torch.Generator | None:
         """A seeded request's own generator (a verification row's view shares its request's)."""
@@ -96,20 +95,14 @@ class Sampler:
         sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device).unsqueeze(1)
         return torch.softmax(self._filter(sub, [reqs[i].params for i in rows]), dim=-1)
 
-    def sample(
-        self, logits: torch.Tensor, reqs: list, constrained=None, rewindable: set[int] | None = None, proposals: dict | None = None
-    ) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, reqs: list, constrained=None, verification=None) -> list[SampledToken]:
         """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
         constrained: (rows, allowed [len(rows), V] bool), the tokens a grammar allows those rows.
         Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k
-        (of the raw model distribution, before penalties, bias and grammar). `rewindable`: rows
-        whose seeded generator's state after their draw is kept in `self.states`.
-        `proposals`: row -> (token, q), a draft model's proposal for an unseeded sampling row and
-        the distribution it was drawn from: standard rejection sampling, the proposal kept with
-        probability min(1, p / q), else a draw from the normalized residual (p - q)+, so that the
-        row's token has distribution p. (Greedy and seeded rows sample as always; a proposal
-        stands where it equals the sample.)"""
-        self.states = {}
+        (of the raw model distribution, before penalties, bias and grammar). `verification`: the
+        step's `Verification`, if rows verify proposals (seeded states kept, draft-model proposals
+        of unseeded rows checked by rejection sampling)."""
+        proposals = verification.proposals if verification is not None else None
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         raw = logits
@@ -131,18 +124,18 @@ class Sampler:
                 verifying = [j for j in unseeded if random_rows[j] in proposals]
                 if verifying:
                     unseeded = [j for j in unseeded if random_rows[j] not in proposals]
-                    self._verify(probs, chosen, [(j, *proposals[random_rows[j]]) for j in verifying])
+                    verification.rejection_sample(self, probs, chosen, [(j, *proposals[random_rows[j]]) for j in verifying])
             if unseeded:  # the engine's generator, all rows at once: inverse CDF, one uniform per row
                 u = torch.tensor(unseeded, device=logits.device)
-                chosen[u] = self._inverse_cdf(probs[u])
+                chosen[u] = self.inverse_cdf(probs[u])
             if seeded:  # each from its own generator, row by row
                 race = torch.empty((len(seeded), probs.shape[1]), dtype=probs.dtype, device=logits.device)
                 for r, j in enumerate(seeded):
                     i = random_rows[j]
                     g = self._generator(reqs[i])
                     race[r].exponential_(generator=g)
-                    if rewindable is not None and i in rewindable:
-                        self.states[i] = g.get_state()
+                    if verification is not None:
+                        verification.keep_state(i, g)
                 s_idx = torch.tensor(seeded, device=logits.device)
                 chosen[s_idx] = (probs[s_idx] / race).max(dim=-1).indices
             tokens[idx] = chosen
@@ -164,27 +157,11 @@ class Sampler:
             results.append(SampledToken(token, top))
         return results
 
-    def _inverse_cdf(self, probs: torch.Tensor) -> torch.Tensor:
+    def inverse_cdf(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw per row of (unnormalized) probabilities, from the engine's generator."""
         cdf = probs.cumsum(dim=-1)
         point = torch.rand((probs.shape[0], 1), generator=self.generator, device=probs.device) * cdf[:, -1:]
         return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-    def _verify(self, probs: torch.Tensor, chosen: torch.Tensor, rows: list) -> None:
-        """Rejection sampling of draft-model proposals: rows [(j, token, q)], j into probs/chosen."""
-        j_idx = torch.tensor([j for j, _, _ in rows], device=probs.device)
-        tokens = torch.tensor([t for _, t, _ in rows], device=probs.device)
-        q = torch.stack([qr for _, _, qr in rows]).to(probs.device)
-        p = probs[j_idx]
-        p_t, q_t = p.gather(1, tokens[:, None]).squeeze(1), q.gather(1, tokens[:, None]).squeeze(1)
-        u = torch.rand(len(rows), generator=self.generator, device=probs.device)
-        accepted = u * q_t < p_t  # u < p / q (q_t > 0: the proposal was drawn from q)
-        residual = (p - q).clamp_(min=0)
-        # where p <= q nowhere (p == q up to rounding) the residual is empty; p itself is then right
-        empty = residual.sum(dim=-1) <= 0
-        residual[empty] = p[empty]
-        drawn = self._inverse_cdf(residual)
-        chosen[j_idx] = torch.where(accepted, tokens, drawn)
 
     @staticmethod
     def _filter(logits: torch.Tensor, params) -> torch.Tensor:
@@ -213,3 +190,10 @@ class Sampler:
         remove[:, 0] = False  # the best token always survives
         out = torch.full_like(logits, -float("inf")) if width < vocab else logits
         return out.scatter(1, order, sorted_logits.masked_fill(remove, -float("inf")))
+
+
+def allowed_from_bitmask(data: bytes, rows: int, vocab_size: int):
+    """A bool tensor [rows, vocab_size] from `rows` bitmasks of int32 words, back to back."""
+    arr = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+    bits = np.unpackbits(arr, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.astype(bool))

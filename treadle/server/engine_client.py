@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from ..config import EngineConfig
 from ..engine.core_process import LOAD_FAILED_EXIT
-from ..engine.memory import process_memory
+from ..utils import process_memory
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict

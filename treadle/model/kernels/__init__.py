@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from ...utils import cache_root
+
 log = logging.getLogger("treadle")
 
 _HERE = os.path.dirname(__file__)
@@ -32,8 +34,6 @@ _error: str | None = None
 
 
 def _cache_dir() -> str:
-    from ..compiled import cache_root
-
     return os.path.join(cache_root(), "kernels")
 
 

@@ -1,0 +1,44 @@
+"""The decode compiler's process (`compiled.CompiledDecode` starts it at nice 19, only while
+artefacts are missing): build the engine's model as its worker does, save one precompiled graph
+per decode class, in order, then exit."""
+
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+
+from ..config import EngineConfig
+from ..utils import end_with_parent
+from .compiled import artefact_path, compile_class, configure_torch, decode_classes
+from .registry import restore_registry
+from .worker import ModelWorker
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = spec.pop("out")
+    end_with_parent(signal.SIGTERM, spec.pop("parent"))  # exit with the engine's process, even a killed one
+    restore_registry(spec.pop("registry", {}))  # architectures registered in the engine's process
+    # Two compilers of the same artefacts (two servers started at once) take turns, before either
+    # loads the model.
+    lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if any(all(os.path.exists(artefact_path(out, c)) for c in decode_classes(q)) for q in (True, False)):
+        return  # the other compiler made them
+    configure_torch()
+    # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
+    # number of blocks as a dynamic size.
+    config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
+    runner = ModelWorker(config).runner
+    for cls in decode_classes(runner.model.has_quantized_linears()):
+        path = artefact_path(out, cls)
+        if os.path.exists(path):
+            continue
+        t = time.perf_counter()
+        fn = compile_class(runner.model, runner.kv_caches, config.block_size, cls, kernel=runner.attention_kernel)
+        fn.save_compiled_function(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        print(f"decode class {cls.name}: compiled in {time.perf_counter() - t:.1f} s -> {path}", flush=True)

@@ -1,0 +1,171 @@
+"""The model side of one engine, built from its `EngineConfig`: the compute dtype, the model files,
+the KV pool's size, batch invariance, the target's `ModelRunner` with its compiled decode steps, and
+a draft model's runner. The engine core (`engine/core.py`) and the decode compiler's process
+(`compiled.py`) both build one, so the compiler traces the model exactly as the engine runs it.
+"""
+
+import logging
+
+import torch
+
+from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from ..utils import process_memory
+from . import kernels
+from .compiled import CompiledDecode
+from .config import ModelConfig
+from .loader import load_model_files
+from .runner import ModelRunner
+
+log = logging.getLogger("treadle")
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def load_draft_files(path: str, *, target_vocab: int, keep_int4: bool):
+    """The draft's files, refused with a clear error unless it shares the target's vocabulary (the
+    worker loads them before building the target, so that a wrong draft fails fast)."""
+    try:
+        files = load_model_files(path, keep_int4=keep_int4)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
+    if files.config.vocab_size != target_vocab:
+        raise ValueError(
+            f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, the target's has {target_vocab}: a draft model must share the target's"
+        )
+    return files
+
+
+class ModelWorker:
+    def __init__(self, config: EngineConfig, fail_at_steps: frozenset[int] = frozenset()):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        # the 4-bit weights serve the bfloat16 decode path only
+        keep_int4 = config.quantized_weights and self.dtype == torch.bfloat16
+        files = load_model_files(config.model, keep_int4=keep_int4)
+        self.model_config, self.tokenizer = files.config, files.tokenizer
+        spec = config.speculative_config
+        draft_files = None
+        if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
+            draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size, keep_int4=keep_int4)
+        self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
+        self.batch_invariant = self._resolve_batch_invariant(self.model_config)
+        self.eos_token_ids = self.tokenizer.stop_token_ids
+        files.config.position_table = self.max_model_len
+        if draft_files is not None:
+            draft_files.config.position_table = self.max_model_len
+        self.runner = self._make_runner(files, config.seed, fail_at_steps=fail_at_steps)
+        del files
+        self._weight_bytes = self.runner.model.weight_bytes()
+        self.compiled: CompiledDecode | None = None
+        if config.compile and self.batch_invariant:
+            # inductor's fused kernels round differently from the eager ones
+            log.info("batch-invariant mode: decode steps run eagerly (compiled graphs are not used)")
+        elif config.compile:
+            self.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches, kernel=self.runner.attention_kernel)
+            self.runner.compiled = self.compiled
+            self.compiled.start()
+        # a draft has as many KV blocks as the target's: the target's block tables address both
+        self.draft_runner = None if draft_files is None else self._make_runner(draft_files, config.seed + 1)
+
+    def _make_runner(self, files, seed: int, **extra) -> ModelRunner:
+        """A runner for these model files with the engine's settings (the target's, or a draft's)."""
+        return ModelRunner(
+            files.config,
+            files.weights,
+            int4=files.int4,
+            dtype=self.dtype,
+            num_blocks=self.num_blocks,
+            block_size=self.config.block_size,
+            eos_token_ids=self.eos_token_ids,
+            seed=seed,
+            device=self.config.device,
+            batch_invariant=self.batch_invariant,
+            **extra,
+        )
+
+    @property
+    def provides_hidden_states(self) -> bool:
+        """Whether the model can serve embedding requests."""
+        return self.runner.model.provides_hidden_states
+
+    # ------------------------------------------------------------ sizing
+
+    def _resolve_batch_invariant(self, mc: ModelConfig) -> bool:
+        """Batch invariance rests on treadle's attention kernel: on where it serves this model (auto),
+        refused with the reason where it was asked for and cannot be had."""
+        reason = kernels.unusable_reason(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        if self.config.batch_invariant and reason is not None:
+            raise ValueError(f"batch_invariant needs treadle's attention kernel, which cannot serve this engine: {reason}")
+        return reason is None if self.config.batch_invariant is None else self.config.batch_invariant
+
+    def _size_kv_cache(self, mc: ModelConfig) -> tuple[int, int]:
+        cfg = self.config
+        bs = cfg.block_size
+        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype)
+        max_len = cfg.max_model_len or min(mc.max_position, DEFAULT_MAX_MODEL_LEN_CAP)
+        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position:
+            log.warning("max_model_len %d exceeds the model's context length %d", cfg.max_model_len, mc.max_position)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cfg.kv_cache_memory_bytes // per_block
+        else:
+            wanted = cfg.max_num_seqs * -(-max_len // bs)
+            num_blocks = min(wanted, max(1, DEFAULT_KV_CACHE_CAP_BYTES // per_block))
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache holds no block: one block needs {per_block} bytes")
+        if num_blocks * bs < max_len:
+            if cfg.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of {bs} tokens = {num_blocks * bs} tokens)"
+                )
+            max_len = num_blocks * bs
+        return num_blocks, max_len
+
+    # ------------------------------------------------------------ accounting
+
+    def memory(self) -> dict:
+        """What the model side holds, in bytes: weights (every stored form, and by type), the KV
+        pool, compiled decode graphs (resident growth while they loaded), and the background
+        compiler's resident set while it runs (another process)."""
+        kv = sum(t.numel() * t.element_size() for pair in self.runner.kv_caches for t in pair)
+        compiled = self.compiled
+        compiler = compiled.compiler if compiled is not None else None
+        return {
+            "weights_bytes": sum(self._weight_bytes.values()),
+            "weights_by_type": dict(self._weight_bytes),
+            "kv_cache_bytes": kv,
+            "compiled_graphs_bytes": compiled.loaded_bytes if compiled is not None else 0,
+            "compiler_process_rss_bytes": process_memory(compiler.pid).get("VmRSS", 0) if compiler is not None and compiler.poll() is None else 0,
+        }
+
+    def compile_status(self) -> dict:
+        """Which decode classes run compiled: state off / compiling / ready / failed."""
+        c = self.compiled
+        if c is None:
+            return {"state": "off", "classes": [], "ready": [], "error": None}
+        return {"state": c.state(), "classes": [k.name for k in c.classes], "ready": sorted(c.ready), "error": c.failed}
+
+    def close(self) -> None:
+        """Stop the decode compiler; the runner stays usable, eagerly."""
+        if self.compiled is not None:
+            self.compiled.stop()

@@ -1,0 +1,68 @@
+"""What one engine step computes, as plain data: the scheduler's `StepInput` in, the runner's
+`SampledToken`s out; and `TokenHistory`, the token view that the core's requests and the runner's
+per-request state share. engine/ and model/ both import this module; it imports neither.
+
+msgspec structs of plain values (ids, ints, strings): never a live `Request`, so the runner could
+live in another process.
+"""
+
+import msgspec
+
+
+class TokenHistory:
+    """Prompt and output tokens of a sequence: `all_token_ids` with the first `num_prompt_tokens`
+    the prompt (the core's `Request` and the runner's per-request state both keep one)."""
+
+    __slots__ = ()
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the runner has not seen: the sampling state it keeps for it, keyed by id."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: dict
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's share of a step: compute `token_ids` at positions start, start + 1, ...
+    into the blocks `block_ids`; `sample_ids` sample one token each from its last row (itself,
+    or every choice of an n > 1 request at its first token; empty when the step ends mid-prompt)."""
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    sample_ids: list[str] = []
+    # speculative decoding: the last `num_drafts` of token_ids are proposals; the request samples
+    # from each of its last num_drafts + 1 rows and keeps the proposals its samples confirm
+    num_drafts: int = 0
+
+
+class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData] = []
+    finished_req_ids: list[str] = []
+    block_copies: list[tuple[int, int]] = []  # (src, dst) block copies before the step
+    # constrained samples: sample id -> the allowed-token bitmask (int32 words, little-endian)
+    grammar_masks: dict[str, bytes] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
+    token_id: int  # -1 for an embedding request, which samples nothing
+    logprobs: list[tuple[int, float, int]] | None = None  # as CoreOutput.new_logprobs, one token
+    embedding: list[float] | None = None

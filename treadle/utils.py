@@ -1,0 +1,39 @@
+"""Process-level helpers shared by the front end, the engine core and the compiler process
+(torch-free): where treadle caches things, a process's resident memory, ending with a parent."""
+
+import ctypes
+import os
+import signal
+import sys
+
+
+def cache_root() -> str:
+    """~/.cache/treadle, or $XDG_CACHE_HOME/treadle: compiled graphs, kernels, inductor's cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "treadle")
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS (now) and VmHWM (peak) of a process in bytes; empty where /proc is not."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def end_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have the kernel send `sig` to this process when its parent dies, even a killed parent
+    (PR_SET_PDEATHSIG; Linux, elsewhere a no-op). With `parent` (its pid, known before this
+    process started): exit now if that parent is already gone."""
+    try:
+        ctypes.CDLL(None).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent is not None and os.getppid() != parent:  # it died before the line above
+        sys.exit(0)

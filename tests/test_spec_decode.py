@@ -417,17 +417,17 @@ def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, refer
     assert 0 < accepted < proposed
     assert homogeneity_p(reference, sampled) > 0.01
 
-    from treadle.model.sampler import Sampler
+    from treadle.model.verification import Verification
 
-    def from_p_on_rejection(self, probs, chosen, rows):
+    def from_p_on_rejection(self, sampler, probs, chosen, rows):
         j_idx = torch.tensor([j for j, _, _ in rows])
         tokens = torch.tensor([t for _, t, _ in rows])
         q = torch.stack([qr for _, _, qr in rows])
         p = probs[j_idx]
-        keep = torch.rand(len(rows), generator=self.generator) * q.gather(1, tokens[:, None]).squeeze(1) < p.gather(1, tokens[:, None]).squeeze(1)
-        chosen[j_idx] = torch.where(keep, tokens, self._inverse_cdf(p))
+        keep = torch.rand(len(rows), generator=sampler.generator) * q.gather(1, tokens[:, None]).squeeze(1) < p.gather(1, tokens[:, None]).squeeze(1)
+        chosen[j_idx] = torch.where(keep, tokens, sampler.inverse_cdf(p))
 
-    monkeypatch.setattr(Sampler, "_verify", from_p_on_rejection)
+    monkeypatch.setattr(Verification, "rejection_sample", from_p_on_rejection)
     assert homogeneity_p(reference, continuations(drafted)) < 0.01
 
 

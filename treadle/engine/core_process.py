@@ -10,7 +10,6 @@ It ends on Shutdown, on the front end's death (PR_SET_PDEATHSIG) or when killed;
 notices the last through the process sentinel and starts a fresh one.
 """
 
-import ctypes
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ import sys
 import zmq
 
 from ..config import EngineConfig
+from ..utils import end_with_parent
 from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown
 
 log = logging.getLogger("treadle")
@@ -28,18 +28,11 @@ LOAD_FAILED_EXIT = 3  # the exit code after LoadFailed: the front end waits for 
 MAX_CONSECUTIVE_FAILED_STEPS = 8  # a failure that repeats every step (a broken device): die and be restarted
 
 
-def _end_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): a killed front end ends us too
-    except (OSError, AttributeError):
-        pass
-
-
 def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str, in_actor: bool = False) -> None:
     """Entry point of the child process (multiprocessing, spawn), or of a Ray actor's call
     (in_actor: Ray owns the process, its signals and its logging)."""
     if not in_actor:
-        _end_with_parent()
+        end_with_parent(signal.SIGKILL)  # a killed front end ends us too
         # Ctrl-C, or a service manager's SIGTERM, reaches the whole process group: the front end
         # drains, then sends Shutdown (and if it dies, PR_SET_PDEATHSIG ends us).
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,7 +1,7 @@
 """KV cache events: which full blocks the prefix cache holds, told to whoever listens.
 
 A router that knows where each prompt's prefix is cached can send a conversation's next turn to
-the engine that holds it (issue 16). The block pool records an event whenever a block gets a hash
+the engine that holds it (the router's cache-aware policy). The block pool records an event whenever a block gets a hash
 (`BlockStored`: findable from now on), loses it (`BlockRemoved`: evicted for reuse, or its step
 failed) and when a fresh engine starts with an empty cache (`AllBlocksCleared`). After each step
 the engine core publishes that step's events as one `KVEventBatch`.

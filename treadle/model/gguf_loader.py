@@ -1,8 +1,9 @@
 """Read a GGUF file: hyperparameters, weights (dequantized to float) under HF names, tokenizer.
 
-The `gguf` package parses the container and dequantizes blocks; this module maps llama.cpp's
-names and layouts onto the Hugging Face ones the model code uses, and turns every failure into a
-`ModelLoadError` that names the file, the item and the reason.
+treadle's own reader (`gguf_file.py`, one memory map parsed with `struct`) parses the container;
+the `gguf` package's `gguf.quants` dequantizes blocks (and its enums name the tensor types). This
+module maps llama.cpp's names and layouts onto the Hugging Face ones the model code uses, and turns
+every failure into a `ModelLoadError` that names the file, the item and the reason.
 """
 
 import os

@@ -5,7 +5,7 @@ import pytest
 from treadle.engine.block_pool import BlockPool, hash_block_tokens
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.request import Request
-from treadle.engine.sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams
 
 
 def make_request(rid, tokens, salt=None):

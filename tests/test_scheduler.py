@@ -2,7 +2,7 @@
 
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.request import Request, RequestStatus
-from treadle.engine.sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler
 
 

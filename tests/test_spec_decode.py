@@ -229,7 +229,8 @@ def test_a_walk_past_the_end_of_sequence_leaves_the_requests_matcher_as_it_was(e
     walk must not touch the request's matcher (rolling back len(proposals) undid a real token)."""
     import numpy as np
 
-    from treadle.engine.structured import MatcherWalk, StructuredOutputsParams
+    from treadle.engine.structured import MatcherWalk
+    from treadle.sampling_params import StructuredOutputsParams
 
     core = engines[1].engine.core
     grammars, tok = core.structured.compiler, engines[1].tokenizer

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 HELP = """commands:
   /reset            forget the conversation

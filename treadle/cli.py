@@ -9,7 +9,7 @@ from .config import ENGINE_HELP, add_engine_args, engine_config_from_args
 
 def cmd_run(args) -> int:
     from .engine.llm_engine import LLMEngine
-    from .engine.sampling_params import SamplingParams
+    from .sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt

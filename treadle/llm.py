@@ -5,7 +5,7 @@ from dataclasses import replace
 from .config import ENGINE_FIELDS, EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
-from .engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class LLM:

@@ -14,7 +14,7 @@ def add_throughput_args(p) -> None:
 
 def cmd_bench_throughput(args) -> int:
     from ..config import engine_config_from_args
-    from ..engine.sampling_params import SamplingParams
+    from ..sampling_params import SamplingParams
     from ..llm import LLM
 
     config = engine_config_from_args(args)

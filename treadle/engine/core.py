@@ -33,7 +33,7 @@ from .draft_model import DraftModel
 from .kv_cache_manager import KVCacheManager
 from .protocol import CoreOutput, EngineCoreRequest, child_request_id
 from .request import Request, validate_prompt
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec_decode import SpeculationPolicy, fill_proposals
 from .step_cost import StepCostModel

@@ -13,7 +13,7 @@ from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .protocol import EngineCoreRequest, params_to_dict
 from .request import validate_prompt
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class LLMEngine:

@@ -12,7 +12,7 @@ import functools
 from .detokenizer import IncrementalDetokenizer, find_stop_string, partial_stop_suffix
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .protocol import CoreOutput, child_request_id
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class ChoiceState:

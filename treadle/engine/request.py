@@ -3,7 +3,7 @@
 import enum
 
 from ..step import TokenHistory
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from ..sampling_params import StructuredOutputsParams
+
 import numpy as np
 
 # JSON whitespace: none, one space, or a newline with up to 20 spaces or tabs of indentation
@@ -39,64 +41,6 @@ MAX_REMEMBERED_SLOW = 1024
 # step_max_items (50,000) whatever this is.
 MAX_ITEMS_IN_ROW = 20_000
 PROBE_TOKENS = 3  # tokens a new grammar is walked through at compile time, to refuse one that cannot start
-
-
-@dataclass
-class StructuredOutputsParams:
-    """vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar, json_object).
-
-    `after_token`: the constraint starts after this token appears in the output (a reasoning
-    model's end-of-thinking token; the server sets it); None: from the first output token."""
-
-    json: dict | bool | str | None = None  # a JSON schema (a dict, or its text)
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # EBNF / GBNF (llama.cpp) or Lark
-    json_object: bool = False
-    after_token: int | None = None
-
-    def __post_init__(self):
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        if self.json_object:
-            given.append("json_object")
-        if len(given) != 1:
-            named = ", ".join(given) if given else "none"
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object (got {named})")
-        if self.choice is not None:
-            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
-        if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-        if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError(f"a JSON schema must be an object, got {type(self.json).__name__}")
-
-    @property
-    def kind(self) -> str:
-        for k in ("json", "regex", "choice", "grammar"):
-            if getattr(self, k) is not None:
-                return k
-        return "json_object"
-
-    def key(self) -> str:
-        """The canonical text of the constraint (the compiled-grammar cache key). JSON key order is
-        kept: it is the order the properties are generated in."""
-        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(self.kind, True)
-        return self.kind + ":" + json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-    def text_size(self) -> int:
-        """Bytes of the constraint as the client sent it (near enough: its canonical text)."""
-        return len(self.key().encode())
-
-
-def as_structured(value) -> StructuredOutputsParams | None:
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    if isinstance(value, dict):
-        return StructuredOutputsParams(**value)
-    raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from ..engine.protocol import params_from_dict
+from ..sampling_params import SamplingParams
 from ..step import SampledToken, StepInput, TokenHistory
 
 from . import kernels
@@ -124,7 +124,7 @@ class ModelRunner:
     def update_states(self, step: StepInput) -> None:
         """Learn the step's new requests and forget the finished ones (before anything can fail)."""
         for new in step.new_requests:
-            self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, params_from_dict(new.params))
+            self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, SamplingParams(**new.params))
         for req_id in step.finished_req_ids:
             self.requests.pop(req_id, None)
 

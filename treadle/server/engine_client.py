@@ -26,7 +26,7 @@ from ..utils import process_memory
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
-from ..engine.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from .launchers import LocalLauncher
 
 log = logging.getLogger("treadle.server")

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..engine.sampling_params import SamplingParams
-from ..engine.structured import StructuredOutputsParams
+from ..sampling_params import SamplingParams
+from ..sampling_params import StructuredOutputsParams
 
 Number = StrictInt | StrictFloat
 

@@ -18,7 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine.structured import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 from .protocol import RequestError
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

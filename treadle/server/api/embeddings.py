@@ -18,7 +18,7 @@ from pydantic import StrictInt, StrictStr
 from ..collector import ClientGone, EngineStream, GenerationFailed
 from ..prepare import ServerState, check_model, check_token_ids, require_ready
 from ..protocol import RequestError, StrictModel, new_id
-from ...engine.sampling_params import SamplingParams
+from ...sampling_params import SamplingParams
 from ...engine.request import validate_prompt
 
 

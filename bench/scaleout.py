@@ -1,4 +1,4 @@
-"""Replicas on one machine (issue 16, point 6): cache-aware routing against round robin, and
+"""Replicas on one machine: cache-aware routing against round robin, and
 N=2 x 1 thread against N=1 x 2 threads, each configuration a fresh `treadle serve` on the
 defaults (bfloat16, batch-invariant, prefix caching), measured by `treadle bench serve`.
 

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from treadle import SamplingParams
+from treadle import step as S
 from treadle.engine import protocol as P
 
 from .conftest import MODEL
@@ -56,13 +57,13 @@ def test_every_boundary_message_round_trips():
         assert decoder.decode(codec.encode(msg)) == msg
     request = sample_messages()[0]
     assert codec.to_core.decode(codec.encode(request)).sampling_params == request.sampling_params
-    step = P.StepInput(
-        [P.ScheduledRequest("a", [1, 2], 16, [3, 4], ["a", "a#1"]), P.ScheduledRequest("b", [9], 5, [0])],
-        [P.NewRequestData("a", [1], request.params)],
+    step = S.StepInput(
+        [S.ScheduledRequest("a", [1, 2], 16, [3, 4], ["a", "a#1"]), S.ScheduledRequest("b", [9], 5, [0])],
+        [S.NewRequestData("a", [1], request.params)],
         ["gone"],
         [(3, 8)],
     )
-    for msg, typ in ((step, P.StepInput), (P.SampledToken(4, [(4, -0.1, 1)]), P.SampledToken)):
+    for msg, typ in ((step, S.StepInput), (S.SampledToken(4, [(4, -0.1, 1)]), S.SampledToken)):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=typ) == msg
 
 
@@ -82,7 +83,7 @@ def test_the_runner_needs_nothing_but_the_plain_step(make_llm, dtype):
     seen = []
 
     def through_the_wire(step):
-        copy = msgspec.msgpack.decode(msgspec.msgpack.encode(step), type=P.StepInput)
+        copy = msgspec.msgpack.decode(msgspec.msgpack.encode(step), type=S.StepInput)
         seen.append(copy)
         return execute(copy)
 

@@ -169,7 +169,7 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
         for n, text in enumerate(got):
             assert text == want[n // 2], f"prompt {n // 2} {'streamed' if n % 2 else 'not streamed'}, served concurrently"
         assert complete(0, True) == want[0]  # again, its prefix cached
-        # the dialects (issue 13) in the defaults, sent together: one greedy answer in all of them
+        # the four dialects in the defaults, sent together: one greedy answer in all of them
         question = [{"role": "user", "content": "Name three colours of the rainbow."}]
         calls = {
             "chat": ("/v1/chat/completions", {"messages": question, "max_tokens": 24, "temperature": 0}, lambda r: r["choices"][0]["message"]["content"]),

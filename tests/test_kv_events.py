@@ -112,10 +112,10 @@ def test_replay_from_a_sequence_number_and_a_malformed_request_is_ignored(engine
 
 
 def test_an_index_built_from_the_events_predicts_the_engines_cached_tokens(engine):
-    """The router's view (treadle/router/kv_index.py), fed by a subscriber, predicts what the
+    """The router's view (treadle/routing/kv_index.py), fed by a subscriber, predicts what the
     engine reports as cached for a prompt that shares a prefix with earlier ones, to the block;
     once those blocks are evicted, it predicts nothing for them."""
-    from treadle.router.kv_index import KVEventSubscriber, KVIndex, cached_tokens, prompt_block_hashes
+    from treadle.routing.kv_index import KVEventSubscriber, KVIndex, cached_tokens, prompt_block_hashes
 
     llm, endpoint, replay_endpoint = engine
     index = KVIndex()

@@ -6,6 +6,9 @@ import sys
 from dataclasses import fields
 
 from .config import ENGINE_HELP, add_engine_args, engine_config_from_args
+from .routing.policy import POLICIES
+from .server.reasoning import PARSERS as REASONING_PARSERS
+from .server.tools import PARSERS as TOOL_PARSERS
 
 def cmd_run(args) -> int:
     from .engine.llm_engine import LLMEngine
@@ -118,7 +121,7 @@ def add_routing_args(parser, what: str) -> None:
     """The routing policy's flags, the same for replicas inside a server and workers behind a router."""
     parser.add_argument(
         "--routing-policy",
-        choices=["cache_aware", "round_robin", "least_loaded"],
+        choices=POLICIES,
         default="cache_aware",
         help=f"the {what} holding the prompt's longest cached prefix unless the load is out of balance (cache_aware), in turn, or the least busy (default: cache_aware)",
     )
@@ -172,8 +175,8 @@ def add_router_parser(sub) -> None:
     add_routing_args(r, "worker")
     r.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between health checks of each worker (default: 2)")
     r.add_argument("--chat-template", default=None, help="the workers' --chat-template, if they have one (default: the model's)")
-    r.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"], help="the workers' --tool-call-parser (default: auto)")
-    r.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"], help="the workers' --reasoning-parser (default: off)")
+    r.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS, help="the workers' --tool-call-parser (default: auto)")
+    r.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help="the workers' --reasoning-parser (default: off)")
     defaults = {f.name: f.default for f in fields(ServerSettings)}
     r.add_argument("--max-request-bytes", type=int, default=defaults["max_request_bytes"], help=f"{LIMIT_HELP['max_request_bytes']} (default: {defaults['max_request_bytes']})")
     r.add_argument("--request-body-timeout", type=float, default=defaults["request_body_timeout"], help=f"{LIMIT_HELP['request_body_timeout']} (default: {defaults['request_body_timeout']})")
@@ -226,13 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--tool-call-parser",
         default="auto",
-        choices=["auto", "hermes", "llama3_json", "mistral"],
+        choices=TOOL_PARSERS,
         help="how tool calls are read from replies under tool_choice auto; auto: from the chat template (default: auto)",
     )
     srv.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=["qwen3", "deepseek_r1"],
+        choices=REASONING_PARSERS,
         help="split <think>...</think> reasoning from the answer into message.reasoning (default: off)",
     )
     srv.add_argument(

@@ -1,1 +1,1 @@
-"""The router's side of scale-out (issue 16): where prompts are cached."""
+"""The standalone router (`treadle router`): one HTTP front in front of several `treadle serve` workers, routing by the policy in `treadle/routing/`."""

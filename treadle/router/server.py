@@ -3,7 +3,7 @@
     clients --HTTP--> router --HTTP--> worker (treadle serve --kv-events-port P), on any machine
                         ^------ZMQ SUB-- each worker's KV cache events (vLLM's wire format)
 
-Each request goes to the worker the routing policy (policy.py) picks: by default the one holding
+Each request goes to the worker the routing policy (routing/policy.py) picks: by default the one holding
 the longest cached prefix of the request's prompt. The router finds the prompt's token ids as the
 workers do (prompts.py: the model's tokenizer and chat template, no weights), hashes its full
 blocks as the engines do, and asks its index of every worker's KV events (kv_index.py) which
@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .. import __version__
 from ..server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
 from ..server.errors import error_response
-from .kv_index import KVEventSubscriber
-from .policy import RoutingPolicy
+from ..routing.kv_index import KVEventSubscriber
+from ..routing.policy import RoutingPolicy
 from .prompts import PromptReader
 
 log = logging.getLogger("treadle.router")

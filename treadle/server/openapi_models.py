@@ -130,7 +130,7 @@ class PromptTokensDetails(BaseModel):
 
 
 class Usage(BaseModel):
-    """Token counts of a chat or text completion (collector.EngineStream.usage)."""
+    """Token counts of a chat or text completion (generation.Generation.usage)."""
 
     prompt_tokens: int
     completion_tokens: int

@@ -2,7 +2,7 @@
 chat rendering (tools, reasoning, continue_final_message), the token budget, SamplingParams and the
 output constraint. The dialects (server/api/) translate their own request bodies into the OpenAI
 chat or completion request and call `prepare_chat` / `prepare_completion`; the result starts an
-`EngineStream`."""
+`Generation`."""
 
 import asyncio
 from dataclasses import dataclass, field
@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..engine.request import validate_prompt
 from .chat_output import ChatOutput
-from .collector import EngineStream
+from .generation import Generation
 from .engine_client import EngineClient
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
@@ -65,14 +65,14 @@ class Prepared:
 
     constraint_param: str | None = None  # the parameter that carried the output constraint, if any
 
-    async def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> EngineStream:
+    async def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> Generation:
         """The request in the engine, its grammars (if any) compiled there: a 400 if they cannot be."""
-        gen = EngineStream(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival)
+        generation = Generation(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival)
         if self.constraint_param is not None:
-            gen.constraint_param = self.constraint_param
-        gen.submit()
-        await gen.grammars_ready()
-        return gen
+            generation.constraint_param = self.constraint_param
+        generation.submit()
+        await generation.grammars_ready()
+        return generation
 
 
 async def prepare_renamed(prepare, state: ServerState, body, names: dict[str, str]) -> Prepared:

@@ -3,7 +3,7 @@
 N engine core processes, each an `EngineClient` of its own (started, watched and restarted as one
 engine is), each with its share of the machine's cores (its compute threads pinned to them where
 the machine has enough). `ReplicaSet` offers the front end the one-engine interface and routes each
-new request to a replica by `--routing-policy` (router/policy.py: round_robin, least_loaded, or
+new request to a replica by `--routing-policy` (routing/policy.py: round_robin, least_loaded, or
 cache_aware, the default: the replica holding the prompt's longest cached prefix, known exactly from
 the replicas' KV events on ipc:// endpoints, unless the load is out of balance).
 
@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import replace
 
 from ..config import EngineConfig
-from ..router.kv_index import KVEventSubscriber
-from ..router.policy import RoutingPolicy
+from ..routing.kv_index import KVEventSubscriber
+from ..routing.policy import RoutingPolicy
 from .engine_client import EngineClient, EngineDead
 from .launchers import LocalLauncher
 

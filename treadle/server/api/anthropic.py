@@ -16,12 +16,12 @@ from typing import Any
 from fastapi import Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from ..collector import EngineStream, GenerationFailed
+from ..generation import Generation, GenerationFailed
 from ..errors import anthropic_body, anthropic_status
 from ..prepare import Prepared, ServerState, chat_prompt, check_model, prepare_chat, prepare_renamed, require_ready
 from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from ..tools import tool_setup
-from .blocks import Block, BlockStream, reply_blocks
+from .reply_parts import ReplyPart, PartStream, reply_parts
 from .sse import sse, stream_response
 
 RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
@@ -62,17 +62,17 @@ def register(app, state: ServerState) -> None:
         arrival = time.monotonic()
         chat = chat_request(body, state.settings.reasoning_parser is not None)
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        gen = await prepared.start(state, new_id("msg", "_"), None, arrival)
+        generation = await prepared.start(state, new_id("msg", "_"), None, arrival)
         if body.stream:
-            return stream_response(gen, stream(gen, prepared))
+            return stream_response(generation, stream(generation, prepared))
 
         def whole(choices):
             (choice,) = choices
-            blocks = reply_blocks(prepared.chat_output(), choice.text)
+            blocks = reply_parts(prepared.chat_output(), choice.text)
             stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, blocks)
-            return _message(gen, [_content(b, True) for b in blocks], stop_reason, stop_sequence, gen.completion_tokens)
+            return _message(generation, [_content(b, True) for b in blocks], stop_reason, stop_sequence, generation.completion_tokens)
 
-        return await gen.reply(request, whole)
+        return await generation.reply(request, whole)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
@@ -248,7 +248,7 @@ def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionReques
 # ---------------------------------------------------------------- response out
 
 
-def _stop(finish_reason: str, stop_reason, blocks: list[Block]) -> tuple[str, str | None]:
+def _stop(finish_reason: str, stop_reason, blocks: list[ReplyPart]) -> tuple[str, str | None]:
     if any(b.kind == "tool_call" for b in blocks) and finish_reason == "stop":
         return "tool_use", None
     if finish_reason == "length":
@@ -258,7 +258,7 @@ def _stop(finish_reason: str, stop_reason, blocks: list[Block]) -> tuple[str, st
     return "end_turn", None
 
 
-def _content(block: Block, done: bool) -> dict:
+def _content(block: ReplyPart, done: bool) -> dict:
     if block.kind == "text":
         return {"type": "text", "text": block.text if done else ""}
     if block.kind == "reasoning":
@@ -266,38 +266,38 @@ def _content(block: Block, done: bool) -> dict:
     return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": json.loads(block.text) if done and block.text else {}}
 
 
-def _usage(gen: EngineStream, output_tokens: int) -> dict:
+def _usage(generation: Generation, output_tokens: int) -> dict:
     return {
-        "input_tokens": gen.prompt_tokens - gen.cached,
+        "input_tokens": generation.prompt_tokens - generation.cached,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": gen.cached,
+        "cache_read_input_tokens": generation.cached,
         "output_tokens": output_tokens,
     }
 
 
-def _message(gen: EngineStream, content: list[dict], stop_reason, stop_sequence, output_tokens: int) -> dict:
+def _message(generation: Generation, content: list[dict], stop_reason, stop_sequence, output_tokens: int) -> dict:
     return {
-        "id": gen.id,
+        "id": generation.id,
         "type": "message",
         "role": "assistant",
-        "model": gen.state.settings.served_model_name,
+        "model": generation.state.settings.served_model_name,
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": _usage(gen, output_tokens),
+        "usage": _usage(generation, output_tokens),
     }
 
 
 _DELTA = {"text": ("text_delta", "text"), "reasoning": ("thinking_delta", "thinking"), "tool_call": ("input_json_delta", "partial_json")}
 
 
-async def stream(gen: EngineStream, prepared: Prepared):
-    blocks = BlockStream()
+async def stream(generation: Generation, prepared: Prepared):
+    blocks = PartStream()
 
     def translate(events) -> list[str]:
         lines = []
         for ev in events:
-            b = ev.block
+            b = ev.part
             if ev.what == "start":
                 lines.append(sse({"type": "content_block_start", "index": b.index, "content_block": _content(b, False)}, "content_block_start"))
                 if b.index == 0:
@@ -312,17 +312,17 @@ async def stream(gen: EngineStream, prepared: Prepared):
     try:
         started = False
         try:
-            async for events in blocks.follow(gen, prepared.chat_output()):
+            async for events in blocks.follow(generation, prepared.chat_output()):
                 if not started:  # with the first engine output: the cache hit is known then
                     started = True
-                    yield sse({"type": "message_start", "message": _message(gen, [], None, None, 0)}, "message_start")
+                    yield sse({"type": "message_start", "message": _message(generation, [], None, None, 0)}, "message_start")
                 for line in translate(events):
                     yield line
         except GenerationFailed as e:
             yield sse(anthropic_body(anthropic_status(e.status), e.message), "error")
             return
-        reason, sequence = _stop(gen.reasons.get(0, "abort"), gen.stop_reasons.get(0), blocks.blocks)
-        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(gen, gen.completion_tokens)}, "message_delta")
+        reason, sequence = _stop(generation.reasons.get(0, "abort"), generation.stop_reasons.get(0), blocks.parts)
+        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(generation, generation.completion_tokens)}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
     finally:
-        gen.close()
+        generation.close()

@@ -4,7 +4,7 @@ import time
 
 from fastapi import Request
 
-from ..collector import Choice, EngineStream, GenerationFailed
+from ..generation import Choice, Generation, GenerationFailed
 from ..errors import openai_type
 from ..prepare import Prepared, ServerState, prepare_chat
 from ..protocol import ChatCompletionRequest, error_body, new_id
@@ -16,10 +16,10 @@ def register(app, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
         prepared = await prepare_chat(state, body)
-        gen = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
+        generation = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
         if body.stream:
-            return stream_response(gen, stream(gen, body, prepared))
-        return await gen.reply(request, lambda results: reply(gen, body, prepared, results))
+            return stream_response(generation, stream(generation, body, prepared))
+        return await generation.reply(request, lambda results: reply(generation, body, prepared, results))
 
 
 def error_event(e: GenerationFailed) -> str:
@@ -27,7 +27,7 @@ def error_event(e: GenerationFailed) -> str:
     return sse(error_body(e.message, openai_type(e.status), None, e.code)) + DONE
 
 
-def reply(gen: EngineStream, body: ChatCompletionRequest, prepared: Prepared, results: list[Choice]) -> dict:
+def reply(generation: Generation, body: ChatCompletionRequest, prepared: Prepared, results: list[Choice]) -> dict:
     choices = []
     for c in results:
         out = prepared.chat_output()
@@ -39,32 +39,32 @@ def reply(gen: EngineStream, body: ChatCompletionRequest, prepared: Prepared, re
                 "finish_reason": out.finish_reason(c.finish_reason),
             }
         )
-    return {"id": gen.id, "object": "chat.completion", "created": gen.created, "model": gen.state.settings.served_model_name, "choices": choices, "usage": gen.usage()}
+    return {"id": generation.id, "object": "chat.completion", "created": generation.created, "model": generation.state.settings.served_model_name, "choices": choices, "usage": generation.usage()}
 
 
-async def stream(gen: EngineStream, body: ChatCompletionRequest, prepared: Prepared):
+async def stream(generation: Generation, body: ChatCompletionRequest, prepared: Prepared):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    outputs = [prepared.chat_output() for _ in range(gen.num_choices)]
-    model = gen.state.settings.served_model_name
+    outputs = [prepared.chat_output() for _ in range(generation.num_choices)]
+    model = generation.state.settings.served_model_name
 
     def chunk(choices, usage=None) -> str:
-        payload = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model, "choices": choices}
+        payload = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created, "model": model, "choices": choices}
         if include_usage:
             payload["usage"] = usage
         return sse(payload)
 
     try:
         role_sent = False
-        while not gen.done:
+        while not generation.done:
             try:
-                deltas = await gen.next_deltas()
+                deltas = await generation.next_deltas()
             except GenerationFailed as e:
                 yield error_event(e)
                 return
             if not role_sent:
                 # with the first engine output, as vLLM does, so a client's TTFT means a token is coming
                 role_sent = True
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(gen.num_choices)])
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(generation.num_choices)])
             rounds: list[list[dict]] = [[]]  # chunk k carries each choice's k-th delta
             for d in deltas:
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs):
@@ -88,10 +88,10 @@ async def stream(gen: EngineStream, body: ChatCompletionRequest, prepared: Prepa
                 if choices:
                     yield chunk(choices)
         if include_usage:
-            yield chunk([], gen.usage())
+            yield chunk([], generation.usage())
         yield DONE
     finally:
-        gen.close()
+        generation.close()
 
 
 def top_logprobs(entry: dict, k: int) -> list:

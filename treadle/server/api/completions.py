@@ -4,7 +4,7 @@ import time
 
 from fastapi import Request
 
-from ..collector import Choice, EngineStream, GenerationFailed
+from ..generation import Choice, Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, prepare_completion
 from ..protocol import CompletionRequest, new_id
 from .chat_completions import error_event, top_logprobs
@@ -16,48 +16,48 @@ def register(app, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.monotonic()
         prepared = await prepare_completion(state, body)
-        gen = await prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
+        generation = await prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
         if body.stream:
-            return stream_response(gen, stream(gen, body, prepared))
-        return await gen.reply(request, lambda results: reply(gen, body, prepared, results))
+            return stream_response(generation, stream(generation, body, prepared))
+        return await generation.reply(request, lambda results: reply(generation, body, prepared, results))
 
 
-def _prompt_text(gen: EngineStream, prepared: Prepared, index: int) -> str:
-    text, ids = prepared.prompts[index // gen.n]
-    return text if text is not None else gen.engine.tokenizer.decode(ids)
+def _prompt_text(generation: Generation, prepared: Prepared, index: int) -> str:
+    text, ids = prepared.prompts[index // generation.n]
+    return text if text is not None else generation.engine.tokenizer.decode(ids)
 
 
-def reply(gen: EngineStream, body: CompletionRequest, prepared: Prepared, results: list[Choice]) -> dict:
+def reply(generation: Generation, body: CompletionRequest, prepared: Prepared, results: list[Choice]) -> dict:
     choices = [
         {
             "index": c.index,
-            "text": (_prompt_text(gen, prepared, c.index) if body.echo else "") + c.text,
+            "text": (_prompt_text(generation, prepared, c.index) if body.echo else "") + c.text,
             "logprobs": completion_logprobs(c.logprobs, body.logprobs, 0) if body.logprobs is not None else None,
             "finish_reason": c.finish_reason,
         }
         for c in results
     ]
-    return {"id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.state.settings.served_model_name, "choices": choices, "usage": gen.usage()}
+    return {"id": generation.id, "object": "text_completion", "created": generation.created, "model": generation.state.settings.served_model_name, "choices": choices, "usage": generation.usage()}
 
 
-async def stream(gen: EngineStream, body: CompletionRequest, prepared: Prepared):
+async def stream(generation: Generation, body: CompletionRequest, prepared: Prepared):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    model = gen.state.settings.served_model_name
-    text_offsets = [0] * gen.num_choices
+    model = generation.state.settings.served_model_name
+    text_offsets = [0] * generation.num_choices
 
     def chunk(choices, usage=None) -> str:
-        payload = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": model, "choices": choices}
+        payload = {"id": generation.id, "object": "text_completion", "created": generation.created, "model": model, "choices": choices}
         if include_usage:
             payload["usage"] = usage
         return sse(payload)
 
     try:
         if body.echo:
-            for i in range(gen.num_choices):
-                yield chunk([{"index": i, "text": _prompt_text(gen, prepared, i), "logprobs": None, "finish_reason": None}])
-        while not gen.done:
+            for i in range(generation.num_choices):
+                yield chunk([{"index": i, "text": _prompt_text(generation, prepared, i), "logprobs": None, "finish_reason": None}])
+        while not generation.done:
             try:
-                deltas = await gen.next_deltas()
+                deltas = await generation.next_deltas()
             except GenerationFailed as e:
                 yield error_event(e)
                 return
@@ -71,10 +71,10 @@ async def stream(gen: EngineStream, body: CompletionRequest, prepared: Prepared)
             if choices:
                 yield chunk(choices)
         if include_usage:
-            yield chunk([], gen.usage())
+            yield chunk([], generation.usage())
         yield DONE
     finally:
-        gen.close()
+        generation.close()
 
 
 def completion_logprobs(pairs, k: int | None, offset: int) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import Request
 from pydantic import StrictInt, StrictStr
 
-from ..collector import ClientGone, EngineStream, GenerationFailed
+from ..generation import ClientGone, Generation, GenerationFailed
 from ..prepare import ServerState, check_model, check_token_ids, require_ready
 from ..protocol import RequestError, StrictModel, new_id
 from ...sampling_params import SamplingParams
@@ -100,15 +100,15 @@ async def embed_texts(state: ServerState, inputs: list, dimensions: int | None, 
             validate_prompt(ids, params, engine.vocab_size, engine.max_model_len)
         except ValueError as e:
             raise RequestError(str(e), param) from None
-    gen = EngineStream(state, new_id("embd"), prompts, [params] * len(prompts), None, time.monotonic()).submit()
+    generation = Generation(state, new_id("embd"), prompts, [params] * len(prompts), None, time.monotonic()).submit()
     try:
-        choices = await gen.collect(request)
+        choices = await generation.collect(request)
     except ClientGone:
         raise RequestError("the client went away", status=499) from None
     except GenerationFailed as e:
         raise e.as_request_error() from None
     finally:
-        gen.close()
+        generation.close()
     vectors = []
     for c in choices:
         if c.embedding is None:  # aborted: the server is shutting down

@@ -19,12 +19,12 @@ from fastapi import Request
 from pydantic import StrictBool, StrictStr
 
 from ... import __version__
-from ..collector import EngineStream, GenerationFailed
+from ..generation import Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, chat_template, prepare_chat, prepare_completion, prepare_renamed, require_ready
 from ..protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
 from ..tools import template_supports_tools
 from ..chat_output import is_json
-from .blocks import BlockStream, reply_blocks
+from .reply_parts import PartStream, reply_parts
 from .sse import stream_response
 from .embeddings import embed_texts
 
@@ -97,8 +97,8 @@ def register(app, state: ServerState) -> None:
         if not body.messages:  # Ollama: an empty conversation loads the model
             return _loaded(name, {"message": {"role": "assistant", "content": ""}})
         prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
-        gen = await prepared.start(state, new_id("ollama"), None, arrival)
-        return await _respond(gen, prepared, body.stream, request, chat=True, name=name)
+        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        return await _respond(generation, prepared, body.stream, request, chat=True, name=name)
 
     @app.post("/api/generate")
     async def generate(body: OllamaGenerateRequest, request: Request):
@@ -116,8 +116,8 @@ def register(app, state: ServerState) -> None:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
             chat = _chat_request(OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name)
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        gen = await prepared.start(state, new_id("ollama"), None, arrival)
-        return await _respond(gen, prepared, body.stream, request, chat=False, name=name)
+        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
 
     @app.get("/api/tags")
     async def tags():
@@ -270,15 +270,15 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
     return _build(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
 
 
-def _timings(gen: EngineStream) -> dict:
-    end = gen.finished_at or time.monotonic()
-    first = gen.first_token_at or end
+def _timings(generation: Generation) -> dict:
+    end = generation.finished_at or time.monotonic()
+    first = generation.first_token_at or end
     return {
-        "total_duration": _ns(end - gen.arrival),
+        "total_duration": _ns(end - generation.arrival),
         "load_duration": 0,
-        "prompt_eval_count": gen.prompt_tokens - gen.cached,
-        "prompt_eval_duration": _ns(first - gen.arrival),
-        "eval_count": gen.completion_tokens,
+        "prompt_eval_count": generation.prompt_tokens - generation.cached,
+        "prompt_eval_duration": _ns(first - generation.arrival),
+        "eval_count": generation.completion_tokens,
         "eval_duration": _ns(end - first),
     }
 
@@ -287,48 +287,48 @@ def _done_reason(finish_reason: str) -> str:
     return "length" if finish_reason == "length" else "stop"
 
 
-def _tool_calls(blocks) -> list[dict]:
-    return [{"function": {"name": b.name, "arguments": json.loads(b.text)}} for b in blocks if b.kind == "tool_call"]
+def _tool_calls(parts) -> list[dict]:
+    return [{"function": {"name": b.name, "arguments": json.loads(b.text)}} for b in parts if b.kind == "tool_call"]
 
 
-def _message(blocks) -> dict:
-    msg = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
-    thinking = "".join(b.text for b in blocks if b.kind == "reasoning")
+def _message(parts) -> dict:
+    msg = {"role": "assistant", "content": "".join(b.text for b in parts if b.kind == "text")}
+    thinking = "".join(b.text for b in parts if b.kind == "reasoning")
     if thinking:
         msg["thinking"] = thinking
-    calls = _tool_calls(blocks)
+    calls = _tool_calls(parts)
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def _generated(blocks) -> dict:
+def _generated(parts) -> dict:
     """/api/generate's fields: the text, and the reasoning split off (with --reasoning-parser)."""
-    fields = {"response": "".join(b.text for b in blocks if b.kind == "text")}
-    thinking = "".join(b.text for b in blocks if b.kind == "reasoning")
+    fields = {"response": "".join(b.text for b in parts if b.kind == "text")}
+    thinking = "".join(b.text for b in parts if b.kind == "reasoning")
     if thinking:
         fields["thinking"] = thinking
     return fields
 
 
-async def _respond(gen: EngineStream, prepared: Prepared, streaming: bool, request: Request, chat: bool, name: str):
+async def _respond(generation: Generation, prepared: Prepared, streaming: bool, request: Request, chat: bool, name: str):
     if streaming:
-        return stream_response(gen, _stream(gen, prepared, chat, name), "application/x-ndjson")
+        return stream_response(generation, _stream(generation, prepared, chat, name), "application/x-ndjson")
 
     def whole(choices):
         (choice,) = choices
         if prepared.chat_output is None:  # raw generate: the text as it came
             fields = {"response": choice.text}
         else:
-            blocks = reply_blocks(prepared.chat_output(), choice.text)
-            fields = {"message": _message(blocks)} if chat else _generated(blocks)
-        return {"model": name, "created_at": _now(), **fields, "done": True, "done_reason": _done_reason(choice.finish_reason), **_timings(gen)}
+            parts = reply_parts(prepared.chat_output(), choice.text)
+            fields = {"message": _message(parts)} if chat else _generated(parts)
+        return {"model": name, "created_at": _now(), **fields, "done": True, "done_reason": _done_reason(choice.finish_reason), **_timings(generation)}
 
-    return await gen.reply(request, whole)
+    return await generation.reply(request, whole)
 
 
-async def _stream(gen: EngineStream, prepared: Prepared, chat: bool, name: str):
-    blocks = BlockStream()
+async def _stream(generation: Generation, prepared: Prepared, chat: bool, name: str):
+    parts = PartStream()
 
     def line(fields: dict, done: bool = False) -> str:
         return json.dumps({"model": name, "created_at": _now(), **fields, "done": done}, ensure_ascii=False) + "\n"
@@ -346,28 +346,28 @@ async def _stream(gen: EngineStream, prepared: Prepared, chat: bool, name: str):
     def pieces(events) -> list[str]:
         lines = []
         for ev in events:
-            if ev.what == "delta" and ev.block.kind == "text":
+            if ev.what == "delta" and ev.part.kind == "text":
                 lines.append(piece(ev.delta))
-            elif ev.what == "delta" and ev.block.kind == "reasoning":
+            elif ev.what == "delta" and ev.part.kind == "reasoning":
                 lines.append(piece(thinking=ev.delta))
-            elif ev.what == "stop" and ev.block.kind == "tool_call" and is_json(ev.block.text):
-                lines.append(piece(tool_calls=_tool_calls([ev.block])))
+            elif ev.what == "stop" and ev.part.kind == "tool_call" and is_json(ev.part.text):
+                lines.append(piece(tool_calls=_tool_calls([ev.part])))
         return lines
 
     try:
         try:
             if prepared.chat_output is None:  # raw generate: the text as it comes
-                async for d in gen.deltas():
+                async for d in generation.deltas():
                     if d.text:
                         yield piece(d.text)
             else:
-                async for events in blocks.follow(gen, prepared.chat_output()):
+                async for events in parts.follow(generation, prepared.chat_output()):
                     for text in pieces(events):
                         yield text
         except GenerationFailed as e:
             yield json.dumps({"error": e.message}) + "\n"
             return
         last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-        yield line({**last, "done_reason": _done_reason(gen.reasons.get(0, "abort")), **_timings(gen)}, done=True)
+        yield line({**last, "done_reason": _done_reason(generation.reasons.get(0, "abort")), **_timings(generation)}, done=True)
     finally:
-        gen.close()
+        generation.close()

@@ -4,7 +4,7 @@ A request's `input` (a string, or message / function_call / function_call_output
 items) becomes chat messages after `instructions` and, with `previous_response_id`, after the
 stored conversation that response ended (its own instructions are not carried over, as OpenAI).
 Stored responses (store: true, the default) are kept in memory, at most --max-stored-responses,
-oldest dropped first. The reply is the chat reply's blocks as output items: reasoning, message
+oldest dropped first. The reply is the chat reply's parts as output items: reasoning, message
 (output_text), function_call.
 """
 
@@ -16,10 +16,10 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from ..collector import EngineStream, GenerationFailed
+from ..generation import Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed
 from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
-from .blocks import Block, BlockStream, complete_calls, reply_blocks
+from .reply_parts import ReplyPart, PartStream, complete_calls, reply_parts
 from .sse import stream_response
 
 # chat-request parameter names as this dialect calls them, for the errors the shared checks raise
@@ -86,10 +86,10 @@ def register(app, state: ServerState) -> None:
         chat = chat_request(body, conversation)
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
         reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
-        gen = await prepared.start(state, reply.id, None, arrival)
+        generation = await prepared.start(state, reply.id, None, arrival)
         if body.stream:
-            return stream_response(gen, reply.stream(gen, prepared))
-        return await gen.reply(request, lambda choices: reply.final(gen, reply_blocks(prepared.chat_output(), choices[0].text), choices[0].finish_reason))
+            return stream_response(generation, reply.stream(generation, prepared))
+        return await generation.reply(request, lambda choices: reply.final(generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
@@ -236,13 +236,13 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
 # ---------------------------------------------------------------- response out
 
 
-def _part(block: Block, text: str) -> dict:
+def _part(block: ReplyPart, text: str) -> dict:
     if block.kind == "text":
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "reasoning_text", "text": text}
 
 
-def _item(block: Block, item_id: str, done: bool) -> dict:
+def _item(block: ReplyPart, item_id: str, done: bool) -> dict:
     status = "completed" if done else "in_progress"
     if block.kind == "text":
         content = [_part(block, block.text)] if done else []
@@ -266,7 +266,7 @@ class _Reply:
         self.store = store
         self.item_ids: dict[int, str] = {}
 
-    def _item_id(self, block: Block) -> str:
+    def _item_id(self, block: ReplyPart) -> str:
         if block.index not in self.item_ids:
             self.item_ids[block.index] = new_id(_ITEM_PREFIX[block.kind], "_")
         return self.item_ids[block.index]
@@ -299,33 +299,33 @@ class _Reply:
             "metadata": b.metadata or {},
         }
 
-    def usage(self, gen: EngineStream, blocks: list[Block]) -> dict:
+    def usage(self, generation: Generation, parts: list[ReplyPart]) -> dict:
         tok = self.state.engine.tokenizer
-        reasoning = sum(len(tok.encode(b.text, add_special_tokens=False)) for b in blocks if b.kind == "reasoning")
+        reasoning = sum(len(tok.encode(b.text, add_special_tokens=False)) for b in parts if b.kind == "reasoning")
         return {
-            "input_tokens": gen.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": gen.cached},
-            "output_tokens": gen.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": min(reasoning, gen.completion_tokens)},
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "input_tokens": generation.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": generation.cached},
+            "output_tokens": generation.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning, generation.completion_tokens)},
+            "total_tokens": generation.prompt_tokens + generation.completion_tokens,
         }
 
-    def final(self, gen: EngineStream, blocks: list[Block], finish_reason: str) -> dict:
+    def final(self, generation: Generation, parts: list[ReplyPart], finish_reason: str) -> dict:
         """The finished response (stored if asked); a call cut short by max_output_tokens (its
         arguments not JSON) is left out, so that a later turn's history renders."""
-        blocks = complete_calls(blocks)
-        output = [_item(b, self._item_id(b), True) for b in blocks]
+        parts = complete_calls(parts)
+        output = [_item(b, self._item_id(b), True) for b in parts]
         status, incomplete, error = "completed", None, None
         if finish_reason == "length":
             status, incomplete = "incomplete", "max_output_tokens"
         elif finish_reason == "abort":  # the server ended it (shutting down)
             status, error = "failed", {"code": "server_error", "message": "the request was aborted before it finished"}
-        response = self.response(status, output, self.usage(gen, blocks), incomplete, error)
+        response = self.response(status, output, self.usage(generation, parts), incomplete, error)
         if self.body.store and status != "failed":
-            self.store.put(response, self.conversation + [_as_message(blocks)])
+            self.store.put(response, self.conversation + [_as_message(parts)])
         return response
 
-    async def stream(self, gen: EngineStream, prepared: Prepared):
+    async def stream(self, generation: Generation, prepared: Prepared):
         seq = 0
 
         def event(kind: str, **payload) -> str:
@@ -334,12 +334,12 @@ class _Reply:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        blocks = BlockStream()
+        parts = PartStream()
 
         def translate(events) -> list[str]:
             lines = []
             for ev in events:
-                b, item_id = ev.block, self._item_id(ev.block)
+                b, item_id = ev.part, self._item_id(ev.part)
                 where = {"item_id": item_id, "output_index": b.index}
                 if ev.what == "start":
                     lines.append(event("response.output_item.added", output_index=b.index, item=_item(b, item_id, False)))
@@ -368,7 +368,7 @@ class _Reply:
             yield event("response.created", response=self.response("in_progress", [], None))
             yield event("response.in_progress", response=self.response("in_progress", [], None))
             try:
-                async for events in blocks.follow(gen, prepared.chat_output()):
+                async for events in parts.follow(generation, prepared.chat_output()):
                     for line in translate(events):
                         yield line
             except GenerationFailed as e:
@@ -376,19 +376,19 @@ class _Reply:
                 failed = self.response("failed", [], None, error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message})
                 yield event("response.failed", response=failed)
                 return
-            response = self.final(gen, blocks.blocks, gen.reasons.get(0, "abort"))
+            response = self.final(generation, parts.parts, generation.reasons.get(0, "abort"))
             yield event({"incomplete": "response.incomplete", "failed": "response.failed"}.get(response["status"], "response.completed"), response=response)
         finally:
-            gen.close()
+            generation.close()
 
 
-def _as_message(blocks: list[Block]) -> dict:
+def _as_message(parts: list[ReplyPart]) -> dict:
     """The reply as the chat message a later turn's history holds."""
-    msg = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
-    reasoning = "".join(b.text for b in blocks if b.kind == "reasoning")
+    msg = {"role": "assistant", "content": "".join(b.text for b in parts if b.kind == "text")}
+    reasoning = "".join(b.text for b in parts if b.kind == "reasoning")
     if reasoning:
         msg["reasoning"] = reasoning
-    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}} for b in blocks if b.kind == "tool_call"]
+    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}} for b in parts if b.kind == "tool_call"]
     if calls:
         msg["tool_calls"] = calls
     return msg

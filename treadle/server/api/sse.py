@@ -80,12 +80,12 @@ class BoundedStreamingResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def stream_response(gen, body, media_type: str = "text/event-stream") -> StreamingResponse:
-    """A streamed reply whose engine requests end with it: the body closes `gen` when it ends, and
+def stream_response(generation, body, media_type: str = "text/event-stream") -> StreamingResponse:
+    """A streamed reply whose engine requests end with it: the body closes `generation` when it ends, and
     the background task closes it too if the body never ran (the client left before it started)."""
-    limit = gen.state.settings.max_stream_buffer_bytes
+    limit = generation.state.settings.max_stream_buffer_bytes
 
     async def close() -> None:  # on the event loop (a plain function would run in a worker thread)
-        gen.close()
+        generation.close()
 
-    return BoundedStreamingResponse(body, limit, gen.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close))
+    return BoundedStreamingResponse(body, limit, generation.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close))

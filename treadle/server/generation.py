@@ -1,7 +1,7 @@
-"""The engine-stream collector every API dialect shares.
+"""One HTTP request's generation, the part every API dialect shares.
 
 One HTTP generation request is one or more engine requests (one per prompt; each with n choices).
-`EngineStream` submits them, turns their outputs into per-choice deltas, reads the whole result
+`Generation` submits them, turns their outputs into per-choice deltas, reads the whole result
 for non-streamed replies (watching for the client going away), and, however the response ends
 (done, client gone, error), aborts whatever is still in the engine and records the request in the
 metrics. It knows nothing of any API's shapes: a dialect module (server/api/) translates its
@@ -71,7 +71,7 @@ class ClientGone(Exception):
     """The client closed the connection before a non-streamed reply was ready."""
 
 
-class EngineStream:
+class Generation:
     def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, cache_salt: str | None, arrival: float):
         self.state = state
         self.engine = state.engine
@@ -115,7 +115,7 @@ class EngineStream:
     def cached(self) -> int:
         return sum(self.cached_tokens.values())
 
-    def submit(self) -> "EngineStream":
+    def submit(self) -> "Generation":
         """Hand the requests to the engine; a 503 if the queue is full or the engine is down."""
         engine = self.engine
         limit = self.state.settings.max_waiting

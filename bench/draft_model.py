@@ -15,17 +15,17 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from frontend_overhead import cpu_name  # noqa: E402  (bench/ is this script's folder)
+
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.bench.datasets import EngineTokenizer, editing_dataset  # noqa: E402
 from treadle.engine.draft_model import DraftModel  # noqa: E402
 from treadle.model.default_model import default_model_path  # noqa: E402
 
-from frontend_overhead import cpu_name  # noqa: E402  (bench/ is this script's folder)
-
 PROMPTS = [
     "The capital of France is",
     "Il était une fois, dans un petit village de Provence, une boulangère qui",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a shopping list:\n- eggs\n- milk\n-",
     "Explain in three sentences why the sky is blue.",
     "Compute 1234 * 5678 step by step: 1234 * 5000 = 6170000, 1234 * 600 =",
@@ -43,7 +43,10 @@ def main() -> int:
     llm = LLM(dtype="float32", speculative_config={"model": path, "num_speculative_tokens": args.k, "adaptive": False})
     tok = llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
-    prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False) for r in editing_dataset(EngineTokenizer(tok), args.editing, seed=0)]
+    prompts += [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False)
+        for r in editing_dataset(EngineTokenizer(tok), args.editing, seed=0)
+    ]
     proposals = []  # (request id, step start, proposals)
     original = DraftModel.propose
 
@@ -73,11 +76,15 @@ def main() -> int:
             gaps.append(mine - theirs)
             break  # the rest of this step's proposals were not verified against the same text
     stats = llm.stats()["spec_decode"]
-    print(f"{len(prompts)} prompts x {args.tokens} tokens, k={args.k}: {proposed} proposals checked against the output, {accepted} stood "
-          f"({accepted / max(proposed, 1):.4f}); engine counters: {stats['num_accepted_tokens']} / {stats['num_draft_tokens']} accepted, "
-          f"mean acceptance length {stats['mean_acceptance_length']:.2f}")
-    print(f"rejections: {len(gaps)}; target logprob gaps: {', '.join(f'{g:.2e}' for g in sorted(gaps)) or 'none'}; "
-          f"all near-ties (< 1e-3): {all(g < 1e-3 for g in gaps)}")
+    print(
+        f"{len(prompts)} prompts x {args.tokens} tokens, k={args.k}: {proposed} proposals checked against the output, {accepted} stood "
+        f"({accepted / max(proposed, 1):.4f}); engine counters: {stats['num_accepted_tokens']} / {stats['num_draft_tokens']} accepted, "
+        f"mean acceptance length {stats['mean_acceptance_length']:.2f}"
+    )
+    print(
+        f"rejections: {len(gaps)}; target logprob gaps: {', '.join(f'{g:.2e}' for g in sorted(gaps)) or 'none'}; "
+        f"all near-ties (< 1e-3): {all(g < 1e-3 for g in gaps)}"
+    )
     return 0
 
 

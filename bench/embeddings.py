@@ -66,7 +66,9 @@ def main() -> None:
     llm.embed(texts)
     took = time.perf_counter() - start
     tokens = sum(len(llm.tokenizer.encode(t, add_special_tokens=True)) for t in texts)
-    print(f"batch of {len(texts)} texts ({tokens} tokens, each shorter than one KV block: no prefix-cache hits): {took:.2f} s, {len(texts) / took:.0f} texts/s")
+    print(
+        f"batch of {len(texts)} texts ({tokens} tokens, each shorter than one KV block: no prefix-cache hits): {took:.2f} s, {len(texts) / took:.0f} texts/s"
+    )
 
 
 if __name__ == "__main__":

@@ -173,7 +173,9 @@ def main() -> int:
     with open(os.path.join(args.out, "sweep.json")) as f:
         rows = json.load(f)["rows"]
     by = {(r["server"], r["concurrency"]): r for r in rows}
-    print("\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms | llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |")
+    print(
+        "\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms | llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         t, l = by[("treadle", c)], by[("llama.cpp", c)]

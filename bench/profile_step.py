@@ -85,10 +85,16 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=15, help="rows of the profile table (0: time only, no profile)")
-    ap.add_argument("--compiled", action="store_true",
-                    help="build the engine with compile=True and wait for its compiled decode graphs before timing")
-    ap.add_argument("--compile", nargs="?", const="static", choices=["static", "dynamic"],
-                    help="also time the decode forward compiled by torch.compile (static or dynamic shapes)")
+    ap.add_argument(
+        "--compiled", action="store_true", help="build the engine with compile=True and wait for its compiled decode graphs before timing"
+    )
+    ap.add_argument(
+        "--compile",
+        nargs="?",
+        const="static",
+        choices=["static", "dynamic"],
+        help="also time the decode forward compiled by torch.compile (static or dynamic shapes)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, max_num_seqs=max(16, args.batch), quantized_weights=not args.no_quantized_weights,
@@ -101,11 +107,13 @@ def main():
         print(f"compiled decode graphs: {engine.compile_status()} after {time.perf_counter() - t:.0f} s")
     greedy = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)
     if args.prefill:
+
         def one_step(i):
             engine.add_request(f"p{i}", [(i * 131 + j) % 40000 + 100 for j in range(args.prefill)], greedy, cache_salt=str(i))
             engine.step()
             engine.abort_request(f"p{i}")
             engine.step()
+
         one_step(-1)
         med, p10 = timed(one_step, args.steps)
         print(f"prefill of {args.prefill} tokens: median {med:.1f} ms, p10 {p10:.1f} ms ({args.prefill / med * 1000:.0f} tok/s at the median)")
@@ -117,7 +125,9 @@ def main():
             engine.step()
         step = lambda i: engine.step()  # noqa: E731
         med, p10 = timed(step, args.steps)
-        print(f"decode step, batch {args.batch}, context ~{args.context}: median {med:.2f} ms, p10 {p10:.2f} ms ({args.batch / med * 1000:.1f} tok/s at the median)")
+        print(
+            f"decode step, batch {args.batch}, context ~{args.context}: median {med:.2f} ms, p10 {p10:.2f} ms ({args.batch / med * 1000:.1f} tok/s at the median)"
+        )
         if args.compile:
             compare_compiled(engine, args.steps, dynamic=args.compile == "dynamic")
     if args.rows == 0:

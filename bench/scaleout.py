@@ -51,7 +51,17 @@ def bench(url: str, flags: list[str], out_dir: str, name: str) -> dict:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
         r = json.load(f)
-    keep = ("completed", "failed", "duration", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "prefix_cache_hit_rate", "multiturn")
+    keep = (
+        "completed",
+        "failed",
+        "duration",
+        "output_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "prefix_cache_hit_rate",
+        "multiturn",
+    )
     return {k: r.get(k) for k in keep}
 
 
@@ -68,8 +78,30 @@ def main() -> int:
     q = args.quick
     multiturn = ["--dataset-name", "multiturn", "--multiturn-conversations", "6" if q else "16", "--multiturn-turns", "3" if q else str(args.turns),
                  "--multiturn-turn-tokens", "64", "--multiturn-system-prompt-tokens", "256", "--random-output-len", "64", "--max-concurrency", "8"]  # fmt: skip
-    random_ = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "12" if q else "48", "--max-concurrency", "8"]
-    seed = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256", "--num-prompts", "16" if q else "32", "--max-concurrency", "16"]
+    random_ = [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "256",
+        "--random-output-len",
+        "64",
+        "--num-prompts",
+        "12" if q else "48",
+        "--max-concurrency",
+        "8",
+    ]
+    seed = [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "512",
+        "--random-output-len",
+        "256",
+        "--num-prompts",
+        "16" if q else "32",
+        "--max-concurrency",
+        "16",
+    ]
     replicas = ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)]
     results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "blocks_per_replica": args.blocks_per_replica, "turns": args.turns, "runs": {}}
     for policy in ("cache_aware", "round_robin"):
@@ -81,7 +113,9 @@ def main() -> int:
         finally:
             stop(proc)
     # the seed workload on the default KV pool: N=2 x 1 thread (cache_aware) against N=1 x 2 threads
-    for name, flags in () if args.only_multiturn else (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"])):
+    for name, flags in (
+        () if args.only_multiturn else (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"]))
+    ):
         proc, url = start(flags, os.path.join(args.work_dir, f"server-{name[5:]}.log"))
         try:
             results["runs"][name] = bench(url, seed, args.work_dir, name.replace(" ", "-").replace("=", ""))
@@ -90,11 +124,15 @@ def main() -> int:
     runs = results["runs"]
     ca, rr = runs["multiturn cache_aware"], runs["multiturn round_robin"]
     results["ratios"] = {
-        "multiturn hit rate cache_aware / round_robin": ca["prefix_cache_hit_rate"] / rr["prefix_cache_hit_rate"] if rr["prefix_cache_hit_rate"] else None,
+        "multiturn hit rate cache_aware / round_robin": ca["prefix_cache_hit_rate"] / rr["prefix_cache_hit_rate"]
+        if rr["prefix_cache_hit_rate"]
+        else None,
         "multiturn median TTFT cache_aware / round_robin": ca["median_ttft_ms"] / rr["median_ttft_ms"],
     }
     if not args.only_multiturn:
-        results["ratios"]["random throughput cache_aware / round_robin"] = runs["random cache_aware"]["output_throughput"] / runs["random round_robin"]["output_throughput"]
+        results["ratios"]["random throughput cache_aware / round_robin"] = (
+            runs["random cache_aware"]["output_throughput"] / runs["random round_robin"]["output_throughput"]
+        )
         results["ratios"]["seed throughput N=2x1 / N=1x2"] = runs["seed N=2x1"]["output_throughput"] / runs["seed N=1x2"]["output_throughput"]
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

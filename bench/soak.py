@@ -156,7 +156,11 @@ def _one(client: httpx.Client, i: int, spec, report: Report, lock: threading.Loc
     chat = path.endswith("chat/completions")
     try:
         if expect.get("status") == "4xx":
-            r = client.post(path, content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes) else client.post(path, json=body)
+            r = (
+                client.post(path, content=body, headers={"Content-Type": "application/json"})
+                if isinstance(body, bytes)
+                else client.post(path, json=body)
+            )
             status = r.status_code
             if not 400 <= status < 500:
                 report.fail(i, kind, f"invalid body answered {status}: {r.text[:200]}")
@@ -192,7 +196,9 @@ def _one(client: httpx.Client, i: int, spec, report: Report, lock: threading.Loc
             if status == 200:
                 reply = r.json()
                 per_choice = None if reply["usage"]["completion_tokens"] % expect["n"] else reply["usage"]["completion_tokens"] // expect["n"]
-                choices = {c["index"]: {"text": _text_of(c, chat), "finish_reason": c["finish_reason"], "tokens": per_choice} for c in reply["choices"]}
+                choices = {
+                    c["index"]: {"text": _text_of(c, chat), "finish_reason": c["finish_reason"], "tokens": per_choice} for c in reply["choices"]
+                }
                 _check_choices(choices, expect, report, i, kind)
         if expect.get("status") != "4xx" and status != 200:
             report.fail(i, kind, f"status {status}")
@@ -268,7 +274,10 @@ def run(url: str, requests: int, concurrency: int, server_pid: int | None, *, se
                     report.memory.append((batch.stop, tree_rss(server_pid)))
                 if progress:
                     rss = f", {report.memory[-1][1] / 2**20:.0f} MiB" if report.memory else ""
-                    print(f"{batch.stop} requests, {time.monotonic() - start:.0f} s, {report.server_errors} 5xx, {len(report.failures)} failures{rss}", flush=True)
+                    print(
+                        f"{batch.stop} requests, {time.monotonic() - start:.0f} s, {report.server_errors} 5xx, {len(report.failures)} failures{rss}",
+                        flush=True,
+                    )
     finally:
         for c in clients:
             c.close()

@@ -51,7 +51,11 @@ def main() -> int:
     for url in (plain_url, spec_url):  # with --compile: measure the servers their compiled graphs make
         wait_compiled(url)
     parts = {
-        1: ("editing, 1 user", ["--dataset-name", "editing", "--backend", "openai-chat", "--max-concurrency", "1", "--num-prompts", str(args.editing_prompts)], 2.0),
+        1: (
+            "editing, 1 user",
+            ["--dataset-name", "editing", "--backend", "openai-chat", "--max-concurrency", "1", "--num-prompts", str(args.editing_prompts)],
+            2.0,
+        ),
         2: ("random, 1 user", [*RANDOM, "--max-concurrency", "1", "--num-prompts", "6"], 0.97),
         3: ("random, 16 users", [*RANDOM, "--max-concurrency", "16", "--num-prompts", "32"], 0.97),
     }

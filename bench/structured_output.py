@@ -44,14 +44,26 @@ def main() -> int:
     proc, url = start_server(["--max-num-seqs", "16", *args.server_args.split()], os.path.join(args.out, "server.log"))
     try:
         if 1 not in args.skip_part:
-            one = bench_serve(url, args.out, "c1-mixed", ["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1", "--structured-output-ratio", "0.5", "--num-warmups", "1"])
+            one = bench_serve(
+                url,
+                args.out,
+                "c1-mixed",
+                ["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1", "--structured-output-ratio", "0.5", "--num-warmups", "1"],
+            )
             print(f"\n1 user: median TPOT constrained {tpot(one, 'constrained'):.2f} ms, unconstrained {tpot(one, 'unconstrained'):.2f} ms, "
                   f"ratio {tpot(one, 'constrained') / tpot(one, 'unconstrained'):.3f}\n", flush=True)  # fmt: skip
             mixed, plain = [], []
             for i in range(args.c16_pairs):
                 # fresh prompts in every run (seeds differ): a run must not find the last run's prompts in the prefix cache
                 common = ["--max-concurrency", "16", "--num-prompts", str(args.c16_prompts)]
-                mixed.append(bench_serve(url, args.out, f"c16-mixed-{i}", [*common, "--seed", str(10 + 2 * i), "--structured-output-ratio", "0.5", "--num-warmups", "1"]))
+                mixed.append(
+                    bench_serve(
+                        url,
+                        args.out,
+                        f"c16-mixed-{i}",
+                        [*common, "--seed", str(10 + 2 * i), "--structured-output-ratio", "0.5", "--num-warmups", "1"],
+                    )
+                )
                 plain.append(bench_serve(url, args.out, f"c16-plain-{i}", [*common, "--seed", str(11 + 2 * i), "--num-warmups", "1"]))
                 print(f"16 users, pair {i}: TPOT constrained {tpot(mixed[-1], 'constrained'):.2f} ms, unconstrained beside them "
                       f"{tpot(mixed[-1], 'unconstrained'):.2f} ms, with none constrained {plain[-1]['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
@@ -61,12 +73,36 @@ def main() -> int:
             print(f"\n16 users: constrained / unconstrained TPOT {c / u:.3f}; unconstrained beside constrained vs alone: "
                   f"TPOT {u / p:.3f} (throughput {p / u:.3f})\n", flush=True)  # fmt: skip
         if 2 not in args.skip_part:
-            common = ["--max-concurrency", "8", "--num-prompts", str(args.c8_prompts), "--random-output-len", "128", "--structured-output-ratio", str(args.c8_ratio)]
+            common = [
+                "--max-concurrency",
+                "8",
+                "--num-prompts",
+                str(args.c8_prompts),
+                "--random-output-len",
+                "128",
+                "--structured-output-ratio",
+                str(args.c8_ratio),
+            ]
             misses, cached = [], []
             for i in range(args.pairs):
                 # warm: the one schema compiles in the warm-up request, before the measured run; fresh prompts in each run
                 cached.append(bench_serve(url, args.out, f"c8-cached-{i}", [*common, "--seed", str(20 + 2 * i), "--num-warmups", "1"]))
-                misses.append(bench_serve(url, args.out, f"c8-compiles-{i}", [*common, "--seed", str(21 + 2 * i), "--structured-output-distinct-schemas", "20", "--structured-output-schema-bytes", "50000"]))
+                misses.append(
+                    bench_serve(
+                        url,
+                        args.out,
+                        f"c8-compiles-{i}",
+                        [
+                            *common,
+                            "--seed",
+                            str(21 + 2 * i),
+                            "--structured-output-distinct-schemas",
+                            "20",
+                            "--structured-output-schema-bytes",
+                            "50000",
+                        ],
+                    )
+                )
                 for name, r in (("cached", cached[-1]), ("compiles", misses[-1])):
                     s = r["structured_output"]
                     u = s["unconstrained"]

@@ -61,12 +61,11 @@ def hf_tokenizer(gguf_path):
 @pytest.fixture(scope="session")
 def make_llm():
     """Build engines with other settings without re-reading the model file each time."""
+    import dataclasses
     import functools
 
     from treadle import LLM
     from treadle.model import worker as model_worker
-
-    import dataclasses
 
     def load_float32(model, keep_int4):
         # the loader defers dequantizing to the model; for many engines, dequantize once here

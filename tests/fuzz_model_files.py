@@ -214,7 +214,37 @@ def safetensors_header(data: bytes) -> tuple[int, dict]:
 
 # ---------------------------------------------------------------- mutations (Hypothesis strategies)
 
-INTERESTING = [0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 33, 63, 64, 127, 128, 255, 256, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48, 2**60, 2**63 - 1, 2**63, 2**64 - 1]
+INTERESTING = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    16,
+    31,
+    32,
+    33,
+    63,
+    64,
+    127,
+    128,
+    255,
+    256,
+    4096,
+    65535,
+    65536,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**48,
+    2**60,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+]
 FLOATS = [0.0, -0.0, 1.0, -1.0, 1e-30, 1e30, 3.4e38, float("inf"), float("-inf"), float("nan")]
 
 
@@ -459,7 +489,8 @@ class Loader:
 
 def run(fmt: str, examples: int, seed: int | None, loader: Loader, workdir: str, derandomize: bool = False) -> dict:
     """Fuzz one format; returns counts per outcome and the failures (their mutation steps)."""
-    from hypothesis import HealthCheck, given, reject, settings, strategies as st
+    from hypothesis import HealthCheck, given, reject, settings
+    from hypothesis import strategies as st
 
     counts: dict[str, int] = {}
     failures: list[tuple[list[str], str, str]] = []

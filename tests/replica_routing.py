@@ -9,7 +9,11 @@ BLOCK = 16
 
 
 def complete(server, prompt: list[int], max_tokens: int = 2) -> dict:
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -10,7 +10,16 @@ import pytest
 
 from treadle.bench.datasets import BenchRequest, LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
 from treadle.bench.metrics import RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
-from treadle.bench.serve import add_serve_args, bench_serve, cmd_bench_serve, counter_deltas, print_report, run_benchmark, send_request, server_counters
+from treadle.bench.serve import (
+    add_serve_args,
+    bench_serve,
+    cmd_bench_serve,
+    counter_deltas,
+    print_report,
+    run_benchmark,
+    send_request,
+    server_counters,
+)
 from treadle.bench.structured import DEFAULT_SCHEMA, check_structured_args, distinct_schemas, request_schemas, schema_bytes, structured_flags
 from treadle.bench.sweep import plot_sweep
 
@@ -217,7 +226,12 @@ def test_sharegpt_dataset_from_a_local_file(tok, tmp_path):
     from treadle.bench.datasets import sharegpt_dataset
 
     convs = [
-        {"conversations": [{"from": "human", "value": f"Question {i}: why is the sky blue?"}, {"from": "gpt", "value": "Because of Rayleigh scattering. " * (i + 1)}]}
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}: why is the sky blue?"},
+                {"from": "gpt", "value": "Because of Rayleigh scattering. " * (i + 1)},
+            ]
+        }
         for i in range(6)
     ] + [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}]  # too short: dropped
     path = tmp_path / "sharegpt.json"
@@ -284,7 +298,17 @@ def test_live_bench_serve_against_treadle(server, backend, tmp_path):
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_live_logprobs_and_health_probe(server, backend, capsys):
-    args = bench_args(server, backend=backend, random_input_len=16, random_output_len=8, num_prompts=4, max_concurrency=4, ignore_eos=True, logprobs=3, health_probe_interval=0.02)
+    args = bench_args(
+        server,
+        backend=backend,
+        random_input_len=16,
+        random_output_len=8,
+        num_prompts=4,
+        max_concurrency=4,
+        ignore_eos=True,
+        logprobs=3,
+        health_probe_interval=0.02,
+    )
     result = bench_serve(args)
     assert result["failed"] == 0 and result["completed"] == 4, result["errors"]  # the server accepted the logprobs fields
     assert result["logprobs"] == 3
@@ -386,7 +410,9 @@ def test_multiturn_turns_send_the_actual_earlier_replies(monkeypatch):
             assert later[: len(earlier)] == earlier
             reply = later[len(earlier)]
             assert reply["role"] == "assistant" and reply["content"] == f"reply-{sent.index(earlier) + 1}"  # that request's own reply
-    assert result["total_input_tokens"] == 3 * ((7 + 5) + (7 + 5 + 1 + 5) + (7 + 5 + 1 + 5 + 1 + 5))  # the whole conversation sent, its replies included
+    assert result["total_input_tokens"] == 3 * (
+        (7 + 5) + (7 + 5 + 1 + 5) + (7 + 5 + 1 + 5 + 1 + 5)
+    )  # the whole conversation sent, its replies included
     assert result["prefix_cache_hit_rate"] == pytest.approx(0.4)
     assert set(result["multiturn"]["ttft_by_turn"]) == {"1", "2", "3"}
 

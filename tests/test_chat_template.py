@@ -95,10 +95,15 @@ def test_output_is_bounded_and_ordinary_templates_still_work():
         render("{% for %}", MESSAGES)
     with pytest.raises(ValueError, match="TemplateError: no system role"):
         render("{{ raise_exception('no system role') }}", MESSAGES)
-    numbers = "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} {% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
+    numbers = (
+        "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} {% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
+    )
     assert render(numbers, MESSAGES) == "5000 [1, 2] 10000 100000   ab  |"
     assert render("{{ messages|tojson(indent=2) }}", MESSAGES) == '[\n  {\n    "role": "user",\n    "content": "hi"\n  }\n]'
     assert render("{{ messages|tojson(separators=(',', ':')) }}", MESSAGES) == '[{"role":"user","content":"hi"}]'  # Kimi-K2's
-    assert render("{{ 'Knowledge cutoff: 20240601, %s' % 'today' }} {{ '{} 1234567'.format(7) }}", MESSAGES) == "Knowledge cutoff: 20240601, today 7 1234567"
+    assert (
+        render("{{ 'Knowledge cutoff: 20240601, %s' % 'today' }} {{ '{} 1234567'.format(7) }}", MESSAGES)
+        == "Knowledge cutoff: 20240601, today 7 1234567"
+    )
     big = "y" * (MAX_CHARS // 2)  # a long conversation is not a huge value
     assert len(render("{% for m in messages %}{{ m.content ~ '|' }}{% endfor %}", {"messages": [{"content": big}]})) == len(big) + 1

@@ -214,7 +214,9 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
 
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
-    server = ServerProcess(folder, "--compile", env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]})
+    server = ServerProcess(
+        folder, "--compile", env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+    )
     try:
         server.wait_healthy()
         stats = httpx.get(server.url + "/stats").json()

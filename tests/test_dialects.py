@@ -72,7 +72,9 @@ def test_greedy_text_is_the_same_in_every_dialect(client, claude, llama, referen
 
 
 def test_responses_reply_usage_and_stored_object(client, http, reference):
-    resp = client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}], temperature=0, max_output_tokens=TOKENS)
+    resp = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}], temperature=0, max_output_tokens=TOKENS
+    )
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.output[0].type == "message" and resp.output[0].content[0].type == "output_text"
     assert resp.usage.input_tokens == reference.usage.prompt_tokens and resp.usage.output_tokens == TOKENS
@@ -99,7 +101,9 @@ def test_responses_stream_sends_the_documented_events_in_order(server, reference
     text = "".join(events[i][1]["delta"] for i in deltas)
     assert text == reference.choices[0].message.content == events[-1][1]["response"]["output"][0]["content"][0]["text"]
     # the SDK reads the same stream; a reply that ends by itself completes
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0).responses.stream(model=MODEL, input="Say hi.", max_output_tokens=200, temperature=0) as s:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0).responses.stream(
+        model=MODEL, input="Say hi.", max_output_tokens=200, temperature=0
+    ) as s:
         final = s.get_final_response()
     assert final.status == "completed" and final.output_text
 
@@ -110,7 +114,11 @@ def test_previous_response_id_continues_the_conversation(client, http):
     assert first.usage.input_tokens == http.post("/tokenize", json={"messages": opening}).json()["count"]
     second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id, temperature=0, max_output_tokens=12)
     # the prompt is the whole conversation (the first turn's instructions are not carried over)
-    history = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "What is my name?"}]
+    history = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
     assert second.usage.input_tokens == http.post("/tokenize", json={"messages": history}).json()["count"]
     assert second.previous_response_id == first.id
     missing = http.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_nope"})
@@ -125,23 +133,54 @@ def test_response_store_drops_the_oldest_first():
 
 
 def test_responses_json_schema_and_forced_tool_call(client):
-    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green"]}}, "required": ["colour"], "additionalProperties": False}
-    resp = client.responses.create(model=MODEL, input="Pick a colour.", max_output_tokens=40, text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "enum": ["red", "green"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    resp = client.responses.create(
+        model=MODEL, input="Pick a colour.", max_output_tokens=40, text={"format": {"type": "json_schema", "name": "pick", "schema": schema}}
+    )
     jsonschema.validate(json.loads(resp.output_text), schema)
-    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
     resp = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], tool_choice="required", temperature=0, max_output_tokens=80)
     (call,) = [o for o in resp.output if o.type == "function_call"]
     assert call.name == "get_weather" and "city" in json.loads(call.arguments) and call.call_id
     # parallel_tool_calls false: one call, the same one Chat Completions makes (tests/test_tool_server.py)
     weather = {"type": "function", **WEATHER["function"]}
-    one = client.responses.create(model=MODEL, input="Weather in Paris and in Rome?", tools=[weather], tool_choice="required", parallel_tool_calls=False, temperature=0, max_output_tokens=80)
-    via_chat = client.chat.completions.create(model=MODEL, messages=chat("Weather in Paris and in Rome?"), tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    one = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris and in Rome?",
+        tools=[weather],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    via_chat = client.chat.completions.create(
+        model=MODEL,
+        messages=chat("Weather in Paris and in Rome?"),
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
     calls = [o for o in one.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].arguments == via_chat.choices[0].message.tool_calls[0].function.arguments
     # the call and its result continue the conversation
     follow = client.responses.create(
         model=MODEL,
-        input=[{"role": "user", "content": "Weather in Paris?"}, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}, {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+        ],
         tools=[tool],
         max_output_tokens=8,
     )
@@ -172,7 +211,9 @@ def test_anthropic_messages_usage_and_stop_sequence(claude, reference):
     counted = claude.messages.count_tokens(model=MODEL, system="You are helpful.", messages=chat(QUESTION)).input_tokens
     tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     with_tools = claude.messages.count_tokens(model=MODEL, system="You are helpful.", messages=chat(QUESTION), tools=[tool]).input_tokens
-    declined = claude.messages.count_tokens(model=MODEL, system="You are helpful.", messages=chat(QUESTION), tools=[tool], tool_choice={"type": "none"}).input_tokens
+    declined = claude.messages.count_tokens(
+        model=MODEL, system="You are helpful.", messages=chat(QUESTION), tools=[tool], tool_choice={"type": "none"}
+    ).input_tokens
     assert with_tools > counted + 10 and declined == counted  # tools reach the prompt unless tool_choice is none
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counted and msg.usage.output_tokens == TOKENS
     again = claude.messages.create(model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, system="You are helpful.", messages=chat(QUESTION))
@@ -195,24 +236,49 @@ def test_anthropic_stream_events_and_text_stream(server, claude, reference):
     kinds = [e["type"] for _, e in events]
     assert all(name == e["type"] for name, e in events)
     n = kinds.count("content_block_delta")
-    assert kinds == ["message_start", "content_block_start", "ping"] + ["content_block_delta"] * n + ["content_block_stop", "message_delta", "message_stop"] and n >= 1
+    assert (
+        kinds
+        == ["message_start", "content_block_start", "ping"] + ["content_block_delta"] * n + ["content_block_stop", "message_delta", "message_stop"]
+        and n >= 1
+    )
     assert events[-2][1]["usage"]["output_tokens"] == 4
 
 
 def test_anthropic_forced_tool_use(claude):
-    tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-    msg = claude.messages.create(model=MODEL, max_tokens=60, messages=chat("Weather in Paris?"), tools=[tool], tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    msg = claude.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=chat("Weather in Paris?"),
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=GREEDY,
+    )
     (use,) = [b for b in msg.content if b.type == "tool_use"]
     assert use.name == "get_weather" and isinstance(use.input.get("city"), str) and msg.stop_reason == "tool_use"
     reply = claude.messages.create(
         model=MODEL,
         max_tokens=8,
         tools=[tool],
-        messages=[*chat("Weather in Paris?"), {"role": "assistant", "content": [use.model_dump()]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]}],
+        messages=[
+            *chat("Weather in Paris?"),
+            {"role": "assistant", "content": [use.model_dump()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]},
+        ],
     )
     assert reply.content
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
-    shaped = claude.messages.create(model=MODEL, max_tokens=30, messages=chat("Is water wet? Answer in JSON."), output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+    shaped = claude.messages.create(
+        model=MODEL,
+        max_tokens=30,
+        messages=chat("Is water wet? Answer in JSON."),
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=GREEDY,
+    )
     jsonschema.validate(json.loads(shaped.content[0].text), schema)
 
 
@@ -362,7 +428,13 @@ def test_embedding_errors(http):
         ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}),
         ("/v1/responses", {"input": [{"role": "user", "content": 5}]}),
         ("/v1/responses", {"input": "x", "tool_choice": {"type": "function"}, "tools": [{"type": "function", "name": "f"}]}),
-        ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}], "tools": [{"type": "function", "name": "f"}]}),
+        (
+            "/v1/responses",
+            {
+                "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}],
+                "tools": [{"type": "function", "name": "f"}],
+            },
+        ),
         ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]}),
         ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "x", "input": "no"}]}]}),
         ("/v1/messages", {"max_tokens": 2, "messages": chat("x"), "tools": [{"name": 5}]}),
@@ -401,5 +473,8 @@ def test_an_overloaded_server_is_529_in_anthropic_words():
     from treadle.server.errors import error_response
 
     r = error_response("/v1/messages", 503, "too many requests are waiting")
-    assert r.status_code == 529 and json.loads(r.body) == {"type": "error", "error": {"type": "overloaded_error", "message": "too many requests are waiting"}}
+    assert r.status_code == 529 and json.loads(r.body) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "too many requests are waiting"},
+    }
     assert error_response("/v1/chat/completions", 503, "x").status_code == 503

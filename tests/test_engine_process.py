@@ -20,8 +20,8 @@ from treadle import step as S
 from treadle.engine import protocol as P
 
 from .conftest import MODEL
-from .server_process import ServerProcess
 from .reference import hf_greedy
+from .server_process import ServerProcess
 from .test_registry import PLUGIN_ENV, fresh_registry, with_plugin, write_gelu_llama_folder  # noqa: F401 (fixtures)
 
 STORY = "The old lighthouse keeper climbed the stairs every evening, counting each step as the sea roared below. "
@@ -246,7 +246,9 @@ def test_a_registered_architecture_is_served_by_treadle_serve(tmp_path, with_plu
     try:
         s.wait_healthy()
         prompt = [5, 60, 61, 99, 200, 17, 3]
-        r = httpx.post(s.url + "/v1/completions", json={"model": "gelu", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            s.url + "/v1/completions", json={"model": "gelu", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60
+        )
         assert r.status_code == 200
         local = LLM(folder, dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
         local = local.outputs[0]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
-from treadle.step import ScheduledRequest, StepInput
 from treadle.engine.request import Request
 from treadle.model.layers import Linear
+from treadle.step import ScheduledRequest, StepInput
 
 from .test_reference import CHAT, PROMPTS
 

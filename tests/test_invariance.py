@@ -172,10 +172,26 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
         # the four dialects in the defaults, sent together: one greedy answer in all of them
         question = [{"role": "user", "content": "Name three colours of the rainbow."}]
         calls = {
-            "chat": ("/v1/chat/completions", {"messages": question, "max_tokens": 24, "temperature": 0}, lambda r: r["choices"][0]["message"]["content"]),
-            "responses": ("/v1/responses", {"input": question, "max_output_tokens": 24, "temperature": 0}, lambda r: r["output"][0]["content"][0]["text"]),
-            "anthropic": ("/v1/messages", {"model": "SmolLM2-135M-Instruct", "messages": question, "max_tokens": 24, "temperature": 0}, lambda r: r["content"][0]["text"]),
-            "ollama": ("/api/chat", {"model": "SmolLM2-135M-Instruct", "messages": question, "stream": False, "options": {"num_predict": 24, "temperature": 0}}, lambda r: r["message"]["content"]),
+            "chat": (
+                "/v1/chat/completions",
+                {"messages": question, "max_tokens": 24, "temperature": 0},
+                lambda r: r["choices"][0]["message"]["content"],
+            ),
+            "responses": (
+                "/v1/responses",
+                {"input": question, "max_output_tokens": 24, "temperature": 0},
+                lambda r: r["output"][0]["content"][0]["text"],
+            ),
+            "anthropic": (
+                "/v1/messages",
+                {"model": "SmolLM2-135M-Instruct", "messages": question, "max_tokens": 24, "temperature": 0},
+                lambda r: r["content"][0]["text"],
+            ),
+            "ollama": (
+                "/api/chat",
+                {"model": "SmolLM2-135M-Instruct", "messages": question, "stream": False, "options": {"num_predict": 24, "temperature": 0}},
+                lambda r: r["message"]["content"],
+            ),
         }
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             replies = {k: pool.submit(lambda c: c[2](httpx.post(server.url + c[0], json=c[1], timeout=120).json()), c) for k, c in calls.items()}

@@ -97,6 +97,10 @@ def test_no_import_circle_remains():
 def test_a_lower_layer_imports_nothing_from_a_higher_one(lower, upper):
     graph = import_graph()
     wrong = sorted(
-        f"{m} -> {t}" for m, targets in graph.items() if m == lower or m.startswith(lower + ".") for t in targets if t == upper or t.startswith(upper + ".")
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m == lower or m.startswith(lower + ".")
+        for t in targets
+        if t == upper or t.startswith(upper + ".")
     )
     assert wrong == []

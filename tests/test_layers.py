@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.model.config import RopeConfig
 from treadle.model.attention import AttentionMetadata, paged_attention
+from treadle.model.config import RopeConfig
 from treadle.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -64,9 +64,7 @@ def test_decode_attention_matches_dense_attention(heads, kv_heads):
     for i, t in enumerate(tables):
         block_tables[i, : len(t)] = torch.tensor(t)
     k_pos = torch.arange(width * block_size)
-    allowed = torch.stack(
-        [(k_pos < n) & (k_pos >= n - w if w else True) for n, w in zip(lengths, window)]
-    )
+    allowed = torch.stack([(k_pos < n) & (k_pos >= n - w if w else True) for n, w in zip(lengths, window)])
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None, None, :]
     slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lengths)])
     q = torch.randn(3, heads, head_dim, generator=g)

@@ -18,7 +18,7 @@ PROMPTS = {
     "long": LONG,
     "french": "Il était une fois, dans un petit village de Provence, une boulangère qui",
     "chinese": "人工智能是计算机科学的一个分支，它",
-    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "digits": "Compute 1234 * 5678 step by step: 1234 * 5000 = 6170000, 1234 * 600 =",
     "list": "Here is a shopping list:\n- eggs\n- milk\n-",
 }

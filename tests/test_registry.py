@@ -213,7 +213,9 @@ def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_re
     register_model("GeluLlamaForCausalLM", f"{PLUGIN}:GeluLlamaModel")
     cfg = _config_from_json("m", {**MINIMAL_HF, "model_type": "other", "architectures": ["GeluLlamaForCausalLM"]})
     assert cfg.architecture == "GeluLlamaForCausalLM"
-    with pytest.raises(ModelLoadError, match=r"m/config.json: model_type = 'phi3', architectures = \['Phi3ForCausalLM'\]: unsupported architecture \(supported: "):
+    with pytest.raises(
+        ModelLoadError, match=r"m/config.json: model_type = 'phi3', architectures = \['Phi3ForCausalLM'\]: unsupported architecture \(supported: "
+    ):
         _config_from_json("m", {**MINIMAL_HF, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
 
 

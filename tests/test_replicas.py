@@ -13,7 +13,6 @@ from .replica_routing import BLOCK, assert_routing_follows_the_cache, complete
 from .server_process import ServerProcess
 
 
-
 def tokens(seed: int, n: int) -> list[int]:
     return [(seed * 37 + i * 7) % 260 for i in range(n)]
 

@@ -181,9 +181,16 @@ def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
         # shorter than a block: nothing comes from the prefix cache)
         assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain + 3
         for route, body in [("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}), ("/api/generate", {"prompt": "hi"})]:
-            counts = [httpx.post(server.url + route, json={"model": MODEL, "stream": False, "options": {"num_predict": 1}, **body, **kw}, timeout=60).json()["prompt_eval_count"] for kw in ({}, {"think": False})]
+            counts = [
+                httpx.post(
+                    server.url + route, json={"model": MODEL, "stream": False, "options": {"num_predict": 1}, **body, **kw}, timeout=60
+                ).json()["prompt_eval_count"]
+                for kw in ({}, {"think": False})
+            ]
             assert counts[1] > counts[0] + 3 and counts[0] == plain, (route, counts)
-        count = lambda **kw: httpx.post(server.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}, timeout=30).json()["input_tokens"]
+        count = lambda **kw: httpx.post(
+            server.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}, timeout=30
+        ).json()["input_tokens"]
         assert count(thinking={"type": "disabled"}) > count() + 3 and count() == plain
     finally:
         server.stop()
@@ -285,7 +292,13 @@ DIALECTS = {
         {"suffix": "x", "images": ["aGk="], "template": "{{ .Prompt }}", "context": [1, 2]},
         {"keep_alive"},
     ),
-    OllamaModelRequest: ("/api/show", {"model": MODEL}, {"model": D + "test_ollama_models_show_ps_version", "name": D + "test_ollama_models_show_ps_version"}, {}, {"verbose"}),
+    OllamaModelRequest: (
+        "/api/show",
+        {"model": MODEL},
+        {"model": D + "test_ollama_models_show_ps_version", "name": D + "test_ollama_models_show_ps_version"},
+        {},
+        {"verbose"},
+    ),
     OllamaEmbedRequest: (
         "/api/embed",
         {"model": MODEL, "input": "hi"},
@@ -331,6 +344,13 @@ def test_dialect_refusals_are_4xx_naming_them_and_no_ops_are_accepted(http, mode
         r = http.post(route, json={**body, field: value})
         assert r.status_code == 400, (field, r.text)
         assert field in r.text, (field, r.text)
-    values = {"user": "u1", "metadata": {"user_id": "u1"}, "service_tier": "auto", "cache_control": {"type": "ephemeral"}, "keep_alive": "5m", "verbose": True}
+    values = {
+        "user": "u1",
+        "metadata": {"user_id": "u1"},
+        "service_tier": "auto",
+        "cache_control": {"type": "ephemeral"},
+        "keep_alive": "5m",
+        "verbose": True,
+    }
     r = http.post(route, json={**body, **{f: values[f] for f in no_op}})
     assert r.status_code == 200, r.text

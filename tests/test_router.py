@@ -26,7 +26,9 @@ def cluster(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
     write_seed_hf(folder)
     workers = [
-        ServerProcess(folder, "--kv-events-port", str(free_port_pair()), "--max-model-len", "256", "--served-model-name", "tiny", "--api-key", WORKER_KEY)
+        ServerProcess(
+            folder, "--kv-events-port", str(free_port_pair()), "--max-model-len", "256", "--served-model-name", "tiny", "--api-key", WORKER_KEY
+        )
         for _ in range(2)
     ]
     router = None

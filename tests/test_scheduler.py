@@ -2,8 +2,8 @@
 
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.request import Request, RequestStatus
-from treadle.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler
+from treadle.sampling_params import SamplingParams
 
 
 def make(rid, n):

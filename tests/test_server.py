@@ -12,9 +12,8 @@ import httpx
 import openai
 import pytest
 
-from .server_process import ServerProcess, free_port_pair
-
 from .conftest import KEY, MODEL, SECOND_KEY
+from .server_process import ServerProcess, free_port_pair
 
 
 @pytest.fixture(scope="module")
@@ -501,7 +500,9 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_never_admitted(limited):
     assert "--request-body-timeout" in json.loads(payload)["error"]["message"]
     assert 1.5 < waited < 20
     assert _stats(s, "two")["requests_received"] == received
-    r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60)
+    r = httpx.post(
+        s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60
+    )
     assert r.status_code == 200  # a body sent at once is served
 
 
@@ -514,7 +515,9 @@ def test_a_stream_whose_client_stops_reading_is_aborted(limited):
     start = time.monotonic()
     # 64 choices with 20 logprobs each: about a megabyte a second, so that the kernel's socket
     # buffers (some MB on loopback) fill within seconds
-    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "n": 64, "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": 20}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Once upon a time", "n": 64, "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": 20}
+    ).encode()
     with _raw_request(s, "/v1/completions", body, "two", rcvbuf=4096) as sock:
         sock.settimeout(30)
         assert sock.recv(256).startswith(b"HTTP/1.1 200")
@@ -526,7 +529,9 @@ def test_a_stream_whose_client_stops_reading_is_aborted(limited):
             time.sleep(0.1)
         assert _stats(s, "two")["num_running"] == 0
         assert time.monotonic() - start < 30
-        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60)
+        r = httpx.post(
+            s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60
+        )
         assert r.status_code == 200  # the stream's slot under --max-concurrent-per-key 1 is free
 
 
@@ -565,8 +570,14 @@ def test_the_engine_core_publishes_kv_events_where_stats_says(limited):
     stats = _stats(s, "two")
     port = int(stats["kv_events_endpoint"].rsplit(":", 1)[1])
     assert stats["kv_events_endpoint"] == f"tcp://127.0.0.1:{port}" and stats["kv_events_replay_endpoint"] == f"tcp://127.0.0.1:{port + 1}"
-    prompt = httpx.post(s.url + "/tokenize", json={"prompt": "The lighthouse keeper wrote down every ship that passed the island, " * 3}, headers={"Authorization": "Bearer two"}).json()["tokens"]
-    r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60)
+    prompt = httpx.post(
+        s.url + "/tokenize",
+        json={"prompt": "The lighthouse keeper wrote down every ship that passed the island, " * 3},
+        headers={"Authorization": "Bearer two"},
+    ).json()["tokens"]
+    r = httpx.post(
+        s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60
+    )
     assert r.status_code == 200
     first = hash_block_tokens(None, prompt[:16])
     deadline = time.time() + 10

@@ -184,13 +184,20 @@ def test_stops_inside_an_accepted_run_end_the_output_there(engines):
         SamplingParams(temperature=0, max_tokens=64, min_tokens=30),
     ):
         want, got = plain.generate(prompt, params)[0].outputs[0], spec.generate(prompt, params)[0].outputs[0]
-        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (want.text, want.token_ids, want.finish_reason, want.stop_reason), params
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (want.text, want.token_ids, want.finish_reason, want.stop_reason), (
+            params
+        )
     assert spec.stats()["kv_blocks_used"] == 0
 
 
 PEOPLE = {
     "type": "object",
-    "properties": {"people": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}}},
+    "properties": {
+        "people": {
+            "type": "array",
+            "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]},
+        }
+    },
     "required": ["people"],
 }
 
@@ -472,7 +479,12 @@ def test_served_speculation_is_counted_in_metrics_and_stats():
     server = ServerProcess("--dtype", "bfloat16", "--speculative-config", json.dumps(FORCED))
     try:
         server.wait_healthy()
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 30, separated by commas."}], "max_tokens": 48, "temperature": 0}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Count from 1 to 30, separated by commas."}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
         with httpx.Client(base_url=server.url, timeout=120) as http:
             whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
             streamed = ""

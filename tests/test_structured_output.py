@@ -81,8 +81,9 @@ def test_unconstrained_output_that_fits_is_unchanged(llm):
     """float32: where the model's own greedy output already satisfies the schema, constraining it
     changes no token."""
     prompt = chat_prompt(llm, 'Reply with only this JSON and nothing else: {"name": "Alice", "age": 30}')
-    free, fixed = run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=60))]), run(
-        llm, [(prompt, SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON}))]
+    free, fixed = (
+        run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=60))]),
+        run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON}))]),
     )
     assert validates(free[0][0]["text"], PERSON) and free[0][0]["finish_reason"] == "stop"  # the premise
     assert fixed[0][0]["token_ids"] == free[0][0]["token_ids"] and fixed[0][0]["text"] == free[0][0]["text"]
@@ -119,8 +120,15 @@ def test_regex_choice_grammar_and_choices_with_seeds(llm):
 
 def test_preempted_constrained_requests_stay_valid(make_llm):
     llm = make_llm(num_kv_blocks=16, block_size=16)
-    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 20, "maxItems": 20}}, "required": ["items"]}
-    reqs = [(chat_prompt(llm, f"List {20 + i} small numbers."), SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema})) for i in range(4)]
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 20, "maxItems": 20}},
+        "required": ["items"],
+    }
+    reqs = [
+        (chat_prompt(llm, f"List {20 + i} small numbers."), SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema}))
+        for i in range(4)
+    ]
     outs = run(llm, reqs)
     assert llm.engine.scheduler.num_preemptions > 0  # the premise: they recomputed each other
     for o in outs:
@@ -171,7 +179,9 @@ def test_grammars_compile_off_the_step_loop_and_are_cached(make_llm, monkeypatch
     monkeypatch.setattr(structured.GrammarCompiler, "compile", slow)
     eng = llm.engine
     so = {"choice": ["alpha", "beta"]}
-    waiting = eng.add_request("w", chat_prompt(llm, "Pick one."), SamplingParams(temperature=0, max_tokens=5, structured_outputs=so), add_special_tokens=False)
+    waiting = eng.add_request(
+        "w", chat_prompt(llm, "Pick one."), SamplingParams(temperature=0, max_tokens=5, structured_outputs=so), add_special_tokens=False
+    )
     eng.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=6))
     got = {"free": 0, "w": 0}
     for _ in range(20):
@@ -213,7 +223,9 @@ def test_a_grammar_that_cannot_go_on_ends_its_request_as_a_client_error(make_llm
     that is the request's own (a 400 over HTTP, not a 500) and frees its blocks."""
     llm = make_llm()
     eng = llm.engine
-    eng.add_request("g", chat_prompt(llm, "Hi"), SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json_object": True}), add_special_tokens=False)
+    eng.add_request(
+        "g", chat_prompt(llm, "Hi"), SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json_object": True}), add_special_tokens=False
+    )
     eng.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=8))
     outs = []
     while eng.has_unfinished_requests():
@@ -264,16 +276,18 @@ class Pet(BaseModel):
 
 
 def test_openai_parse_returns_a_parsed_object(client):
-    r = client.chat.completions.parse(
-        model=MODEL, messages=chat("Describe a pet as JSON."), response_format=Pet, temperature=0, max_tokens=120
-    )
+    r = client.chat.completions.parse(model=MODEL, messages=chat("Describe a pet as JSON."), response_format=Pet, temperature=0, max_tokens=120)
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop"
 
 
 def test_json_object_streamed_equals_non_streamed(client):
     kw = dict(
-        model=MODEL, messages=chat('Reply with only this JSON: {"city": "Oslo", "country": "Norway"}'), response_format={"type": "json_object"}, temperature=0, max_tokens=150
+        model=MODEL,
+        messages=chat('Reply with only this JSON: {"city": "Oslo", "country": "Norway"}'),
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=150,
     )
     whole = client.chat.completions.create(**kw).choices[0]
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
@@ -286,12 +300,23 @@ def test_vllm_and_llama_cpp_forms(client, http):
     )
     assert r.choices[0].message.content in ("yes", "no")
     r = client.chat.completions.create(
-        model=MODEL, messages=chat("A code?"), max_tokens=20, temperature=0.8, seed=3, n=2, extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}}
+        model=MODEL,
+        messages=chat("A code?"),
+        max_tokens=20,
+        temperature=0.8,
+        seed=3,
+        n=2,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}},
     )
     assert all(re.fullmatch("[A-Z]{3}-[0-9]{4}", c.message.content) for c in r.choices)
     body = {"model": MODEL, "prompt": "The answer is", "max_tokens": 5, "temperature": 0, "grammar": 'root ::= " yes" | " no"'}
     assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] in (" yes", " no")
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     body = {"model": MODEL, "prompt": "A JSON object:", "max_tokens": 30, "temperature": 0, "json_schema": schema}
     out = http.post("/v1/completions", json=body).json()["choices"][0]
     assert out["finish_reason"] == "stop" and validates(out["text"], schema)
@@ -306,13 +331,26 @@ def test_vllm_and_llama_cpp_forms(client, http):
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs", "strin"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "Unrecognized"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format.json_schema.schema", "nowhere"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+            "response_format.json_schema.schema",
+            "nowhere",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema"),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
         ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "grammar", "only one"),
         ({"structured_outputs": {"regex": "a" * 300_000}}, "structured_outputs", "--max-schema-bytes"),
         # compiles, but too complex for the parser's limits at its first token: refused up front
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}}}}, "response_format.json_schema.schema", "cannot be used"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "wide", "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "cannot be used",
+        ),
     ],
 )
 def test_bad_constraints_are_400_before_any_stream(http, change, param, words, stream):

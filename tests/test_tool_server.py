@@ -25,7 +25,13 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +107,12 @@ def test_constraint_applies_after_the_reasoning(scripted):
 def test_multi_turn_tool_use_renders_through_the_template(scripted):
     client, server = scripted
     history = chat("Weather in Paris?") + [
-        {"role": "assistant", "content": None, "reasoning": "I will call it.", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": "I will call it.",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
     ]
     ids = httpx.post(server.url + "/tokenize", json={"messages": history}).json()["tokens"]
@@ -131,7 +142,9 @@ def test_required_named_and_auto_calls(client):
     assert r.message.tool_calls and all(args_valid(c, tools) for c in r.message.tool_calls)
     if r.finish_reason != "length":
         assert r.finish_reason == "tool_calls"
-    streamed = reassemble(client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80, stream=True))
+    streamed = reassemble(
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80, stream=True)
+    )
     assert [(n, a) for n, a in streamed[2]][: len(r.message.tool_calls)] == [(c.function.name, c.function.arguments) for c in r.message.tool_calls]
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice=named, temperature=0, max_tokens=40).choices[0]
@@ -146,7 +159,13 @@ def test_required_named_and_auto_calls(client):
 
 def test_parallel_tool_calls_false_allows_one_call(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=chat("Weather in Paris and in Rome?"), tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80
+        model=MODEL,
+        messages=chat("Weather in Paris and in Rome?"),
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
     ).choices[0]
     assert len(r.message.tool_calls) == 1 and r.finish_reason == "tool_calls"
 

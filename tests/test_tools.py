@@ -22,7 +22,10 @@ WEATHER = {
         },
     },
 }
-SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+SEARCH = {
+    "type": "function",
+    "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}},
+}
 TOOLS = tool_setup([WEATHER, SEARCH], "auto", None).by_name()
 
 # (family, reply, content, [(name, arguments)])
@@ -175,7 +178,11 @@ def test_history_renders_natively_or_as_text():
     setup = tool_setup([SEARCH], "auto", None)
     history = [
         {"role": "user", "content": "find x"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "x is 4"},
     ]
     native, kwargs = prepare_messages(history, setup, native=True)

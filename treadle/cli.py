@@ -10,6 +10,7 @@ from .routing.policy import POLICIES
 from .server.reasoning import PARSERS as REASONING_PARSERS
 from .server.tools import PARSERS as TOOL_PARSERS
 
+
 def cmd_run(args) -> int:
     from .engine.llm_engine import LLMEngine
     from .sampling_params import SamplingParams
@@ -60,7 +61,9 @@ def add_limit_args(parser) -> None:
 
     defaults = {f.name: f.default for f in fields(ServerSettings)}
     for name, text in LIMIT_HELP.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name], help=f"{text} (default: {defaults[name]})")
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name], help=f"{text} (default: {defaults[name]})"
+        )
 
 
 def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
@@ -157,7 +160,10 @@ def cmd_router(args) -> int:
         request_body_timeout=args.request_body_timeout,
     )
     prompts = PromptReader(
-        load_tokenizer(args.model), chat_template=read_chat_template(args.chat_template), tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser
+        load_tokenizer(args.model),
+        chat_template=read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return run_router(settings, prompts, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -166,20 +172,50 @@ def add_router_parser(sub) -> None:
     from .server.prepare import ServerSettings
 
     r = sub.add_parser("router", help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached")
-    r.add_argument("--model", "-m", default=None, help="the workers' model: its tokenizer and chat template are read (no weights) to hash prompts as the engines do (default: the embedded SmolLM2-135M-Instruct)")
-    r.add_argument("--worker", action="append", required=True, metavar="URL", help="a treadle serve worker's base URL, e.g. http://10.0.0.2:8000; give it once per worker (start workers with --kv-events-port for cache_aware)")
+    r.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="the workers' model: its tokenizer and chat template are read (no weights) to hash prompts as the engines do (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    r.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a treadle serve worker's base URL, e.g. http://10.0.0.2:8000; give it once per worker (start workers with --kv-events-port for cache_aware)",
+    )
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     r.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    r.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' from clients, as treadle serve does (default: $TREADLE_API_KEY, comma-separated, else none)")
-    r.add_argument("--worker-api-key", default=None, help="the key sent to the workers instead of the client's, and with the router's own health checks of their /stats: needed when the workers have --api-key (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)")
+    r.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' from clients, as treadle serve does (default: $TREADLE_API_KEY, comma-separated, else none)",
+    )
+    r.add_argument(
+        "--worker-api-key",
+        default=None,
+        help="the key sent to the workers instead of the client's, and with the router's own health checks of their /stats: needed when the workers have --api-key (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)",
+    )
     add_routing_args(r, "worker")
     r.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between health checks of each worker (default: 2)")
     r.add_argument("--chat-template", default=None, help="the workers' --chat-template, if they have one (default: the model's)")
     r.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS, help="the workers' --tool-call-parser (default: auto)")
     r.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help="the workers' --reasoning-parser (default: off)")
     defaults = {f.name: f.default for f in fields(ServerSettings)}
-    r.add_argument("--max-request-bytes", type=int, default=defaults["max_request_bytes"], help=f"{LIMIT_HELP['max_request_bytes']} (default: {defaults['max_request_bytes']})")
-    r.add_argument("--request-body-timeout", type=float, default=defaults["request_body_timeout"], help=f"{LIMIT_HELP['request_body_timeout']} (default: {defaults['request_body_timeout']})")
+    r.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults["max_request_bytes"],
+        help=f"{LIMIT_HELP['max_request_bytes']} (default: {defaults['max_request_bytes']})",
+    )
+    r.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=defaults["request_body_timeout"],
+        help=f"{LIMIT_HELP['request_body_timeout']} (default: {defaults['request_body_timeout']})",
+    )
     r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
     r.set_defaults(func=cmd_router)
 
@@ -211,7 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="mp",
         help="where the replicas run: child processes of this server (mp), or Ray actors placed on an existing Ray cluster (ray; see --ray-address) (default: mp)",
     )
-    srv.add_argument("--ray-address", default=None, help="the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster `ray start` began on this machine)")
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster `ray start` began on this machine)",
+    )
     add_routing_args(srv, "replica")
     srv.add_argument(
         "--kv-events-port",
@@ -220,12 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish KV cache events (block stored / removed / all cleared, vLLM's ZMQ wire format) on --host at this port, the replay socket at the next one; /stats names them (default: off)",
     )
     srv.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind the API key too (default: open, for scrapers)")
-    srv.add_argument("--log-requests", action="store_true", help="log each request's route and body at INFO (default: off; headers and keys are never logged)")
+    srv.add_argument(
+        "--log-requests", action="store_true", help="log each request's route and body at INFO (default: off; headers and keys are never logged)"
+    )
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
     srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
     srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
     add_limit_args(srv)
-    srv.add_argument("--max-schema-bytes", type=int, default=256 * 1024, help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)")
+    srv.add_argument(
+        "--max-schema-bytes",
+        type=int,
+        default=256 * 1024,
+        help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)",
+    )
     srv.add_argument(
         "--tool-call-parser",
         default="auto",

@@ -5,7 +5,6 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 
-
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_TREE_DEPTH = 256
@@ -97,7 +96,6 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
 
 
 @dataclass

@@ -43,10 +43,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)
-            for c in conversations
-        ]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs) for c in conversations]
         # The template writes any BOS itself.
         return self._run(prompts, params, add_special_tokens=False)
 

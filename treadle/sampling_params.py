@@ -65,8 +65,6 @@ def as_structured(value) -> StructuredOutputsParams | None:
     raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
 
 
-
-
 @dataclass
 class SamplingParams:
     n: int = 1

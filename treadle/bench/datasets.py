@@ -256,7 +256,9 @@ def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> No
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     p.add_argument("--prefix-repetition-output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=num_prompts)
-    p.add_argument("--multiturn-conversations", type=int, default=16, help="multiturn: conversations (each a chain of turns; --max-concurrency of them at once)")
+    p.add_argument(
+        "--multiturn-conversations", type=int, default=16, help="multiturn: conversations (each a chain of turns; --max-concurrency of them at once)"
+    )
     p.add_argument("--multiturn-turns", type=int, default=4, help="multiturn: user turns per conversation")
     p.add_argument("--multiturn-turn-tokens", type=int, default=64, help="multiturn: tokens of each new user message")
     p.add_argument("--multiturn-system-prompt-tokens", type=int, default=256, help="multiturn: tokens of each conversation's own system prompt")
@@ -279,7 +281,13 @@ def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
         )
     if args.dataset_name == "multiturn":
         return multiturn_dataset(
-            tok, args.multiturn_conversations, args.multiturn_turns, args.multiturn_turn_tokens, args.multiturn_system_prompt_tokens, args.random_output_len, seed
+            tok,
+            args.multiturn_conversations,
+            args.multiturn_turns,
+            args.multiturn_turn_tokens,
+            args.multiturn_system_prompt_tokens,
+            args.random_output_len,
+            seed,
         )
     if args.dataset_name == "editing":
         return editing_dataset(tok, args.num_prompts, seed)

@@ -37,13 +37,34 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, help="logprobs per token to request (default: none)")
-    p.add_argument("--structured-output-ratio", type=float, default=0.0, metavar="R", help="this fraction of the requests (drawn from --seed) carry a JSON schema in structured_outputs")
-    p.add_argument("--structured-output-schema", default=None, metavar="FILE", help="the JSON schema they carry (default: one that cannot close, so they run to max_tokens)")
-    p.add_argument("--structured-output-distinct-schemas", type=int, default=0, metavar="K", help="cycle over K generated schemas, new per seed: grammar cache misses")
-    p.add_argument("--structured-output-schema-bytes", type=int, default=0, metavar="B", help="each generated schema's size in bytes (its JSON as sent)")
+    p.add_argument(
+        "--structured-output-ratio",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="this fraction of the requests (drawn from --seed) carry a JSON schema in structured_outputs",
+    )
+    p.add_argument(
+        "--structured-output-schema",
+        default=None,
+        metavar="FILE",
+        help="the JSON schema they carry (default: one that cannot close, so they run to max_tokens)",
+    )
+    p.add_argument(
+        "--structured-output-distinct-schemas",
+        type=int,
+        default=0,
+        metavar="K",
+        help="cycle over K generated schemas, new per seed: grammar cache misses",
+    )
+    p.add_argument(
+        "--structured-output-schema-bytes", type=int, default=0, metavar="B", help="each generated schema's size in bytes (its JSON as sent)"
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--health-probe-interval", type=float, default=None, metavar="SECONDS", help="GET /health this often while the load runs; report its latency")
+    p.add_argument(
+        "--health-probe-interval", type=float, default=None, metavar="SECONDS", help="GET /health this often while the load runs; report its latency"
+    )
     p.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="ttft:MS tpot:MS e2el:MS")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     p.add_argument("--metric-percentiles", default="99")
@@ -159,7 +180,9 @@ async def server_counters(client: httpx.AsyncClient, url: str) -> dict:
         stats = {}
     if "workers" in stats:  # treadle router
         per = [w.get("stats") or {} for w in stats["workers"]]
-        return {k: sum(s[k] for s in per if isinstance(s.get(k), int)) if any(isinstance(s.get(k), int) for s in per) else None for k in SERVER_COUNTERS}
+        return {
+            k: sum(s[k] for s in per if isinstance(s.get(k), int)) if any(isinstance(s.get(k), int) for s in per) else None for k in SERVER_COUNTERS
+        }
     return {k: stats.get(k) for k in SERVER_COUNTERS}
 
 
@@ -228,7 +251,11 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
                         bar.update(1)
                     if not r.success:  # the rest cannot be sent as it would have been: failed with it
                         for later in turns[i + 1 :]:
-                            out.append(RequestResult(prompt_len=later.prompt_len, turn=later.turn, error=f"an earlier turn of its conversation failed: {r.error}"))
+                            out.append(
+                                RequestResult(
+                                    prompt_len=later.prompt_len, turn=later.turn, error=f"an earlier turn of its conversation failed: {r.error}"
+                                )
+                            )
                         break
                     history.append({"role": "assistant", "content": r.text})
                     sent_tokens += r.output_len
@@ -439,7 +466,10 @@ def cmd_bench_serve(args) -> int:
     result = bench_serve(args)
     print_report(result, args)
     if args.save_result:
-        name = args.result_filename or f"{args.backend}-{result['max_concurrency'] or 'inf'}qps-{result['model_id'].replace('/', '_')}-{result['date']}.json"
+        name = (
+            args.result_filename
+            or f"{args.backend}-{result['max_concurrency'] or 'inf'}qps-{result['model_id'].replace('/', '_')}-{result['date']}.json"
+        )
         os.makedirs(args.result_dir, exist_ok=True)
         path = os.path.join(args.result_dir, name)
         with open(path, "w") as f:

@@ -14,8 +14,8 @@ def add_throughput_args(p) -> None:
 
 def cmd_bench_throughput(args) -> int:
     from ..config import engine_config_from_args
-    from ..sampling_params import SamplingParams
     from ..llm import LLM
+    from ..sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})

@@ -31,7 +31,9 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids, block_size: int, cac
     chain: each block's hash includes its parent's; the first block's, the cache_salt)."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         i = len(hashes)
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size], cache_salt if i == 0 else None))
+        hashes.append(
+            hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size], cache_salt if i == 0 else None)
+        )
     return hashes
 
 

@@ -27,13 +27,13 @@ from ..config import EngineConfig
 from ..model.default_model import MODEL_NAME
 from ..model.runner import InjectedFault
 from ..model.worker import ModelWorker
+from ..sampling_params import SamplingParams
 from ..step import NewRequestData, StepInput
 from . import stats
 from .draft_model import DraftModel
 from .kv_cache_manager import KVCacheManager
 from .protocol import CoreOutput, EngineCoreRequest, child_request_id
 from .request import Request, validate_prompt
-from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec_decode import SpeculationPolicy, fill_proposals
 from .step_cost import StepCostModel
@@ -90,7 +90,12 @@ class EngineCore:
         if spec is not None:
             self.spec = SpeculationPolicy(spec, self.step_cost, self.max_model_len, self.draft.max_position if self.draft else None)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, spec=self.spec
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            spec=self.spec,
         )
         # structured output: grammars compile on a thread while their requests wait (never in a step)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, config.max_grammar_compile_seconds)

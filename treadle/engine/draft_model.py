@@ -29,11 +29,10 @@ import numpy as np
 import torch
 
 from ..model.runner import ModelRunner
+from ..model.sampler import allowed_from_bitmask
 from ..model.verification import HistoryWithDrafts
 from ..step import ScheduledRequest, StepInput
-from ..model.sampler import allowed_from_bitmask
 from .structured import MatcherWalk
-
 
 
 class DraftModel:

@@ -8,12 +8,12 @@ puts the same two halves in two processes (`server/engine_client.py`, `engine/co
 import itertools
 
 from ..config import EngineConfig
+from ..sampling_params import SamplingParams
 from .core import EngineCore
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .protocol import EngineCoreRequest, params_to_dict
 from .request import validate_prompt
-from ..sampling_params import SamplingParams
 
 
 class LLMEngine:

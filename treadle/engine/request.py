@@ -2,8 +2,8 @@
 
 import enum
 
-from ..step import TokenHistory
 from ..sampling_params import SamplingParams
+from ..step import TokenHistory
 
 
 class RequestStatus(enum.Enum):
@@ -75,10 +75,7 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, "
-            "which leaves no room to generate"
-        )
+        raise ValueError(f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, which leaves no room to generate")
     if params.logit_bias and any(not 0 <= t < vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
     if any(not 0 <= t < vocab_size for t in params.stop_token_ids):

@@ -24,9 +24,9 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from ..sampling_params import StructuredOutputsParams
-
 import numpy as np
+
+from ..sampling_params import StructuredOutputsParams
 
 # JSON whitespace: none, one space, or a newline with up to 20 spaces or tabs of indentation
 # between tokens (llama.cpp's json-schema-to-grammar rule). Compact, spaced and pretty-printed JSON
@@ -83,9 +83,7 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 tok = self._tokenizer
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    tok.backend.to_str(), n_vocab=self.vocab_size, eos_token=sorted(tok.stop_token_ids)
-                )
+                self._ll_tokenizer = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab_size, eos_token=sorted(tok.stop_token_ids))
             return self._ll_tokenizer
 
     def compile(self, so: StructuredOutputsParams):

@@ -26,8 +26,8 @@ class _Node:
 
     def __init__(self, count: int, parent, tokens: list[int] | None, start: int, length: int, children=None):
         self.count = count
-        self.children: dict[int, "_Node"] | None = children
-        self.parent: "_Node | None" = parent
+        self.children: dict[int, _Node] | None = children
+        self.parent: _Node | None = parent
         self.tokens = tokens
         self.start = start
         self.length = length

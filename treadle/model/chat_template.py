@@ -29,7 +29,7 @@ from jinja2.compiler import CodeGenerator
 from jinja2.filters import make_attrgetter
 from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_CHARS = 16 * 1024 * 1024  # a rendered conversation, or any string built on the way to it
 MAX_ITEMS = 1024 * 1024  # any list, tuple or dict built on the way

@@ -48,7 +48,18 @@ from .loader import resolve_model_path
 
 log = logging.getLogger("treadle.compile")
 
-_SOURCES = ("llama.py", "interface.py", "worker.py", "layers.py", "attention.py", "compiled.py", "compiler_process.py", "gguf_loader.py", "hf_loader.py", "kernels/__init__.py")
+_SOURCES = (
+    "llama.py",
+    "interface.py",
+    "worker.py",
+    "layers.py",
+    "attention.py",
+    "compiled.py",
+    "compiler_process.py",
+    "gguf_loader.py",
+    "hf_loader.py",
+    "kernels/__init__.py",
+)
 
 
 @dataclass(frozen=True)

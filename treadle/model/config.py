@@ -118,7 +118,9 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
         if value is not None or name != "sliding_window":
             setattr(config, name, file_int(where, keys.get(name, name), value, lo, hi))
     if config.num_heads % config.num_kv_heads:
-        raise ModelLoadError(f"{where}: {keys.get('num_kv_heads')} = {config.num_kv_heads}: does not divide {keys.get('num_heads')} = {config.num_heads}")
+        raise ModelLoadError(
+            f"{where}: {keys.get('num_kv_heads')} = {config.num_kv_heads}: does not divide {keys.get('num_heads')} = {config.num_heads}"
+        )
     if config.head_dim % 2:
         raise ModelLoadError(f"{where}: {keys.get('head_dim')} = {config.head_dim}: rotary embeddings need an even head size")
     config.rms_norm_eps = file_float(where, keys.get("rms_norm_eps", "rms_norm_eps"), config.rms_norm_eps)

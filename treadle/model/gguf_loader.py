@@ -85,7 +85,9 @@ def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> Mode
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
-            raise ModelLoadError(f"{path}: {arch}.rope.scaling.type = {scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)")
+            raise ModelLoadError(
+                f"{path}: {arch}.rope.scaling.type = {scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)"
+            )
         rope.scaling_type = "linear"
         rope.factor = get("rope.scaling.factor", 1.0)
     vocab = meta.get("tokenizer.ggml.tokens")
@@ -203,9 +205,7 @@ def _int4_blocks(tensor) -> Int4Weight:
     qs = raw[:, size - 16 :]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, -1)  # uint8; int32 only while packing
     zero = np.zeros_like(d) if kind == "Q4_0" else raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8 * d
-    return Int4Weight(
-        torch.from_numpy(q), torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(zero.reshape(rows, -1).copy())
-    )
+    return Int4Weight(torch.from_numpy(q), torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(zero.reshape(rows, -1).copy()))
 
 
 def _float_weight(path: str, tensor, heads: int | None) -> torch.Tensor:
@@ -236,7 +236,9 @@ def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
             # Llama-3 style scaling stored as per-frequency divisors.
             factors = _dequantize(path, tensor).reshape(-1)
             if factors.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
-                raise ModelLoadError(f"{path}: tensor rope_freqs.weight: expected {config.head_dim // 2} finite positive factors, found {factors.shape[0]}")
+                raise ModelLoadError(
+                    f"{path}: tensor rope_freqs.weight: expected {config.head_dim // 2} finite positive factors, found {factors.shape[0]}"
+                )
             config.rope.freq_factors = factors.tolist()
             continue
         hf = _hf_name(path, tensor.name)

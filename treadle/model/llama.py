@@ -113,9 +113,7 @@ class LlamaModel(CausalLM):
         # The head is the largest matrix (vocab x hidden): with quantized weights on, an int8 copy
         # halves what a decode step of a few requests reads.
         self.lm_head = Linear(head, None, int8=bool(int4) and dtype == torch.bfloat16 and not batch_invariant)
-        self.layers = [
-            DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device, one_form=batch_invariant) for i in range(config.num_layers)
-        ]
+        self.layers = [DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device, one_form=batch_invariant) for i in range(config.num_layers)]
         if batch_invariant:
             for linear in self.linears():
                 linear.row_chunk = Linear.INVARIANT_ROWS
@@ -124,7 +122,9 @@ class LlamaModel(CausalLM):
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
         # the rotary tables cover the model's context (a file's claim capped) or the engine's longer
         # max_model_len; the same size in the compiler's process as in the engine's (graphs see it)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max(min(config.max_position, ROPE_TABLE_CAP), config.position_table or 0)).to(device)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max(min(config.max_position, ROPE_TABLE_CAP), config.position_table or 0)).to(
+            device
+        )
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

@@ -15,10 +15,8 @@ import torch
 
 from ..sampling_params import SamplingParams
 from ..step import SampledToken, StepInput, TokenHistory
-
 from . import kernels
 from .attention import AttentionMetadata, PrefillChunk, graph_kernel_args
-
 from .config import ModelConfig
 from .registry import resolve_model_class
 from .sampler import Sampler, allowed_from_bitmask
@@ -293,7 +291,9 @@ class ModelRunner:
             if meta.kernel_args is None or not all(len(s.token_ids) == s.num_drafts + 1 for s in scheduled):
                 return None
             tables, row_table, key_begin, key_end, _ = meta.kernel_args
-            graph_meta = replace(meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None)
+            graph_meta = replace(
+                meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None
+            )
             return num_rows, tables.shape[1], graph_meta
         if not decode_tables or prompt_chunks or len(decode_tables) != num_rows:
             return None

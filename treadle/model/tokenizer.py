@@ -8,7 +8,8 @@ import json
 import logging
 import os
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import render
 from .config import ModelLoadError
@@ -40,9 +41,7 @@ def _split_then_bytes(pattern: str):
 
 def _smollm_pre_tokenizer():
     # SmolLM's own tokenizer.json: every digit alone, then GPT-2's byte-level split.
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
 # tokenizer.ggml.pre -> the pre-tokenizer llama.cpp applies for it.
@@ -79,9 +78,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.source = source
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = frozenset(
-            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
-        )
+        self.special_token_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
 
     @property
     def bos_token(self) -> str:
@@ -136,9 +133,7 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
     elif kind == "llama":
         backend = _sentencepiece_bpe(path, meta, tokens, token_types)
     else:
-        raise ModelLoadError(
-            f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')"
-        )
+        raise ModelLoadError(f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')")
 
     specials = [
         AddedToken(tok, special=(tt == TOKEN_CONTROL), normalized=False)
@@ -206,9 +201,7 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
 def _byte_level_bpe(path: str, meta: dict, tokens: list[str]) -> HFTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in BPE_PRE_TOKENIZERS:
-        raise ModelLoadError(
-            f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})"
-        )
+        raise ModelLoadError(f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})")
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
@@ -344,9 +337,7 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         chat_template = extra.get("chat_template") if isinstance(extra, dict) else None
     if chat_template is not None and not isinstance(chat_template, str):
         raise ModelLoadError(f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: expected a template string")
-    return Tokenizer(
-        backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder
-    )
+    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder)
 
 
 def _as_list(where: str, value) -> list[int]:

@@ -135,9 +135,7 @@ class ModelWorker:
             raise ValueError(f"the KV cache holds no block: one block needs {per_block} bytes")
         if num_blocks * bs < max_len:
             if cfg.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of {bs} tokens = {num_blocks * bs} tokens)"
-                )
+                raise ValueError(f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of {bs} tokens = {num_blocks * bs} tokens)")
             max_len = num_blocks * bs
         return num_blocks, max_len
 

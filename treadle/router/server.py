@@ -36,17 +36,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .. import __version__
-from ..server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
-from ..server.errors import error_response
 from ..routing.kv_index import KVEventSubscriber
 from ..routing.policy import RoutingPolicy
+from ..server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
+from ..server.errors import error_response
 from .prompts import PromptReader
 
 log = logging.getLogger("treadle.router")
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504, 529})  # the worker could not take it: another may
-HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer", "upgrade", "proxy-authorization"})
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat", "/api/generate", "/v1/responses", "/v1/embeddings", "/api/embed"})
+HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer", "upgrade", "proxy-authorization"}
+)
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat", "/api/generate", "/v1/responses", "/v1/embeddings", "/api/embed"}
+)
 HIT_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -100,12 +104,20 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.m_requests = Counter("treadle_router:requests", "Requests sent to each worker (retries included).", ["worker"], registry=self.registry)
-        self.m_retries = Counter("treadle_router:retries", "Requests tried again on another worker, by the worker that failed them.", ["worker"], registry=self.registry)
-        self.m_unroutable = Counter("treadle_router:unroutable_requests", "Requests refused because no healthy worker could take them.", registry=self.registry)
+        self.m_retries = Counter(
+            "treadle_router:retries", "Requests tried again on another worker, by the worker that failed them.", ["worker"], registry=self.registry
+        )
+        self.m_unroutable = Counter(
+            "treadle_router:unroutable_requests", "Requests refused because no healthy worker could take them.", registry=self.registry
+        )
         self.m_hits = Histogram("treadle_router:routed_prefix_hit_tokens", "Cached prompt tokens predicted at the chosen worker, per routed request.", buckets=HIT_BUCKETS, registry=self.registry)  # fmt: skip
-        self.m_hit_tokens = Counter("treadle_router:routed_prefix_hit_tokens_by_worker", "Cached prompt tokens predicted, by worker.", ["worker"], registry=self.registry)
+        self.m_hit_tokens = Counter(
+            "treadle_router:routed_prefix_hit_tokens_by_worker", "Cached prompt tokens predicted, by worker.", ["worker"], registry=self.registry
+        )
         self.m_healthy = Gauge("treadle_router:worker_healthy", "1 while the worker passes its health check.", ["worker"], registry=self.registry)
-        self.m_in_flight = Gauge("treadle_router:worker_requests_in_flight", "Requests in flight at each worker, from this router.", ["worker"], registry=self.registry)
+        self.m_in_flight = Gauge(
+            "treadle_router:worker_requests_in_flight", "Requests in flight at each worker, from this router.", ["worker"], registry=self.registry
+        )
         for url in self.workers:
             self.m_healthy.labels(url).set(0)
             self.m_in_flight.labels(url).set(0)
@@ -113,7 +125,9 @@ class Router:
     # ------------------------------------------------------------ lifecycle and health
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
         await asyncio.gather(*(self.check(w) for w in self.workers.values()))
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -307,7 +321,9 @@ def build_router_app(router: Router) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="treadle router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None, lifespan=asynccontextmanager(lifespan))
+    app = FastAPI(
+        title="treadle router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None, lifespan=asynccontextmanager(lifespan)
+    )
     keys = [k.encode() for k in settings.api_keys]
     app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
 

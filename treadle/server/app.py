@@ -19,7 +19,7 @@ from .api import anthropic, chat_completions, completions, embeddings, ollama, r
 from .engine_client import EngineClient
 from .errors import dialect_of, error_response
 from .metrics import ServerMetrics
-from .prepare import ServerSettings, ServerState, check_model, check_token_ids, model_card, plain_messages, render_chat, require_ready, chat_template
+from .prepare import ServerSettings, ServerState, chat_template, check_model, check_token_ids, model_card, plain_messages, render_chat, require_ready
 from .protocol import DetokenizeRequest, ModelList, RequestError, TokenizeRequest
 from .tools import prepare_messages, template_supports_tools
 

@@ -22,11 +22,11 @@ import zmq.asyncio
 
 from ..config import EngineConfig
 from ..engine.core_process import LOAD_FAILED_EXIT
-from ..utils import process_memory
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
 from ..sampling_params import SamplingParams
+from ..utils import process_memory
 from .launchers import LocalLauncher
 
 log = logging.getLogger("treadle.server")

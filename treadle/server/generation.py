@@ -12,8 +12,8 @@ Invariant: after `close()`, none of this request's ids is left in the engine.
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from fastapi.responses import Response
 
@@ -120,7 +120,10 @@ class Generation:
         engine = self.engine
         limit = self.state.settings.max_waiting
         if len(self.prompts) > limit:
-            raise RequestError(f"{len(self.prompts)} prompts in one request; at most {limit} (--max-waiting) can wait at once", "input" if self.params[0].pooling else "prompt")
+            raise RequestError(
+                f"{len(self.prompts)} prompts in one request; at most {limit} (--max-waiting) can wait at once",
+                "input" if self.params[0].pooling else "prompt",
+            )
         if engine.num_waiting + len(self.prompts) > limit:
             raise RequestError("too many requests are waiting; retry later", status=503, code="queue_full", headers={"Retry-After": "1"})
         try:
@@ -189,7 +192,9 @@ class Generation:
         base = self.request_ids.index(out.request_id) * self.n
         deltas = []
         for c in out.outputs:
-            d = Delta(base + c.index, c.text, list(c.token_ids), list(zip(c.token_ids, c.logprobs or [])), c.finish_reason, c.stop_reason, c.embedding)
+            d = Delta(
+                base + c.index, c.text, list(c.token_ids), list(zip(c.token_ids, c.logprobs or [])), c.finish_reason, c.stop_reason, c.embedding
+            )
             if d.finish_reason:
                 self.reasons[d.index] = d.finish_reason
                 self.stop_reasons[d.index] = d.stop_reason
@@ -208,7 +213,7 @@ class Generation:
         while not self.done:
             try:
                 deltas = await asyncio.wait_for(self.next_deltas(), timeout=0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if request is not None and await request.is_disconnected():
                     raise ClientGone() from None
                 continue

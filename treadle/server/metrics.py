@@ -42,7 +42,13 @@ class _EngineCollector:
             add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", replica, used / s["kv_blocks_total"])
             add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", replica, used)
             add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", replica, s["kv_blocks_total"])
-            add("gauge", "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", replica, len(s["compiled_decode"]["ready"]))
+            add(
+                "gauge",
+                "treadle:compiled_decode_classes",
+                "Decode batch-size classes running compiled graphs.",
+                replica,
+                len(s["compiled_decode"]["ready"]),
+            )
             for name, key, doc in (
                 ("treadle:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
                 ("treadle:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
@@ -60,7 +66,14 @@ class _EngineCollector:
                 ):
                     add("counter", name, doc, replica, spec[key])
                 for pos, n in enumerate(spec["accepted_per_position"]):
-                    add("counter", "treadle:spec_decode_num_accepted_tokens_per_pos", "Accepted proposed tokens by their position in the proposal.", replica, n, position=str(pos))
+                    add(
+                        "counter",
+                        "treadle:spec_decode_num_accepted_tokens_per_pos",
+                        "Accepted proposed tokens by their position in the proposal.",
+                        replica,
+                        n,
+                        position=str(pos),
+                    )
         if replicas:
             for i in range(len(client.replicas)):
                 add("counter", "treadle:router_requests", "Requests routed to each replica.", str(i), client.router.routed.get(str(i), 0))
@@ -77,15 +90,9 @@ class ServerMetrics:
                 buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry,
             )  # fmt: skip
             async_engine.observe_prediction = hits.observe
-        self.request_success = Counter(
-            "treadle:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=self.registry
-        )
-        self.ttft = Histogram(
-            "treadle:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry
-        )
-        self.itl = Histogram(
-            "treadle:inter_token_latency_seconds", "Time between streamed tokens.", buckets=LATENCY_BUCKETS, registry=self.registry
-        )
+        self.request_success = Counter("treadle:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("treadle:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("treadle:inter_token_latency_seconds", "Time between streamed tokens.", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram(
             "treadle:request_time_per_output_token_seconds",
             "Per request: (latency - TTFT) / (output tokens - 1).",

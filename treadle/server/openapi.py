@@ -58,7 +58,14 @@ REQUEST_EXAMPLES = {
     ("POST", "/tokenize"): {"messages": _CHAT},
     ("POST", "/detokenize"): {"tokens": [1, 2, 3]},
 }
-STREAMED = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/api/chat"), ("POST", "/api/generate")}
+STREAMED = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/api/chat"),
+    ("POST", "/api/generate"),
+}
 
 
 def _schema_ref(components: dict, model: type[BaseModel]) -> dict:

@@ -22,7 +22,7 @@ it can answer with, its dialect (which picks the error body, ERROR_MODELS) and t
 it can really return.
 """
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -282,7 +282,7 @@ class ResponseFunctionCall(BaseModel):
     arguments: str = Field(description="the arguments as JSON text")
 
 
-ResponseOutputItem = Annotated[Union[ResponseOutputMessage, ResponseReasoningItem, ResponseFunctionCall], Field(discriminator="type")]
+ResponseOutputItem = Annotated[ResponseOutputMessage | ResponseReasoningItem | ResponseFunctionCall, Field(discriminator="type")]
 
 
 class ResponseError(BaseModel):
@@ -428,7 +428,7 @@ class AnthropicToolUseBlock(BaseModel):
     input: Any = Field(description="the parsed arguments: an object, unless a tool's schema asks for another JSON value")
 
 
-AnthropicContentBlock = Annotated[Union[AnthropicTextBlock, AnthropicThinkingBlock, AnthropicToolUseBlock], Field(discriminator="type")]
+AnthropicContentBlock = Annotated[AnthropicTextBlock | AnthropicThinkingBlock | AnthropicToolUseBlock, Field(discriminator="type")]
 
 
 class AnthropicUsage(BaseModel):
@@ -745,7 +745,9 @@ ROUTES: dict[tuple[str, str], dict] = {
     # ---------------------------------------------------------------- OpenAI
     ("GET", "/v1/models"): _route(ModelList, "openai", _KEYED + _GATE),
     ("GET", "/v1/models/{model_id}"): _route(ModelCard, "openai", [404] + _KEYED + _GATE),
-    ("POST", "/v1/chat/completions"): _route(ChatCompletion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("POST", "/v1/chat/completions"): _route(
+        ChatCompletion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
+    ),
     ("POST", "/v1/completions"): _route(Completion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
     # 404 also for an unknown previous_response_id
     ("POST", "/v1/responses"): _route(ResponseObject, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
@@ -754,11 +756,15 @@ ROUTES: dict[tuple[str, str], dict] = {
     # 499 here is a RequestError: OpenAI's error body, not an empty one
     ("POST", "/v1/embeddings"): _route(EmbeddingList, "openai", [400, 404, 499, 500, 503] + _KEYED + _GATE),
     # ---------------------------------------------------------------- Anthropic
-    ("POST", "/v1/messages"): _route(AnthropicMessage, "anthropic", _anthropic(_GENERATE) + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("POST", "/v1/messages"): _route(
+        AnthropicMessage, "anthropic", _anthropic(_GENERATE) + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
+    ),
     ("POST", "/v1/messages/count_tokens"): _route(AnthropicTokenCount, "anthropic", _anthropic([400, 404, 503]) + _KEYED + _GATE),
     # ---------------------------------------------------------------- Ollama (stream defaults to true)
     ("POST", "/api/chat"): _route(OllamaChatResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499),
-    ("POST", "/api/generate"): _route(OllamaGenerateResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499),
+    ("POST", "/api/generate"): _route(
+        OllamaGenerateResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499
+    ),
     ("GET", "/api/tags"): _route(OllamaTags, "ollama", _KEYED + _GATE),
     ("GET", "/api/ps"): _route(OllamaPs, "ollama", _KEYED + _GATE),
     ("POST", "/api/show"): _route(OllamaShow, "ollama", [400, 404, 503] + _KEYED + _GATE),

@@ -5,13 +5,13 @@ chat or completion request and call `prepare_chat` / `prepare_completion`; the r
 `Generation`."""
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..engine.request import validate_prompt
 from .chat_output import ChatOutput
-from .generation import Generation
 from .engine_client import EngineClient
+from .generation import Generation
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
 from .reasoning import reasoning_closed, starts_inside

@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..sampling_params import SamplingParams
-from ..sampling_params import StructuredOutputsParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 Number = StrictInt | StrictFloat
 
@@ -325,5 +324,3 @@ class ModelList(BaseModel):
 def new_id(prefix: str, sep: str = "-") -> str:
     """A unique id: OpenAI chat/completions ids read "chatcmpl-...", Responses and Anthropic ids "resp_..." (sep "_")."""
     return f"{prefix}{sep}{uuid.uuid4().hex}"
-
-

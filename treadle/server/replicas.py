@@ -89,7 +89,9 @@ class ReplicaSet:
         cluster_cpus = connect_ray(ray_address)
         threads = config.threads or max(1, int(cluster_cpus // size))
         if threads * size > cluster_cpus:
-            log.warning("%d replicas x %d threads ask for more CPUs than the Ray cluster has (%g): some wait to be placed", size, threads, cluster_cpus)
+            log.warning(
+                "%d replicas x %d threads ask for more CPUs than the Ray cluster has (%g): some wait to be placed", size, threads, cluster_cpus
+            )
         for i in range(size):
             yield replace(config, threads=threads, cpu_affinity=None, kv_events_endpoint="tcp://NODE:*"), RayLauncher(i, threads)
 
@@ -213,5 +215,8 @@ class ReplicaSet:
         base["data_parallel_size"] = len(self.replicas)
         base["routing_policy"] = self.router.policy
         base["data_parallel_backend"] = self.backend
-        base["replicas"] = [{**s, "replica": i, "ready": r.ready, "routed_requests": self.router.routed.get(str(i), 0)} for i, (s, r) in enumerate(zip(per, self.replicas))]
+        base["replicas"] = [
+            {**s, "replica": i, "ready": r.ready, "routed_requests": self.router.routed.get(str(i), 0)}
+            for i, (s, r) in enumerate(zip(per, self.replicas))
+        ]
         return base

@@ -76,7 +76,10 @@ def available() -> bool:
                 _lib = _build()
             except Exception as e:  # noqa: BLE001 - any failure leaves torch's attention, which is correct
                 _error = f"{type(e).__name__}: {e}"
-                log.warning("treadle's attention kernel is unavailable (%s): torch's SDPA instead, and bfloat16 answers may depend on the batch (not batch-invariant)", _error)
+                log.warning(
+                    "treadle's attention kernel is unavailable (%s): torch's SDPA instead, and bfloat16 answers may depend on the batch (not batch-invariant)",
+                    _error,
+                )
     return _lib is not None
 
 

@@ -16,12 +16,12 @@ from typing import Any
 from fastapi import Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from ..generation import Generation, GenerationFailed
 from ..errors import anthropic_body, anthropic_status
+from ..generation import Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, chat_prompt, check_model, prepare_chat, prepare_renamed, require_ready
 from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from ..tools import tool_setup
-from .reply_parts import ReplyPart, PartStream, reply_parts
+from .reply_parts import PartStream, ReplyPart, reply_parts
 from .sse import sse, stream_response
 
 RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
@@ -135,7 +135,13 @@ def _messages(body) -> list[dict]:
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input"), dict):
                     raise RequestError(f"{at}: a tool_use block needs name and input (an object)", at)
-                calls.append({"id": block.get("id") or f"toolu_{j}", "type": "function", "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+                calls.append(
+                    {
+                        "id": block.get("id") or f"toolu_{j}",
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 if text:
                     out.append({"role": "user", "content": "".join(text)})
@@ -322,7 +328,14 @@ async def stream(generation: Generation, prepared: Prepared):
             yield sse(anthropic_body(anthropic_status(e.status), e.message), "error")
             return
         reason, sequence = _stop(generation.reasons.get(0, "abort"), generation.stop_reasons.get(0), blocks.parts)
-        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(generation, generation.completion_tokens)}, "message_delta")
+        yield sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": _usage(generation, generation.completion_tokens),
+            },
+            "message_delta",
+        )
         yield sse({"type": "message_stop"}, "message_stop")
     finally:
         generation.close()

@@ -4,8 +4,8 @@ import time
 
 from fastapi import Request
 
-from ..generation import Choice, Generation, GenerationFailed
 from ..errors import openai_type
+from ..generation import Choice, Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, prepare_chat
 from ..protocol import ChatCompletionRequest, error_body, new_id
 from .sse import DONE, sse, stream_response
@@ -39,7 +39,14 @@ def reply(generation: Generation, body: ChatCompletionRequest, prepared: Prepare
                 "finish_reason": out.finish_reason(c.finish_reason),
             }
         )
-    return {"id": generation.id, "object": "chat.completion", "created": generation.created, "model": generation.state.settings.served_model_name, "choices": choices, "usage": generation.usage()}
+    return {
+        "id": generation.id,
+        "object": "chat.completion",
+        "created": generation.created,
+        "model": generation.state.settings.served_model_name,
+        "choices": choices,
+        "usage": generation.usage(),
+    }
 
 
 async def stream(generation: Generation, body: ChatCompletionRequest, prepared: Prepared):
@@ -64,7 +71,12 @@ async def stream(generation: Generation, body: ChatCompletionRequest, prepared: 
             if not role_sent:
                 # with the first engine output, as vLLM does, so a client's TTFT means a token is coming
                 role_sent = True
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(generation.num_choices)])
+                yield chunk(
+                    [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        for i in range(generation.num_choices)
+                    ]
+                )
             rounds: list[list[dict]] = [[]]  # chunk k carries each choice's k-th delta
             for d in deltas:
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs):

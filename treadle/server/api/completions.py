@@ -37,7 +37,14 @@ def reply(generation: Generation, body: CompletionRequest, prepared: Prepared, r
         }
         for c in results
     ]
-    return {"id": generation.id, "object": "text_completion", "created": generation.created, "model": generation.state.settings.served_model_name, "choices": choices, "usage": generation.usage()}
+    return {
+        "id": generation.id,
+        "object": "text_completion",
+        "created": generation.created,
+        "model": generation.state.settings.served_model_name,
+        "choices": choices,
+        "usage": generation.usage(),
+    }
 
 
 async def stream(generation: Generation, body: CompletionRequest, prepared: Prepared):

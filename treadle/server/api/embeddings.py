@@ -15,11 +15,11 @@ import numpy as np
 from fastapi import Request
 from pydantic import StrictInt, StrictStr
 
+from ...engine.request import validate_prompt
+from ...sampling_params import SamplingParams
 from ..generation import ClientGone, Generation, GenerationFailed
 from ..prepare import ServerState, check_model, check_token_ids, require_ready
 from ..protocol import RequestError, StrictModel, new_id
-from ...sampling_params import SamplingParams
-from ...engine.request import validate_prompt
 
 
 class EmbeddingRequest(StrictModel):
@@ -63,7 +63,9 @@ def matryoshka_dimensions(state: ServerState) -> list[int] | None:
     return [int(d) for d in dims] if isinstance(dims, list) else None
 
 
-async def embed_texts(state: ServerState, inputs: list, dimensions: int | None, param: str, request: Request | None = None, truncate: bool = False) -> tuple[list[list[float]], int]:
+async def embed_texts(
+    state: ServerState, inputs: list, dimensions: int | None, param: str, request: Request | None = None, truncate: bool = False
+) -> tuple[list[list[float]], int]:
     """Embed texts or token-id lists: (vectors, prompt tokens)."""
     require_ready(state)
     if not inputs:
@@ -71,7 +73,9 @@ async def embed_texts(state: ServerState, inputs: list, dimensions: int | None, 
     if dimensions is not None:
         dims = matryoshka_dimensions(state)
         if not dims:
-            raise RequestError("dimensions: this model does not support matryoshka representation (config.json has no matryoshka_dimensions)", "dimensions")
+            raise RequestError(
+                "dimensions: this model does not support matryoshka representation (config.json has no matryoshka_dimensions)", "dimensions"
+            )
         if dimensions < 1 or dimensions > max(dims):
             raise RequestError(f"dimensions must be between 1 and {max(dims)}, got {dimensions}", "dimensions")
     engine = state.engine
@@ -112,7 +116,12 @@ async def embed_texts(state: ServerState, inputs: list, dimensions: int | None, 
     vectors = []
     for c in choices:
         if c.embedding is None:  # aborted: the server is shutting down
-            raise RequestError("the request was aborted before it finished (the server is shutting down)", status=503, code="shutting_down", headers={"Retry-After": "5"})
+            raise RequestError(
+                "the request was aborted before it finished (the server is shutting down)",
+                status=503,
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
         v = np.asarray(c.embedding, dtype=np.float32)
         if dimensions is not None:
             v = v[:dimensions]

@@ -12,21 +12,21 @@ a 400 naming it.
 
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
 from pydantic import StrictBool, StrictStr
 
 from ... import __version__
+from ..chat_output import is_json
 from ..generation import Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, chat_template, prepare_chat, prepare_completion, prepare_renamed, require_ready
 from ..protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
 from ..tools import template_supports_tools
-from ..chat_output import is_json
+from .embeddings import embed_texts
 from .reply_parts import PartStream, reply_parts
 from .sse import stream_response
-from .embeddings import embed_texts
 
 # Ollama option -> treadle sampling field
 OPTION_FIELDS = {
@@ -44,7 +44,9 @@ OPTION_FIELDS = {
 # set once when a model loads (Ollama's runner options): treadle takes them as server flags
 # the shared checks' parameter names in Ollama's words, for their errors
 RENAMED = {**{v: f"options.{k}" for k, v in OPTION_FIELDS.items()}, "response_format": "format"}
-LOAD_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only", "num_keep"})
+LOAD_OPTIONS = frozenset(
+    {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only", "num_keep"}
+)
 
 
 class OllamaChatRequest(StrictModel):
@@ -114,7 +116,9 @@ def register(app, state: ServerState) -> None:
             prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
-            chat = _chat_request(OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name)
+            chat = _chat_request(
+                OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name
+            )
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
         generation = await prepared.start(state, new_id("ollama"), None, arrival)
         return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
@@ -137,13 +141,19 @@ def register(app, state: ServerState) -> None:
         except RequestError:
             template = ""
         family = entry["details"]["family"]
-        capabilities = ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if state.settings.reasoning_parser else [])
+        capabilities = (
+            ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if state.settings.reasoning_parser else [])
+        )
         return {
             "modelfile": "",
             "parameters": "",
             "template": template,
             "details": entry["details"],
-            "model_info": {"general.architecture": family, f"{family}.context_length": state.engine.max_model_len, "general.context_length": state.engine.max_model_len},
+            "model_info": {
+                "general.architecture": family,
+                f"{family}.context_length": state.engine.max_model_len,
+                "general.context_length": state.engine.max_model_len,
+            },
             "capabilities": capabilities,
             "modified_at": entry["modified_at"],
         }
@@ -156,7 +166,13 @@ def register(app, state: ServerState) -> None:
             raise RequestError(f"options.{sorted(body.options)[0]} is not supported for embeddings", "options")
         inputs = [body.input] if isinstance(body.input, str) else body.input
         vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
-        return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.monotonic() - arrival), "load_duration": 0, "prompt_eval_count": prompt_tokens}
+        return {
+            "model": body.model,
+            "embeddings": vectors,
+            "total_duration": _ns(time.monotonic() - arrival),
+            "load_duration": 0,
+            "prompt_eval_count": prompt_tokens,
+        }
 
     @app.get("/api/version")
     async def version():
@@ -186,12 +202,19 @@ def _model_entry(state: ServerState) -> dict:
         "modified_at": _now(),
         "size": weights,
         "digest": "",
-        "details": {"parent_model": "", "format": "gguf" if state.settings.model_root.endswith(".gguf") else "safetensors", "family": family, "families": [family], "parameter_size": "", "quantization_level": ""},
+        "details": {
+            "parent_model": "",
+            "format": "gguf" if state.settings.model_root.endswith(".gguf") else "safetensors",
+            "family": family,
+            "families": [family],
+            "parameter_size": "",
+            "quantization_level": "",
+        },
     }
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _ns(seconds: float) -> int:
@@ -262,7 +285,13 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise RequestError(f"{where}.tool_calls[{k}] must be {{function: {{name, arguments}}}}", f"{where}.tool_calls")
                 args = fn.get("arguments", {})
-                calls.append({"id": f"call_{i}_{k}", "type": "function", "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                calls.append(
+                    {
+                        "id": f"call_{i}_{k}",
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+                    }
+                )
             msg["tool_calls"] = calls
         messages.append(msg)
     kwargs = {"enable_thinking": body.think} if body.think is not None else None
@@ -322,7 +351,14 @@ async def _respond(generation: Generation, prepared: Prepared, streaming: bool, 
         else:
             parts = reply_parts(prepared.chat_output(), choice.text)
             fields = {"message": _message(parts)} if chat else _generated(parts)
-        return {"model": name, "created_at": _now(), **fields, "done": True, "done_reason": _done_reason(choice.finish_reason), **_timings(generation)}
+        return {
+            "model": name,
+            "created_at": _now(),
+            **fields,
+            "done": True,
+            "done_reason": _done_reason(choice.finish_reason),
+            **_timings(generation),
+        }
 
     return await generation.reply(request, whole)
 

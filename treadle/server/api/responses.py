@@ -19,7 +19,7 @@ from pydantic import StrictBool, StrictInt, StrictStr
 from ..generation import Generation, GenerationFailed
 from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed
 from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
-from .reply_parts import ReplyPart, PartStream, complete_calls, reply_parts
+from .reply_parts import PartStream, ReplyPart, complete_calls, reply_parts
 from .sse import stream_response
 
 # chat-request parameter names as this dialect calls them, for the errors the shared checks raise
@@ -89,7 +89,9 @@ def register(app, state: ServerState) -> None:
         generation = await prepared.start(state, reply.id, None, arrival)
         if body.stream:
             return stream_response(generation, reply.stream(generation, prepared))
-        return await generation.reply(request, lambda choices: reply.final(generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason))
+        return await generation.reply(
+            request, lambda choices: reply.final(generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason)
+        )
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
@@ -149,7 +151,11 @@ def input_messages(items) -> list[dict]:
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise RequestError(f"{where}: a function_call needs name and arguments (a JSON string)", where)
-            call = {"id": item.get("call_id") or item.get("id") or "call_0", "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item.get("call_id") or item.get("id") or "call_0",
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)
             else:
@@ -250,7 +256,14 @@ def _item(block: ReplyPart, item_id: str, done: bool) -> dict:
     if block.kind == "reasoning":
         content = [_part(block, block.text)] if done else []
         return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": block.call_id, "name": block.name, "arguments": block.text if done else ""}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": block.call_id,
+        "name": block.name,
+        "arguments": block.text if done else "",
+    }
 
 
 _ITEM_PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
@@ -373,11 +386,15 @@ class _Reply:
                         yield line
             except GenerationFailed as e:
                 yield event("error", code=e.code, message=e.message, param=e.param)
-                failed = self.response("failed", [], None, error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message})
+                failed = self.response(
+                    "failed", [], None, error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message}
+                )
                 yield event("response.failed", response=failed)
                 return
             response = self.final(generation, parts.parts, generation.reasons.get(0, "abort"))
-            yield event({"incomplete": "response.incomplete", "failed": "response.failed"}.get(response["status"], "response.completed"), response=response)
+            yield event(
+                {"incomplete": "response.incomplete", "failed": "response.failed"}.get(response["status"], "response.completed"), response=response
+            )
         finally:
             generation.close()
 

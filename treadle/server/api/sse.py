@@ -67,7 +67,12 @@ class BoundedStreamingResponse(StreamingResponse):
             if not producer.done():  # the sender failed first (it ends normally only after the producer)
                 sender.result()
             if not producer.result():  # raises what the body raised
-                log.warning("stream %s aborted: its client took nothing while %d bytes piled up (--max-stream-buffer-bytes %d)", self.request_id, self.unsent, self.limit)
+                log.warning(
+                    "stream %s aborted: its client took nothing while %d bytes piled up (--max-stream-buffer-bytes %d)",
+                    self.request_id,
+                    self.unsent,
+                    self.limit,
+                )
                 await self.body_iterator.aclose()
                 return
             produced.set()
@@ -88,4 +93,6 @@ def stream_response(generation, body, media_type: str = "text/event-stream") -> 
     async def close() -> None:  # on the event loop (a plain function would run in a worker thread)
         generation.close()
 
-    return BoundedStreamingResponse(body, limit, generation.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close))
+    return BoundedStreamingResponse(
+        body, limit, generation.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close)
+    )

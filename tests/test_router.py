@@ -35,7 +35,9 @@ def cluster(tmp_path_factory):
     try:
         for w in workers:
             w.wait_healthy()
-        args = ["--model", folder, "--api-key", ROUTER_KEY, "--worker-api-key", WORKER_KEY]
+        # health checks every 6 s: the dead-worker test's requests right after a kill must reach the
+        # router before it notices (at 2 s a busy machine lost that race)
+        args = ["--model", folder, "--api-key", ROUTER_KEY, "--worker-api-key", WORKER_KEY, "--health-check-interval", "6"]
         for w in workers:
             args += ["--worker", w.url]
         router = RouterProcess(*args)
@@ -171,7 +173,7 @@ def test_a_dead_worker_costs_no_request_and_the_router_says_so(cluster):
     retried = next(x for x in metrics.splitlines() if x.startswith(f'treadle_router:retries_total{{worker="{victim.url}"}}'))
     assert float(retried.split()[-1]) >= 1
     workers[1].stop()
-    deadline = time.time() + 10
+    deadline = time.time() + 20
     while httpx.get(router.url + "/health", timeout=5).status_code != 503:
         assert time.time() < deadline
         time.sleep(0.2)

@@ -8,6 +8,19 @@ from treadle.model.default_model import default_model_path
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def no_request_reaches_the_500_handler():
+    """A request that reaches a server's 500 handler is a bug whatever the test checks: fail the
+    test during which it happened (any `treadle serve` the session started, shared ones included)."""
+    from .server_process import LIVE
+
+    for server in list(LIVE):
+        server.internal_errors()  # what came before this test is not this test's
+    yield
+    found = [line for server in list(LIVE) for line in server.internal_errors()]
+    assert not found, "requests reached the server's 500 handler:\n" + "\n".join(found[:5])
+
+
 KEY = "test-key"
 SECOND_KEY = "second-test-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import httpx
 
@@ -30,6 +31,10 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+# every ServerProcess of the session: tests/conftest.py checks their logs after each test
+LIVE: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
+
+
 class ServerProcess:
     command = "serve"
 
@@ -40,6 +45,8 @@ class ServerProcess:
         # the server's output goes to a file (a pipe nobody reads would stop a chatty server)
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.scanned = 0  # bytes of the log internal_errors() has read
+        LIVE.add(self)
 
     @staticmethod
     def default_args(args) -> list[str]:
@@ -63,6 +70,17 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         raise TimeoutError("server did not become healthy")
+
+    def internal_errors(self) -> list[str]:
+        """The log lines of requests that reached the server's 500 handler (a bug, never a client's
+        mistake), since the last call."""
+        from treadle.server.app import INTERNAL_ERROR_MARK
+
+        fd = self.log.fileno()  # shared with the server's stdout: read without moving its offset
+        text = os.pread(fd, max(0, os.fstat(fd).st_size - self.scanned), self.scanned)
+        complete = text.rfind(b"\n") + 1  # a line still being written is read next time
+        self.scanned += complete
+        return [line for line in text[:complete].decode(errors="replace").splitlines() if INTERNAL_ERROR_MARK in line]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,5 +1,6 @@
 """Schemathesis against treadle's own /openapi.json: every route, generated bodies and headers
-(valid and invalid ones), with an API key set and with none. No 5xx, and every response's status,
+(valid and invalid ones, and the same bodies with one string made of lone surrogates or control
+characters: tests/schemathesis_hooks.py), with an API key set and with none. No 5xx, and every response's status,
 content type, headers and body conform to the document; the server is alive at the end.
 
 The server runs a tiny random model (tests/fuzz_model_files.py's seed) with a 64-token context,
@@ -20,6 +21,7 @@ from .server_process import ServerProcess
 EXAMPLES = 25  # per API operation and phase (examples, coverage, fuzzing)
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,response_schema_conformance"
 KEY = "fuzz-key"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,13 @@ def schemathesis(url: str, *args: str, workdir) -> subprocess.CompletedProcess:
         "--generation-database", "none", "--seed", "1", "--no-color", "--request-timeout", "60",
         "--suppress-health-check", "all", *args,
     ]  # fmt: skip
-    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
+    # the bodies also with one string made of lone surrogates, control characters, noncharacters
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900, env=env)
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["api-key", "no-key"])

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from .fuzz_model_files import write_seed_hf
-from .replica_routing import BLOCK, assert_routing_follows_the_cache, complete
+from .replica_routing import BLOCK, assert_routing_follows_the_cache, complete, routed
 from .server_process import ServerProcess
 
 
@@ -50,6 +50,30 @@ def test_a_shared_prefix_goes_where_it_is_cached_and_the_prediction_holds(server
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     line = next(x for x in metrics.splitlines() if x.startswith("treadle:router_predicted_hit_tokens_sum"))
     assert float(line.split()[-1]) >= 2 * 3 * BLOCK
+
+
+def test_new_conversations_sharing_a_system_prompt_spread_and_their_follow_ups_stay(server):
+    """Eight new conversations that share only a 2-block system prompt, sent together, spread over
+    both replicas (the shared blocks are too little of each prompt to decide); each one's next
+    turn goes where its history is and finds it cached."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(5)
+    system = [rng.randrange(260) for _ in range(2 * BLOCK)]
+    firsts = [system + [rng.randrange(260) for _ in range(200)] for _ in range(8)]
+    complete(server, system + [1, 2, 3])  # the system prompt is cached somewhere first
+    time.sleep(0.5)
+    before = routed(server)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: complete(server, p, max_tokens=8), firsts))
+    spread = [a - b for a, b in zip(routed(server), before)]
+    assert sum(spread) == 8 and min(spread) >= 8 / 3, spread
+    time.sleep(0.5)  # their KV events reach the front end's index
+    for p in firsts:
+        follow_up = p + [rng.randrange(260) for _ in range(BLOCK)]
+        reply = complete(server, follow_up)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * len(follow_up), reply["usage"]
 
 
 def test_a_dead_replica_fails_nothing_new_and_comes_back(server):

@@ -114,6 +114,7 @@ def cmd_serve(args) -> int:
             "policy": args.routing_policy,
             "balance_abs_threshold": args.balance_abs_threshold,
             "balance_rel_threshold": args.balance_rel_threshold,
+            "cache_threshold": args.cache_threshold,
             "backend": args.data_parallel_backend,
             "ray_address": args.ray_address,
         },
@@ -126,7 +127,7 @@ def add_routing_args(parser, what: str) -> None:
         "--routing-policy",
         choices=POLICIES,
         default="cache_aware",
-        help=f"the {what} holding the prompt's longest cached prefix unless the load is out of balance (cache_aware), in turn, or the least busy (default: cache_aware)",
+        help=f"the {what} holding the prompt's longest cached prefix where it covers enough of the prompt and the load is in balance (cache_aware), in turn, or the least busy (default: cache_aware)",
     )
     parser.add_argument(
         "--balance-abs-threshold",
@@ -139,6 +140,12 @@ def add_routing_args(parser, what: str) -> None:
         type=float,
         default=1.5,
         help="... the busiest has more than this many times the idlest's, the idlest takes the request whatever is cached (default: 1.5)",
+    )
+    parser.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=0.5,
+        help=f"cache_aware: a prompt of which the best {what} holds less than this fraction cached goes to the least busy one (default: 0.5)",
     )
 
 
@@ -153,6 +160,7 @@ def cmd_router(args) -> int:
         policy=args.routing_policy,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
+        cache_threshold=args.cache_threshold,
         api_keys=api_keys_from(args.api_key, os.environ.get("TREADLE_API_KEY")),
         worker_api_key=args.worker_api_key or os.environ.get("TREADLE_WORKER_API_KEY") or None,
         health_check_interval=args.health_check_interval,

@@ -7,6 +7,7 @@ BOS/EOS ids, the stop set (eos + eot/eom, + generation_config's eos list) and th
 import json
 import logging
 import os
+import re
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -58,6 +59,19 @@ BPE_PRE_TOKENIZERS = {
 }
 
 
+# Template variables the renderer itself sets (the conversation, the special tokens, the helpers
+# every Hugging Face template may call): a caller's extra variables may not replace them.
+TEMPLATE_OWNED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def first_surrogate(text: str) -> int | None:
+    """The position of the first lone surrogate in `text` (not valid Unicode), or None."""
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special ids, stop set and chat template of one model."""
 
@@ -89,6 +103,11 @@ class Tokenizer:
         return self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """ValueError for a text that is not valid Unicode (a lone surrogate: a legal JSON escape
+        and a legal Python str, but no character; the tokenizer cannot take it)."""
+        bad = first_surrogate(text)
+        if bad is not None:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate (U+{ord(text[bad]):04X}) at position {bad}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
@@ -104,6 +123,10 @@ class Tokenizer:
         chat_template: str | None = None,
         **kwargs,
     ) -> str:
+        """`kwargs`: more template variables; none of the renderer's own (`TEMPLATE_OWNED`)."""
+        owned = sorted(TEMPLATE_OWNED & set(kwargs))
+        if owned:
+            raise ValueError(f"template variable {owned[0]!r} is set by the renderer and cannot be passed")
         template = chat_template or self.chat_template
         if not template:
             raise ValueError(f"the model {self.source} has no chat template; pass chat_template=")

@@ -60,6 +60,7 @@ class RouterSettings:
     policy: str = "cache_aware"
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.5
     api_keys: tuple[str, ...] = ()
     worker_api_key: str | None = None
     health_check_interval: float = 2.0
@@ -98,7 +99,7 @@ class Router:
     def __init__(self, settings: RouterSettings, prompts: PromptReader):
         self.settings = settings
         self.prompts = prompts
-        self.policy = RoutingPolicy(settings.policy, settings.balance_abs_threshold, settings.balance_rel_threshold)
+        self.policy = RoutingPolicy(settings.policy, settings.balance_abs_threshold, settings.balance_rel_threshold, settings.cache_threshold)
         self.workers = {url: Worker(url) for url in (u.rstrip("/") for u in settings.workers)}
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None

@@ -4,12 +4,16 @@ a new request: the one routing rule both share.
 - `round_robin`: the next candidate in turn;
 - `least_loaded`: the candidate with the fewest requests in flight;
 - `cache_aware`: the candidate holding the longest prefix of the prompt's full KV blocks (known
-  exactly from the workers' KV events: kv_index.py), unless the load is out of balance. As
-  SGLang's router: when the busiest and the idlest candidate differ by more than
+  exactly from the workers' KV events: kv_index.py) where that prefix matters, else the least
+  loaded. As SGLang's router: when the busiest and the idlest candidate differ by more than
   `balance_abs_threshold` requests and the busiest has more than `balance_rel_threshold` times the
-  idlest's, the least loaded one takes it; else the best prefix match does (ties: the least
-  loaded, then the one given fewest requests so far). A cached prefix saves its prompt's compute
-  only where it is cached; an idle worker saves waiting. The thresholds say when waiting costs more.
+  idlest's, the least loaded one takes it; else, when the best match covers at least
+  `cache_threshold` of the prompt, that worker does (ties: the least loaded, then the one given
+  fewest requests so far); a prompt whose best match covers less (a new conversation that shares
+  only a short system prompt) goes to the least loaded, so that new conversations spread and
+  their follow-ups then find their history where it went. A cached prefix saves its prompt's
+  compute only where it is cached; an idle worker saves waiting. The thresholds say when which
+  matters more.
 """
 
 import itertools
@@ -27,10 +31,15 @@ class Choice:
 
 
 class RoutingPolicy:
-    def __init__(self, policy: str = "cache_aware", balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5):
+    def __init__(
+        self, policy: str = "cache_aware", balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5, cache_threshold: float = 0.5
+    ):
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache threshold must be in [0, 1], got {cache_threshold}")
         self.policy = policy
+        self.cache_threshold = cache_threshold
         self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.index = KVIndex()
         self.routed: dict[str, int] = {}  # requests given to each worker so far
@@ -56,7 +65,10 @@ class RoutingPolicy:
         matched = self.index.match(prompt_block_hashes(prompt_token_ids, block_size, cache_salt))
         order = {w: i for i, w in enumerate(workers)}
         best = max(workers, key=lambda w: (matched.get(w, 0), -loads[w], -self.routed.get(w, 0), -order[w]))  # no match: spread
-        return Choice(best, cached_tokens(matched.get(best, 0), len(prompt_token_ids), block_size))
+        hit = cached_tokens(matched.get(best, 0), len(prompt_token_ids), block_size)
+        if hit < self.cache_threshold * len(prompt_token_ids):  # too little of it cached to matter
+            return Choice(least, cached_tokens(matched.get(least, 0), len(prompt_token_ids), block_size))
+        return Choice(best, hit)
 
     def _predicted(self, worker: str, prompt_token_ids: list[int], block_size: int, cache_salt: str | None) -> int:
         matched = self.index.match(prompt_block_hashes(prompt_token_ids, block_size, cache_salt))

@@ -2,6 +2,7 @@
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,7 +22,7 @@ from .engine_client import EngineClient
 from .errors import dialect_of, error_response
 from .metrics import ServerMetrics
 from .prepare import ServerSettings, ServerState, chat_template, check_model, check_token_ids, model_card, plain_messages, render_chat, require_ready
-from .protocol import DetokenizeRequest, ModelList, RequestError, TokenizeRequest
+from .protocol import DetokenizeRequest, ModelList, RequestError, TokenizeRequest, find_invalid_unicode
 from .tools import prepare_messages, template_supports_tools
 
 __all__ = ["ServerSettings", "build_app"]
@@ -31,6 +33,8 @@ STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/stats")
 LOGGED_BODY_CHARS = 4096
 log = logging.getLogger("treadle.server")
+
+INTERNAL_ERROR_MARK = "internal error (500)"  # in the log of every request that reached the 500 handler
 
 
 class BodyGate:
@@ -166,6 +170,33 @@ def presented_key(request: Request) -> str | None:
     return None
 
 
+class UnicodeCheckedRoute(APIRoute):
+    """A route whose JSON body is checked, before FastAPI validates it and any handler sees it, for
+    strings that are not valid Unicode: a lone surrogate is a legal JSON escape ("\\ud800") and a
+    legal Python str, but no character, and the tokenizer cannot take it. A 400 naming the
+    parameter, in the route's dialect; every dialect and every string field (messages, prompts,
+    tool schemas, stop strings, names, template kwargs) at once. Invalid UTF-8 bytes are FastAPI's
+    own 400 (the body is not JSON)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            body = await request.body()  # starlette keeps it: the handler reads the same bytes
+            if b"\\u" in body:  # a surrogate can only arrive as an escape
+                try:
+                    value = json.loads(body)
+                except ValueError:
+                    value = None  # not JSON: FastAPI's own error
+                found = find_invalid_unicode(value)
+                if found is not None:
+                    param, what = found
+                    raise RequestError(f"{param or 'body'}: not valid Unicode: {what}", param or None)
+            return await handler(request)
+
+        return checked
+
+
 def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -176,6 +207,7 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
             await async_engine.stop()
 
     app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.router.route_class = UnicodeCheckedRoute  # every route registered below
     state = ServerState(async_engine, settings, ServerMetrics(async_engine))
     app.state.treadle = state
 
@@ -205,6 +237,9 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
+        # a bug (a client's mistake is a RequestError): logged with its traceback, under a mark
+        # the tests look for
+        log.error("%s on %s %s", INTERNAL_ERROR_MARK, request.method, request.url.path, exc_info=exc)
         return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     protected = PROTECTED_PREFIXES + (("/metrics",) if settings.metrics_require_key else ())

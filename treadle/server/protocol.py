@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from ..model.tokenizer import TEMPLATE_OWNED, first_surrogate
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 Number = StrictInt | StrictFloat
@@ -26,6 +27,39 @@ class RequestError(ValueError):
         self.status = status
         self.code = code
         self.headers = headers
+
+
+# what a client's chat_template_kwargs may not name: the renderer's own variables, the tools the
+# server renders, and apply_chat_template's own parameters
+SERVER_OWNED_TEMPLATE_KEYS = TEMPLATE_OWNED | {"tools", "chat_template", "self"}
+
+
+def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> None:
+    for key in kwargs or {}:
+        if key in SERVER_OWNED_TEMPLATE_KEYS:
+            raise RequestError(f"{param}.{key}: set by the server's chat rendering, not by a request ({param} may not name it)", param)
+
+
+def find_invalid_unicode(value, path: tuple = ()) -> tuple[str, str] | None:
+    """The first string in a parsed JSON value (keys included) that is not valid Unicode (a lone
+    surrogate, which JSON's \\u escapes can carry): (its parameter path, what is wrong), or None."""
+    if isinstance(value, str):
+        at = first_surrogate(value)
+        if at is not None:
+            return ".".join(map(str, path)), f"a lone surrogate (U+{ord(value[at]):04X}) at position {at}"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if first_surrogate(k) is not None:
+                return ".".join(map(str, path)) or "body", f"a key with a lone surrogate ({k.encode('utf-8', 'backslashreplace').decode()})"
+            found = find_invalid_unicode(v, (*path, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = find_invalid_unicode(v, (*path, i))
+            if found is not None:
+                return found
+    return None
 
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -234,6 +268,7 @@ class ChatCompletionRequest(SamplingFields):
             raise RequestError("function_call other than 'none' is not supported", "function_call")
         if self.modalities and self.modalities != ["text"]:
             raise RequestError("only the text modality is supported", "modalities")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.reasoning_effort is not None:
             raise RequestError("reasoning_effort is not supported (this model does not reason separately)", "reasoning_effort")
         if self.continue_final_message:

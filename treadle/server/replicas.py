@@ -51,6 +51,7 @@ class ReplicaSet:
         *,
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.5,
+        cache_threshold: float = 0.5,
         max_restarts: int = 3,
         log_level: str = "info",
         backend: str = "mp",
@@ -58,7 +59,7 @@ class ReplicaSet:
     ):
         if backend not in BACKENDS:
             raise ValueError(f"data-parallel backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-        self.router = RoutingPolicy(policy, balance_abs_threshold, balance_rel_threshold)
+        self.router = RoutingPolicy(policy, balance_abs_threshold, balance_rel_threshold, cache_threshold)
         self.block_size = config.block_size
         self.backend = backend
         self._events_dir = tempfile.mkdtemp(prefix="treadle-kv-")

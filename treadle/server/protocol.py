@@ -49,8 +49,9 @@ def find_invalid_unicode(value, path: tuple = ()) -> tuple[str, str] | None:
             return ".".join(map(str, path)), f"a lone surrogate (U+{ord(value[at]):04X}) at position {at}"
     elif isinstance(value, dict):
         for k, v in value.items():
-            if first_surrogate(k) is not None:
-                return ".".join(map(str, path)) or "body", f"a key with a lone surrogate ({k.encode('utf-8', 'backslashreplace').decode()})"
+            at = first_surrogate(k)
+            if at is not None:
+                return ".".join(map(str, path)), f"a key with a lone surrogate (U+{ord(k[at]):04X}) at position {at}"
             found = find_invalid_unicode(v, (*path, k))
             if found is not None:
                 return found

@@ -303,8 +303,5 @@ class EngineCore:
     def stats(self) -> dict:
         return stats.snapshot(self)
 
-    def memory(self) -> dict:
-        return stats.memory(self.worker)
-
     def compile_status(self) -> dict:
         return self.worker.compile_status()

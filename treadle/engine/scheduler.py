@@ -31,7 +31,7 @@ from ..step import SampledToken, ScheduledRequest, StepInput
 from .kv_cache_manager import KVCacheManager
 from .protocol import CoreOutput
 from .request import Request, RequestStatus
-from .structured import StructuredOutputManager
+from .structured import accept_token
 
 
 class Scheduler:
@@ -196,7 +196,7 @@ class Scheduler:
         if out.new_logprobs is not None:
             out.new_logprobs.append(sampled.logprobs)
         can_stop = req.num_output_tokens >= p.min_tokens
-        error, complete = StructuredOutputManager.accept_token(req, token)
+        error, complete = accept_token(req, token) if req.matcher is not None else (None, False)
         if error is not None:
             out.finish_reason, out.client_error, out.error = "error", True, error
             self.finish(req, "error")

@@ -11,17 +11,8 @@ def memory(worker) -> dict:
     status = process_memory()
     parts = worker.memory()
     rss = status.get("VmRSS")
-    weights, kv, graphs = parts["weights_bytes"], parts["kv_cache_bytes"], parts["compiled_graphs_bytes"]
-    return {
-        "weights_bytes": weights,
-        "weights_by_type": parts["weights_by_type"],
-        "kv_cache_bytes": kv,
-        "compiled_graphs_bytes": graphs,
-        "other_bytes": None if rss is None else rss - weights - kv - graphs,
-        "rss_bytes": rss,
-        "peak_rss_bytes": status.get("VmHWM"),
-        "compiler_process_rss_bytes": parts["compiler_process_rss_bytes"],
-    }
+    held = parts["weights_bytes"] + parts["kv_cache_bytes"] + parts["compiled_graphs_bytes"]
+    return {**parts, "other_bytes": None if rss is None else rss - held, "rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM")}
 
 
 def snapshot(core) -> dict:

@@ -191,6 +191,19 @@ def lower_thread_priority() -> None:
 # ---------------------------------------------------------------- the engine core's side
 
 
+def accept_token(req, token: int) -> tuple[str | None, bool]:
+    """Advance a constrained request's matcher by one output token: (the error if the grammar
+    cannot go on, whether the grammar is complete). A grammar waiting for its `after_token` starts
+    after it."""
+    if not req.grammar_active:
+        req.grammar_active = token == req.params.structured_outputs.after_token
+        return None, False
+    if not req.matcher.consume_token(token):
+        # a grammar too complex to go on (past llguidance's limits): the request's own doing
+        return f"the output constraint cannot continue: {req.matcher.get_error().splitlines()[0]}", False
+    return None, req.matcher.is_stopped()
+
+
 @dataclass
 class AwaitedGrammar:
     future: Future  # the matchers, one per choice
@@ -270,20 +283,6 @@ class StructuredOutputManager:
                     refused += n
                     masks[req_id] = words.tobytes()
         return masks, refused
-
-    @staticmethod
-    def accept_token(req, token: int) -> tuple[str | None, bool]:
-        """Advance a request's matcher by one output token: (the error if the grammar cannot go on,
-        whether the grammar is complete). A grammar waiting for its `after_token` starts after it."""
-        if req.matcher is None:
-            return None, False
-        if not req.grammar_active:
-            req.grammar_active = token == req.params.structured_outputs.after_token
-            return None, False
-        if not req.matcher.consume_token(token):
-            # a grammar too complex to go on (past llguidance's limits): the request's own doing
-            return f"the output constraint cannot continue: {req.matcher.get_error().splitlines()[0]}", False
-        return None, req.matcher.is_stopped()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -34,6 +34,7 @@ PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/stats")
 LOGGED_BODY_CHARS = 4096
 log = logging.getLogger("treadle.server")
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of U+D800-U+DFFF (or a literal backslash before one)
 INTERNAL_ERROR_MARK = "internal error (500)"  # in the log of every request that reached the 500 handler
 
 
@@ -183,7 +184,7 @@ class UnicodeCheckedRoute(APIRoute):
 
         async def checked(request: Request) -> Response:
             body = await request.body()  # starlette keeps it: the handler reads the same bytes
-            if b"\\u" in body:  # a surrogate can only arrive as an escape
+            if _SURROGATE_ESCAPE.search(body):  # a surrogate can only arrive as an escape
                 try:
                     value = json.loads(body)
                 except ValueError:

@@ -79,18 +79,18 @@ def make_llm():
 
     from treadle import LLM
     from treadle.model import worker as model_worker
+    from treadle.model.kernels.quant import QuantizedTensor
 
-    def load_float32(model, keep_int4):
-        # the loader defers dequantizing to the model; for many engines, dequantize once here
-        files = original(model, keep_int4)
-        return dataclasses.replace(files, weights={k: v.float() for k, v in files.weights.items()})
+    def load_once(model):
+        # the loader defers converting float tensors to the model; for many engines, convert once
+        # here (quantized tensors stay the file's blocks, as the model uses them)
+        files = original(model)
+        return dataclasses.replace(files, weights={k: v if isinstance(v, QuantizedTensor) else v.float() for k, v in files.weights.items()})
 
     original = model_worker.load_model_files
-    cached = functools.lru_cache(maxsize=4)(load_float32)
-    # engines consume the weight dicts they are given: hand each one its own dicts (same tensors)
-    model_worker.load_model_files = lambda model, keep_int4=False: dataclasses.replace(
-        cached(model, keep_int4), weights=dict(cached(model, keep_int4).weights), int4=dict(cached(model, keep_int4).int4)
-    )
+    cached = functools.lru_cache(maxsize=4)(load_once)
+    # engines consume the weight dicts they are given: hand each one its own dict (same tensors)
+    model_worker.load_model_files = lambda model: dataclasses.replace(cached(model), weights=dict(cached(model).weights))
 
     def build(**kwargs):
         kwargs.setdefault("dtype", "float32")

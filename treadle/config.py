@@ -114,7 +114,6 @@ class EngineConfig:
     # (`treadle serve` defaults to 1.0; engine/step_cost.py)
     decode_stall_ratio: float | None = None
     enable_prefix_caching: bool = True
-    quantized_weights: bool = True  # keep GGUF Q4_0/Q4_1 weights 4-bit for small batches (bfloat16 only)
     compile: bool = False  # torch.compile decode steps in a background process (eager until each graph is ready)
     # the same greedy tokens for a request whatever its batch, cache hits, chunking or preemption:
     # one stored form per weight used for every row count, and attention computed row by row the
@@ -166,9 +165,8 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
-    "quantized_weights": "with bfloat16, also keep GGUF Q4_0/Q4_1 weights 4-bit and use them for decode steps of a few requests",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
-    "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (4-bit for every batch size), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
+    "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (a GGUF file's blocks as they are, or the dtype), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
     "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
     "speculative_config": 'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine proposes only where it pays unless "adaptive": false',
     "seed": "seed of the sampler for requests without their own seed",

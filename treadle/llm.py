@@ -11,7 +11,7 @@ from .sampling_params import SamplingParams
 class LLM:
     """The engine in this process. Keyword arguments are `EngineConfig`'s fields, with its defaults
     (dtype, max_model_len, block_size, num_kv_blocks, kv_cache_memory_bytes, max_num_seqs,
-    max_num_batched_tokens, enable_prefix_caching, quantized_weights, compile, seed, device, threads)."""
+    max_num_batched_tokens, enable_prefix_caching, compile, seed, device, threads)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         unknown = sorted(set(engine_args) - set(ENGINE_FIELDS))

@@ -20,8 +20,8 @@ at a time, which would stall every request being served. So:
   C++ compiler, a torch that cannot load the artefact) stay eager, which computes the same function.
 
 Classes: dynamic shapes make one graph serve every context length and, beyond one request, every
-batch size of its class; the 4-bit/int8 kernels switch to dense products above
-`Linear.int4_max_rows` rows, hence 1 / 2-4 / 5+ requests (1 / 2+ without quantized weights).
+batch size of its class: 1 / 2+ requests (the quantized-weight kernels compute any number of rows
+the same way, so they split no class).
 The guards torch would check on every call (~1 ms for this model) are checked once, at load, on
 the engine's real KV cache; after that `forward_for` and the runner admit only the shapes they
 allow.
@@ -43,7 +43,6 @@ import torch
 
 from ..utils import cache_root, process_memory
 from .attention import AttentionMetadata, graph_kernel_args
-from .layers import Linear
 from .loader import resolve_model_path
 
 log = logging.getLogger("treadle.compile")
@@ -59,6 +58,9 @@ _SOURCES = (
     "gguf_loader.py",
     "hf_loader.py",
     "kernels/__init__.py",
+    "kernels/quant.py",
+    "kernels/quant.c",
+    "kernels/build.py",
 )
 
 
@@ -78,10 +80,7 @@ class DecodeClass:
         return self.low <= n and (self.high is None or n <= self.high)
 
 
-def decode_classes(quantized: bool) -> list[DecodeClass]:
-    few = Linear.int4_max_rows
-    if quantized:
-        return [DecodeClass(1, 1, 1), DecodeClass(2, few, min(3, few)), DecodeClass(few + 1, None, few + 3)]
+def decode_classes() -> list[DecodeClass]:
     return [DecodeClass(1, 1, 1), DecodeClass(2, None, 4)]
 
 
@@ -102,7 +101,7 @@ def artefact_dir(
     h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}|kernel={kernel}".encode())
     h.update(f"|{block_size}|{device}|{torch.backends.cpu.get_cpu_capability()}".encode())
     # inductor's kernels are generated for the number of compute threads
-    h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{Linear.int4_max_rows}|{torch.get_num_threads()}".encode())
+    h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{torch.get_num_threads()}".encode())
     here = os.path.dirname(__file__)
     sources = [os.path.join(here, name) for name in _SOURCES]
     if model_class is not None:
@@ -185,7 +184,7 @@ class CompiledDecode:
         self.block_size = engine_config.block_size
         self.kernel = kernel  # the graphs attend with treadle's kernel (as the eager path does)
         quantized = model.has_quantized_linears()
-        self.classes = decode_classes(quantized)
+        self.classes = decode_classes()
         self.dir = artefact_dir(
             resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device, type(model), kernel
         )

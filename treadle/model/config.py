@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 class ModelLoadError(ValueError):
@@ -47,29 +47,13 @@ class ModelConfig:
 
 
 @dataclass
-class Int4Weight:
-    """A linear weight kept as 4-bit integers in groups of 32 along the input dimension.
-
-    Dequantized value: (q - 8) * scale + zero, which is exactly GGUF's Q4_0 (zero = 0) and Q4_1
-    (scale = d, zero = m + 8 d) block formula, so no precision is lost by keeping it this way.
-    """
-
-    q: "torch.Tensor"  # [out, in] uint8 in 0..15
-    scale: "torch.Tensor"  # [out, in // 32] float32
-    zero: "torch.Tensor"  # [out, in // 32] float32
-
-    GROUP = 32
-
-
-@dataclass
 class ModelFiles:
-    """What every loader produces: hyperparameters, float32 weights under HF names, the tokenizer,
-    and (GGUF only) the 4-bit weights as the file stores them, under the same names."""
+    """What every loader produces: hyperparameters, weights under HF names (float tensors, deferred
+    float32 conversions, or a GGUF file's quantized tensors as `QuantizedTensor`s), the tokenizer."""
 
     config: ModelConfig
     weights: dict
     tokenizer: "object"
-    int4: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- values read from files

@@ -41,6 +41,7 @@ class GGUFTensor:
     shape: np.ndarray  # dims, fastest-varying first (GGUF order)
     data: np.ndarray  # floats for F32/F16, else raw bytes shaped [rows, bytes per row]
     n_bytes: int
+    offset: int = 0  # of the data in the file
 
 
 class _Cursor:
@@ -148,7 +149,16 @@ class GGUFFile:
         else:
             raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=begin)
             data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,)) if shape else raw
-        return GGUFTensor(name, qtype, np.array(dims), data, n_bytes)
+        return GGUFTensor(name, qtype, np.array(dims), data, n_bytes, begin)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the file's pages under this tensor from the process (they stay in the page cache):
+        once a tensor is copied into its run-time form, its mapped pages need not count twice."""
+        page = mmap.PAGESIZE
+        start = -(-tensor.offset // page) * page
+        end = (tensor.offset + tensor.n_bytes) // page * page
+        if end > start and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def open_gguf(path: str) -> GGUFFile:

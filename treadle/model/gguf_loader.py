@@ -1,4 +1,7 @@
-"""Read a GGUF file: hyperparameters, weights (dequantized to float) under HF names, tokenizer.
+"""Read a GGUF file: hyperparameters, weights under HF names, tokenizer.
+
+Quantized matrices stay as the file's blocks (`QuantizedTensor`, copied off the map tensor by
+tensor); float tensors are converted when the model takes them.
 
 treadle's own reader (`gguf_file.py`, one memory map parsed with `struct`) parses the container;
 the `gguf` package's `gguf.quants` dequantizes blocks (and its enums name the tensor types). This
@@ -13,13 +16,14 @@ import gguf
 import numpy as np
 import torch
 
-from .config import LIMITS, Int4Weight, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
+from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
 from .gguf_file import open_gguf
+from .kernels.quant import QuantizedTensor
 from .registry import HF_CLASS_NAMES, registered_architectures
 from .tokenizer import tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 # Registered names no GGUF file carries: llama.cpp writes Mistral models as "llama", and class
 # names are config.json's.
@@ -176,38 +180,6 @@ class DeferredWeight:
         return self._load().to(*args, **kwargs)
 
 
-class DeferredInt4:
-    """A tensor's 4-bit blocks, unpacked on first use (and dropped with this object)."""
-
-    def __init__(self, load: Callable[[], Int4Weight]):
-        self._load = load
-        self._value: Int4Weight | None = None
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if self._value is None:
-            self._value = self._load()
-        return getattr(self._value, name)
-
-
-def _has_int4_blocks(tensor) -> bool:
-    return tensor.tensor_type.name in ("Q4_0", "Q4_1") and len(tensor.shape) == 2
-
-
-def _int4_blocks(tensor) -> Int4Weight:
-    """Q4_0 / Q4_1 blocks as integers and per-block scale/zero, without dequantizing."""
-    kind = tensor.tensor_type.name
-    rows = int(tensor.shape[1])
-    size = 18 if kind == "Q4_0" else 20
-    raw = np.asarray(tensor.data).reshape(-1, size)
-    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
-    qs = raw[:, size - 16 :]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, -1)  # uint8; int32 only while packing
-    zero = np.zeros_like(d) if kind == "Q4_0" else raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] + 8 * d
-    return Int4Weight(torch.from_numpy(q), torch.from_numpy(d.reshape(rows, -1).copy()), torch.from_numpy(zero.reshape(rows, -1).copy()))
-
-
 def _float_weight(path: str, tensor, heads: int | None) -> torch.Tensor:
     data = _dequantize(path, tensor)
     if heads is not None:
@@ -215,22 +187,29 @@ def _float_weight(path: str, tensor, heads: int | None) -> torch.Tensor:
     return torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memmap
 
 
-def _permuted_int4(tensor, heads: int | None) -> Int4Weight:
-    packed = _int4_blocks(tensor)
-    if heads is None:
-        return packed
-    return Int4Weight(*(torch.from_numpy(_undo_qk_permutation(t.numpy(), heads).copy()) for t in (packed.q, packed.scale, packed.zero)))
+def _quantized_weight(path: str, reader, tensor, heads: int | None) -> QuantizedTensor:
+    """A 2-D quantized tensor as its blocks, copied off the memory map (rows reordered whole where
+    llama.cpp permuted them), the mapped pages then released."""
+    cols = int(tensor.shape[0])
+    try:
+        data = np.array(tensor.data, dtype=np.uint8)  # [rows, bytes per row], a copy
+        if heads is not None:
+            data = np.ascontiguousarray(_undo_qk_permutation(data, heads))
+        weight = QuantizedTensor(tensor.tensor_type.name, torch.from_numpy(data), cols)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
+    reader.release(tensor)
+    return weight
 
 
-def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
+def load_gguf(path: str) -> ModelFiles:
     reader = open_gguf(path)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
     tokenizer = tokenizer_from_gguf(path, meta)
 
-    weights: dict[str, torch.Tensor] = {}
-    int4: dict[str, Int4Weight] = {}
+    weights: dict[str, torch.Tensor | QuantizedTensor | DeferredWeight] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             # Llama-3 style scaling stored as per-frequency divisors.
@@ -250,10 +229,11 @@ def load_gguf(path: str, keep_int4: bool = False) -> ModelFiles:
             elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
                 heads = config.num_kv_heads
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        weights[hf] = DeferredWeight(lambda t=tensor, h=heads: _float_weight(path, t, h), shape)
-        if keep_int4 and hf.startswith("model.layers.") and _has_int4_blocks(tensor):
-            int4[hf] = DeferredInt4(lambda t=tensor, h=heads: _permuted_int4(t, h))
+        if tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2:
+            weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
+        else:
+            weights[hf] = DeferredWeight(lambda t=tensor, h=heads: _float_weight(path, t, h), shape)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
     config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
-    return ModelFiles(config, weights, tokenizer, int4)
+    return ModelFiles(config, weights, tokenizer)

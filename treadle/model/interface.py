@@ -1,7 +1,7 @@
 """What the runner may call on a model: the interface every model family implements.
 
 A family is one module with a subclass of `CausalLM` and one line in `registry.py` (or a plugin's
-`register_model`). The runner builds it as `cls(config, weights, dtype, device, int4=..., batch_invariant=...)`
+`register_model`). The runner builds it as `cls(config, weights, dtype, device, batch_invariant=...)`
 (the constructor consumes `weights`: each float32 tensor is freed once its stored form exists) and
 then calls only what is declared here; the compiler process (`compiled.py`) traces `forward`.
 
@@ -48,12 +48,11 @@ class CausalLM:
         return []
 
     def weight_bytes(self) -> dict[str, int]:
-        """Bytes of every stored weight form by its type ("bfloat16", "int4", ...), a tensor shared
+        """Bytes of every stored weight form by its type ("bfloat16", "Q4_K", ...), a tensor shared
         by two uses counted once."""
         seen, out = set(), {}
-        forms = [(t, str(t.dtype).removeprefix("torch.")) for t in self.tensors() if t is not None]
-        for linear in self.linears():
-            forms += linear.stored_forms()
+        forms = [form for linear in self.linears() for form in linear.stored_forms()]  # first: they name quantized types
+        forms += [(t, str(t.dtype).removeprefix("torch.")) for t in self.tensors() if t is not None]
         for t, kind in forms:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -61,4 +60,4 @@ class CausalLM:
         return out
 
     def has_quantized_linears(self) -> bool:
-        return any(linear.int4 is not None or linear.int8 is not None for linear in self.linears())
+        return any(linear.quantized for linear in self.linears())

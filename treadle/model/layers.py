@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import RopeConfig
+from .kernels.quant import QuantizedTensor, quant_matmul_op
 
 
 class RMSNorm:
@@ -75,62 +76,61 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class Linear:
-    """y = x W^T (+ b), with the compute path chosen by batch shape.
+    """y = x W^T (+ b) over W's row blocks (`parts`), each stored in the form the file gave it.
 
-    A dense weight in the model's dtype serves every batch. When the file stored the weight as
-    4-bit blocks and the model runs in bfloat16, those blocks are also kept packed for torch's
-    int4 weight-only kernel, which reads a quarter of the bytes: it wins when few rows are
-    multiplied (a decode step of one or a few requests is bound by reading weights), and loses
-    to the dense bf16 GEMM beyond `int4_max_rows`. The output head (stored as 8-bit blocks in
-    the default model) can likewise keep a per-channel int8 copy.
+    A dense part is a tensor in the model's dtype (`F.linear`). A quantized part is a
+    `QuantizedTensor`: the file's GGUF blocks, multiplied by treadle's kernels (kernels/quant.py),
+    which read the packed bytes once per call and compute each output row the same way whatever
+    the number of rows. Consecutive parts of one form are joined at load (q, k and v become one
+    product when the file stores them alike), so a layer is usually one part.
     """
 
-    int4_max_rows = 4
     # batch-invariant mode: the dense GEMM in calls of at most this many rows. oneDNN's bf16 GEMM
     # computes a row the same way for every M up to 32 and switches blocking beyond (measured on
     # AMX and AVX-512 CPUs), so a row's logits would otherwise depend on how many rows share it.
     INVARIANT_ROWS = 32
     row_chunk: int | None = None
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, int4=None, int8: bool = False):
-        """weight None: the 4-bit form is the only one, used for every row count (batch-invariant mode)."""
-        if weight is None and int4 is None:
-            raise ValueError("Linear needs a dense weight or a 4-bit one")
-        self.weight = weight
+    def __init__(self, parts, bias: torch.Tensor | None = None):
+        parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
+        if not parts:
+            raise ValueError("Linear needs a weight")
+        joined = [parts[0]]
+        for part in parts[1:]:
+            last = joined[-1]
+            if isinstance(part, QuantizedTensor) and isinstance(last, QuantizedTensor) and part.kind == last.kind:
+                joined[-1] = QuantizedTensor(part.kind, torch.cat([last.data, part.data]), part.shape[1])
+            elif not isinstance(part, QuantizedTensor) and not isinstance(last, QuantizedTensor):
+                joined[-1] = torch.cat([last, part])
+            else:
+                joined.append(part)
+        self.parts = joined
         self.bias = bias
-        self.int4 = None
-        self.int8 = None
-        if int8:
-            # per-output-channel int8 (torch's int8 weight-only kernel): half the bytes of bf16
-            scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
-            q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            self.int8 = (q, scale.to(weight.dtype))
-        if int4 is not None:
-            device = int4.q.device if weight is None else weight.device
-            # torch's layout: packed [N, K/8] ints and [K/32, N, 2] (scale, zero) pairs
-            self.int4 = (
-                torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.q.to(device=device, dtype=torch.int32), 1),
-                torch.stack([int4.scale.t(), int4.zero.t()], dim=-1).contiguous().to(device=device, dtype=torch.bfloat16),
-                int4.GROUP,
-            )
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The dense weight, when the layer is one dense part."""
+        return self.parts[0] if len(self.parts) == 1 and not isinstance(self.parts[0], QuantizedTensor) else None
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(p, QuantizedTensor) for p in self.parts)
 
     def stored_forms(self) -> list[tuple[torch.Tensor, str]]:
         """Every tensor this layer keeps, with the type its bytes are counted under."""
-        forms = [(t, str(t.dtype).removeprefix("torch.")) for t in (self.weight, self.bias) if t is not None]
-        if self.int4 is not None:
-            forms += [(self.int4[0], "int4"), (self.int4[1], "int4")]  # the packed values and their scales
-        if self.int8 is not None:
-            forms += [(self.int8[0], "int8"), (self.int8[1], "int8")]
+        forms = [(p.data, p.kind) if isinstance(p, QuantizedTensor) else (p, str(p.dtype).removeprefix("torch.")) for p in self.parts]
+        if self.bias is not None:
+            forms.append((self.bias, str(self.bias.dtype).removeprefix("torch.")))
         return forms
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and x.shape[0] <= self.int4_max_rows:
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), *self.int8)
-            return y if self.bias is None else y + self.bias
-        if self.int4 is not None and (self.weight is None or x.shape[0] <= self.int4_max_rows):
-            packed, scales_zeros, group = self.int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
-            return y if self.bias is None else y + self.bias
+    def _dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_chunk is not None and x.shape[0] > self.row_chunk:
-            return torch.cat([F.linear(part, self.weight, self.bias) for part in x.split(self.row_chunk)])
-        return F.linear(x, self.weight, self.bias)
+            return torch.cat([F.linear(part, weight, bias) for part in x.split(self.row_chunk)])
+        return F.linear(x, weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1 and not isinstance(self.parts[0], QuantizedTensor):
+            return self._dense(x, self.parts[0], self.bias)
+        outs = [quant_matmul_op(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias

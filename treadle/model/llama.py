@@ -8,35 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata, paged_attention
-from .config import Int4Weight, ModelConfig, ModelLoadError
+from .config import ModelConfig, ModelLoadError
 from .interface import CausalLM
+from .kernels.quant import QuantizedTensor, quant_rows_op
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, w: dict, int4: dict, prefix: str, dtype: torch.dtype, device, one_form: bool = False):
+    def __init__(self, config: ModelConfig, w: dict, prefix: str, dtype: torch.dtype, device):
         def take(name):
             key = prefix + name
             if key not in w:
                 raise ModelLoadError(f"weight {key}: missing")
             return w.pop(key).to(device=device, dtype=dtype)
 
-        def packed(*names):
-            """The 4-bit form of the concatenation of these weights, if every part has one."""
-            parts = [int4.pop(prefix + n, None) for n in names]
-            if dtype != torch.bfloat16 or any(p is None for p in parts):
-                return None
-            return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
-
         def linear(names, bias=None):
-            """One Linear over the concatenation of these weights: with `one_form`, the 4-bit form
-            alone when the file has one (the dense copy is never made), else the dense form."""
-            four = packed(*names)
-            if one_form and four is not None:
-                for n in names:
-                    del w[prefix + n]
-                return Linear(None, bias, four)
-            return Linear(torch.cat([take(n) for n in names]), bias, four)
+            """One Linear over the concatenation of these weights, each in its stored form."""
+            return Linear([weight_part(w, prefix + n, dtype, device) for n in names], bias)
 
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(take("input_layernorm.weight"), eps)
@@ -53,6 +41,17 @@ class DecoderLayer:
         gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
         self.gate_up = linear(gate_up)
         self.down = linear(("mlp.down_proj.weight",))
+
+
+def weight_part(w: dict, key: str, dtype: torch.dtype, device):
+    """A matrix weight as the model keeps it: a file's quantized blocks as they are (the CPU
+    kernels use them directly), anything else in the model's dtype."""
+    if key not in w:
+        raise ModelLoadError(f"weight {key}: missing")
+    weight = w.pop(key)
+    if isinstance(weight, QuantizedTensor) and torch.device(device).type == "cpu":
+        return weight
+    return weight.to(device=device, dtype=dtype)
 
 
 ROPE_TABLE_CAP = 1 << 17  # positions; beyond, only if the engine's max_model_len asks for them
@@ -92,28 +91,25 @@ class LlamaModel(CausalLM):
     mlp_activation = staticmethod(F.silu)
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", int4=None, batch_invariant: bool = False
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", batch_invariant: bool = False
     ):
         self.config = config
         self.dtype = dtype
-        # batch_invariant: every weight in one stored form, used for every number of rows (a
-        # matrix kernel's rounding must not depend on how many rows share the step)
-        # Consumes `weights` and `int4`: each float32 tensor is freed as soon as its converted
-        # copy exists, so loading never holds two full copies of the model.
+        # batch_invariant: a dense matrix product in calls of at most Linear.INVARIANT_ROWS rows (a
+        # kernel's rounding must not depend on how many rows share the step); quantized weights'
+        # kernels compute a row the same way for any number of rows.
+        # Consumes `weights`: each float32 tensor is freed as soon as its converted copy exists, so
+        # loading never holds two full copies of the model.
         w = weights
         check_weight_shapes(config, w)
-        int4 = int4 if int4 is not None else {}
         if "model.embed_tokens.weight" not in w or "model.norm.weight" not in w:
             raise ModelLoadError(f"weight {'model.embed_tokens.weight' if 'model.embed_tokens.weight' not in w else 'model.norm.weight'}: missing")
-        self.embed = w.pop("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        self.embed = weight_part(w, "model.embed_tokens.weight", dtype, device)
         self.norm = RMSNorm(w.pop("model.norm.weight").to(device=device, dtype=dtype), config.rms_norm_eps)
-        head = w.pop("lm_head.weight", None)
-        tied = config.tie_word_embeddings or head is None
-        head = self.embed if tied else head.to(device=device, dtype=dtype)
-        # The head is the largest matrix (vocab x hidden): with quantized weights on, an int8 copy
-        # halves what a decode step of a few requests reads.
-        self.lm_head = Linear(head, None, int8=bool(int4) and dtype == torch.bfloat16 and not batch_invariant)
-        self.layers = [DecoderLayer(config, w, int4, f"model.layers.{i}.", dtype, device, one_form=batch_invariant) for i in range(config.num_layers)]
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        self.lm_head = Linear(self.embed if tied else weight_part(w, "lm_head.weight", dtype, device))
+        w.pop("lm_head.weight", None)
+        self.layers = [DecoderLayer(config, w, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
         if batch_invariant:
             for linear in self.linears():
                 linear.row_chunk = Linear.INVARIANT_ROWS
@@ -134,7 +130,8 @@ class LlamaModel(CausalLM):
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
-        return [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.signed_sin] + [n.weight2 for n in norms]
+        embed = self.embed.data if isinstance(self.embed, QuantizedTensor) else self.embed
+        return [embed, self.norm.weight2, self.rotary.cos, self.rotary.signed_sin] + [n.weight2 for n in norms]
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
@@ -146,12 +143,17 @@ class LlamaModel(CausalLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedTensor):
+            return quant_rows_op(self.embed.data, self.embed.type_id, self.embed.shape[1], input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
+
     def residual_stream(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Every decoder layer over the step's T tokens: the residual stream before the final norm."""
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual adds below are in place
+        h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
         cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
         act = self.mlp_activation
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

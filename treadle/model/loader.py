@@ -17,8 +17,9 @@ def _missing(path: str) -> ModelLoadError:
     return ModelLoadError(f"{path}: no such file or folder (expected a .gguf file or a Hugging Face model folder)")
 
 
-def load_model_files(model: str | None, keep_int4: bool = False) -> ModelFiles:
-    """keep_int4: also return a GGUF's Q4_0/Q4_1 weights as 4-bit blocks (only when they will be used)."""
+def load_model_files(model: str | None) -> ModelFiles:
+    """The model's configuration, weights (a GGUF file's quantized tensors as `QuantizedTensor`s)
+    and tokenizer."""
     path = resolve_model_path(model)
     if os.path.isdir(path):
         from .hf_loader import load_hf_folder
@@ -27,7 +28,7 @@ def load_model_files(model: str | None, keep_int4: bool = False) -> ModelFiles:
     if os.path.isfile(path):
         from .gguf_loader import load_gguf
 
-        return load_gguf(path, keep_int4)
+        return load_gguf(path)
     raise _missing(path)
 
 

@@ -70,7 +70,6 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         seed: int,
         device: str = "cpu",
-        int4: dict | None = None,
         fail_at_steps: frozenset[int] = frozenset(),
         batch_invariant: bool = False,
     ):
@@ -79,7 +78,7 @@ class ModelRunner:
         self.block_size = block_size
         model_class = resolve_model_class(config.architecture)
         extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
-        self.model = model_class(config, weights, dtype, self.device, int4=int4, **extra)
+        self.model = model_class(config, weights, dtype, self.device, **extra)
         release_freed_memory()  # the loader's float32 tensors, one per weight, before the KV pool
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [

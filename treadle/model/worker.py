@@ -38,11 +38,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-def load_draft_files(path: str, *, target_vocab: int, keep_int4: bool):
+def load_draft_files(path: str, *, target_vocab: int):
     """The draft's files, refused with a clear error unless it shares the target's vocabulary (the
     worker loads them before building the target, so that a wrong draft fails fast)."""
     try:
-        files = load_model_files(path, keep_int4=keep_int4)
+        files = load_model_files(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
     if files.config.vocab_size != target_vocab:
@@ -58,14 +58,12 @@ class ModelWorker:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
-        # the 4-bit weights serve the bfloat16 decode path only
-        keep_int4 = config.quantized_weights and self.dtype == torch.bfloat16
-        files = load_model_files(config.model, keep_int4=keep_int4)
+        files = load_model_files(config.model)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
         draft_files = None
         if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
-            draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size, keep_int4=keep_int4)
+            draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size)
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
@@ -91,7 +89,6 @@ class ModelWorker:
         return ModelRunner(
             files.config,
             files.weights,
-            int4=files.int4,
             dtype=self.dtype,
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,

@@ -8,55 +8,23 @@ its loop runs on torch's OpenMP threads. Without a compiler the engine keeps tor
 """
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
 import threading
 
 import torch
 
-from ...utils import cache_root
+from .build import build
 
 log = logging.getLogger("treadle")
-
-_HERE = os.path.dirname(__file__)
-_SOURCE = os.path.join(_HERE, "paged_attention.c")
-# -fopenmp: the parallel loop runs on torch's own OpenMP pool (same soname, already loaded), so
-# no second set of threads competes with torch's for the cores.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
 _lib = None
 _error: str | None = None
 
 
-def _cache_dir() -> str:
-    return os.path.join(cache_root(), "kernels")
-
-
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc) on PATH")
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    with open("/proc/cpuinfo", "rb") if os.path.exists("/proc/cpuinfo") else open(os.devnull, "rb") as f:
-        cpu = next((line for line in f if line.startswith(b"flags")), b"")
-    key = hashlib.sha256(source + version.encode() + cpu + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
-    folder = _cache_dir()
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"paged_attention-{key}.so")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        result = subprocess.run([cc, *_FLAGS, _SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:500]}")
-        os.replace(tmp, path)
-    lib = ctypes.CDLL(path)
+    lib = build("paged_attention.c", ["-ffp-contract=fast"])
     fn = lib.treadle_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, i64]

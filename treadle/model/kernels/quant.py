@@ -1,0 +1,168 @@
+"""Weights at the file's bits: GGUF's quantized blocks as they are, multiplied by `quant.c`.
+
+`QuantizedTensor` holds one weight's rows of blocks (uint8 [rows, bytes per row]); `matmul` and
+`dequantize` run the C kernels on it. A float32 model multiplies with the exact dequantized
+weights; a bfloat16 / float16 model quantizes each activation row to int8 per 32 values and takes
+integer dot products, as llama.cpp's CPU backend does (see the header of quant.c for the one rule
+both follow, for every number of rows).
+
+Instruction sets: AVX-512 VNNI, AVX2 and portable C compute the same bits; the fastest the CPU has
+is used unless TREADLE_QUANT_ISA names one (`vnni`, `avx2`, `portable`).
+"""
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from .build import build
+
+# ggml type id, values per block, bytes per block
+TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
+}  # fmt: skip
+ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                lib = build("quant.c", ["-ffp-contract=off"])
+                i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+                lib.treadle_q_isa_supported.argtypes = [i32]
+                lib.treadle_q_row_bytes.argtypes = [i32, i64]
+                lib.treadle_q_row_bytes.restype = i64
+                lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
+                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i32, i32]
+                lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
+                _lib = lib
+    return _lib
+
+
+def supported_isas() -> list[str]:
+    """The instruction-set paths this CPU can run, fastest first."""
+    lib = library()
+    return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
+
+
+def isa() -> str:
+    """The path in use: TREADLE_QUANT_ISA if set (it must be supported), else the fastest."""
+    forced = os.environ.get("TREADLE_QUANT_ISA")
+    supported = supported_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+        if forced not in supported:
+            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: this CPU does not support it (supported: {', '.join(supported)})")
+        return forced
+    return supported[0]
+
+
+class QuantizedTensor:
+    """A [rows, cols] weight as rows of GGUF blocks of type `kind` (uint8 [rows, bytes per row])."""
+
+    __slots__ = ("kind", "data", "shape")
+    KINDS = frozenset(TYPES)
+
+    def __init__(self, kind: str, data: torch.Tensor, cols: int):
+        if kind not in TYPES:
+            raise ValueError(f"quantized type {kind} is not supported (supported: {', '.join(TYPES)})")
+        _, elems, size = TYPES[kind]
+        if cols % elems or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != cols // elems * size:
+            raise ValueError(f"{kind} data of shape {tuple(data.shape)} does not hold rows of {cols} values")
+        self.kind = kind
+        self.data = data if data.is_contiguous() else data.contiguous()
+        self.shape = torch.Size((data.shape[0], cols))
+
+    @property
+    def type_id(self) -> int:
+        return TYPES[self.kind][0]
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (all when None) dequantized, exactly as gguf.quants.dequantize, in `dtype`."""
+        return dequantize(self.data, self.type_id, self.shape[1], ids, dtype)
+
+    def float(self) -> torch.Tensor:
+        return self.rows()
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense weight (where a consumer cannot use the blocks: another device, a norm)."""
+        return self.rows(dtype=dtype or torch.float32).to(device=device)
+
+    def index_rows(self, index) -> "QuantizedTensor":
+        """The rows `index` (a permutation or slice) as a new tensor: whole blocks moved, values unchanged."""
+        return QuantizedTensor(self.kind, self.data[index].contiguous(), self.shape[1])
+
+
+def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    n = data.shape[0] if ids is None else ids.numel()
+    bf16 = dtype == torch.bfloat16
+    out = torch.empty((n, cols), dtype=torch.bfloat16 if bf16 else torch.float32)
+    if ids is not None:
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
+            raise IndexError(f"row index out of range for {data.shape[0]} rows")
+    code = library().treadle_q_dequantize(type_id, data.data_ptr(), data.stride(0), cols, None if ids is None else ids.data_ptr(), n, out.data_ptr(), int(bf16))
+    if code:
+        raise RuntimeError(f"dequantize: error {code}")
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W the blocks `data` [N, bytes per row]."""
+    dtype, lead = x.dtype, x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = data.shape[0]
+    lib = library()
+    path = ISAS[isa()]
+    if x.dtype == torch.float32:
+        y = torch.empty((M, N), dtype=torch.float32)
+        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), data.stride(0), N, K, x.data_ptr(), x.stride(0), M, y.data_ptr(), N, 0, path)
+    else:
+        if x.dtype != torch.bfloat16:
+            x = x.float()
+        out_bf16 = x.dtype == torch.bfloat16
+        y = torch.empty((M, N), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        code = lib.treadle_q_matmul_q8(
+            type_id, data.data_ptr(), data.stride(0), N, K, x.data_ptr(), int(out_bf16), x.stride(0), M, y.data_ptr(), N, int(out_bf16), path
+        )
+    if code:
+        raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
+    y = y.view(*lead, N)
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+@torch.library.custom_op("treadle::quant_matmul", mutates_args=())
+def quant_matmul_op(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
+    """`matmul` as a torch operator (the same C code), so compiled graphs call it as one kernel."""
+    return matmul(x, data, type_id)
+
+
+@quant_matmul_op.register_fake
+def _(x, data, type_id):
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
+
+
+@torch.library.custom_op("treadle::quant_rows", mutates_args=())
+def quant_rows_op(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a quantized weight, dequantized (an embedding lookup), as a torch operator."""
+    return dequantize(data, type_id, cols, ids, dtype)
+
+
+@quant_rows_op.register_fake
+def _(data, type_id, cols, ids, dtype):
+    return data.new_empty((ids.numel(), cols), dtype=dtype)

@@ -1,6 +1,6 @@
 """Where the milliseconds of one engine step go: time decode steps, then profile them.
 
-    python bench/profile_step.py [--batch 1] [--context 128] [--dtype bfloat16] [--no-quantized-weights]
+    python bench/profile_step.py [--batch 1] [--context 128] [--dtype bfloat16] [--model FILE]
     python bench/profile_step.py --prefill 512      # one prefill step of a 512-token prompt instead
     python bench/profile_step.py --context 640 --compile [static|dynamic]   # also time it under torch.compile
     python bench/profile_step.py --context 640 --compiled   # the engine's compiled decode path (LLM(compile=True))
@@ -14,8 +14,7 @@ times): it compiles the model's forward for one decode
 step (torch.compile, inductor; static shapes by default), and times it on a copy of that
 step's inputs beside the eager forward, so that what fusing the small operations would save, and
 what the compilation costs, can be read off. With "dynamic", one graph serves every context length
-of a batch size class (dynamo still specializes batch 1, and the int4/dense switch at 4 rows makes
-a third class).
+of a batch size class (dynamo still specializes batch 1).
 """
 
 import argparse
@@ -81,7 +80,7 @@ def main():
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=0, help="profile prefill steps of this many tokens instead")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--no-quantized-weights", action="store_true")
+    ap.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=15, help="rows of the profile table (0: time only, no profile)")
@@ -97,7 +96,7 @@ def main():
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(16, args.batch), quantized_weights=not args.no_quantized_weights,
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(16, args.batch),
               max_num_batched_tokens=max(2048, args.prefill), compile=args.compiled)  # fmt: skip
     engine = llm.engine
     if args.compiled:

@@ -17,7 +17,7 @@ from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 # offsets of the fp16 scale fields inside one block, per type (the rest is free-form bits)
 F16_FIELDS = {
     "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
 }  # fmt: skip
 
 
@@ -154,13 +154,27 @@ def test_unsupported_tensor_type(tmp_path, tiny_llama):
     assert path in str(e.value) and "blk.0.ffn_down.weight" in str(e.value) and "Q8_1 is not supported" in str(e.value)
 
 
-def test_four_bit_blocks_are_kept_only_when_asked_and_match_the_dequantized_weights():
-    plain = load_model_files(None)
-    assert plain.int4 == {}
-    files = load_model_files(None, keep_int4=True)
-    assert files.int4  # the default model is Q4_1
-    name, packed = next(iter(files.int4.items()))
-    g = packed.q.shape[1] // packed.scale.shape[1]
-    rebuilt = (packed.q.float() - 8).view(packed.q.shape[0], -1, g) * packed.scale[..., None] + packed.zero[..., None]
-    dense = files.weights[name].float()
-    torch.testing.assert_close(rebuilt.view_as(dense), dense, rtol=1e-6, atol=1e-6)
+def test_quantized_weights_are_the_files_blocks_and_dequantize_as_gguf_does():
+    """No dense copy at load: each quantized matrix is its blocks (rows of Q/K reordered whole, as
+    llama.cpp permuted them), and dequantizing them is gguf-py's dequantization bit for bit."""
+    from treadle.model.default_model import default_model_path
+    from treadle.model.gguf_loader import _undo_qk_permutation
+    from treadle.model.kernels.quant import QuantizedTensor
+
+    files = load_model_files(None)
+    reader = GGUFFile(default_model_path())
+    by_name = {t.name: t for t in reader.tensors}
+    quantized = {k: v for k, v in files.weights.items() if isinstance(v, QuantizedTensor)}
+    assert len(quantized) == 30 * 7 + 1  # every layer matrix (Q4_1) and the embedding (Q8_0)
+    for gguf_name, hf_name, heads in (
+        ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight", None),
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", files.config.num_heads),
+        ("token_embd.weight", "model.embed_tokens.weight", None),
+    ):
+        tensor, held = by_name[gguf_name], quantized[hf_name]
+        raw = np.asarray(tensor.data)
+        if heads is not None:
+            raw = _undo_qk_permutation(raw, heads)
+        assert held.kind == tensor.tensor_type.name and np.array_equal(held.data.numpy(), raw)
+        expected = gguf.quants.dequantize(raw, tensor.tensor_type)
+        assert np.array_equal(held.rows().numpy().view(np.uint32), expected.view(np.uint32))

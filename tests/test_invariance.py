@@ -10,7 +10,7 @@ recomputation, and compiled graphs asked for. Each weight is held in one stored 
 import pytest
 
 from treadle import SamplingParams
-from treadle.model.layers import Linear
+from treadle.model.kernels.quant import QuantizedTensor
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Answer carefully and concisely."
 QUESTIONS = [
@@ -109,11 +109,10 @@ def test_the_flag_parses_both_ways_and_defaults_to_auto():
 def test_every_weight_has_one_stored_form(invariant):
     model = invariant().engine.runner.model
     linears = [x for layer in model.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    assert all(x.weight is None and x.int4 is not None for x in linears), "a 4-bit layer also holds a dense copy"
-    assert model.lm_head.int8 is None and model.lm_head.int4 is None, "the output head holds a second form"
-    assert model.lm_head.weight is model.embed  # tied: one tensor serves the lookup and the head
-    # the default mode keeps both forms (dense for large batches): what this mode removes
-    assert Linear.int4_max_rows < 16
+    # the default model is Q4_1 with a Q8_0 embedding: every product reads the file's blocks
+    assert all(len(x.parts) == 1 and isinstance(x.parts[0], QuantizedTensor) and x.parts[0].kind == "Q4_1" for x in linears)
+    assert model.lm_head.parts == [model.embed] and model.embed.kind == "Q8_0"  # tied: one tensor serves the lookup and the head
+    assert set(model.weight_bytes()) == {"Q4_1", "Q8_0", "bfloat16", "float32"}  # norms in the dtype, rotary tables in float32
 
 
 def test_preemption_and_recompute_do_not_change_the_tokens(invariant, alone):

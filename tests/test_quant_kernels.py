@@ -11,23 +11,20 @@ import torch
 
 from treadle.model.kernels import quant
 
-# the float16 fields of each block type (byte offsets), which must hold finite scales
-F16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-}  # fmt: skip
+from .test_gguf_loader import F16_FIELDS
+from .test_gguf_loader import random_blocks as gguf_random_blocks
+
 ISAS = quant.supported_isas()
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
+    """Random valid blocks, with a subnormal float16 scale now and then."""
+    blocks = gguf_random_blocks(kind, rows, cols, np.random.default_rng(seed))
     _, elems, size = quant.TYPES[kind]
-    blocks = rng.integers(0, 256, size=(rows * cols // elems, size), dtype=np.uint8)
+    flat = blocks.reshape(-1, size)
     for offset in F16_FIELDS[kind]:
-        scale = (rng.standard_normal(blocks.shape[0]) * 0.02).astype(np.float16)
-        scale[::7] = np.float16(6e-6)  # a subnormal now and then
-        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
+        flat[::7, offset : offset + 2] = np.array([6e-6], dtype=np.float16).view(np.uint8)
+    return blocks
 
 
 def reference(kind: str, blocks: np.ndarray) -> np.ndarray:
@@ -93,7 +90,7 @@ def test_bfloat16_product_matches_int8_activation_reference(kind, isa, monkeypat
         assert float((y.double() - exact).abs().max()) < 0.05 * float(exact.abs().max())
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("kind", list(quant.TYPES))
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind, monkeypatch):
     big = quant.TYPES[kind][1] == 256
     rows, cols = 24, 768 if big else 32 * 7

@@ -26,14 +26,14 @@ def main() -> None:
     # loads the model.
     lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if any(all(os.path.exists(artefact_path(out, c)) for c in decode_classes(q)) for q in (True, False)):
+    if all(os.path.exists(artefact_path(out, c)) for c in decode_classes()):
         return  # the other compiler made them
     configure_torch()
     # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
     # number of blocks as a dynamic size.
     config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
     runner = ModelWorker(config).runner
-    for cls in decode_classes(runner.model.has_quantized_linears()):
+    for cls in decode_classes():
         path = artefact_path(out, cls)
         if os.path.exists(path):
             continue

@@ -90,9 +90,7 @@ class LlamaModel(CausalLM):
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
 
-    def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", batch_invariant: bool = False
-    ):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
         self.config = config
         self.dtype = dtype
         # batch_invariant: a dense matrix product in calls of at most Linear.INVARIANT_ROWS rows (a

@@ -352,11 +352,11 @@ TARGET_AVX2 static float dot_f32_avx2(const float *x, const float *w, int64_t K)
 typedef struct {
     int8_t *xq;   /* [K] */
     float *dx4;   /* [K/4]: the 32-group's scale, per quad */
-    int32_t *xs4; /* [K/4]: sum of the quad's xq */
-    float *xsd4;  /* [K/4]: xs4 * dx4 */
+    int32_t *xoff4; /* [K/4]: -off * (sum of the quad's xq), the weight type's offset folded in */
+    float *xsd4;    /* [K/4]: (sum of the quad's xq) * dx4 */
 } qrow;
 
-static void quantize_row(const void *x, int x_bf16, int64_t K, qrow r) {
+static void quantize_row(const void *x, int x_bf16, int64_t K, int off, qrow r) {
     for (int64_t g = 0; g < K; g += 32) {
         float v[32], amax = 0.0f;
         for (int j = 0; j < 32; j++) {
@@ -370,7 +370,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, qrow r) {
             int32_t s = 0;
             for (int t = 0; t < 4; t++) s += r.xq[g + 4 * q + t];
             r.dx4[g / 4 + q] = d;
-            r.xs4[g / 4 + q] = s;
+            r.xoff4[g / 4 + q] = -off * s;
             r.xsd4[g / 4 + q] = (float)s * d;
         }
     }
@@ -379,7 +379,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, qrow r) {
 static float dot_q8_portable(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, qrow r, int64_t K) {
     float acc[LANES] = {0};
     for (int64_t q = 0; q < K / 4; q++) {
-        int32_t iq = -t->off * r.xs4[q];
+        int32_t iq = r.xoff4[q];
         for (int i = 0; i < 4; i++) iq += (int32_t)uq[4 * q + i] * (int32_t)r.xq[4 * q + i];
         int l = (int)(q % LANES);
         acc[l] = fmaf((float)iq, s4[q] * r.dx4[q], acc[l]);
@@ -395,8 +395,7 @@ TARGET_VNNI static float dot_q8_vnni(const qtype *t, const uint8_t *uq, const fl
     for (int64_t q = 0; q < quads; q += 16) {
         __mmask16 k = quads - q >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (quads - q)) - 1);
         __mmask64 kb = quads - q >= 16 ? ~(__mmask64)0 : (((__mmask64)1 << (4 * (quads - q))) - 1);
-        __m512i xs = _mm512_maskz_loadu_epi32(k, r.xs4 + q);
-        __m512i init = t->shift ? _mm512_sub_epi32(zero, _mm512_slli_epi32(xs, (unsigned)t->shift)) : zero;
+        __m512i init = t->shift ? _mm512_maskz_loadu_epi32(k, r.xoff4 + q) : zero;
         __m512i iq = _mm512_dpbusd_epi32(init, _mm512_maskz_loadu_epi8(kb, uq + 4 * q), _mm512_maskz_loadu_epi8(kb, r.xq + 4 * q));
         __m512 sdx = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s4 + q), _mm512_maskz_loadu_ps(k, r.dx4 + q));
         acc = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(iq), sdx, acc, k);
@@ -415,9 +414,8 @@ TARGET_AVX2 static inline __m256i quads_avx2(const uint8_t *u, const int8_t *x) 
 }
 
 TARGET_AVX2 static inline __m256 step_avx2(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, qrow r, int64_t q, __m256 acc) {
-    __m256i xs = _mm256_loadu_si256((const __m256i *)(r.xs4 + q));
     __m256i iq = quads_avx2(uq + 4 * q, r.xq + 4 * q);
-    if (t->shift) iq = _mm256_sub_epi32(iq, _mm256_slli_epi32(xs, t->shift));
+    if (t->shift) iq = _mm256_add_epi32(iq, _mm256_loadu_si256((const __m256i *)(r.xoff4 + q)));
     __m256 sdx = _mm256_mul_ps(_mm256_loadu_ps(s4 + q), _mm256_loadu_ps(r.dx4 + q));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), sdx, acc);
     if (t->has_min) acc = _mm256_fnmadd_ps(_mm256_loadu_ps(m4 + q), _mm256_loadu_ps(r.xsd4 + q), acc);
@@ -432,6 +430,133 @@ TARGET_AVX2 static float dot_q8_avx2(const qtype *t, const uint8_t *uq, const fl
         if (q + 8 < quads) hi = step_avx2(t, uq, s4, m4, r, q + 8, hi);
     }
     return reduce256x2(lo, hi);
+}
+
+/* ---- AVX-512 unpacking of whole rows, for the common types (the same bytes and floats as the
+ * block functions above, written with vector instructions) ---- */
+
+#define TARGET_FAST __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+TARGET_FAST static inline float f16_fast(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+TARGET_FAST static inline __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> low nibbles, then high nibbles */
+    __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K, uint8_t *uq, float *s4, float *m4) {
+    const __m256i m15 = _mm256_set1_epi8(15), x80 = _mm256_set1_epi8((char)0x80), x10 = _mm256_set1_epi8(16);
+    for (int64_t e = 0; e < K;) {
+        switch (type) {
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: {
+            const int64_t b = e / 32;
+            const uint8_t *blk;
+            __m256i v;
+            if (type == T_Q8_0) {
+                blk = row + b * 34;
+                v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80);
+            } else if (type == T_Q4_0 || type == T_Q4_1) {
+                blk = row + b * (type == T_Q4_0 ? 18 : 20);
+                v = nibbles32(blk + (type == T_Q4_0 ? 2 : 4));
+            } else {
+                const int with_min = type == T_Q5_1;
+                blk = row + b * (with_min ? 24 : 22);
+                uint32_t qh;
+                memcpy(&qh, blk + (with_min ? 4 : 2), 4);
+                v = _mm256_or_si256(nibbles32(blk + (with_min ? 8 : 6)), _mm256_maskz_mov_epi8((__mmask32)qh, x10));
+            }
+            _mm256_storeu_si256((__m256i *)(uq + e), v);
+            _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(blk)));
+            if (type == T_Q4_1 || type == T_Q5_1) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_fast(blk + 2)));
+            e += 32;
+            break;
+        }
+        case T_Q4_K: case T_Q5_K: {
+            const int q5 = type == T_Q5_K;
+            const uint8_t *blk = row + (e / 256) * (q5 ? 176 : 144), *qs = blk + (q5 ? 48 : 16);
+            const float d = f16_fast(blk), dmin = f16_fast(blk + 2);
+            const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+                if (q5) {
+                    lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c)))), x10));
+                    hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c + 1)))), x10));
+                }
+                _mm256_storeu_si256((__m256i *)(uq + e + 64 * c), lo);
+                _mm256_storeu_si256((__m256i *)(uq + e + 64 * c + 32), hi);
+            }
+            for (int i = 0; i < 8; i++) {
+                int sc, mn;
+                k_scale_min(blk + 4, i, &sc, &mn);
+                _mm256_storeu_ps(s4 + e / 4 + 8 * i, _mm256_set1_ps(d * (float)sc));
+                _mm256_storeu_ps(m4 + e / 4 + 8 * i, _mm256_set1_ps(dmin * (float)mn));
+            }
+            e += 256;
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *blk = row + (e / 256) * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16_fast(blk + 208);
+            for (int half = 0; half < 2; half++) {
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+                for (int c = 0; c < 2; c++) {
+                    __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32 * c));
+                    __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+                    /* element half*128 + t*32 + j takes bits 2t of qh[j]: lo covers t = c, hi t = c + 2 */
+                    __m256i hl = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
+                    __m256i hh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 4), _mm256_set1_epi8(3));
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
+                    _mm256_storeu_si256((__m256i *)(uq + e + 128 * half + 32 * c), lo);
+                    _mm256_storeu_si256((__m256i *)(uq + e + 128 * half + 64 + 32 * c), hi);
+                }
+            }
+            for (int i = 0; i < 16; i++) _mm_storeu_ps(s4 + e / 4 + 4 * i, _mm_set1_ps(d * (float)sc[i]));
+            e += 256;
+            break;
+        }
+        default: /* only the types has_fast_unpack() names come here */
+            return;
+        }
+    }
+}
+
+static int has_fast_unpack(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K ||
+           type == T_Q6_K;
+}
+
+/* Four rows of x against one unpacked weight row: each row's operations exactly as dot_q8_vnni's. */
+TARGET_VNNI static void dot4_q8_vnni(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, const qrow *r, int64_t K, float *out) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const __m512i zero = _mm512_setzero_si512();
+    const int64_t quads = K / 4;
+    for (int64_t q = 0; q < quads; q += 16) {
+        __mmask16 k = quads - q >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (quads - q)) - 1);
+        __mmask64 kb = quads - q >= 16 ? ~(__mmask64)0 : (((__mmask64)1 << (4 * (quads - q))) - 1);
+        const __m512i u = _mm512_maskz_loadu_epi8(kb, uq + 4 * q);
+        const __m512 s = _mm512_maskz_loadu_ps(k, s4 + q);
+        const __m512 mn = t->has_min ? _mm512_maskz_loadu_ps(k, m4 + q) : _mm512_setzero_ps();
+#define ROW(i, acc)                                                                                                            \
+    do {                                                                                                                       \
+        __m512i init = t->shift ? _mm512_maskz_loadu_epi32(k, r[i].xoff4 + q) : zero;                                          \
+        __m512i iq = _mm512_dpbusd_epi32(init, u, _mm512_maskz_loadu_epi8(kb, r[i].xq + 4 * q));                               \
+        acc = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(iq), _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, r[i].dx4 + q)), acc, k); \
+        if (t->has_min) acc = _mm512_mask3_fnmadd_ps(mn, _mm512_maskz_loadu_ps(k, r[i].xsd4 + q), acc, k);                      \
+    } while (0)
+        ROW(0, acc0);
+        ROW(1, acc1);
+        ROW(2, acc2);
+        ROW(3, acc3);
+#undef ROW
+    }
+    out[0] = reduce512(acc0), out[1] = reduce512(acc1), out[2] = reduce512(acc2), out[3] = reduce512(acc3);
 }
 
 /* ---- entry points ---- */
@@ -515,6 +640,12 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t row_stride, int64_t
     return err;
 }
 
+/* row m of the quantized activations: xq [M, K], then dx4, xoff4, xsd4 [M, K/4] each */
+static inline qrow act_row(char *act, int64_t M, int64_t K, int64_t m) {
+    return (qrow){(int8_t *)act + m * K, (float *)(act + M * K) + m * (K / 4), (int32_t *)(act + 2 * M * K) + m * (K / 4),
+                  (float *)(act + 3 * M * K) + m * (K / 4)};
+}
+
 /* The same product with x (float32 or bf16) quantized to int8 per 32 values (see the header). */
 int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, const void *x, int x_bf16, int64_t ldx,
                         int64_t M, void *y, int64_t ldy, int y_bf16, int isa) {
@@ -527,10 +658,9 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t row_stride, int64_t 
     const size_t elem = x_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        qrow r = {(int8_t *)act + m * K, (float *)(act + M * K) + m * (K / 4), (int32_t *)(act + 2 * M * K) + m * (K / 4),
-                  (float *)(act + 3 * M * K) + m * (K / 4)};
-        quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, r);
+        quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, t.off, act_row(act, M, K, m));
     }
+    const int fast = isa == ISA_AVX512_VNNI && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, qrow, int64_t) =
         isa == ISA_AVX512_VNNI ? dot_q8_vnni : isa == ISA_AVX2 ? dot_q8_avx2 : dot_q8_portable;
     int err = 0;
@@ -547,12 +677,20 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t row_stride, int64_t 
                 const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
 #pragma omp for schedule(static) nowait
                 for (int64_t n = 0; n < N; n++) {
-                    unpack_row(&t, w + n * row_stride, K, uq, s4, m4);
-                    for (int64_t m = m0; m < m1; m++) {
-                        qrow r = {(int8_t *)act + m * K, (float *)(act + M * K) + m * (K / 4), (int32_t *)(act + 2 * M * K) + m * (K / 4),
-                                  (float *)(act + 3 * M * K) + m * (K / 4)};
-                        store(y, y_bf16, m * ldy + n, dot(&t, uq, s4, m4, r, K));
-                    }
+                    if (fast)
+                        unpack_row_fast(type, w + n * row_stride, K, uq, s4, m4);
+                    else
+                        unpack_row(&t, w + n * row_stride, K, uq, s4, m4);
+                    int64_t m = m0;
+                    if (isa == ISA_AVX512_VNNI)
+                        for (; m + 4 <= m1; m += 4) {
+                            qrow r[4];
+                            float out[4];
+                            for (int i = 0; i < 4; i++) r[i] = act_row(act, M, K, m + i);
+                            dot4_q8_vnni(&t, uq, s4, m4, r, K, out);
+                            for (int i = 0; i < 4; i++) store(y, y_bf16, (m + i) * ldy + n, out[i]);
+                        }
+                    for (; m < m1; m++) store(y, y_bf16, m * ldy + n, dot(&t, uq, s4, m4, act_row(act, M, K, m), K));
                 }
             }
         }

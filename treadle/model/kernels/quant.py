@@ -113,7 +113,9 @@ def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | 
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         if n and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
             raise IndexError(f"row index out of range for {data.shape[0]} rows")
-    code = library().treadle_q_dequantize(type_id, data.data_ptr(), data.stride(0), cols, None if ids is None else ids.data_ptr(), n, out.data_ptr(), int(bf16))
+    code = library().treadle_q_dequantize(
+        type_id, data.data_ptr(), data.stride(0), cols, None if ids is None else ids.data_ptr(), n, out.data_ptr(), int(bf16)
+    )
     if code:
         raise RuntimeError(f"dequantize: error {code}")
     return out if out.dtype == dtype else out.to(dtype)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .config import RopeConfig
 from .kernels.quant import QuantizedTensor, quant_matmul_op
+from .kernels.quant import matmul as quant_matmul
 
 
 class RMSNorm:
@@ -131,6 +132,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1 and not isinstance(self.parts[0], QuantizedTensor):
             return self._dense(x, self.parts[0], self.bias)
-        outs = [quant_matmul_op(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None) for p in self.parts]
+        # eager: the kernel itself; under torch.compile: the same kernel as an opaque operator
+        product = quant_matmul_op if torch.compiler.is_compiling() else quant_matmul
+        outs = [product(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias

@@ -143,7 +143,9 @@ class LlamaModel(CausalLM):
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):
-            return quant_rows_op(self.embed.data, self.embed.type_id, self.embed.shape[1], input_ids, self.dtype)
+            if torch.compiler.is_compiling():
+                return quant_rows_op(self.embed.data, self.embed.type_id, self.embed.shape[1], input_ids, self.dtype)
+            return self.embed.rows(input_ids, self.dtype)
         return F.embedding(input_ids, self.embed)
 
     def residual_stream(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:

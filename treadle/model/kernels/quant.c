@@ -656,16 +656,15 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t row_stride, int64_t 
     char *act = malloc((size_t)M * (size_t)K * 4);
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, t.off, act_row(act, M, K, m));
-    }
     const int fast = isa == ISA_AVX512_VNNI && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, qrow, int64_t) =
         isa == ISA_AVX512_VNNI ? dot_q8_vnni : isa == ISA_AVX2 ? dot_q8_avx2 : dot_q8_portable;
     int err = 0;
 #pragma omp parallel
     {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, t.off, act_row(act, M, K, m));
+        /* the implicit barrier: every row is quantized before any is used */
         uint8_t *uq = malloc((size_t)K);
         float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K);
         if (!uq || !s4 || !m4) {

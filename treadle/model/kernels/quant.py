@@ -53,9 +53,19 @@ def supported_isas() -> list[str]:
     return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
 
 
+_chosen: dict[str | None, str] = {}
+
+
 def isa() -> str:
     """The path in use: TREADLE_QUANT_ISA if set (it must be supported), else the fastest."""
     forced = os.environ.get("TREADLE_QUANT_ISA")
+    if forced in _chosen:
+        return _chosen[forced]
+    _chosen[forced] = _choose(forced)
+    return _chosen[forced]
+
+
+def _choose(forced: str | None) -> str:
     supported = supported_isas()
     if forced:
         if forced not in ISAS:

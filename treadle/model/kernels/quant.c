@@ -449,6 +449,39 @@ TARGET_FAST static inline __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 
 }
 
 TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K, uint8_t *uq, float *s4, float *m4) {
+    if (type == T_Q8_0) {
+        const __m512i x80 = _mm512_set1_epi8((char)0x80);
+        int64_t e = 0;
+        for (; e + 32 < K; e += 64) { /* two blocks: one 64-byte store each, which the dot reads back whole */
+            const uint8_t *b0 = row + (e / 32) * 34, *b1 = b0 + 34;
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                           _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+            _mm512_storeu_si512((void *)(uq + e), _mm512_xor_si512(v, x80));
+            _mm512_storeu_ps(s4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(f16_fast(b0)), _mm256_set1_ps(f16_fast(b1)), 1));
+        }
+        if (e < K) {
+            const uint8_t *b0 = row + (e / 32) * 34;
+            _mm256_storeu_si256((__m256i *)(uq + e), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b0 + 2)), _mm512_castsi512_si256(x80)));
+            _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(b0)));
+        }
+        return;
+    }
+    if (type == T_Q4_1 || type == T_Q4_0) {
+        const int size = type == T_Q4_0 ? 18 : 20, qoff = type == T_Q4_0 ? 2 : 4;
+        for (int64_t e = 0; e < K; e += 64) {
+            const uint8_t *b0 = row + (e / 32) * size, *b1 = b0 + size;
+            if (e + 32 < K) { /* two blocks: one 64-byte store each, which the dot reads back whole */
+                _mm512_storeu_si512((void *)(uq + e), _mm512_inserti64x4(_mm512_castsi256_si512(nibbles32(b0 + qoff)), nibbles32(b1 + qoff), 1));
+                _mm512_storeu_ps(s4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(f16_fast(b0)), _mm256_set1_ps(f16_fast(b1)), 1));
+                if (type == T_Q4_1) _mm512_storeu_ps(m4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(-f16_fast(b0 + 2)), _mm256_set1_ps(-f16_fast(b1 + 2)), 1));
+            } else {
+                _mm256_storeu_si256((__m256i *)(uq + e), nibbles32(b0 + qoff));
+                _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(b0)));
+                if (type == T_Q4_1) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_fast(b0 + 2)));
+            }
+        }
+        return;
+    }
     const __m256i m15 = _mm256_set1_epi8(15), x80 = _mm256_set1_epi8((char)0x80), x10 = _mm256_set1_epi8(16);
     for (int64_t e = 0; e < K;) {
         switch (type) {

@@ -520,14 +520,15 @@ TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K,
                     lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c)))), x10));
                     hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c + 1)))), x10));
                 }
-                _mm256_storeu_si256((__m256i *)(uq + e + 64 * c), lo);
-                _mm256_storeu_si256((__m256i *)(uq + e + 64 * c + 32), hi);
+                /* one 64-byte store per 64 values: the dot's 64-byte loads are forwarded from it */
+                _mm512_storeu_si512((void *)(uq + e + 64 * c), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
             }
-            for (int i = 0; i < 8; i++) {
-                int sc, mn;
-                k_scale_min(blk + 4, i, &sc, &mn);
-                _mm256_storeu_ps(s4 + e / 4 + 8 * i, _mm256_set1_ps(d * (float)sc));
-                _mm256_storeu_ps(m4 + e / 4 + 8 * i, _mm256_set1_ps(dmin * (float)mn));
+            for (int i = 0; i < 8; i += 2) {
+                int sc0, mn0, sc1, mn1;
+                k_scale_min(blk + 4, i, &sc0, &mn0);
+                k_scale_min(blk + 4, i + 1, &sc1, &mn1);
+                _mm512_storeu_ps(s4 + e / 4 + 8 * i, _mm512_insertf32x8(_mm512_set1_ps(d * (float)sc0), _mm256_set1_ps(d * (float)sc1), 1));
+                _mm512_storeu_ps(m4 + e / 4 + 8 * i, _mm512_insertf32x8(_mm512_set1_ps(dmin * (float)mn0), _mm256_set1_ps(dmin * (float)mn1), 1));
             }
             e += 256;
             break;
@@ -537,7 +538,7 @@ TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K,
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16_fast(blk + 208);
             for (int half = 0; half < 2; half++) {
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)), los[2], his[2];
                 for (int c = 0; c < 2; c++) {
                     __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32 * c));
                     __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
@@ -546,11 +547,18 @@ TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K,
                     __m256i hh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 4), _mm256_set1_epi8(3));
                     lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
-                    _mm256_storeu_si256((__m256i *)(uq + e + 128 * half + 32 * c), lo);
-                    _mm256_storeu_si256((__m256i *)(uq + e + 128 * half + 64 + 32 * c), hi);
+                    los[c] = lo, his[c] = hi;
                 }
+                /* one 64-byte store per 64 values: the dot's 64-byte loads are forwarded from it */
+                _mm512_storeu_si512((void *)(uq + e + 128 * half), _mm512_inserti64x4(_mm512_castsi256_si512(los[0]), los[1], 1));
+                _mm512_storeu_si512((void *)(uq + e + 128 * half + 64), _mm512_inserti64x4(_mm512_castsi256_si512(his[0]), his[1], 1));
             }
-            for (int i = 0; i < 16; i++) _mm_storeu_ps(s4 + e / 4 + 4 * i, _mm_set1_ps(d * (float)sc[i]));
+            for (int i = 0; i < 16; i += 4) {
+                __m128 a0 = _mm_set1_ps(d * (float)sc[i]), a1 = _mm_set1_ps(d * (float)sc[i + 1]);
+                __m128 a2 = _mm_set1_ps(d * (float)sc[i + 2]), a3 = _mm_set1_ps(d * (float)sc[i + 3]);
+                __m512 v = _mm512_insertf32x4(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(a0), a1, 1), a2, 2), a3, 3);
+                _mm512_storeu_ps(s4 + e / 4 + 4 * i, v);
+            }
             e += 256;
             break;
         }

@@ -448,6 +448,20 @@ TARGET_FAST static inline __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
 }
 
+/* the 32 unsigned values of one Q4_0 / Q4_1 / Q5_0 / Q5_1 block */
+TARGET_FAST static inline __m256i block32(int type, const uint8_t *blk) {
+    switch (type) {
+    case T_Q4_0: return nibbles32(blk + 2);
+    case T_Q4_1: return nibbles32(blk + 4);
+    default: {
+        const int with_min = type == T_Q5_1;
+        uint32_t qh;
+        memcpy(&qh, blk + (with_min ? 4 : 2), 4);
+        return _mm256_or_si256(nibbles32(blk + (with_min ? 8 : 6)), _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+    }
+    }
+}
+
 TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K, uint8_t *uq, float *s4, float *m4) {
     if (type == T_Q8_0) {
         const __m512i x80 = _mm512_set1_epi8((char)0x80);
@@ -466,48 +480,27 @@ TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K,
         }
         return;
     }
-    if (type == T_Q4_1 || type == T_Q4_0) {
-        const int size = type == T_Q4_0 ? 18 : 20, qoff = type == T_Q4_0 ? 2 : 4;
+    if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1) {
+        const int size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int with_min = type == T_Q4_1 || type == T_Q5_1;
         for (int64_t e = 0; e < K; e += 64) {
-            const uint8_t *b0 = row + (e / 32) * size, *b1 = b0 + size;
+            const uint8_t *b0 = row + (e / 32) * size;
             if (e + 32 < K) { /* two blocks: one 64-byte store each, which the dot reads back whole */
-                _mm512_storeu_si512((void *)(uq + e), _mm512_inserti64x4(_mm512_castsi256_si512(nibbles32(b0 + qoff)), nibbles32(b1 + qoff), 1));
+                const uint8_t *b1 = b0 + size;
+                _mm512_storeu_si512((void *)(uq + e), _mm512_inserti64x4(_mm512_castsi256_si512(block32(type, b0)), block32(type, b1), 1));
                 _mm512_storeu_ps(s4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(f16_fast(b0)), _mm256_set1_ps(f16_fast(b1)), 1));
-                if (type == T_Q4_1) _mm512_storeu_ps(m4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(-f16_fast(b0 + 2)), _mm256_set1_ps(-f16_fast(b1 + 2)), 1));
+                if (with_min) _mm512_storeu_ps(m4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(-f16_fast(b0 + 2)), _mm256_set1_ps(-f16_fast(b1 + 2)), 1));
             } else {
-                _mm256_storeu_si256((__m256i *)(uq + e), nibbles32(b0 + qoff));
+                _mm256_storeu_si256((__m256i *)(uq + e), block32(type, b0));
                 _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(b0)));
-                if (type == T_Q4_1) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_fast(b0 + 2)));
+                if (with_min) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_fast(b0 + 2)));
             }
         }
         return;
     }
-    const __m256i m15 = _mm256_set1_epi8(15), x80 = _mm256_set1_epi8((char)0x80), x10 = _mm256_set1_epi8(16);
-    for (int64_t e = 0; e < K;) {
+    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
+    for (int64_t e = 0; e < K;) { /* the K-quants */
         switch (type) {
-        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: {
-            const int64_t b = e / 32;
-            const uint8_t *blk;
-            __m256i v;
-            if (type == T_Q8_0) {
-                blk = row + b * 34;
-                v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80);
-            } else if (type == T_Q4_0 || type == T_Q4_1) {
-                blk = row + b * (type == T_Q4_0 ? 18 : 20);
-                v = nibbles32(blk + (type == T_Q4_0 ? 2 : 4));
-            } else {
-                const int with_min = type == T_Q5_1;
-                blk = row + b * (with_min ? 24 : 22);
-                uint32_t qh;
-                memcpy(&qh, blk + (with_min ? 4 : 2), 4);
-                v = _mm256_or_si256(nibbles32(blk + (with_min ? 8 : 6)), _mm256_maskz_mov_epi8((__mmask32)qh, x10));
-            }
-            _mm256_storeu_si256((__m256i *)(uq + e), v);
-            _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(blk)));
-            if (type == T_Q4_1 || type == T_Q5_1) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_fast(blk + 2)));
-            e += 32;
-            break;
-        }
         case T_Q4_K: case T_Q5_K: {
             const int q5 = type == T_Q5_K;
             const uint8_t *blk = row + (e / 256) * (q5 ? 176 : 144), *qs = blk + (q5 ? 48 : 16);

@@ -175,6 +175,7 @@ def test_quantized_weights_are_the_files_blocks_and_dequantize_as_gguf_does():
         raw = np.asarray(tensor.data)
         if heads is not None:
             raw = _undo_qk_permutation(raw, heads)
-        assert held.kind == tensor.tensor_type.name and np.array_equal(held.data.numpy(), raw)
+        assert held.kind == tensor.tensor_type.name and np.array_equal(held.blocks().numpy(), raw)
+        assert held.nbytes() == raw.nbytes
         expected = gguf.quants.dequantize(raw, tensor.tensor_type)
         assert np.array_equal(held.rows().numpy().view(np.uint32), expected.view(np.uint32))

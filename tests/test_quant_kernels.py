@@ -32,14 +32,28 @@ def reference(kind: str, blocks: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", list(quant.TYPES))
+@pytest.mark.parametrize("rows", [7, 16, 37])
+def test_the_held_layout_gives_back_the_files_blocks(kind, rows):
+    """Held rows are packed 16 at a time (the rest as they are): the same bytes, moved."""
+    cols = 512 if quant.TYPES[kind][1] == 256 else 96
+    blocks = random_blocks(kind, rows, cols, seed=rows)
+    held = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols)
+    assert held.nbytes() == blocks.nbytes
+    assert np.array_equal(held.blocks().numpy(), blocks)
+    assert np.array_equal(np.sort(held.data.numpy().ravel()), np.sort(blocks.ravel())) or kind == "Q8_0"
+    joined = quant.QuantizedTensor.cat([held, held.index_rows(slice(0, 5))])
+    assert np.array_equal(joined.blocks().numpy(), np.concatenate([blocks, blocks[:5]]))
+
+
+@pytest.mark.parametrize("kind", list(quant.TYPES))
 def test_dequantize_is_gguf_bit_for_bit(kind):
     cols = 512 if quant.TYPES[kind][1] == 256 else 96
-    blocks = random_blocks(kind, 7, cols)
+    blocks = random_blocks(kind, 37, cols)
     expected = reference(kind, blocks)
     got = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).rows().numpy()
     assert got.dtype == np.float32 and got.shape == expected.shape
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
-    ids = torch.tensor([6, 0, 3, 3])
+    ids = torch.tensor([6, 0, 36, 3, 3, 17])
     assert np.array_equal(quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).rows(ids).numpy(), expected[ids.numpy()])
 
 
@@ -57,7 +71,7 @@ def test_float32_product_matches_dequantize_then_matmul(kind, isa, monkeypatch):
         w = reference(kind, blocks)
         for m in (1, 3, 17, 64):
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-            y = quant.matmul(x, torch.from_numpy(blocks), quant.TYPES[kind][0])
+            y = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).matmul(x)
             ref = product_reference(x, w)
             assert y.dtype == torch.float32 and y.shape == (m, rows)
             torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
@@ -81,7 +95,7 @@ def test_bfloat16_product_matches_int8_activation_reference(kind, isa, monkeypat
     w = reference(kind, blocks)
     for m in (1, 2, 16, 40):
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).bfloat16()
-        y = quant.matmul(x, torch.from_numpy(blocks), quant.TYPES[kind][0])
+        y = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).matmul(x)
         ref = int8_activation_reference(x, w)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
@@ -94,8 +108,8 @@ def test_bfloat16_product_matches_int8_activation_reference(kind, isa, monkeypat
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind, monkeypatch):
     big = quant.TYPES[kind][1] == 256
     rows, cols = 24, 768 if big else 32 * 7
-    data = torch.from_numpy(random_blocks(kind, rows, cols, seed=5))
-    type_id = quant.TYPES[kind][0]
+    weight = quant.QuantizedTensor(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=5)), cols)
+    data, type_id = weight.data, weight.type_id
     x = torch.randn(50, cols, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16):
         xs = x.to(dtype)

@@ -100,7 +100,7 @@ class Linear:
         for part in parts[1:]:
             last = joined[-1]
             if isinstance(part, QuantizedTensor) and isinstance(last, QuantizedTensor) and part.kind == last.kind:
-                joined[-1] = QuantizedTensor(part.kind, torch.cat([last.data, part.data]), part.shape[1])
+                joined[-1] = QuantizedTensor.cat([last, part])
             elif not isinstance(part, QuantizedTensor) and not isinstance(last, QuantizedTensor):
                 joined[-1] = torch.cat([last, part])
             else:

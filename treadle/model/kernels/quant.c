@@ -251,9 +251,10 @@ typedef void (*unpack_fn)(const uint8_t *, uint8_t *, float *, float *);
 typedef struct {
     int elems, bytes, off, shift, has_min; /* off = 1 << shift, or 0 */
     unpack_fn unpack;
+    int gs; /* values per weight scale: 16 or 32 */
 } qtype;
 
-static int qtype_of(int type, qtype *t) {
+static int qtype_fields(int type, qtype *t) {
     switch (type) {
     case T_Q4_0: *t = (qtype){32, 18, 8, 3, 0, unpack_q4_0}; return 0;
     case T_Q4_1: *t = (qtype){32, 20, 0, 0, 1, unpack_q4_1}; return 0;
@@ -269,6 +270,12 @@ static int qtype_of(int type, qtype *t) {
     case T_IQ4_XS: *t = (qtype){256, 136, 128, 7, 0, unpack_iq4_xs}; return 0;
     default: return -1;
     }
+}
+
+static int qtype_of(int type, qtype *t) {
+    if (qtype_fields(type, t)) return -1;
+    t->gs = type == T_Q2_K || type == T_Q3_K || type == T_Q6_K ? 16 : 32;
+    return 0;
 }
 
 /* One weight row, unpacked: K bytes of uq, K/4 floats of s4 (and of m4). */
@@ -349,14 +356,25 @@ TARGET_AVX2 static float dot_f32_avx2(const float *x, const float *w, int64_t K)
 
 /* ---- int8 activations ---- */
 
+/* One row of x, quantized: xq [K] int8; per 32 values the scale dx, the sum xs32 of the 32 xq and
+ * sdx32 = (float)xs32 * dx; per 16 values xs16 and sdx16 likewise. */
 typedef struct {
-    int8_t *xq;   /* [K] */
-    float *dx4;   /* [K/4]: the 32-group's scale, per quad */
-    int32_t *xoff4; /* [K/4]: -off * (sum of the quad's xq), the weight type's offset folded in */
-    float *xsd4;    /* [K/4]: (sum of the quad's xq) * dx4 */
-} qrow;
+    int8_t *xq;
+    float *dx, *sdx32, *sdx16;
+    int32_t *xs32, *xs16;
+} arow;
 
-static void quantize_row(const void *x, int x_bf16, int64_t K, int off, qrow r) {
+/* bytes of M quantized rows of K values (K a multiple of 32) */
+static inline size_t act_bytes(int64_t M, int64_t K) { return (size_t)M * (size_t)K * 2; }
+
+/* row m of the quantized activations: xq [M, K], then per row dx, xs32, sdx32 [K/32], xs16, sdx16 [K/16] */
+static inline arow act_row(char *act, int64_t M, int64_t K, int64_t m) {
+    char *p = act + (size_t)M * (size_t)K + (size_t)m * (size_t)K;
+    return (arow){(int8_t *)act + m * K, (float *)p, (float *)(p + K / 8 * 2), (float *)(p + K / 8 * 3 + K / 4),
+                  (int32_t *)(p + K / 8), (int32_t *)(p + K / 8 * 3)};
+}
+
+static void quantize_row(const void *x, int x_bf16, int64_t K, arow r) {
     for (int64_t g = 0; g < K; g += 32) {
         float v[32], amax = 0.0f;
         for (int j = 0; j < 32; j++) {
@@ -365,72 +383,54 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int off, qrow r) 
             amax = a > amax ? a : amax;
         }
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int j = 0; j < 32; j++) r.xq[g + j] = (int8_t)nearbyintf(v[j] * id);
-        for (int q = 0; q < 8; q++) {
-            int32_t s = 0;
-            for (int t = 0; t < 4; t++) s += r.xq[g + 4 * q + t];
-            r.dx4[g / 4 + q] = d;
-            r.xoff4[g / 4 + q] = -off * s;
-            r.xsd4[g / 4 + q] = (float)s * d;
+        int32_t s[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            r.xq[g + j] = (int8_t)nearbyintf(v[j] * id);
+            s[j / 16] += r.xq[g + j];
+        }
+        r.dx[g / 32] = d;
+        r.xs32[g / 32] = s[0] + s[1];
+        r.sdx32[g / 32] = (float)(s[0] + s[1]) * d;
+        for (int h = 0; h < 2; h++) {
+            r.xs16[g / 16 + h] = s[h];
+            r.sdx16[g / 16 + h] = (float)s[h] * d;
         }
     }
 }
 
-static float dot_q8_portable(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, qrow r, int64_t K) {
-    float acc[LANES] = {0};
-    for (int64_t q = 0; q < K / 4; q++) {
-        int32_t iq = r.xoff4[q];
-        for (int i = 0; i < 4; i++) iq += (int32_t)uq[4 * q + i] * (int32_t)r.xq[4 * q + i];
-        int l = (int)(q % LANES);
-        acc[l] = fmaf((float)iq, s4[q] * r.dx4[q], acc[l]);
-        if (t->has_min) acc[l] = fmaf(-m4[q], r.xsd4[q], acc[l]);
+/* The rule, one weight row (unpacked) against one quantized row of x: for each group of the
+ * weight's own scale (16 or 32 values), in order,
+ *     isum = sum(uq * xq) - off * sum(xq)                       (exact, int32)
+ *     acc  = fma((float)isum, s * dx, acc)
+ *     acc  = fma(-m, sum(xq) * dx, acc)                         (types with a minimum)
+ * Every path below computes these same operations, in this order, for every output. The integer
+ * sums are exact, so how they are vectorized does not matter. */
+#define DOT_RULE(name, target)                                                                                        \
+    target static float name(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, arow a, int64_t K) { \
+        float acc = 0.0f;                                                                                             \
+        if (t->gs == 16) {                                                                                            \
+            for (int64_t e = 0; e < K; e += 16) {                                                                     \
+                int32_t isum = 0;                                                                                     \
+                for (int j = 0; j < 16; j++) isum += (int32_t)uq[e + j] * (int32_t)a.xq[e + j];                      \
+                isum -= t->off * a.xs16[e / 16];                                                                      \
+                acc = fmaf((float)isum, s4[e / 4] * a.dx[e / 32], acc);                                               \
+                if (t->has_min) acc = fmaf(-m4[e / 4], a.sdx16[e / 16], acc);                                         \
+            }                                                                                                         \
+        } else {                                                                                                      \
+            for (int64_t e = 0; e < K; e += 32) {                                                                     \
+                int32_t isum = 0;                                                                                     \
+                for (int j = 0; j < 32; j++) isum += (int32_t)uq[e + j] * (int32_t)a.xq[e + j];                      \
+                isum -= t->off * a.xs32[e / 32];                                                                      \
+                acc = fmaf((float)isum, s4[e / 4] * a.dx[e / 32], acc);                                               \
+                if (t->has_min) acc = fmaf(-m4[e / 4], a.sdx32[e / 32], acc);                                         \
+            }                                                                                                         \
+        }                                                                                                             \
+        return acc;                                                                                                   \
     }
-    return reduce16(acc);
-}
 
-TARGET_VNNI static float dot_q8_vnni(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, qrow r, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
-    const int64_t quads = K / 4;
-    for (int64_t q = 0; q < quads; q += 16) {
-        __mmask16 k = quads - q >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (quads - q)) - 1);
-        __mmask64 kb = quads - q >= 16 ? ~(__mmask64)0 : (((__mmask64)1 << (4 * (quads - q))) - 1);
-        __m512i init = t->shift ? _mm512_maskz_loadu_epi32(k, r.xoff4 + q) : zero;
-        __m512i iq = _mm512_dpbusd_epi32(init, _mm512_maskz_loadu_epi8(kb, uq + 4 * q), _mm512_maskz_loadu_epi8(kb, r.xq + 4 * q));
-        __m512 sdx = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s4 + q), _mm512_maskz_loadu_ps(k, r.dx4 + q));
-        acc = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(iq), sdx, acc, k);
-        if (t->has_min) acc = _mm512_mask3_fnmadd_ps(_mm512_maskz_loadu_ps(k, m4 + q), _mm512_maskz_loadu_ps(k, r.xsd4 + q), acc, k);
-    }
-    return reduce512(acc);
-}
-
-TARGET_AVX2 static inline __m256i quads_avx2(const uint8_t *u, const int8_t *x) {
-    /* 8 exact sums of 4 products u8 * s8 (values 32) */
-    __m256i pa = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u)),
-                                   _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x)));
-    __m256i pb = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16))),
-                                   _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 16))));
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(pa, pb), 0xD8);
-}
-
-TARGET_AVX2 static inline __m256 step_avx2(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, qrow r, int64_t q, __m256 acc) {
-    __m256i iq = quads_avx2(uq + 4 * q, r.xq + 4 * q);
-    if (t->shift) iq = _mm256_add_epi32(iq, _mm256_loadu_si256((const __m256i *)(r.xoff4 + q)));
-    __m256 sdx = _mm256_mul_ps(_mm256_loadu_ps(s4 + q), _mm256_loadu_ps(r.dx4 + q));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), sdx, acc);
-    if (t->has_min) acc = _mm256_fnmadd_ps(_mm256_loadu_ps(m4 + q), _mm256_loadu_ps(r.xsd4 + q), acc);
-    return acc;
-}
-
-TARGET_AVX2 static float dot_q8_avx2(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, qrow r, int64_t K) {
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    const int64_t quads = K / 4; /* a multiple of 8 */
-    for (int64_t q = 0; q < quads; q += 16) {
-        lo = step_avx2(t, uq, s4, m4, r, q, lo);
-        if (q + 8 < quads) hi = step_avx2(t, uq, s4, m4, r, q + 8, hi);
-    }
-    return reduce256x2(lo, hi);
-}
+DOT_RULE(dot_q8_portable, )
+DOT_RULE(dot_q8_avx2, TARGET_AVX2)
+DOT_RULE(dot_q8_vnni, TARGET_VNNI)
 
 /* ---- AVX-512 unpacking of whole rows, for the common types (the same bytes and floats as the
  * block functions above, written with vector instructions) ---- */
@@ -566,31 +566,184 @@ static int has_fast_unpack(int type) {
            type == T_Q6_K;
 }
 
-/* Four rows of x against one unpacked weight row: each row's operations exactly as dot_q8_vnni's. */
-TARGET_VNNI static void dot4_q8_vnni(const qtype *t, const uint8_t *uq, const float *s4, const float *m4, const qrow *r, int64_t K, float *out) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    const __m512i zero = _mm512_setzero_si512();
-    const int64_t quads = K / 4;
-    for (int64_t q = 0; q < quads; q += 16) {
-        __mmask16 k = quads - q >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (quads - q)) - 1);
-        __mmask64 kb = quads - q >= 16 ? ~(__mmask64)0 : (((__mmask64)1 << (4 * (quads - q))) - 1);
-        const __m512i u = _mm512_maskz_loadu_epi8(kb, uq + 4 * q);
-        const __m512 s = _mm512_maskz_loadu_ps(k, s4 + q);
-        const __m512 mn = t->has_min ? _mm512_maskz_loadu_ps(k, m4 + q) : _mm512_setzero_ps();
-#define ROW(i, acc)                                                                                                            \
-    do {                                                                                                                       \
-        __m512i init = t->shift ? _mm512_maskz_loadu_epi32(k, r[i].xoff4 + q) : zero;                                          \
-        __m512i iq = _mm512_dpbusd_epi32(init, u, _mm512_maskz_loadu_epi8(kb, r[i].xq + 4 * q));                               \
-        acc = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(iq), _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, r[i].dx4 + q)), acc, k); \
-        if (t->has_min) acc = _mm512_mask3_fnmadd_ps(mn, _mm512_maskz_loadu_ps(k, r[i].xsd4 + q), acc, k);                      \
-    } while (0)
-        ROW(0, acc0);
-        ROW(1, acc1);
-        ROW(2, acc2);
-        ROW(3, acc3);
-#undef ROW
+/* ---- the packed layout: 16 rows interleaved, for the 32-value types ----
+ *
+ * A weight of N rows is stored as N / 16 groups of 16 rows, then the N % 16 last rows as the file
+ * has them. A group holds, for each block b of the row in turn, the 16 rows' block b rearranged
+ * (the same bytes, moved): each field before the quants (the float16 scale d, the minimum m, the
+ * fifth bits qh) as 16 rows' fields side by side, then the quants in 4-byte pieces: piece t of the
+ * 16 rows, one 64-byte vector, for each t. Q8_0's quants are stored + 128 (as unsigned bytes).
+ * Vector t then holds, for the 16 rows, values 4t..4t+3 (Q8_0) or, in its low and high nibbles,
+ * values 4t..4t+3 and 16+4t..16+4t+3 (4- and 5-bit types): what the integer dot product takes. */
+
+typedef struct {
+    int nfields, foff[3], flen[3], qoff, qlen, xor80;
+} packdesc;
+
+static int pack_desc(int type, packdesc *p) {
+    switch (type) {
+    case T_Q4_0: case T_IQ4_NL: *p = (packdesc){1, {0}, {2}, 2, 16, 0}; return 1;
+    case T_Q4_1: *p = (packdesc){2, {0, 2}, {2, 2}, 4, 16, 0}; return 1;
+    case T_Q5_0: *p = (packdesc){2, {0, 2}, {2, 4}, 6, 16, 0}; return 1;
+    case T_Q5_1: *p = (packdesc){3, {0, 2, 4}, {2, 2, 4}, 8, 16, 0}; return 1;
+    case T_Q8_0: *p = (packdesc){1, {0}, {2}, 2, 32, 1}; return 1;
+    default: return 0;
     }
-    out[0] = reduce512(acc0), out[1] = reduce512(acc1), out[2] = reduce512(acc2), out[3] = reduce512(acc3);
+}
+
+/* where byte j of row r's block lands in the 16 rows' packed block */
+static inline int packed_pos(const packdesc *p, int r, int j) {
+    if (j >= p->qoff) {
+        int q = j - p->qoff;
+        return 16 * p->qoff + (q / 4) * 64 + r * 4 + q % 4;
+    }
+    int f = 0;
+    while (j >= p->foff[f] + p->flen[f]) f++;
+    return 16 * p->foff[f] + r * p->flen[f] + (j - p->foff[f]);
+}
+
+/* Row n of a stored weight in the file's layout: a pointer into w, or `tmp` filled from a group. */
+static const uint8_t *file_row(int type, const qtype *t, const uint8_t *w, int64_t N, int64_t K, int64_t n, uint8_t *tmp) {
+    const int64_t rb = K / t->elems * t->bytes;
+    packdesc p;
+    if (!pack_desc(type, &p) || n >= N / 16 * 16) return w + n * rb;
+    const uint8_t *group = w + (n / 16) * 16 * rb;
+    const int r = (int)(n % 16);
+    for (int64_t b = 0; b < K / t->elems; b++)
+        for (int j = 0; j < t->bytes; j++) {
+            uint8_t v = group[b * 16 * t->bytes + packed_pos(&p, r, j)];
+            tmp[b * t->bytes + j] = p.xor80 && j >= p.qoff ? v ^ 0x80 : v;
+        }
+    return tmp;
+}
+
+/* the file's blocks (N rows of K values) -> the stored layout, or back (to_file) */
+int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst, int to_file) {
+    qtype t;
+    if (qtype_of(type, &t) || K % t.elems) return 1;
+    const int64_t rb = K / t.elems * t.bytes, nb = K / t.elems;
+    packdesc p;
+    if (!pack_desc(type, &p)) {
+        memcpy(dst, src, (size_t)(N * rb));
+        return 0;
+    }
+    const int64_t grouped = N / 16 * 16;
+    for (int64_t n = 0; n < grouped; n++) {
+        const int64_t base = (n / 16) * 16 * rb;
+        const int r = (int)(n % 16);
+        for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < t.bytes; j++) {
+                const int64_t at = base + b * 16 * t.bytes + packed_pos(&p, r, j), row = n * rb + b * t.bytes + j;
+                const uint8_t flip = p.xor80 && j >= p.qoff ? 0x80 : 0;
+                if (to_file)
+                    dst[row] = src[at] ^ flip;
+                else
+                    dst[at] = src[row] ^ flip;
+            }
+    }
+    memcpy(dst + grouped * rb, src + grouped * rb, (size_t)((N - grouped) * rb));
+    return 0;
+}
+
+/* ---- the packed 32-value types on AVX-512 VNNI: 16 weight rows per vector ---- */
+
+TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v) {
+    if (!y_bf16) {
+        _mm512_storeu_ps((float *)y + i, v);
+        return;
+    }
+    /* f32_to_bf16, lane by lane: round to nearest even, NaN kept quiet */
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(r));
+}
+
+/* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
+ * operations, lane r for weight row n0 + r */
+#define X16_INLINE TARGET_FAST static inline __attribute__((always_inline))
+X16_INLINE void x16_tile(const int type, const int MT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, void *y,
+                         int64_t ldy, int y_bf16, int64_t n0) {
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : 2, qhoff = with_min ? 4 : 2;
+    const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
+    const __m512i m15 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
+                                                              (char)181, (char)197, (char)217, (char)241)); /* IQ4_VALUES + 128 */
+    const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
+    arow a[8];
+    __m512 acc[8];
+    for (int i = 0; i < MT; i++) a[i] = act_row(act, M, K, m0 + i), acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
+        const __m512 mn = with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32))) : _mm512_setzero_ps();
+        __m512i u[8];
+        if (type == T_Q8_0) {
+            for (int q = 0; q < 8; q++) u[q] = _mm512_loadu_si512((const void *)(qs + 64 * q));
+        } else {
+            for (int q = 0; q < 4; q++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * q));
+                u[q] = _mm512_and_si512(v, m15);
+                u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+            }
+            if (type == T_IQ4_NL)
+                for (int q = 0; q < 8; q++) u[q] = _mm512_shuffle_epi8(table, u[q]);
+            if (five) { /* value 4q + i of a row takes bit 4q + i of its qh */
+                const __m512i qh = _mm512_loadu_si512((const void *)(gb + 16 * qhoff)), x10 = _mm512_set1_epi8(16);
+                for (int q = 0; q < 8; q++) {
+                    const __m512i byte = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)(q / 2))));
+                    const __mmask64 k = _mm512_test_epi8_mask(byte, _mm512_set1_epi32(q % 2 ? (int)0x80402010 : 0x08040201));
+                    u[q] = _mm512_mask_add_epi8(u[q], k, u[q], x10);
+                }
+            }
+        }
+        for (int i = 0; i < MT; i++) {
+            const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * b);
+            __m512i s0 = off ? _mm512_set1_epi32(-off * a[i].xs32[b]) : zero, s1 = zero;
+            for (int q = 0; q < 8; q += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
+                s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(a[i].dx[b])), acc[i]);
+            if (with_min) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a[i].sdx32[b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
+}
+
+#define X16_TYPE(TYPE)                                                                                                  \
+    TARGET_FAST static void x16_##TYPE(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, \
+                                       int64_t ldy, int y_bf16, int64_t n0) {                                          \
+        while (m0 < m1) {                                                                                               \
+            const int64_t left = m1 - m0;                                                                               \
+            if (left >= 8) x16_tile(TYPE, 8, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 8;                    \
+            else if (left >= 4) x16_tile(TYPE, 4, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 4;               \
+            else if (left >= 2) x16_tile(TYPE, 2, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 2;               \
+            else x16_tile(TYPE, 1, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 1;                              \
+        }                                                                                                               \
+    }
+X16_TYPE(T_Q4_0)
+X16_TYPE(T_Q4_1)
+X16_TYPE(T_Q5_0)
+X16_TYPE(T_Q5_1)
+X16_TYPE(T_Q8_0)
+X16_TYPE(T_IQ4_NL)
+
+typedef void (*x16_fn)(const uint8_t *, int64_t, char *, int64_t, int64_t, int64_t, int64_t, void *, int64_t, int, int64_t);
+
+static x16_fn x16_for(int type) {
+    switch (type) {
+    case T_Q4_0: return x16_T_Q4_0;
+    case T_Q4_1: return x16_T_Q4_1;
+    case T_Q5_0: return x16_T_Q5_0;
+    case T_Q5_1: return x16_T_Q5_1;
+    case T_Q8_0: return x16_T_Q8_0;
+    case T_IQ4_NL: return x16_T_IQ4_NL;
+    default: return NULL;
+    }
 }
 
 /* ---- entry points ---- */
@@ -602,7 +755,7 @@ int treadle_q_isa_supported(int isa) {
     case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case ISA_AVX512_VNNI:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+               __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     default: return 0;
     }
 }
@@ -621,34 +774,34 @@ static inline void store(void *y, int y_bf16, int64_t i, float v) {
         ((float *)y)[i] = v;
 }
 
-/* rows ids[i] (or i, ids NULL) of a [*, K] weight -> y [n, K] float32 or bf16 */
-int treadle_q_dequantize(int type, const uint8_t *w, int64_t row_stride, int64_t K, const int64_t *ids, int64_t n, void *y, int y_bf16) {
+/* rows ids[i] (or i, ids NULL) of a stored [N, K] weight -> y [n, K] float32 or bf16 */
+int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *y, int y_bf16) {
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     int err = 0;
 #pragma omp parallel
     {
-        uint8_t *uq = malloc((size_t)K);
+        uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
         float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
-        if (!uq || !s4 || !m4 || !f) {
+        if (!uq || !tmp || !s4 || !m4 || !f) {
 #pragma omp atomic write
             err = 2;
         } else {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) {
-                unpack_row(&t, w + (ids ? ids[i] : i) * row_stride, K, uq, s4, m4);
+                unpack_row(&t, file_row(type, &t, w, N, K, ids ? ids[i] : i, tmp), K, uq, s4, m4);
                 dequantize_unpacked(&t, K, uq, s4, m4, f);
                 for (int64_t e = 0; e < K; e++) store(y, y_bf16, i * K + e, f[e]);
             }
         }
-        free(uq), free(s4), free(m4), free(f);
+        free(uq), free(tmp), free(s4), free(m4), free(f);
     }
     return err;
 }
 
-/* y[m, n] = sum_k x[m, k] w[n, k]: x float32 [M, ldx], w [N] rows of `type`, y [M, ldy] float32 or bf16 */
-int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
-                         void *y, int64_t ldy, int y_bf16, int isa) {
+/* y[m, n] = sum_k x[m, k] w[n, k]: x float32 [M, ldx], w a stored [N, K] weight of `type`, y [M, ldy] float32 or bf16 */
+int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M, void *y, int64_t ldy,
+                         int y_bf16, int isa) {
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
@@ -656,78 +809,72 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t row_stride, int64_t
     int err = 0;
 #pragma omp parallel
     {
-        uint8_t *uq = malloc((size_t)K);
+        uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
         float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
-        if (!uq || !s4 || !m4 || !f) {
+        if (!uq || !tmp || !s4 || !m4 || !f) {
 #pragma omp atomic write
             err = 2;
         } else {
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) {
-                unpack_row(&t, w + n * row_stride, K, uq, s4, m4);
+                unpack_row(&t, file_row(type, &t, w, N, K, n, tmp), K, uq, s4, m4);
                 dequantize_unpacked(&t, K, uq, s4, m4, f);
                 for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * ldx, f, K));
             }
         }
-        free(uq), free(s4), free(m4), free(f);
+        free(uq), free(tmp), free(s4), free(m4), free(f);
     }
     return err;
 }
 
-/* row m of the quantized activations: xq [M, K], then dx4, xoff4, xsd4 [M, K/4] each */
-static inline qrow act_row(char *act, int64_t M, int64_t K, int64_t m) {
-    return (qrow){(int8_t *)act + m * K, (float *)(act + M * K) + m * (K / 4), (int32_t *)(act + 2 * M * K) + m * (K / 4),
-                  (float *)(act + 3 * M * K) + m * (K / 4)};
-}
-
 /* The same product with x (float32 or bf16) quantized to int8 per 32 values (see the header). */
-int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, const void *x, int x_bf16, int64_t ldx,
-                        int64_t M, void *y, int64_t ldy, int y_bf16, int isa) {
+int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t ldx, int64_t M, void *y,
+                        int64_t ldy, int y_bf16, int isa) {
     qtype t;
     if (qtype_of(type, &t) || K % t.elems || K % 32) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
-    /* one allocation for the quantized activations: xq [M, K] then dx4, xs4, xsd4 [M, K/4] each */
-    char *act = malloc((size_t)M * (size_t)K * 4);
+    char *act = malloc(act_bytes(M, K));
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;
+    const int64_t rb = K / t.elems * t.bytes;
+    const x16_fn x16 = isa == ISA_AVX512_VNNI ? x16_for(type) : NULL;
+    const int64_t groups = x16 ? N / 16 : 0; /* groups of 16 rows the vector kernel takes; the rest one row at a time */
     const int fast = isa == ISA_AVX512_VNNI && has_fast_unpack(type);
-    float (*dot)(const qtype *, const uint8_t *, const float *, const float *, qrow, int64_t) =
+    float (*dot)(const qtype *, const uint8_t *, const float *, const float *, arow, int64_t) =
         isa == ISA_AVX512_VNNI ? dot_q8_vnni : isa == ISA_AVX2 ? dot_q8_avx2 : dot_q8_portable;
     int err = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, t.off, act_row(act, M, K, m));
+        for (int64_t m = 0; m < M; m++) quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, act_row(act, M, K, m));
         /* the implicit barrier: every row is quantized before any is used */
-        uint8_t *uq = malloc((size_t)K);
-        float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K);
-        if (!uq || !s4 || !m4) {
-#pragma omp atomic write
-            err = 2;
-        } else {
-            /* each thread takes a contiguous range of weight rows and passes over x in tiles */
-            for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
-                const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
+        for (int64_t m0 = 0; m0 < M && groups; m0 += M_TILE) {
+            const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
 #pragma omp for schedule(static) nowait
-                for (int64_t n = 0; n < N; n++) {
-                    if (fast)
-                        unpack_row_fast(type, w + n * row_stride, K, uq, s4, m4);
-                    else
-                        unpack_row(&t, w + n * row_stride, K, uq, s4, m4);
-                    int64_t m = m0;
-                    if (isa == ISA_AVX512_VNNI)
-                        for (; m + 4 <= m1; m += 4) {
-                            qrow r[4];
-                            float out[4];
-                            for (int i = 0; i < 4; i++) r[i] = act_row(act, M, K, m + i);
-                            dot4_q8_vnni(&t, uq, s4, m4, r, K, out);
-                            for (int i = 0; i < 4; i++) store(y, y_bf16, (m + i) * ldy + n, out[i]);
-                        }
-                    for (; m < m1; m++) store(y, y_bf16, m * ldy + n, dot(&t, uq, s4, m4, act_row(act, M, K, m), K));
+            for (int64_t g = 0; g < groups; g++) x16(w + g * 16 * rb, K / t.elems, act, M, K, m0, m1, y, ldy, y_bf16, g * 16);
+        }
+        if (groups * 16 < N) {
+            uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
+            float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K);
+            if (!uq || !tmp || !s4 || !m4) {
+#pragma omp atomic write
+                err = 2;
+            } else {
+                for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+                    const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
+#pragma omp for schedule(static) nowait
+                    for (int64_t n = groups * 16; n < N; n++) {
+                        const uint8_t *row = file_row(type, &t, w, N, K, n, tmp);
+                        if (fast)
+                            unpack_row_fast(type, row, K, uq, s4, m4);
+                        else
+                            unpack_row(&t, row, K, uq, s4, m4);
+                        for (int64_t m = m0; m < m1; m++) store(y, y_bf16, m * ldy + n, dot(&t, uq, s4, m4, act_row(act, M, K, m), K));
+                    }
                 }
             }
+            free(uq), free(tmp), free(s4), free(m4);
         }
-        free(uq), free(s4), free(m4);
     }
     free(act);
     return err;

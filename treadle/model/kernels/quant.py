@@ -40,9 +40,10 @@ def library() -> ctypes.CDLL:
                 lib.treadle_q_isa_supported.argtypes = [i32]
                 lib.treadle_q_row_bytes.argtypes = [i32, i64]
                 lib.treadle_q_row_bytes.restype = i64
+                lib.treadle_q_pack.argtypes = [i32, ptr, i64, i64, ptr, i32]
                 lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
-                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i32, i32]
-                lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
+                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32]
+                lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
                 _lib = lib
     return _lib
 
@@ -77,20 +78,24 @@ def _choose(forced: str | None) -> str:
 
 
 class QuantizedTensor:
-    """A [rows, cols] weight as rows of GGUF blocks of type `kind` (uint8 [rows, bytes per row])."""
+    """A [rows, cols] weight of GGUF blocks of type `kind`, held in the kernels' layout.
+
+    Built from the file's blocks (uint8 [rows, bytes per row]); `data` is the same bytes moved
+    (quant.c's packed layout: rows of the 32-value types interleaved 16 at a time), the same size,
+    and `blocks()` gives the file's back."""
 
     __slots__ = ("kind", "data", "shape")
     KINDS = frozenset(TYPES)
 
-    def __init__(self, kind: str, data: torch.Tensor, cols: int):
+    def __init__(self, kind: str, blocks: torch.Tensor, cols: int):
         if kind not in TYPES:
             raise ValueError(f"quantized type {kind} is not supported (supported: {', '.join(TYPES)})")
         _, elems, size = TYPES[kind]
-        if cols % elems or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != cols // elems * size:
-            raise ValueError(f"{kind} data of shape {tuple(data.shape)} does not hold rows of {cols} values")
+        if cols % elems or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != cols // elems * size:
+            raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} does not hold rows of {cols} values")
         self.kind = kind
-        self.data = data if data.is_contiguous() else data.contiguous()
-        self.shape = torch.Size((data.shape[0], cols))
+        self.shape = torch.Size((blocks.shape[0], cols))
+        self.data = _pack(blocks.contiguous(), TYPES[kind][0], cols, to_file=False)
 
     @property
     def type_id(self) -> int:
@@ -98,6 +103,10 @@ class QuantizedTensor:
 
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def blocks(self) -> torch.Tensor:
+        """The file's blocks, uint8 [rows, bytes per row]."""
+        return _pack(self.data, self.type_id, self.shape[1], to_file=True)
 
     def rows(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (all when None) dequantized, exactly as gguf.quants.dequantize, in `dtype`."""
@@ -110,9 +119,24 @@ class QuantizedTensor:
         """The dense weight (where a consumer cannot use the blocks: another device, a norm)."""
         return self.rows(dtype=dtype or torch.float32).to(device=device)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.data, self.type_id)
+
     def index_rows(self, index) -> "QuantizedTensor":
         """The rows `index` (a permutation or slice) as a new tensor: whole blocks moved, values unchanged."""
-        return QuantizedTensor(self.kind, self.data[index].contiguous(), self.shape[1])
+        return QuantizedTensor(self.kind, self.blocks()[index], self.shape[1])
+
+    @staticmethod
+    def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
+        """Parts of one kind and width, their rows one after another."""
+        return QuantizedTensor(parts[0].kind, torch.cat([p.blocks() for p in parts]), parts[0].shape[1])
+
+
+def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool) -> torch.Tensor:
+    out = torch.empty_like(data)
+    if library().treadle_q_pack(type_id, data.data_ptr(), data.shape[0], cols, out.data_ptr(), int(to_file)):
+        raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
+    return out
 
 
 def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -124,7 +148,7 @@ def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | 
         if n and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
             raise IndexError(f"row index out of range for {data.shape[0]} rows")
     code = library().treadle_q_dequantize(
-        type_id, data.data_ptr(), data.stride(0), cols, None if ids is None else ids.data_ptr(), n, out.data_ptr(), int(bf16)
+        type_id, data.data_ptr(), data.shape[0], cols, None if ids is None else ids.data_ptr(), n, out.data_ptr(), int(bf16)
     )
     if code:
         raise RuntimeError(f"dequantize: error {code}")
@@ -132,7 +156,7 @@ def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | 
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, W the blocks `data` [N, bytes per row]."""
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W a QuantizedTensor's `data` [N, bytes per row]."""
     dtype, lead = x.dtype, x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
@@ -143,14 +167,14 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
     path = ISAS[isa()]
     if x.dtype == torch.float32:
         y = torch.empty((M, N), dtype=torch.float32)
-        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), data.stride(0), N, K, x.data_ptr(), x.stride(0), M, y.data_ptr(), N, 0, path)
+        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), N, K, x.data_ptr(), x.stride(0), M, y.data_ptr(), N, 0, path)
     else:
         if x.dtype != torch.bfloat16:
             x = x.float()
         out_bf16 = x.dtype == torch.bfloat16
         y = torch.empty((M, N), dtype=torch.bfloat16 if out_bf16 else torch.float32)
         code = lib.treadle_q_matmul_q8(
-            type_id, data.data_ptr(), data.stride(0), N, K, x.data_ptr(), int(out_bf16), x.stride(0), M, y.data_ptr(), N, int(out_bf16), path
+            type_id, data.data_ptr(), N, K, x.data_ptr(), int(out_bf16), x.stride(0), M, y.data_ptr(), N, int(out_bf16), path
         )
     if code:
         raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")

@@ -566,40 +566,40 @@ static int has_fast_unpack(int type) {
            type == T_Q6_K;
 }
 
-/* ---- the packed layout: 16 rows interleaved, for the 32-value types ----
+/* ---- the packed layout: 16 rows interleaved ----
  *
- * A weight of N rows is stored as N / 16 groups of 16 rows, then the N % 16 last rows as the file
- * has them. A group holds, for each block b of the row in turn, the 16 rows' block b rearranged
- * (the same bytes, moved): each field before the quants (the float16 scale d, the minimum m, the
- * fifth bits qh) as 16 rows' fields side by side, then the quants in 4-byte pieces: piece t of the
- * 16 rows, one 64-byte vector, for each t. Q8_0's quants are stored + 128 (as unsigned bytes).
- * Vector t then holds, for the 16 rows, values 4t..4t+3 (Q8_0) or, in its low and high nibbles,
- * values 4t..4t+3 and 16+4t..16+4t+3 (4- and 5-bit types): what the integer dot product takes. */
+ * For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K, a weight of N rows is stored as
+ * N / 16 groups of 16 rows, then the N % 16 last rows as the file has them. A group holds, for
+ * each block b of the row in turn, the 16 rows' block b with its bytes moved: every float16 field
+ * (d, m, dmin) as the 16 rows' fields side by side, every other byte in 4-byte pieces, piece t of
+ * the 16 rows side by side (one 64-byte vector per piece). Q8_0's quants are stored + 128 (as
+ * unsigned bytes). A vector then holds the same 4 values of 16 rows (in its low and high nibbles,
+ * for the 4-bit codes): what the integer dot product multiplies with one broadcast quad of x. */
 
 typedef struct {
-    int nfields, foff[3], flen[3], qoff, qlen, xor80;
+    int p0, p1, xor80; /* bytes [p0, p1) of a block in 4-byte pieces; the rest are 2-byte fields */
 } packdesc;
 
 static int pack_desc(int type, packdesc *p) {
     switch (type) {
-    case T_Q4_0: case T_IQ4_NL: *p = (packdesc){1, {0}, {2}, 2, 16, 0}; return 1;
-    case T_Q4_1: *p = (packdesc){2, {0, 2}, {2, 2}, 4, 16, 0}; return 1;
-    case T_Q5_0: *p = (packdesc){2, {0, 2}, {2, 4}, 6, 16, 0}; return 1;
-    case T_Q5_1: *p = (packdesc){3, {0, 2, 4}, {2, 2, 4}, 8, 16, 0}; return 1;
-    case T_Q8_0: *p = (packdesc){1, {0}, {2}, 2, 32, 1}; return 1;
+    case T_Q4_0: case T_IQ4_NL: case T_Q5_0: *p = (packdesc){2, type == T_Q5_0 ? 22 : 18, 0}; return 1;
+    case T_Q4_1: case T_Q5_1: *p = (packdesc){4, type == T_Q5_1 ? 24 : 20, 0}; return 1;
+    case T_Q8_0: *p = (packdesc){2, 34, 1}; return 1;
+    case T_Q4_K: case T_Q5_K: *p = (packdesc){4, type == T_Q5_K ? 176 : 144, 0}; return 1;
+    case T_Q6_K: *p = (packdesc){0, 208, 0}; return 1;
     default: return 0;
     }
 }
 
-/* where byte j of row r's block lands in the 16 rows' packed block */
+/* where byte j of row r's block lands in the 16 rows' packed block: a field or a piece starting at
+ * byte f of the block, of n bytes, lands at 16 * f, row r's n bytes at 16 * f + r * n */
 static inline int packed_pos(const packdesc *p, int r, int j) {
-    if (j >= p->qoff) {
-        int q = j - p->qoff;
-        return 16 * p->qoff + (q / 4) * 64 + r * 4 + q % 4;
+    if (j >= p->p0 && j < p->p1) {
+        const int f = j - (j - p->p0) % 4;
+        return 16 * f + r * 4 + (j - f);
     }
-    int f = 0;
-    while (j >= p->foff[f] + p->flen[f]) f++;
-    return 16 * p->foff[f] + r * p->flen[f] + (j - p->foff[f]);
+    const int f = j & ~1;
+    return 16 * f + r * 2 + (j - f);
 }
 
 /* Row n of a stored weight in the file's layout: a pointer into w, or `tmp` filled from a group. */
@@ -612,7 +612,7 @@ static const uint8_t *file_row(int type, const qtype *t, const uint8_t *w, int64
     for (int64_t b = 0; b < K / t->elems; b++)
         for (int j = 0; j < t->bytes; j++) {
             uint8_t v = group[b * 16 * t->bytes + packed_pos(&p, r, j)];
-            tmp[b * t->bytes + j] = p.xor80 && j >= p.qoff ? v ^ 0x80 : v;
+            tmp[b * t->bytes + j] = p.xor80 && j >= p.p0 ? v ^ 0x80 : v;
         }
     return tmp;
 }
@@ -634,7 +634,7 @@ int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *
         for (int64_t b = 0; b < nb; b++)
             for (int j = 0; j < t.bytes; j++) {
                 const int64_t at = base + b * 16 * t.bytes + packed_pos(&p, r, j), row = n * rb + b * t.bytes + j;
-                const uint8_t flip = p.xor80 && j >= p.qoff ? 0x80 : 0;
+                const uint8_t flip = p.xor80 && j >= p.p0 ? 0x80 : 0;
                 if (to_file)
                     dst[row] = src[at] ^ flip;
                 else
@@ -714,23 +714,112 @@ X16_INLINE void x16_tile(const int type, const int MT, const uint8_t *group, int
     for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
 }
 
-#define X16_TYPE(TYPE)                                                                                                  \
+/* The K-quants (256 values a block): Q4_K and Q5_K (32-value groups with 6-bit scales and minimums)
+ * and Q6_K (16-value groups with int8 scales), 16 weight rows per vector, the rule's operations. */
+X16_INLINE void x16k_tile(const int type, const int MT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
+                          void *y, int64_t ldy, int y_bf16, int64_t n0) {
+    const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), m63 = _mm512_set1_epi32(63), m30 = _mm512_set1_epi32(0x30);
+    const __m512i zero = _mm512_setzero_si512(), x10 = _mm512_set1_epi8(16);
+    arow a[8];
+    __m512 acc[8];
+    for (int i = 0; i < MT; i++) a[i] = act_row(act, M, K, m0 + i), acc[i] = _mm512_setzero_ps();
+#define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = group + b * 16 * bytes;
+        if (type == T_Q6_K) {
+            const uint8_t *P = gb; /* ql pieces 0..31, qh 32..47, scales 48..51; d after */
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * 208)));
+            for (int g = 0; g < 8; g++) {
+                const int h = g / 4, t = g % 4;
+                __m512i u[8];
+                for (int q = 0; q < 8; q++) {
+                    const __m512i ql = PIECE(P, 16 * h + 8 * (t % 2) + q), qh = PIECE(P, 32 + 8 * h + q);
+                    const __m512i lo = _mm512_and_si512(t >= 2 ? _mm512_srli_epi16(ql, 4) : ql, m15);
+                    u[q] = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * t), m3), 4));
+                }
+                __m512 dw[2];
+                for (int k = 0; k < 2; k++) { /* sub-block 2g + k: int8 scale, byte (2g + k) % 4 of piece 48 + (2g + k) / 4 */
+                    const int sb = 2 * g + k;
+                    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(PIECE(P, 48 + sb / 4), 24 - 8 * (sb % 4)), 24);
+                    dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                }
+                const int64_t a32 = b * 8 + g;
+                for (int i = 0; i < MT; i++) {
+                    const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+                    __m512i s0 = _mm512_set1_epi32(-32 * a[i].xs16[2 * a32]), s1 = _mm512_set1_epi32(-32 * a[i].xs16[2 * a32 + 1]);
+                    for (int q = 0; q < 4; q++) {
+                        s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
+                        s1 = _mm512_dpbusd_epi32(s1, u[q + 4], _mm512_set1_epi32(xq4[q + 4]));
+                    }
+                    const __m512 dx = _mm512_set1_ps(a[i].dx[a32]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw[0], dx), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw[1], dx), acc[i]);
+                }
+            }
+            continue;
+        }
+        const int q5 = type == T_Q5_K;
+        const uint8_t *P = gb + 64; /* pieces: scales 0..2, (Q5_K: qh 3..10), qs after */
+        const int qs0 = q5 ? 11 : 3;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
+        const __m512i v0 = PIECE(P, 0), v1 = PIECE(P, 1), v2 = PIECE(P, 2);
+        for (int s = 0; s < 8; s++) {
+            __m512i sc, mn;
+            if (s < 4) {
+                sc = _mm512_and_si512(_mm512_srli_epi32(v0, 8 * s), m63);
+                mn = _mm512_and_si512(_mm512_srli_epi32(v1, 8 * s), m63);
+            } else {
+                const int k = s - 4;
+                sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v2, 8 * k), _mm512_set1_epi32(15)),
+                                     _mm512_and_si512(_mm512_srli_epi32(v0, 8 * k + 2), m30));
+                mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v2, 8 * k + 4), _mm512_set1_epi32(15)),
+                                     _mm512_and_si512(_mm512_srli_epi32(v1, 8 * k + 2), m30));
+            }
+            const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), mw = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+            __m512i u[8];
+            for (int q = 0; q < 8; q++) {
+                const __m512i v = PIECE(P, qs0 + 8 * (s / 2) + q);
+                u[q] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, m15);
+                if (q5) u[q] = _mm512_mask_add_epi8(u[q], _mm512_test_epi8_mask(PIECE(P, 3 + q), _mm512_set1_epi8((char)(1 << s))), u[q], x10);
+            }
+            const int64_t a32 = b * 8 + s;
+            for (int i = 0; i < MT; i++) {
+                const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+                __m512i s0 = zero, s1 = zero;
+                for (int q = 0; q < 8; q += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
+                    s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
+                }
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(a[i].dx[a32])), acc[i]);
+                acc[i] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a[i].sdx32[a32]), acc[i]);
+            }
+        }
+    }
+#undef PIECE
+    for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
+}
+
+#define X16_TYPE(TYPE, TILE)                                                                                            \
     TARGET_FAST static void x16_##TYPE(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, \
                                        int64_t ldy, int y_bf16, int64_t n0) {                                          \
         while (m0 < m1) {                                                                                               \
             const int64_t left = m1 - m0;                                                                               \
-            if (left >= 8) x16_tile(TYPE, 8, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 8;                    \
-            else if (left >= 4) x16_tile(TYPE, 4, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 4;               \
-            else if (left >= 2) x16_tile(TYPE, 2, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 2;               \
-            else x16_tile(TYPE, 1, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 1;                              \
+            if (left >= 8) TILE(TYPE, 8, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 8;                    \
+            else if (left >= 4) TILE(TYPE, 4, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 4;               \
+            else if (left >= 2) TILE(TYPE, 2, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 2;               \
+            else TILE(TYPE, 1, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 1;                              \
         }                                                                                                               \
     }
-X16_TYPE(T_Q4_0)
-X16_TYPE(T_Q4_1)
-X16_TYPE(T_Q5_0)
-X16_TYPE(T_Q5_1)
-X16_TYPE(T_Q8_0)
-X16_TYPE(T_IQ4_NL)
+X16_TYPE(T_Q4_0, x16_tile)
+X16_TYPE(T_Q4_1, x16_tile)
+X16_TYPE(T_Q5_0, x16_tile)
+X16_TYPE(T_Q5_1, x16_tile)
+X16_TYPE(T_Q8_0, x16_tile)
+X16_TYPE(T_IQ4_NL, x16_tile)
+X16_TYPE(T_Q4_K, x16k_tile)
+X16_TYPE(T_Q5_K, x16k_tile)
+X16_TYPE(T_Q6_K, x16k_tile)
 
 typedef void (*x16_fn)(const uint8_t *, int64_t, char *, int64_t, int64_t, int64_t, int64_t, void *, int64_t, int, int64_t);
 
@@ -742,6 +831,9 @@ static x16_fn x16_for(int type) {
     case T_Q5_1: return x16_T_Q5_1;
     case T_Q8_0: return x16_T_Q8_0;
     case T_IQ4_NL: return x16_T_IQ4_NL;
+    case T_Q4_K: return x16_T_Q4_K;
+    case T_Q5_K: return x16_T_Q5_K;
+    case T_Q6_K: return x16_T_Q6_K;
     default: return NULL;
     }
 }

@@ -53,11 +53,16 @@ def llama_cpp_cmake_flags() -> list[str]:
 
 
 def find_or_build_llama_server() -> str:
-    on_path = shutil.which("llama-server")
+    return find_or_build_llama_tool("llama-server")
+
+
+def find_or_build_llama_tool(target: str) -> str:
+    """A llama.cpp program (llama-server, llama-quantize, llama-bench): PATH, else built once."""
+    on_path = shutil.which(target)
     if on_path:
         return on_path
     src = os.path.join(CACHE, f"llama_cpp_python-{LLAMA_CPP_PYTHON}", "vendor", "llama.cpp")
-    binary = os.path.join(src, "build", "bin", "llama-server")
+    binary = os.path.join(src, "build", "bin", target)
     if os.path.exists(binary):
         return binary
     os.makedirs(CACHE, exist_ok=True)
@@ -71,7 +76,7 @@ def find_or_build_llama_server() -> str:
         t.extractall(CACHE, filter="data")
     build = os.path.join(src, "build")
     subprocess.run(["cmake", "-S", src, "-B", build, *llama_cpp_cmake_flags()], check=True)
-    subprocess.run(["cmake", "--build", build, "--target", "llama-server", f"-j{os.cpu_count()}"], check=True)
+    subprocess.run(["cmake", "--build", build, "--target", target, f"-j{os.cpu_count()}"], check=True)
     return binary
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import ModelConfig
+from .kernels.quant import QuantizedTensor
 from .layers import Linear
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key blocks, value blocks)
@@ -43,7 +44,7 @@ class CausalLM:
         """Every matrix product's `Linear`: where the runner and the compiler find quantized layers."""
         return []
 
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor | QuantizedTensor]:
         """Every stored tensor other than the linears' (embeddings, norms, rotary tables)."""
         return []
 
@@ -52,7 +53,11 @@ class CausalLM:
         by two uses counted once."""
         seen, out = set(), {}
         forms = [form for linear in self.linears() for form in linear.stored_forms()]  # first: they name quantized types
-        forms += [(t, str(t.dtype).removeprefix("torch.")) for t in self.tensors() if t is not None]
+        for t in self.tensors():
+            if isinstance(t, QuantizedTensor):
+                forms.append((t.data, t.kind))
+            elif t is not None:
+                forms.append((t, str(t.dtype).removeprefix("torch.")))
         for t, kind in forms:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())

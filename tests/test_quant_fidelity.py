@@ -1,0 +1,86 @@
+"""GGUF files made by llama.cpp's own quantizer, one per type (tests/data/quant, made by
+tests/make_quant_files.py), against transformers on the float32 dequantization of the same file
+(what transformers does when it loads a GGUF: gguf-py's dequantization). treadle's float32 path
+multiplies with the exact dequantized weights, so its greedy tokens are the reference's, solo and
+batched; the bfloat16 path (int8 activations) is checked against the same reference, loosely."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+
+from .make_quant_files import FOLDER, TYPES, tiny_model
+from .reference import assert_matches_reference, hf_greedy
+from .tiny_models import gguf_name
+
+
+def undo_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reference_model(path: str):
+    """transformers' Llama with the file's tensors, dequantized to float32 by gguf-py."""
+    model, _ = tiny_model()
+    cfg = model.config
+    by_gguf = {gguf_name(name): name for name in model.state_dict() if not name.endswith("inv_freq")}
+    state = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        name = by_gguf[tensor.name]
+        if "q_proj" in name or "k_proj" in name:
+            w = undo_llama_cpp_permute(w, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(np.array(w, dtype=np.float32))
+    assert set(state) == set(by_gguf.values())
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 260, (n,), generator=g).tolist() for n in (37, 8, 21)]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_llama_quantize_file_matches_transformers_on_its_dequantization(kind):
+    path = os.path.join(FOLDER, f"{kind}.gguf")
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    assert types == {kind}, "the file holds its matrices in the type named"
+    model = reference_model(path)
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8)
+    weights = llm.stats()["memory"]["weights_by_type"]
+    assert set(weights) <= {kind, "float32"} and weights[kind] > 0
+
+    def cont(prefix, n):
+        return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ps = prompts()
+    together = llm.generate(ps, params)
+    for ids, out in zip(ps, together):
+        ref, rows = hf_greedy(model, ids, 20)
+        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)
+        alone = llm.generate([ids], params)[0].outputs[0].token_ids
+        assert_matches_reference(ids, alone, ref, rows, cont)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_bfloat16_path_stays_near_the_reference(kind):
+    """int8 activations: the next-token distribution after each prompt close to the reference's."""
+    path = os.path.join(FOLDER, f"{kind}.gguf")
+    model = reference_model(path)
+    llm = LLM(path, dtype="bfloat16", max_model_len=256, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
+    for ids, out in zip(prompts(), llm.generate(prompts(), params)):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        top = out.outputs[0].logprobs[0]
+        worst = max(abs(float(ref[token]) - lp.logprob) for token, lp in top.items())
+        print(f"{kind}: largest top-5 logprob difference {worst:.4f}")
+        assert worst < 0.1

@@ -1,6 +1,6 @@
 """treadle next to llama.cpp's llama-server on one machine, in one run, on the same GGUF.
 
-    python bench/peer_compare.py [--concurrency 1 2 4 8 16] [--out bench-results/peer]
+    python bench/peer_compare.py [--model FILE.gguf] [--concurrency 1 2 4 8 16] [--out bench-results/peer]
 
 - llama-server comes from PATH, or is built once (cmake, target llama-server) from the C++ sources
   vendored in the llama-cpp-python sdist on PyPI, into ~/.cache/treadle/llama.cpp. Never committed.
@@ -10,6 +10,9 @@
   background after startup, minutes the first time, seconds from ~/.cache/treadle): the wait is printed.
 - The seed article's workload: random 512-token prompts, 256 output tokens with ignore_eos,
   concurrency 1, 2, 4, 8, 16, fresh prompts per level (the same prompts for both servers at a level).
+- The servers start one after the other (each alone on the cores): start to healthy is the load
+  time. After the sweep, both stop and `llama-bench -n 128 -p 0 -t 2` gives llama.cpp's own
+  single-stream per-token time on the same file (`--skip-llama-bench` to leave it out).
 - transformers cannot serve a GGUF (`transformers serve` needs an HF folder), so its figure is an
   offline static batch of the same prompt/output lengths, printed apart and labelled as not comparable.
 """
@@ -80,6 +83,16 @@ def find_or_build_llama_tool(target: str) -> str:
     return binary
 
 
+def cpu_description() -> str:
+    """The CPU and the vector units that matter here (AVX-512 VNNI, BF16, AMX)."""
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), platform.processor())
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    units = [u for u in ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if u in flags]
+    return f"{name} ({', '.join(units) or 'no AVX-512 VNNI / AMX'})"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,32 +137,41 @@ def peak_rss_mb(pid: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file both servers load (default: treadle's embedded model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--out", default="bench-results/peer")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-llama-bench", action="store_true")
     ap.add_argument("--treadle-args", default="", help="extra flags for treadle serve")
     args = ap.parse_args()
 
     from treadle.model.default_model import default_model_path
 
-    gguf = default_model_path()
+    gguf = os.path.abspath(args.model) if args.model else default_model_path()
     llama_server = find_or_build_llama_server()
     os.makedirs(args.out, exist_ok=True)
     t_port, l_port = free_port(), free_port()
-    treadle_cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(t_port), "--max-num-seqs", "16", "--num-kv-blocks", "1024",
+    treadle_cmd = [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(t_port), "--max-num-seqs", "16", "--num-kv-blocks", "1024",
                    "--block-size", "16", "--threads", "2", *args.treadle_args.split()]  # fmt: skip
     llama_cmd = [llama_server, "-m", gguf, "--port", str(l_port), "-np", "16", "-c", "16384", "-kvu", "-cram", "0", "-t", "2"]
-    print("machine:", platform.platform(), f"{os.cpu_count()} cores")
+    print("machine:", platform.platform(), f"{os.cpu_count()} cores;", cpu_description())
+    print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB")
     print("treadle:", " ".join(treadle_cmd))
     print("llama.cpp:", " ".join(llama_cmd), flush=True)
     logs = {name: open(os.path.join(args.out, f"{name}.log"), "w") for name in ("treadle", "llama")}
-    t_proc = subprocess.Popen(treadle_cmd, stdout=logs["treadle"], stderr=subprocess.STDOUT)
-    l_proc = subprocess.Popen(llama_cmd, stdout=logs["llama"], stderr=subprocess.STDOUT)
+    load_s = {}
+    t_proc = l_proc = None
     try:
-        wait_healthy(f"http://127.0.0.1:{t_port}", t_proc)
+        started = time.perf_counter()
+        l_proc = subprocess.Popen(llama_cmd, stdout=logs["llama"], stderr=subprocess.STDOUT)
         wait_healthy(f"http://127.0.0.1:{l_port}", l_proc)
+        load_s["llama.cpp"] = time.perf_counter() - started
+        started = time.perf_counter()
+        t_proc = subprocess.Popen(treadle_cmd, stdout=logs["treadle"], stderr=subprocess.STDOUT)
+        wait_healthy(f"http://127.0.0.1:{t_port}", t_proc)
+        load_s["treadle"] = time.perf_counter() - started
         wait_compiled(f"http://127.0.0.1:{t_port}")
         sweep = [sys.executable, "-m", "treadle", "bench", "sweep",
                  "--server", f"treadle=http://127.0.0.1:{t_port}", "--server", f"llama.cpp=http://127.0.0.1:{l_port}",
@@ -160,15 +182,23 @@ def main() -> int:
         subprocess.run(sweep, check=False)
         # treadle is two processes: the HTTP front end and the engine core (holding the model)
         with urllib.request.urlopen(f"http://127.0.0.1:{t_port}/stats", timeout=5) as r:
-            core_pid = json.load(r)["engine_pid"]
+            stats = json.load(r)
+        core_pid = stats["engine_pid"]
         memory = {
             "treadle": peak_rss_mb(t_proc.pid) + peak_rss_mb(core_pid),
             "treadle front end": peak_rss_mb(t_proc.pid),
             "treadle engine core": peak_rss_mb(core_pid),
             "llama.cpp": peak_rss_mb(l_proc.pid),
+            "treadle weights": stats["memory"]["weights_bytes"] / 1e6,
+            "treadle weights by type": {k: v / 1e6 for k, v in stats["memory"]["weights_by_type"].items()},
+            "treadle KV pool": stats["memory"]["kv_cache_bytes"] / 1e6,
+            "file": os.path.getsize(gguf) / 1e6,
+            "load seconds": load_s,
         }
     finally:
         for p in (t_proc, l_proc):
+            if p is None:
+                continue
             p.terminate()
             try:
                 p.wait(30)
@@ -191,8 +221,25 @@ def main() -> int:
         f"\npeak RSS: treadle {memory['treadle']:.0f} MB (front end {memory['treadle front end']:.0f} + engine core "
         f"{memory['treadle engine core']:.0f}), llama-server {memory['llama.cpp']:.0f} MB"
     )
+    print(
+        f"treadle weights {memory['treadle weights']:.1f} MB ({', '.join(f'{k} {v:.1f}' for k, v in memory['treadle weights by type'].items())}), "
+        f"KV pool {memory['treadle KV pool']:.0f} MB, file {memory['file']:.1f} MB: the gate file + KV + 400 MB = "
+        f"{memory['file'] + memory['treadle KV pool'] + 400:.0f} MB"
+    )
+    print(f"load (start to healthy, each alone): treadle {load_s['treadle']:.1f} s, llama-server {load_s['llama.cpp']:.1f} s")
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(memory, f)
+
+    if not args.skip_llama_bench:
+        bench = find_or_build_llama_tool("llama-bench")
+        cmd = [bench, "-m", gguf, "-n", "128", "-p", "0", "-t", "2", "-o", "json"]
+        print("\n" + " ".join(cmd), flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(bench)))
+        try:
+            tg = json.loads(out.stdout)[0]
+            print(f"llama-bench tg128: {tg['avg_ts']:.1f} tok/s, {1000 / tg['avg_ts']:.2f} ms per token")
+        except (ValueError, IndexError, KeyError):
+            print("llama-bench gave no result:", out.stderr[-500:])
 
     if not args.skip_transformers:
         print("\ntransformers (offline static batch of 16, NOT comparable with the served figures):", flush=True)

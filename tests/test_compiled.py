@@ -47,7 +47,7 @@ def prompts(n: int, length: int = 20) -> list[list[int]]:
 def write_unloadable_artefacts(folder: str) -> None:
     """Files in every artefact slot of a float32 engine on `folder` (block size 16, CPU) that torch
     cannot load."""
-    target = compiled.artefact_dir(folder, torch.float32, False, 16, torch.device("cpu"), LlamaModel)
+    target = compiled.artefact_dir(folder, torch.float32, "float32", 16, torch.device("cpu"), LlamaModel)
     os.makedirs(target)
     for cls in compiled.decode_classes():
         with open(compiled.artefact_path(target, cls), "wb") as f:
@@ -161,12 +161,12 @@ def test_artefacts_are_keyed_by_block_size_and_dtype(tmp_path, cache_home):
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     cpu = torch.device("cpu")
-    base = compiled.artefact_dir(folder, torch.float32, False, 16, cpu)
-    assert base == compiled.artefact_dir(folder, torch.float32, False, 16, cpu)
-    assert base != compiled.artefact_dir(folder, torch.float32, False, 32, cpu)  # the graphs bake the block size in
-    assert base != compiled.artefact_dir(folder, torch.bfloat16, False, 16, cpu)
-    assert base != compiled.artefact_dir(folder, torch.float32, True, 16, cpu)
-    assert base != compiled.artefact_dir(folder, torch.float32, False, 16, cpu, PluginModel)  # a plugin's own source file
+    base = compiled.artefact_dir(folder, torch.float32, "float32", 16, cpu)
+    assert base == compiled.artefact_dir(folder, torch.float32, "float32", 16, cpu)
+    assert base != compiled.artefact_dir(folder, torch.float32, "float32", 32, cpu)  # the graphs bake the block size in
+    assert base != compiled.artefact_dir(folder, torch.bfloat16, "float32", 16, cpu)
+    assert base != compiled.artefact_dir(folder, torch.float32, "Q4_1,float32", 16, cpu)
+    assert base != compiled.artefact_dir(folder, torch.float32, "float32", 16, cpu, PluginModel)  # a plugin's own source file
 
 
 def test_a_compiled_graph_that_fails_goes_back_to_eager(tmp_path, cache_home):

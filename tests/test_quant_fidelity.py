@@ -84,3 +84,64 @@ def test_bfloat16_path_stays_near_the_reference(kind):
         worst = max(abs(float(ref[token]) - lp.logprob) for token, lp in top.items())
         print(f"{kind}: largest top-5 logprob difference {worst:.4f}")
         assert worst < 0.1
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    import json
+
+    from .tiny_models import CHATML
+
+    model, tok = tiny_model()
+    folder = str(tmp_path_factory.mktemp("hf_quant"))
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f)
+    return folder, model
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_k", "q4_0"])
+def test_hf_folder_quantized_at_load_matches_transformers_on_the_blocks(hf_folder, quantization):
+    """--quantization: every matrix becomes blocks of the type (weights by type say so), close to
+    the float weights, and the float32 path's greedy tokens are transformers' on those blocks."""
+    from treadle.model.quantize import CHOICES, quantize_weights
+
+    folder, model = hf_folder
+    kind = CHOICES[quantization]
+    floats = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+    blocks = quantize_weights(dict(floats), quantization)
+    reference, _ = tiny_model()
+    state = {}
+    for name, value in blocks.items():
+        if hasattr(value, "blocks"):
+            w = gguf.quants.dequantize(value.blocks().numpy(), gguf.GGMLQuantizationType[value.kind])
+            err = np.sqrt(((w - floats[name].numpy()) ** 2).mean()) / floats[name].numpy().std()
+            assert err < (0.02 if kind == "Q8_0" else 0.12), (name, err)
+            value = torch.from_numpy(np.array(w))
+        state[name] = value
+    reference.load_state_dict(state, strict=False)
+
+    llm = LLM(folder, dtype="float32", quantization=quantization, max_model_len=256, block_size=8)
+    weights = llm.stats()["memory"]["weights_by_type"]
+    assert set(weights) == {kind, "float32"}
+    assert weights[kind] == sum(v.nbytes() for v in blocks.values() if hasattr(v, "blocks"))  # every matrix, embedding included
+
+    def cont(prefix, n):
+        return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for ids, out in zip(prompts(), llm.generate(prompts(), params)):
+        ref, rows = hf_greedy(reference, ids, 16)
+        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)
+
+
+def test_quantization_is_refused_where_it_cannot_apply():
+    from treadle.model.config import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="applies to Hugging Face folders"):
+        LLM(os.path.join(FOLDER, "Q8_0.gguf"), dtype="float32", quantization="q4_0")
+    with pytest.raises(ModelLoadError, match="expected one of q8_0, q4_k, q4_0"):
+        from treadle.model.quantize import quantize_weights
+
+        quantize_weights({}, "q3_x")

@@ -114,6 +114,9 @@ class EngineConfig:
     # (`treadle serve` defaults to 1.0; engine/step_cost.py)
     decode_stall_ratio: float | None = None
     enable_prefix_caching: bool = True
+    # quantize a Hugging Face folder's matrices at load into GGUF block types (vLLM's flag name):
+    # "q8_0", "q4_k" or "q4_0"; None: as the files hold them. A GGUF file keeps its own types.
+    quantization: str | None = None
     compile: bool = False  # torch.compile decode steps in a background process (eager until each graph is ready)
     # the same greedy tokens for a request whatever its batch, cache hits, chunking or preemption:
     # one stored form per weight used for every row count, and attention computed row by row the
@@ -165,6 +168,7 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "quantization": "quantize a Hugging Face folder's matrices at load (q8_0, q4_k, q4_0), held and multiplied as a GGUF file's; a GGUF file keeps its own types",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
     "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (a GGUF file's blocks as they are, or the dtype), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
     "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
@@ -203,6 +207,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_e
             parser.add_argument(flag, type=parse_size, default=default, help=help_text)
         elif f.name in ("dtype",):
             parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
+        elif f.name == "quantization":
+            parser.add_argument(flag, choices=["q8_0", "q4_k", "q4_0"], default=default, help=help_text)
         elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
             parser.add_argument(flag, type=float, default=default, help=help_text)
         elif f.name in ("device", "speculative_config"):

@@ -87,18 +87,18 @@ def decode_classes() -> list[DecodeClass]:
 def artefact_dir(
     model_path: str,
     dtype: torch.dtype,
-    quantized: bool,
+    forms: str,
     block_size: int,
     device: torch.device,
     model_class: type | None = None,
     kernel: bool = False,
 ) -> str:
-    """One folder per model file, compute path, KV block size, device, CPU vector unit, torch and
+    """One folder per model file, compute path, stored weight types (`forms`, e.g. "Q4_1,Q8_0,bfloat16"), KV block size, device, CPU vector unit, torch and
     treadle code (and the model class's own file, a plugin's included), and whether the graphs
     attend with treadle's kernel: any change compiles anew."""
     h = hashlib.sha256()
     st = os.stat(model_path)
-    h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{quantized}|kernel={kernel}".encode())
+    h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{forms}|kernel={kernel}".encode())
     h.update(f"|{block_size}|{device}|{torch.backends.cpu.get_cpu_capability()}".encode())
     # inductor's kernels are generated for the number of compute threads
     h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{torch.get_num_threads()}".encode())
@@ -183,10 +183,10 @@ class CompiledDecode:
         self.kv_caches = kv_caches
         self.block_size = engine_config.block_size
         self.kernel = kernel  # the graphs attend with treadle's kernel (as the eager path does)
-        quantized = model.has_quantized_linears()
+        forms = ",".join(sorted(model.weight_bytes()))  # the stored types: a folder quantized two ways differs
         self.classes = decode_classes()
         self.dir = artefact_dir(
-            resolve_model_path(engine_config.model), model.dtype, quantized, self.block_size, kv_caches[0][0].device, type(model), kernel
+            resolve_model_path(engine_config.model), model.dtype, forms, self.block_size, kv_caches[0][0].device, type(model), kernel
         )
         self.engine_config = engine_config
         self.ready: dict[str, object] = {}  # class name -> its loaded function, bound to the model

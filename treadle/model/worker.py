@@ -5,6 +5,7 @@ a draft model's runner. The engine core (`engine/core.py`) and the decode compil
 """
 
 import logging
+import os
 
 import torch
 
@@ -12,8 +13,8 @@ from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, Engi
 from ..utils import process_memory
 from . import kernels
 from .compiled import CompiledDecode
-from .config import ModelConfig
-from .loader import load_model_files
+from .config import ModelConfig, ModelLoadError
+from .loader import load_model_files, resolve_model_path
 from .runner import ModelRunner
 
 log = logging.getLogger("treadle")
@@ -38,6 +39,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def load_quantized_model_files(model: str | None, quantization: str | None):
+    """The model's files, with a Hugging Face folder's matrices quantized when asked (--quantization)."""
+    files = load_model_files(model)
+    if quantization is not None:
+        if not os.path.isdir(resolve_model_path(model)):
+            raise ModelLoadError(f"--quantization {quantization}: applies to Hugging Face folders; a GGUF file keeps the types it holds")
+        from .quantize import quantize_weights
+
+        quantize_weights(files.weights, quantization)
+    return files
+
+
 def load_draft_files(path: str, *, target_vocab: int):
     """The draft's files, refused with a clear error unless it shares the target's vocabulary (the
     worker loads them before building the target, so that a wrong draft fails fast)."""
@@ -58,7 +71,7 @@ class ModelWorker:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
-        files = load_model_files(config.model)
+        files = load_quantized_model_files(config.model, config.quantization)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
         draft_files = None

@@ -1,0 +1,71 @@
+"""`--quantization q8_0|q4_k|q4_0` (vLLM's flag name): a Hugging Face folder's float weights
+quantized at load into GGUF block types, then held and multiplied exactly as a GGUF file's
+(`kernels/quant.py`).
+
+Every matrix is quantized (the decoder's projections, the output head and the embedding); norms
+and biases stay in the model's dtype. A matrix whose row length is not a whole number of the type's
+blocks takes the next type that fits, as llama-quantize does (Q4_K -> Q5_0 when the row is not a
+multiple of 256), or stays dense when none does (fewer than 32 values per row).
+
+Q8_0, Q4_0 and Q5_0 are gguf-py's quantizers (llama.cpp's reference rounding). Q4_K is quantized
+here: per 32 values, scale (max - min) / 15 and minimum -min, the 8 scales and minimums of a block
+of 256 then coded in 6 bits against the block's two float16 factors; llama.cpp's quantizer also
+searches for scales that lower the error, this one does not.
+"""
+
+import gguf
+import numpy as np
+import torch
+
+from .config import ModelLoadError
+from .kernels.quant import TYPES, QuantizedTensor
+
+CHOICES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0"}
+FALLBACK = {"Q4_K": "Q5_0"}
+
+
+def quantize_weights(weights: dict, quantization: str) -> dict:
+    """`weights` (HF names -> float tensors) with every matrix quantized, one at a time."""
+    if quantization not in CHOICES:
+        raise ModelLoadError(f"quantization {quantization!r}: expected one of {', '.join(CHOICES)}")
+    for name in list(weights):
+        tensor = weights[name]
+        if isinstance(tensor, QuantizedTensor) or tensor.dim() != 2:
+            continue
+        kind = CHOICES[quantization]
+        while kind is not None and tensor.shape[1] % TYPES[kind][1]:
+            kind = FALLBACK.get(kind)
+        if kind is not None:
+            weights[name] = quantize_matrix(tensor, kind)
+    return weights
+
+
+def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedTensor:
+    """A float [rows, cols] matrix as rows of `kind` blocks."""
+    x = np.ascontiguousarray(weight.detach().float().cpu().numpy())
+    blocks = quantize_q4_k(x) if kind == "Q4_K" else gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind])
+    return QuantizedTensor(kind, torch.from_numpy(np.ascontiguousarray(blocks)), x.shape[1])
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 (cols a multiple of 256) -> Q4_K blocks, uint8 [rows, cols / 256 * 144]."""
+    rows, cols = x.shape
+    sub = x.reshape(-1, 8, 32)  # blocks of 256, 8 groups of 32
+    low = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - low) / 15.0
+    minimum = -low
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = (minimum.max(-1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.rint(scale / df), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dminf > 0, np.rint(minimum / dminf), 0).clip(0, 63).astype(np.uint8)
+        step = (df * sc)[..., None]  # the dequantized value is step * q - dmin * mn
+        q = np.where(step > 0, np.rint((sub + (dminf * mn)[..., None]) / step), 0).clip(0, 15).astype(np.uint8)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(-1, 128)  # 64 values a chunk: groups 2c, 2c+1
+    scales = np.empty((sub.shape[0], 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)

@@ -111,7 +111,7 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind,
     weight = quant.QuantizedTensor(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=5)), cols)
     data, type_id = weight.data, weight.type_id
     x = torch.randn(50, cols, generator=torch.Generator().manual_seed(1))
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xs = x.to(dtype)
         results = []
         for isa in ISAS:

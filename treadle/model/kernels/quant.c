@@ -566,6 +566,38 @@ static int has_fast_unpack(int type) {
            type == T_Q6_K;
 }
 
+/* quantize_row with AVX-512: the same operations (max of |x|, one scalar division, products
+ * rounded half to even, integer sums), so the same bytes and floats */
+TARGET_FAST static void quantize_row_avx512(const void *x, int x_bf16, int64_t K, arow r) {
+    for (int64_t g = 0; g < K; g += 32) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            if (x_bf16) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + g + 16 * h));
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+            } else {
+                v[h] = _mm512_loadu_ps((const float *)x + g + 16 * h);
+            }
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512 p = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i q = _mm512_cvtps_epi32(p);
+            _mm_storeu_si128((__m128i *)(r.xq + g + 16 * h), _mm512_cvtepi32_epi8(q));
+            s[h] = _mm512_reduce_add_epi32(q);
+        }
+        r.dx[g / 32] = d;
+        r.xs32[g / 32] = s[0] + s[1];
+        r.sdx32[g / 32] = (float)(s[0] + s[1]) * d;
+        for (int h = 0; h < 2; h++) {
+            r.xs16[g / 16 + h] = s[h];
+            r.sdx16[g / 16 + h] = (float)s[h] * d;
+        }
+    }
+}
+
 /* ---- the packed layout: 16 rows interleaved ----
  *
  * For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K, a weight of N rows is stored as
@@ -934,11 +966,14 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     const int fast = isa == ISA_AVX512_VNNI && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, arow, int64_t) =
         isa == ISA_AVX512_VNNI ? dot_q8_vnni : isa == ISA_AVX2 ? dot_q8_avx2 : dot_q8_portable;
+    void (*quantize)(const void *, int, int64_t, arow) = isa == ISA_AVX512_VNNI ? quantize_row_avx512 : quantize_row;
+    /* small products on one thread: waking the others costs more than they would save */
+    const int parallel = (double)M * (double)N * (double)K >= 2e5;
     int err = 0;
-#pragma omp parallel
+#pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, act_row(act, M, K, m));
+        for (int64_t m = 0; m < M; m++) quantize(((const char *)x + (size_t)(m * ldx) * elem), x_bf16, K, act_row(act, M, K, m));
         /* the implicit barrier: every row is quantized before any is used */
         for (int64_t m0 = 0; m0 < M && groups; m0 += M_TILE) {
             const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;

@@ -85,7 +85,8 @@ def test_a_rows_bits_do_not_depend_on_its_company(cache):
 
 
 def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
-    """No C compiler (CC=false, empty kernel cache): bfloat16 still serves, not batch-invariant."""
+    """No C compiler (CC=false, empty kernel cache): bfloat16 still serves, not batch-invariant, with
+    the quantized weights dequantized at load."""
     import os
     import subprocess
     import sys
@@ -95,6 +96,7 @@ def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
         "llm = LLM(dtype='bfloat16')\n"
         "out = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids\n"
         "print('invariant', llm.stats()['batch_invariant'], 'tokens', len(out))\n"
+        "print('types', sorted(llm.stats()['memory']['weights_by_type']))\n"
         "try:\n"
         "    LLM(dtype='bfloat16', batch_invariant=True)\n"
         "except ValueError as e:\n"
@@ -105,6 +107,8 @@ def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "invariant False tokens 4" in done.stdout
     assert "attention kernel is unavailable" in done.stderr
+    # the quantized-weight kernels cannot be built either: the GGUF's blocks are dequantized at load
+    assert "quantized-weight kernels are unavailable" in done.stderr and "types ['bfloat16', 'float32']" in done.stdout  # float32: the rotary tables
     # asked for explicitly, it is refused with the reason rather than quietly not held
     assert "refused: batch_invariant needs treadle's attention kernel" in done.stdout and "could not be built" in done.stdout
 

@@ -18,6 +18,7 @@ import torch
 
 from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
 from .gguf_file import open_gguf
+from .kernels import quant
 from .kernels.quant import QuantizedTensor
 from .registry import HF_CLASS_NAMES, registered_architectures
 from .tokenizer import tokenizer_from_gguf
@@ -229,7 +230,7 @@ def load_gguf(path: str) -> ModelFiles:
             elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
                 heads = config.num_kv_heads
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2:
+        if tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
         else:
             weights[hf] = DeferredWeight(lambda t=tensor, h=heads: _float_weight(path, t, h), shape)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .config import ModelLoadError
+from .kernels import quant
 from .kernels.quant import TYPES, QuantizedTensor
 
 CHOICES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0"}
@@ -28,6 +29,8 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
     """`weights` (HF names -> float tensors) with every matrix quantized, one at a time."""
     if quantization not in CHOICES:
         raise ModelLoadError(f"quantization {quantization!r}: expected one of {', '.join(CHOICES)}")
+    if not quant.available():
+        raise ModelLoadError(f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
     for name in list(weights):
         tensor = weights[name]
         if isinstance(tensor, QuantizedTensor) or tensor.dim() != 2:

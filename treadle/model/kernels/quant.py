@@ -11,6 +11,7 @@ is used unless TREADLE_QUANT_ISA names one (`vnni`, `avx2`, `portable`).
 """
 
 import ctypes
+import logging
 import os
 import threading
 
@@ -25,6 +26,7 @@ TYPES = {
     "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
 }  # fmt: skip
 ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
+log = logging.getLogger("treadle.kernels")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -46,6 +48,28 @@ def library() -> ctypes.CDLL:
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
                 _lib = lib
     return _lib
+
+
+_unavailable: str | None = None
+
+
+def available() -> bool:
+    """Whether quant.c builds here (it needs a C compiler); the reason is logged once if not."""
+    global _unavailable
+    if _lib is not None:
+        return True
+    if _unavailable is None:
+        try:
+            library()
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure: the loader dequantizes instead, which is correct
+            _unavailable = f"{type(e).__name__}: {e}"
+            log.warning(
+                "treadle's quantized-weight kernels are unavailable (%s): GGUF quantized tensors are dequantized at load "
+                "(larger and slower; install a C compiler, cc, to keep them at the file's bits)",
+                _unavailable,
+            )
+    return False
 
 
 def supported_isas() -> list[str]:

@@ -600,7 +600,7 @@ TARGET_FAST static void quantize_row_avx512(const void *x, int x_bf16, int64_t K
 
 /* ---- the packed layout: 16 rows interleaved ----
  *
- * For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K, a weight of N rows is stored as
+ * For every type, a weight of N rows is stored as
  * N / 16 groups of 16 rows, then the N % 16 last rows as the file has them. A group holds, for
  * each block b of the row in turn, the 16 rows' block b with its bytes moved: every float16 field
  * (d, m, dmin) as the 16 rows' fields side by side, every other byte in 4-byte pieces, piece t of
@@ -619,6 +619,9 @@ static int pack_desc(int type, packdesc *p) {
     case T_Q8_0: *p = (packdesc){2, 34, 1}; return 1;
     case T_Q4_K: case T_Q5_K: *p = (packdesc){4, type == T_Q5_K ? 176 : 144, 0}; return 1;
     case T_Q6_K: *p = (packdesc){0, 208, 0}; return 1;
+    case T_Q2_K: *p = (packdesc){0, 80, 0}; return 1;
+    case T_Q3_K: *p = (packdesc){0, 108, 0}; return 1;
+    case T_IQ4_XS: *p = (packdesc){4, 136, 0}; return 1;
     default: return 0;
     }
 }
@@ -832,6 +835,98 @@ X16_INLINE void x16k_tile(const int type, const int MT, const uint8_t *group, in
     for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
 }
 
+/* Q2_K and Q3_K (16-value groups, 2- and 3-bit codes) and IQ4_XS (32-value groups of IQ4_NL's
+ * codebook with 6-bit scales), 16 weight rows per vector, the rule's operations. */
+X16_INLINE void x16s_tile(const int type, const int MT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
+                          void *y, int64_t ldy, int y_bf16, int64_t n0) {
+    const int bytes = type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : 136;
+    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), x4 = _mm512_set1_epi8(4);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
+                                                              (char)181, (char)197, (char)217, (char)241)); /* IQ4_VALUES + 128 */
+    arow a[8];
+    __m512 acc[8];
+    for (int i = 0; i < MT; i++) a[i] = act_row(act, M, K, m0 + i), acc[i] = _mm512_setzero_ps();
+#define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
+#define BYTE_OF(v, k) _mm512_and_si512(_mm512_srli_epi32((v), 8 * ((k) % 4)), _mm512_set1_epi32(255))
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = group + b * 16 * bytes;
+        if (type == T_IQ4_XS) { /* d at 0, the high scale bits (2 bytes) at 32, pieces from 64: low scale bits, then codes */
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
+            const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gb + 32)));
+            const uint8_t *P = gb + 64;
+            const __m512i sl = PIECE(P, 0);
+            for (int ib = 0; ib < 8; ib++) {
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sl, 4 * ib), _mm512_set1_epi32(15)); /* byte ib/2, nibble ib%2 */
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(sh, 2 * ib), _mm512_set1_epi32(3));
+                const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+                const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(ls));
+                __m512i u[8];
+                for (int q = 0; q < 4; q++) {
+                    const __m512i v = PIECE(P, 1 + 4 * ib + q);
+                    u[q] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m15));
+                    u[q + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
+                }
+                const int64_t a32 = b * 8 + ib;
+                for (int i = 0; i < MT; i++) {
+                    const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+                    __m512i s0 = _mm512_set1_epi32(-128 * a[i].xs32[a32]), s1 = _mm512_setzero_si512();
+                    for (int q = 0; q < 8; q += 2) {
+                        s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
+                        s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
+                    }
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(a[i].dx[a32])), acc[i]);
+                }
+            }
+            continue;
+        }
+        const int q3 = type == T_Q3_K;
+        const uint8_t *P = gb; /* pieces from 0; Q2_K: scales 0..3, codes 4..19, d, dmin after; Q3_K: high bits 0..7, codes 8..23, scales 24..26, d after */
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * (q3 ? 108 : 80))));
+        const __m512 dmin = q3 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * 82)));
+        for (int g = 0; g < 8; g++) {
+            const int h = g / 4, s = g % 4;
+            __m512i u[8];
+            for (int q = 0; q < 8; q++) {
+                const __m512i v = PIECE(P, (q3 ? 8 : 4) + 8 * h + q);
+                u[q] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), m3);
+                if (q3) u[q] = _mm512_mask_add_epi8(u[q], _mm512_test_epi8_mask(PIECE(P, q), _mm512_set1_epi8((char)(1 << g))), u[q], x4);
+            }
+            __m512 dw[2], mw[2];
+            for (int k = 0; k < 2; k++) {
+                const int i16 = 2 * g + k;
+                if (q3) { /* 6-bit signed scale: low nibble of byte i16 % 8, 2 high bits of byte 8 + i16 % 4 */
+                    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(BYTE_OF(PIECE(P, 24 + (i16 & 7) / 4), i16 & 7), 4 * (i16 >> 3)), _mm512_set1_epi32(15));
+                    const __m512i high = _mm512_and_si512(_mm512_srli_epi32(BYTE_OF(PIECE(P, 26), i16 & 3), 2 * (i16 >> 2)), _mm512_set1_epi32(3));
+                    const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+                    dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                } else { /* scale in the low nibble of byte i16, minimum in the high */
+                    const __m512i byte = BYTE_OF(PIECE(P, i16 / 4), i16);
+                    dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(byte, _mm512_set1_epi32(15))));
+                    mw[k] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4)));
+                }
+            }
+            const int64_t a32 = b * 8 + g;
+            for (int i = 0; i < MT; i++) {
+                const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+                __m512i s0 = q3 ? _mm512_set1_epi32(-4 * a[i].xs16[2 * a32]) : _mm512_setzero_si512();
+                __m512i s1 = q3 ? _mm512_set1_epi32(-4 * a[i].xs16[2 * a32 + 1]) : _mm512_setzero_si512();
+                for (int q = 0; q < 4; q++) {
+                    s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
+                    s1 = _mm512_dpbusd_epi32(s1, u[q + 4], _mm512_set1_epi32(xq4[q + 4]));
+                }
+                const __m512 dx = _mm512_set1_ps(a[i].dx[a32]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw[0], dx), acc[i]);
+                if (!q3) acc[i] = _mm512_fnmadd_ps(mw[0], _mm512_set1_ps(a[i].sdx16[2 * a32]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw[1], dx), acc[i]);
+                if (!q3) acc[i] = _mm512_fnmadd_ps(mw[1], _mm512_set1_ps(a[i].sdx16[2 * a32 + 1]), acc[i]);
+            }
+        }
+    }
+#undef BYTE_OF
+#undef PIECE
+    for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
+}
+
 #define X16_TYPE(TYPE, TILE)                                                                                            \
     TARGET_FAST static void x16_##TYPE(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, \
                                        int64_t ldy, int y_bf16, int64_t n0) {                                          \
@@ -852,6 +947,9 @@ X16_TYPE(T_IQ4_NL, x16_tile)
 X16_TYPE(T_Q4_K, x16k_tile)
 X16_TYPE(T_Q5_K, x16k_tile)
 X16_TYPE(T_Q6_K, x16k_tile)
+X16_TYPE(T_Q2_K, x16s_tile)
+X16_TYPE(T_Q3_K, x16s_tile)
+X16_TYPE(T_IQ4_XS, x16s_tile)
 
 typedef void (*x16_fn)(const uint8_t *, int64_t, char *, int64_t, int64_t, int64_t, int64_t, void *, int64_t, int, int64_t);
 
@@ -866,6 +964,9 @@ static x16_fn x16_for(int type) {
     case T_Q4_K: return x16_T_Q4_K;
     case T_Q5_K: return x16_T_Q5_K;
     case T_Q6_K: return x16_T_Q6_K;
+    case T_Q2_K: return x16_T_Q2_K;
+    case T_Q3_K: return x16_T_Q3_K;
+    case T_IQ4_XS: return x16_T_IQ4_XS;
     default: return NULL;
     }
 }

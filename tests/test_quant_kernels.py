@@ -131,5 +131,8 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="does not hold rows"):
         quant.QuantizedTensor("Q4_0", torch.zeros((1, 17), dtype=torch.uint8), 32)
     t = quant.QuantizedTensor("Q4_0", torch.zeros((2, 18), dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="x has 64 columns"):
+        t.matmul(torch.zeros((1, 64), dtype=torch.bfloat16))
+    assert t.matmul(torch.zeros((0, 32), dtype=torch.bfloat16)).shape == (0, 2)
     with pytest.raises(IndexError):
         t.rows(torch.tensor([2]))

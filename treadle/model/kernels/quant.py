@@ -179,6 +179,14 @@ def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | 
     return out if out.dtype == dtype else out.to(dtype)
 
 
+_ROW_BYTES = {type_id: (elems, size) for type_id, elems, size in TYPES.values()}
+
+
+def _row_bytes(type_id: int, cols: int) -> int:
+    elems, size = _ROW_BYTES[type_id]
+    return cols // elems * size if cols % elems == 0 else -1
+
+
 def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W a QuantizedTensor's `data` [N, bytes per row]."""
     dtype, lead = x.dtype, x.shape[:-1]
@@ -187,6 +195,10 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
         x = x.contiguous()
     M, K = x.shape
     N = data.shape[0]
+    if data.shape[1] != _row_bytes(type_id, K):
+        raise ValueError(f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}")
+    if M == 0:
+        return x.new_empty((*lead, N))
     lib = library()
     path = ISAS[isa()]
     if x.dtype == torch.float32:

@@ -1,5 +1,6 @@
 """Start `treadle serve` as a real process on a free loopback port."""
 
+import functools
 import os
 import re
 import socket
@@ -30,6 +31,20 @@ def free_port_pair() -> int:
                 continue
         return port
     raise RuntimeError("no two consecutive free ports")
+
+
+@functools.cache
+def _internal_error_record() -> re.Pattern:
+    from treadle.server.app import INTERNAL_ERROR_MARK
+
+    return re.compile(rf"^ERROR \S+: {re.escape(INTERNAL_ERROR_MARK)} on ")
+
+
+def is_internal_error(line: str) -> bool:
+    """Whether a server log line is the 500 handler's own record ("ERROR <logger>: <mark> on ..."),
+    not a logged request body that merely holds the mark (Hypothesis draws strings from the code's
+    own literals)."""
+    return _internal_error_record().match(line) is not None
 
 
 # every ServerProcess of the session: tests/conftest.py checks their logs after each test
@@ -75,16 +90,11 @@ class ServerProcess:
     def internal_errors(self) -> list[str]:
         """The log lines of requests that reached the server's 500 handler (a bug, never a client's
         mistake), since the last call."""
-        from treadle.server.app import INTERNAL_ERROR_MARK
-
         fd = self.log.fileno()  # shared with the server's stdout: read without moving its offset
         text = os.pread(fd, max(0, os.fstat(fd).st_size - self.scanned), self.scanned)
         complete = text.rfind(b"\n") + 1  # a line still being written is read next time
         self.scanned += complete
-        # The 500 handler's own record: "ERROR <logger>: <mark> on <method> <path>". A request body the
-        # server logs may hold the mark too (Hypothesis draws strings from the code's own literals).
-        record = re.compile(rf"^ERROR \S+: {re.escape(INTERNAL_ERROR_MARK)} on ")
-        return [line for line in text[:complete].decode(errors="replace").splitlines() if record.match(line)]
+        return [line for line in text[:complete].decode(errors="replace").splitlines() if is_internal_error(line)]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -111,3 +111,32 @@ def test_arbitrary_template_kwargs_render_or_are_refused_never_a_500(http, kwarg
     assert resp.status_code in (200, 400), resp.text
     if resp.status_code == 400:
         assert resp.json()["error"]["param"] is not None
+
+
+def test_the_500_guard_sees_the_handlers_record_and_not_a_logged_body(caplog):
+    """tests/conftest.py fails a test whose server reached the 500 handler. Its matcher must see the
+    handler's real record, in the server's log format, and not a request body that holds the mark."""
+    import asyncio
+    import logging
+
+    import httpx
+
+    from treadle.server.app import INTERNAL_ERROR_MARK, ServerSettings, build_app
+    from treadle.server.serve import LOG_FORMAT
+
+    from .server_process import is_internal_error
+
+    class Engine:  # no tokenizer: /tokenize raises AttributeError, a bug the 500 handler takes
+        ready, state, reason = True, "ready", None
+
+    app = build_app(Engine(), ServerSettings(served_model_name="m", model_root=".", log_requests=True))  # bodies logged, as in tests
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t") as client:
+            return await client.post("/tokenize", json={"prompt": INTERNAL_ERROR_MARK})
+
+    with caplog.at_level(logging.INFO, logger="treadle.server"):
+        assert asyncio.run(call()).status_code == 500
+    lines = [logging.Formatter(LOG_FORMAT).format(r).splitlines()[0] for r in caplog.records]
+    assert [line for line in lines if is_internal_error(line)] == [line for line in lines if line.startswith("ERROR")] != []
+    assert any(INTERNAL_ERROR_MARK in line and not is_internal_error(line) for line in lines)  # the logged body

@@ -52,6 +52,9 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # the server's log lines (tests read them)
+
+
 def serve(
     engine_config: EngineConfig,
     settings: ServerSettings,
@@ -64,7 +67,7 @@ def serve(
     data_parallel_size: int = 1,
     routing: dict | None = None,
 ) -> int:
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     if data_parallel_size > 1 or (routing or {}).get("backend") == "ray":
         from .replicas import ReplicaSet
 

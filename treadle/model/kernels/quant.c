@@ -14,18 +14,21 @@
  * Two products, chosen by the model's dtype, each the same arithmetic for every row whatever the
  * number of rows M, the thread that runs it or the instruction set:
  *
- * - float32 (`treadle_q_matmul_f32`): y = x . w with w dequantized exactly; 16 lanes, element e
- *   into lane e % 16 with a fused multiply-add, then a fixed tree (8, 4, 2, 1).
+ * - float32 (`treadle_q_matmul_f32`): y = x . w with w dequantized exactly; one fused
+ *   multiply-add per value, in order along K: acc = fma(x[e], w[e], acc).
  * - int8 activations (`treadle_q_matmul_q8`, for bfloat16 / float16 models, as llama.cpp's CPU
- *   backend does): each row of x is quantized per 32 values to int8 with scale amax / 127 (round
- *   to nearest even); each group of 4 values gives an exact integer sum
- *       iq = sum(uq * xq) - off * sum(xq)
- *   and lane (quad % 16) accumulates  fma((float)iq, s4 * dx, acc)  then, with a minimum,
- *   fma(-m4, sum(xq) * dx, acc); the same fixed tree at the end.
+ *   backend does): each row of x is quantized per 32 values to int8 with scale dx = amax / 127
+ *   (round half to even); then for each group of the weight's own scale (16 or 32 values), in
+ *   order along K, an exact integer sum and two fused multiply-adds:
+ *       isum = sum(uq * xq) - off * sum(xq)
+ *       acc  = fma((float)isum, s * dx, acc)
+ *       acc  = fma(-m, sum(xq) * dx, acc)            (types with a minimum)
  *
- * The instruction-set paths (AVX-512 VNNI, AVX2, portable C) compute these same operations in the
- * same order, so they give the same bits; the caller picks one (`isa`). Rows of the weight are
- * split across torch's OpenMP threads; one thread computes each output whole.
+ * The instruction-set paths compute these same operations in the same order, so they give the same
+ * bits; the caller picks one (`isa`). On AVX-512 VNNI, weights are held 16 rows interleaved (the
+ * packed layout, below) and a vector holds one output of 16 weight rows; AVX2, portable C and the
+ * last N % 16 rows take one weight row at a time. Rows of the weight are split across torch's
+ * OpenMP threads; one thread computes each output whole.
  */
 
 #include <math.h>
@@ -35,7 +38,6 @@
 
 #include <immintrin.h>
 
-#define LANES 16
 #define M_TILE 32 /* rows of x per pass over an unpacked weight row */
 
 enum {
@@ -291,68 +293,21 @@ static void dequantize_unpacked(const qtype *t, int64_t K, const uint8_t *uq, co
     }
 }
 
-/* ---- the fixed final tree ---- */
-
-static inline float reduce16(float *acc) {
-    for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-    return acc[0];
-}
-
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 
-TARGET_VNNI static inline float reduce512(__m512 v) {
-    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));       /* l + 8 */
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));          /* l + 4 */
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                           /* l + 2 */
-    __m128 e = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));                                       /* l + 1 */
-    return _mm_cvtss_f32(e);
-}
-
-TARGET_AVX2 static inline float reduce256x2(__m256 lo, __m256 hi) {
-    __m256 a = _mm256_add_ps(lo, hi);
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    __m128 e = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
-    return _mm_cvtss_f32(e);
-}
-
 /* ---- float32 activations, exact weights ---- */
 
-static float dot_f32_portable(const float *x, const float *w, int64_t K) {
-    float acc[LANES] = {0};
-    for (int64_t e = 0; e < K; e++) acc[e % LANES] = fmaf(x[e], w[e], acc[e % LANES]);
-    return reduce16(acc);
-}
-
-TARGET_VNNI static float dot_f32_avx512(const float *x, const float *w, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t e = 0;
-    for (; e + 16 <= K; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + e), _mm512_loadu_ps(w + e), acc);
-    if (e < K) {
-        __mmask16 k = (__mmask16)((1u << (K - e)) - 1);
-        acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(k, x + e), _mm512_maskz_loadu_ps(k, w + e), acc, k);
+/* one output: acc = fma(x[e], w[e], acc) for e in order (the vector kernel does the same per lane) */
+#define DOT_F32(name, target)                                                \
+    target static float name(const float *x, const float *w, int64_t K) {    \
+        float acc = 0.0f;                                                    \
+        for (int64_t e = 0; e < K; e++) acc = fmaf(x[e], w[e], acc);         \
+        return acc;                                                          \
     }
-    return reduce512(acc);
-}
-
-TARGET_AVX2 static float dot_f32_avx2(const float *x, const float *w, int64_t K) {
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    int64_t e = 0;
-    for (; e + 16 <= K; e += 16) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(x + e), _mm256_loadu_ps(w + e), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(x + e + 8), _mm256_loadu_ps(w + e + 8), hi);
-    }
-    if (e < K) { /* K is a multiple of 32, so never reached; kept exact anyway */
-        float acc[LANES];
-        _mm256_storeu_ps(acc, lo);
-        _mm256_storeu_ps(acc + 8, hi);
-        for (; e < K; e++) acc[e % LANES] = fmaf(x[e], w[e], acc[e % LANES]);
-        return reduce16(acc);
-    }
-    return reduce256x2(lo, hi);
-}
+DOT_F32(dot_f32_portable, )
+DOT_F32(dot_f32_avx2, TARGET_AVX2)
+DOT_F32(dot_f32_avx512, TARGET_VNNI)
 
 /* ---- int8 activations ---- */
 
@@ -695,10 +650,27 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
     _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(r));
 }
 
+#define X16_INLINE TARGET_FAST static inline __attribute__((always_inline))
+
+/* float32 x, the exact weights (the float32 product's rule): for quads q0 .. q0 + nq of 32-value group
+ * g, w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2), as gguf-py computes it, and
+ * acc = fma(x, w, acc) for each value in order */
+X16_INLINE void exact_quads(const __m512i *u, int q0, int nq, __m512 dw, __m512 add, const int MODE, int off, const float *const *xr, const int MT,
+                            int64_t e0, __m512 *acc) {
+    const __m512i offv = _mm512_set1_epi32(off), byte = _mm512_set1_epi32(255);
+    for (int q = q0; q < q0 + nq; q++)
+        for (int i = 0; i < 4; i++) {
+            const __m512i c = _mm512_and_si512(_mm512_srli_epi32(u[q], 8 * i), byte);
+            __m512 w = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_sub_epi32(c, offv)));
+            if (MODE == 1) w = _mm512_add_ps(w, add);
+            if (MODE == 2) w = _mm512_sub_ps(w, add);
+            for (int m = 0; m < MT; m++) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xr[m][e0 + 4 * q + i]), w, acc[m]);
+        }
+}
+
 /* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
  * operations, lane r for weight row n0 + r */
-#define X16_INLINE TARGET_FAST static inline __attribute__((always_inline))
-X16_INLINE void x16_tile(const int type, const int MT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, void *y,
+X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, void *y,
                          int64_t ldy, int y_bf16, int64_t n0) {
     const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
     const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
@@ -709,8 +681,15 @@ X16_INLINE void x16_tile(const int type, const int MT, const uint8_t *group, int
                                                               (char)181, (char)197, (char)217, (char)241)); /* IQ4_VALUES + 128 */
     const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
     arow a[8];
+    const float *xr[8]; /* EXACT: act is x itself, float32 [M, K] */
     __m512 acc[8];
-    for (int i = 0; i < MT; i++) a[i] = act_row(act, M, K, m0 + i), acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MT; i++) {
+        if (EXACT)
+            xr[i] = (const float *)act + (m0 + i) * K;
+        else
+            a[i] = act_row(act, M, K, m0 + i);
+        acc[i] = _mm512_setzero_ps();
+    }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
@@ -735,6 +714,10 @@ X16_INLINE void x16_tile(const int type, const int MT, const uint8_t *group, int
                 }
             }
         }
+        if (EXACT) {
+            exact_quads(u, 0, 8, d, mn, with_min ? 1 : 0, off, xr, MT, 32 * b, acc);
+            continue;
+        }
         for (int i = 0; i < MT; i++) {
             const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * b);
             __m512i s0 = off ? _mm512_set1_epi32(-off * a[i].xs32[b]) : zero, s1 = zero;
@@ -751,14 +734,21 @@ X16_INLINE void x16_tile(const int type, const int MT, const uint8_t *group, int
 
 /* The K-quants (256 values a block): Q4_K and Q5_K (32-value groups with 6-bit scales and minimums)
  * and Q6_K (16-value groups with int8 scales), 16 weight rows per vector, the rule's operations. */
-X16_INLINE void x16k_tile(const int type, const int MT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
+X16_INLINE void x16k_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
                           void *y, int64_t ldy, int y_bf16, int64_t n0) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
     const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), m63 = _mm512_set1_epi32(63), m30 = _mm512_set1_epi32(0x30);
     const __m512i zero = _mm512_setzero_si512(), x10 = _mm512_set1_epi8(16);
     arow a[8];
+    const float *xr[8]; /* EXACT: act is x itself, float32 [M, K] */
     __m512 acc[8];
-    for (int i = 0; i < MT; i++) a[i] = act_row(act, M, K, m0 + i), acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MT; i++) {
+        if (EXACT)
+            xr[i] = (const float *)act + (m0 + i) * K;
+        else
+            a[i] = act_row(act, M, K, m0 + i);
+        acc[i] = _mm512_setzero_ps();
+    }
 #define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
@@ -780,6 +770,11 @@ X16_INLINE void x16k_tile(const int type, const int MT, const uint8_t *group, in
                     dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
                 }
                 const int64_t a32 = b * 8 + g;
+                if (EXACT) {
+                    exact_quads(u, 0, 4, dw[0], dw[0], 0, 32, xr, MT, 32 * a32, acc);
+                    exact_quads(u, 4, 4, dw[1], dw[1], 0, 32, xr, MT, 32 * a32, acc);
+                    continue;
+                }
                 for (int i = 0; i < MT; i++) {
                     const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
                     __m512i s0 = _mm512_set1_epi32(-32 * a[i].xs16[2 * a32]), s1 = _mm512_set1_epi32(-32 * a[i].xs16[2 * a32 + 1]);
@@ -819,6 +814,10 @@ X16_INLINE void x16k_tile(const int type, const int MT, const uint8_t *group, in
                 if (q5) u[q] = _mm512_mask_add_epi8(u[q], _mm512_test_epi8_mask(PIECE(P, 3 + q), _mm512_set1_epi8((char)(1 << s))), u[q], x10);
             }
             const int64_t a32 = b * 8 + s;
+            if (EXACT) {
+                exact_quads(u, 0, 8, dw, mw, 2, 0, xr, MT, 32 * a32, acc);
+                continue;
+            }
             for (int i = 0; i < MT; i++) {
                 const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
                 __m512i s0 = zero, s1 = zero;
@@ -837,15 +836,22 @@ X16_INLINE void x16k_tile(const int type, const int MT, const uint8_t *group, in
 
 /* Q2_K and Q3_K (16-value groups, 2- and 3-bit codes) and IQ4_XS (32-value groups of IQ4_NL's
  * codebook with 6-bit scales), 16 weight rows per vector, the rule's operations. */
-X16_INLINE void x16s_tile(const int type, const int MT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
+X16_INLINE void x16s_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
                           void *y, int64_t ldy, int y_bf16, int64_t n0) {
     const int bytes = type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : 136;
     const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), x4 = _mm512_set1_epi8(4);
     const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
                                                               (char)181, (char)197, (char)217, (char)241)); /* IQ4_VALUES + 128 */
     arow a[8];
+    const float *xr[8]; /* EXACT: act is x itself, float32 [M, K] */
     __m512 acc[8];
-    for (int i = 0; i < MT; i++) a[i] = act_row(act, M, K, m0 + i), acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MT; i++) {
+        if (EXACT)
+            xr[i] = (const float *)act + (m0 + i) * K;
+        else
+            a[i] = act_row(act, M, K, m0 + i);
+        acc[i] = _mm512_setzero_ps();
+    }
 #define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
 #define BYTE_OF(v, k) _mm512_and_si512(_mm512_srli_epi32((v), 8 * ((k) % 4)), _mm512_set1_epi32(255))
     for (int64_t b = 0; b < nb; b++) {
@@ -867,6 +873,10 @@ X16_INLINE void x16s_tile(const int type, const int MT, const uint8_t *group, in
                     u[q + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
                 }
                 const int64_t a32 = b * 8 + ib;
+                if (EXACT) {
+                    exact_quads(u, 0, 8, dw, dw, 0, 128, xr, MT, 32 * a32, acc);
+                    continue;
+                }
                 for (int i = 0; i < MT; i++) {
                     const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
                     __m512i s0 = _mm512_set1_epi32(-128 * a[i].xs32[a32]), s1 = _mm512_setzero_si512();
@@ -906,6 +916,11 @@ X16_INLINE void x16s_tile(const int type, const int MT, const uint8_t *group, in
                 }
             }
             const int64_t a32 = b * 8 + g;
+            if (EXACT) {
+                exact_quads(u, 0, 4, dw[0], q3 ? dw[0] : mw[0], q3 ? 0 : 2, q3 ? 4 : 0, xr, MT, 32 * a32, acc);
+                exact_quads(u, 4, 4, dw[1], q3 ? dw[1] : mw[1], q3 ? 0 : 2, q3 ? 4 : 0, xr, MT, 32 * a32, acc);
+                continue;
+            }
             for (int i = 0; i < MT; i++) {
                 const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
                 __m512i s0 = q3 ? _mm512_set1_epi32(-4 * a[i].xs16[2 * a32]) : _mm512_setzero_si512();
@@ -927,15 +942,16 @@ X16_INLINE void x16s_tile(const int type, const int MT, const uint8_t *group, in
     for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
 }
 
-#define X16_TYPE(TYPE, TILE)                                                                                            \
-    TARGET_FAST static void x16_##TYPE(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, \
+#define X16_TYPE(TYPE, TILE)  X16_VARIANT(TYPE, TILE, 0, x16_##TYPE) X16_VARIANT(TYPE, TILE, 1, x16f_##TYPE)
+#define X16_VARIANT(TYPE, TILE, EXACT, NAME)                                                                                            \
+    TARGET_FAST static void NAME(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, \
                                        int64_t ldy, int y_bf16, int64_t n0) {                                          \
         while (m0 < m1) {                                                                                               \
             const int64_t left = m1 - m0;                                                                               \
-            if (left >= 8) TILE(TYPE, 8, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 8;                    \
-            else if (left >= 4) TILE(TYPE, 4, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 4;               \
-            else if (left >= 2) TILE(TYPE, 2, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 2;               \
-            else TILE(TYPE, 1, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 1;                              \
+            if (left >= 8) TILE(TYPE, 8, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 8;                    \
+            else if (left >= 4) TILE(TYPE, 4, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 4;               \
+            else if (left >= 2) TILE(TYPE, 2, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 2;               \
+            else TILE(TYPE, 1, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 1;                              \
         }                                                                                                               \
     }
 X16_TYPE(T_Q4_0, x16_tile)
@@ -967,6 +983,24 @@ static x16_fn x16_for(int type) {
     case T_Q2_K: return x16_T_Q2_K;
     case T_Q3_K: return x16_T_Q3_K;
     case T_IQ4_XS: return x16_T_IQ4_XS;
+    default: return NULL;
+    }
+}
+
+static x16_fn x16f_for(int type) {
+    switch (type) {
+    case T_Q4_0: return x16f_T_Q4_0;
+    case T_Q4_1: return x16f_T_Q4_1;
+    case T_Q5_0: return x16f_T_Q5_0;
+    case T_Q5_1: return x16f_T_Q5_1;
+    case T_Q8_0: return x16f_T_Q8_0;
+    case T_IQ4_NL: return x16f_T_IQ4_NL;
+    case T_Q4_K: return x16f_T_Q4_K;
+    case T_Q5_K: return x16f_T_Q5_K;
+    case T_Q6_K: return x16f_T_Q6_K;
+    case T_Q2_K: return x16f_T_Q2_K;
+    case T_Q3_K: return x16f_T_Q3_K;
+    case T_IQ4_XS: return x16f_T_IQ4_XS;
     default: return NULL;
     }
 }
@@ -1024,30 +1058,40 @@ int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const
     return err;
 }
 
-/* y[m, n] = sum_k x[m, k] w[n, k]: x float32 [M, ldx], w a stored [N, K] weight of `type`, y [M, ldy] float32 or bf16 */
-int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M, void *y, int64_t ldy,
-                         int y_bf16, int isa) {
+/* y[m, n] = sum_k x[m, k] w[n, k]: x float32 [M, K] (rows contiguous), w a stored [N, K] weight of `type`, y [M, ldy] float32 or bf16 */
+int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, void *y, int64_t ldy, int y_bf16, int isa) {
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
     float (*dot)(const float *, const float *, int64_t) = isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
+    const int64_t rb = K / t.elems * t.bytes;
+    const x16_fn x16 = isa == ISA_AVX512_VNNI ? x16f_for(type) : NULL;
+    const int64_t groups = x16 ? N / 16 : 0;
+    const int parallel = (double)M * (double)N * (double)K >= 2e5;
     int err = 0;
-#pragma omp parallel
+#pragma omp parallel if (parallel)
     {
-        uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
-        float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
-        if (!uq || !tmp || !s4 || !m4 || !f) {
-#pragma omp atomic write
-            err = 2;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) {
-                unpack_row(&t, file_row(type, &t, w, N, K, n, tmp), K, uq, s4, m4);
-                dequantize_unpacked(&t, K, uq, s4, m4, f);
-                for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * ldx, f, K));
-            }
+        for (int64_t m0 = 0; m0 < M && groups; m0 += M_TILE) {
+            const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) x16(w + g * 16 * rb, K / t.elems, (char *)x, M, K, m0, m1, y, ldy, y_bf16, g * 16);
         }
-        free(uq), free(tmp), free(s4), free(m4), free(f);
+        if (groups * 16 < N) {
+            uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
+            float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
+            if (!uq || !tmp || !s4 || !m4 || !f) {
+#pragma omp atomic write
+                err = 2;
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t n = groups * 16; n < N; n++) {
+                    unpack_row(&t, file_row(type, &t, w, N, K, n, tmp), K, uq, s4, m4);
+                    dequantize_unpacked(&t, K, uq, s4, m4, f);
+                    for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * K, f, K));
+                }
+            }
+            free(uq), free(tmp), free(s4), free(m4), free(f);
+        }
     }
     return err;
 }

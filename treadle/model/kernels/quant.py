@@ -44,7 +44,7 @@ def library() -> ctypes.CDLL:
                 lib.treadle_q_row_bytes.restype = i64
                 lib.treadle_q_pack.argtypes = [i32, ptr, i64, i64, ptr, i32]
                 lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
-                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32]
+                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
                 _lib = lib
     return _lib
@@ -202,8 +202,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
     lib = library()
     path = ISAS[isa()]
     if x.dtype == torch.float32:
+        x = x if x.stride(0) == K else x.contiguous()
         y = torch.empty((M, N), dtype=torch.float32)
-        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), N, K, x.data_ptr(), x.stride(0), M, y.data_ptr(), N, 0, path)
+        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), N, K, x.data_ptr(), M, y.data_ptr(), N, 0, path)
     else:
         if x.dtype != torch.bfloat16:
             x = x.float()

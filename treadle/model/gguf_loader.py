@@ -166,7 +166,7 @@ class DeferredWeight:
 
     The model takes its weights one at a time, so at most one float32 tensor exists at once
     (loading the default model's 135M parameters as float32 all together took 540 MB of peak RSS
-    for weights the model then rounds to bf16 or keeps 4-bit)."""
+    for weights the model then rounds to its dtype)."""
 
     __slots__ = ("_load", "shape")
 

@@ -5,6 +5,9 @@ token (see its header). Built with `cc -O3 -march=native` into ~/.cache/treadle/
 the source, the compiler and the CPU; loaded with ctypes (which releases the GIL during the call);
 its loop runs on torch's OpenMP threads. Without a compiler the engine keeps torch's SDPA
 (`available()` is False and the log says why once).
+
+`quant.c` / `quant.py`: products and row lookups of weights held as GGUF's quantized blocks (see
+quant.c's header for what they compute).
 """
 
 import ctypes

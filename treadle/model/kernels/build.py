@@ -1,6 +1,7 @@
 """Building treadle's C kernels: compiled on first use with the system's C compiler, cached.
 
-Each source is built with `cc -O3 -march=native` (and its own flags) into ~/.cache/treadle/kernels/,
+Each source is built with `cc -O3 -march=native -I <this folder>` (and its own flags; the shared
+headers, bf16.h, are part of the key) into ~/.cache/treadle/kernels/,
 keyed by the source, the compiler, the flags and the CPU, then loaded with ctypes (which releases
 the GIL during a call). `-fopenmp`: the parallel loops run on torch's own OpenMP pool (same
 soname, already loaded), so no second set of threads competes with torch's for the cores.
@@ -27,6 +28,9 @@ def build(source_name: str, flags: list[str]) -> ctypes.CDLL:
     source_path = os.path.join(HERE, source_name)
     with open(source_path, "rb") as f:
         source = f.read()
+    for header in sorted(n for n in os.listdir(HERE) if n.endswith(".h")):  # what the sources include
+        with open(os.path.join(HERE, header), "rb") as f:
+            source += f.read()
     all_flags = [*BASE_FLAGS, *flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     with open("/proc/cpuinfo", "rb") if os.path.exists("/proc/cpuinfo") else open(os.devnull, "rb") as f:
@@ -37,7 +41,7 @@ def build(source_name: str, flags: list[str]) -> ctypes.CDLL:
     path = os.path.join(folder, f"{os.path.splitext(source_name)[0]}-{key}.so")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
-        result = subprocess.run([cc, *all_flags, source_path, "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
+        result = subprocess.run([cc, *all_flags, "-I", HERE, source_path, "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source_name}: {result.stderr.strip()[:500]}")
         os.replace(tmp, path)

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define LANES 16
 
 #if defined(__AVX512F__)
@@ -29,20 +31,6 @@ static inline __m512 load16(const uint16_t *p) {
 }
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction, degree-6 polynomial.
  * Written without libm so that it vectorizes and gives the same bits on every path. */

@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #include <immintrin.h>
 
 #define M_TILE 32 /* rows of x per pass over an unpacked weight row */
@@ -70,19 +72,6 @@ static inline float f16_to_f32(const uint8_t *p) {
     return f;
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
 
 /* ---- unpacking: block -> uq (elems bytes), s4 (elems/4 floats), m4 (elems/4 floats, if any) ---- */
 
@@ -668,6 +657,49 @@ X16_INLINE void exact_quads(const __m512i *u, int q0, int nq, __m512 dw, __m512 
         }
 }
 
+/* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;
+ * nq = 4: its 16-value half h16), scale dw and, MODE 1 / 2, a value added / subtracted (the
+ * minimum): the int8 rule's operations for rows of quantized activations, or (EXACT) the float32
+ * rule's on x itself. */
+X16_INLINE void consume(const __m512i *u, int q0, int nq, __m512 dw, __m512 add, const int MODE, int off, const int EXACT, const arow *a,
+                        const float *const *xr, const int MT, int64_t a32, int h16, __m512 *acc) {
+    if (EXACT) {
+        exact_quads(u, q0, nq, dw, add, MODE, off, xr, MT, 32 * a32, acc);
+        return;
+    }
+    for (int i = 0; i < MT; i++) {
+        const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+        const int32_t xs = nq == 8 ? a[i].xs32[a32] : a[i].xs16[2 * a32 + h16];
+        __m512i s0 = _mm512_set1_epi32(-off * xs), s1 = _mm512_setzero_si512();
+        for (int q = q0; q < q0 + nq; q += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
+            s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
+        }
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(a[i].dx[a32])), acc[i]);
+        const __m512 sdx = _mm512_set1_ps(nq == 8 ? a[i].sdx32[a32] : a[i].sdx16[2 * a32 + h16]);
+        if (MODE == 1) acc[i] = _mm512_fmadd_ps(add, sdx, acc[i]);
+        if (MODE == 2) acc[i] = _mm512_fnmadd_ps(add, sdx, acc[i]);
+    }
+}
+
+/* a tile's rows of x (quantized rows, or EXACT: x itself, float32 [M, K]) and zeroed outputs */
+X16_INLINE void tile_start(char *act, int64_t M, int64_t K, int64_t m0, const int MT, const int EXACT, arow *a, const float **xr, __m512 *acc) {
+    for (int i = 0; i < MT; i++) {
+        if (EXACT)
+            xr[i] = (const float *)act + (m0 + i) * K;
+        else
+            a[i] = act_row(act, M, K, m0 + i);
+        acc[i] = _mm512_setzero_ps();
+    }
+}
+
+TARGET_FAST static inline __m512i iq4_table(void) { /* IQ4_VALUES + 128, in each 128-bit lane */
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
+                                                (char)197, (char)217, (char)241));
+}
+
+#define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
+
 /* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
  * operations, lane r for weight row n0 + r */
 X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, void *y,
@@ -676,20 +708,13 @@ X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const ui
     const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
     const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : 2, qhoff = with_min ? 4 : 2;
     const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
-    const __m512i m15 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
-                                                              (char)181, (char)197, (char)217, (char)241)); /* IQ4_VALUES + 128 */
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i table = iq4_table();
     const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
     arow a[8];
-    const float *xr[8]; /* EXACT: act is x itself, float32 [M, K] */
+    const float *xr[8];
     __m512 acc[8];
-    for (int i = 0; i < MT; i++) {
-        if (EXACT)
-            xr[i] = (const float *)act + (m0 + i) * K;
-        else
-            a[i] = act_row(act, M, K, m0 + i);
-        acc[i] = _mm512_setzero_ps();
-    }
+    tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
@@ -714,20 +739,7 @@ X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const ui
                 }
             }
         }
-        if (EXACT) {
-            exact_quads(u, 0, 8, d, mn, with_min ? 1 : 0, off, xr, MT, 32 * b, acc);
-            continue;
-        }
-        for (int i = 0; i < MT; i++) {
-            const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * b);
-            __m512i s0 = off ? _mm512_set1_epi32(-off * a[i].xs32[b]) : zero, s1 = zero;
-            for (int q = 0; q < 8; q += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
-                s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
-            }
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(a[i].dx[b])), acc[i]);
-            if (with_min) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a[i].sdx32[b]), acc[i]);
-        }
+        consume(u, 0, 8, d, mn, with_min ? 1 : 0, off, EXACT, a, xr, MT, b, 0, acc);
     }
     for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
 }
@@ -738,18 +750,11 @@ X16_INLINE void x16k_tile(const int type, const int MT, const int EXACT, const u
                           void *y, int64_t ldy, int y_bf16, int64_t n0) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
     const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), m63 = _mm512_set1_epi32(63), m30 = _mm512_set1_epi32(0x30);
-    const __m512i zero = _mm512_setzero_si512(), x10 = _mm512_set1_epi8(16);
+    const __m512i x10 = _mm512_set1_epi8(16);
     arow a[8];
-    const float *xr[8]; /* EXACT: act is x itself, float32 [M, K] */
+    const float *xr[8];
     __m512 acc[8];
-    for (int i = 0; i < MT; i++) {
-        if (EXACT)
-            xr[i] = (const float *)act + (m0 + i) * K;
-        else
-            a[i] = act_row(act, M, K, m0 + i);
-        acc[i] = _mm512_setzero_ps();
-    }
-#define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
+    tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
         if (type == T_Q6_K) {
@@ -770,22 +775,8 @@ X16_INLINE void x16k_tile(const int type, const int MT, const int EXACT, const u
                     dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
                 }
                 const int64_t a32 = b * 8 + g;
-                if (EXACT) {
-                    exact_quads(u, 0, 4, dw[0], dw[0], 0, 32, xr, MT, 32 * a32, acc);
-                    exact_quads(u, 4, 4, dw[1], dw[1], 0, 32, xr, MT, 32 * a32, acc);
-                    continue;
-                }
-                for (int i = 0; i < MT; i++) {
-                    const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
-                    __m512i s0 = _mm512_set1_epi32(-32 * a[i].xs16[2 * a32]), s1 = _mm512_set1_epi32(-32 * a[i].xs16[2 * a32 + 1]);
-                    for (int q = 0; q < 4; q++) {
-                        s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
-                        s1 = _mm512_dpbusd_epi32(s1, u[q + 4], _mm512_set1_epi32(xq4[q + 4]));
-                    }
-                    const __m512 dx = _mm512_set1_ps(a[i].dx[a32]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw[0], dx), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw[1], dx), acc[i]);
-                }
+                consume(u, 0, 4, dw[0], dw[0], 0, 32, EXACT, a, xr, MT, a32, 0, acc);
+                consume(u, 4, 4, dw[1], dw[1], 0, 32, EXACT, a, xr, MT, a32, 1, acc);
             }
             continue;
         }
@@ -814,23 +805,9 @@ X16_INLINE void x16k_tile(const int type, const int MT, const int EXACT, const u
                 if (q5) u[q] = _mm512_mask_add_epi8(u[q], _mm512_test_epi8_mask(PIECE(P, 3 + q), _mm512_set1_epi8((char)(1 << s))), u[q], x10);
             }
             const int64_t a32 = b * 8 + s;
-            if (EXACT) {
-                exact_quads(u, 0, 8, dw, mw, 2, 0, xr, MT, 32 * a32, acc);
-                continue;
-            }
-            for (int i = 0; i < MT; i++) {
-                const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
-                __m512i s0 = zero, s1 = zero;
-                for (int q = 0; q < 8; q += 2) {
-                    s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
-                    s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
-                }
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(a[i].dx[a32])), acc[i]);
-                acc[i] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a[i].sdx32[a32]), acc[i]);
-            }
+            consume(u, 0, 8, dw, mw, 2, 0, EXACT, a, xr, MT, a32, 0, acc);
         }
     }
-#undef PIECE
     for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
 }
 
@@ -840,19 +817,11 @@ X16_INLINE void x16s_tile(const int type, const int MT, const int EXACT, const u
                           void *y, int64_t ldy, int y_bf16, int64_t n0) {
     const int bytes = type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : 136;
     const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), x4 = _mm512_set1_epi8(4);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
-                                                              (char)181, (char)197, (char)217, (char)241)); /* IQ4_VALUES + 128 */
+    const __m512i table = iq4_table();
     arow a[8];
-    const float *xr[8]; /* EXACT: act is x itself, float32 [M, K] */
+    const float *xr[8];
     __m512 acc[8];
-    for (int i = 0; i < MT; i++) {
-        if (EXACT)
-            xr[i] = (const float *)act + (m0 + i) * K;
-        else
-            a[i] = act_row(act, M, K, m0 + i);
-        acc[i] = _mm512_setzero_ps();
-    }
-#define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
+    tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
 #define BYTE_OF(v, k) _mm512_and_si512(_mm512_srli_epi32((v), 8 * ((k) % 4)), _mm512_set1_epi32(255))
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
@@ -873,19 +842,7 @@ X16_INLINE void x16s_tile(const int type, const int MT, const int EXACT, const u
                     u[q + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
                 }
                 const int64_t a32 = b * 8 + ib;
-                if (EXACT) {
-                    exact_quads(u, 0, 8, dw, dw, 0, 128, xr, MT, 32 * a32, acc);
-                    continue;
-                }
-                for (int i = 0; i < MT; i++) {
-                    const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
-                    __m512i s0 = _mm512_set1_epi32(-128 * a[i].xs32[a32]), s1 = _mm512_setzero_si512();
-                    for (int q = 0; q < 8; q += 2) {
-                        s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
-                        s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
-                    }
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(a[i].dx[a32])), acc[i]);
-                }
+                consume(u, 0, 8, dw, dw, 0, 128, EXACT, a, xr, MT, a32, 0, acc);
             }
             continue;
         }
@@ -916,29 +873,10 @@ X16_INLINE void x16s_tile(const int type, const int MT, const int EXACT, const u
                 }
             }
             const int64_t a32 = b * 8 + g;
-            if (EXACT) {
-                exact_quads(u, 0, 4, dw[0], q3 ? dw[0] : mw[0], q3 ? 0 : 2, q3 ? 4 : 0, xr, MT, 32 * a32, acc);
-                exact_quads(u, 4, 4, dw[1], q3 ? dw[1] : mw[1], q3 ? 0 : 2, q3 ? 4 : 0, xr, MT, 32 * a32, acc);
-                continue;
-            }
-            for (int i = 0; i < MT; i++) {
-                const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
-                __m512i s0 = q3 ? _mm512_set1_epi32(-4 * a[i].xs16[2 * a32]) : _mm512_setzero_si512();
-                __m512i s1 = q3 ? _mm512_set1_epi32(-4 * a[i].xs16[2 * a32 + 1]) : _mm512_setzero_si512();
-                for (int q = 0; q < 4; q++) {
-                    s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
-                    s1 = _mm512_dpbusd_epi32(s1, u[q + 4], _mm512_set1_epi32(xq4[q + 4]));
-                }
-                const __m512 dx = _mm512_set1_ps(a[i].dx[a32]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw[0], dx), acc[i]);
-                if (!q3) acc[i] = _mm512_fnmadd_ps(mw[0], _mm512_set1_ps(a[i].sdx16[2 * a32]), acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw[1], dx), acc[i]);
-                if (!q3) acc[i] = _mm512_fnmadd_ps(mw[1], _mm512_set1_ps(a[i].sdx16[2 * a32 + 1]), acc[i]);
-            }
+            for (int k = 0; k < 2; k++) consume(u, 4 * k, 4, dw[k], q3 ? dw[k] : mw[k], q3 ? 0 : 2, q3 ? 4 : 0, EXACT, a, xr, MT, a32, k, acc);
         }
     }
 #undef BYTE_OF
-#undef PIECE
     for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
 }
 

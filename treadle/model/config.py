@@ -1,10 +1,6 @@
 """The hyperparameters of one Llama-style decoder, whatever file they came from."""
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 
 class ModelLoadError(ValueError):

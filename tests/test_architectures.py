@@ -14,9 +14,10 @@ from treadle import LLM, SamplingParams
 from .reference import assert_matches_reference, hf_greedy
 from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral"]
-PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default"}
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default", "gemma3": "default"}
 GGUF_ARCH = {"mistral": "llama"}  # llama.cpp writes Mistral models as Llama-architecture files
+HF_ARCH = {"gemma3": "gemma3_text"}  # Gemma 3's text model in config.json
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -40,7 +41,7 @@ def test_random_model_matches_transformers(tiny, source):
     arch, folder, gguf_path, model = tiny
     llm = LLM(folder if source == "hf" else gguf_path, dtype="float32", max_model_len=256, block_size=8)
     cfg = llm.engine.model_config
-    assert cfg.architecture == (arch if source == "hf" else GGUF_ARCH.get(arch, arch))
+    assert cfg.architecture == (HF_ARCH.get(arch, arch) if source == "hf" else GGUF_ARCH.get(arch, arch))
     assert cfg.tie_word_embeddings == model.config.tie_word_embeddings
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

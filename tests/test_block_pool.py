@@ -77,24 +77,24 @@ def test_hash_chains_parent_tokens_and_salt():
 def test_manager_finds_prefix_but_always_leaves_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request("a", list(range(8)))
-    assert kv.find_cached_prefix(a) == []
+    assert kv.find_cached_prefix(a).num_blocks == 0
     assert kv.allocate_slots(a, 8)
-    assert len(kv.block_table("a")) == 2
+    assert len(kv.block_table("a")[0]) == 2
     # same 8 tokens: only the first block can be a hit (the last token must be computed)
     b = make_request("b", list(range(8)))
-    assert [blk.block_id for blk in kv.find_cached_prefix(b)] == kv.block_table("a")[:1]
+    assert [blk.block_id for blk in kv.find_cached_prefix(b).blocks[0]] == kv.block_table("a")[0][:1]
     # 9 tokens sharing 8: both blocks hit
     c = make_request("c", list(range(9)))
-    assert len(kv.find_cached_prefix(c)) == 2
+    assert kv.find_cached_prefix(c).num_blocks == 2
 
 
 def test_different_salts_share_nothing():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request("a", list(range(9)), salt="x")
     kv.allocate_slots(a, 9)
-    assert kv.find_cached_prefix(make_request("b", list(range(9)), salt="y")) == []
-    assert kv.find_cached_prefix(make_request("c", list(range(9)))) == []
-    assert len(kv.find_cached_prefix(make_request("d", list(range(9)), salt="x"))) == 2
+    assert kv.find_cached_prefix(make_request("b", list(range(9)), salt="y")).num_blocks == 0
+    assert kv.find_cached_prefix(make_request("c", list(range(9)))).num_blocks == 0
+    assert kv.find_cached_prefix(make_request("d", list(range(9)), salt="x")).num_blocks == 2
 
 
 def test_allocation_failure_changes_nothing():
@@ -109,7 +109,7 @@ def test_free_releases_tail_first_so_head_survives_longer():
     kv = KVCacheManager(num_blocks=3, block_size=2)
     a = make_request("a", [1, 2, 3, 4, 5, 6])
     kv.allocate_slots(a, 6)
-    head, mid, tail = kv.block_table("a")
+    ((head, mid, tail),) = kv.block_table("a")
     kv.free(a)
     assert kv.num_free_blocks == 3
     assert list(kv.pool.free_queue) == [tail, mid, head]
@@ -122,10 +122,10 @@ def test_fork_shares_full_blocks_and_copies_partial_one():
     parent.num_computed_tokens = 6
     child = make_request("c", list(range(6)))
     copy = kv.fork(parent, child)
-    p_table, c_table = kv.block_table("p"), kv.block_table("c")
+    (p_table,), (c_table,) = kv.block_table("p"), kv.block_table("c")
     assert c_table[0] == p_table[0]
     assert kv.pool.blocks[p_table[0]].ref_count == 2
-    assert copy == (p_table[1], c_table[1])
+    assert copy == [(p_table[1], c_table[1])]
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks == 6

@@ -58,7 +58,7 @@ def test_every_boundary_message_round_trips():
     request = sample_messages()[0]
     assert codec.to_core.decode(codec.encode(request)).sampling_params == request.sampling_params
     step = S.StepInput(
-        [S.ScheduledRequest("a", [1, 2], 16, [3, 4], ["a", "a#1"]), S.ScheduledRequest("b", [9], 5, [0])],
+        [S.ScheduledRequest("a", [1, 2], 16, [[3, 4]], ["a", "a#1"]), S.ScheduledRequest("b", [9], 5, [[0]])],
         [S.NewRequestData("a", [1], request.params)],
         ["gone"],
         [(3, 8)],

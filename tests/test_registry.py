@@ -94,7 +94,8 @@ def gelu_folder(tmp_path_factory):
 def test_builtin_architectures_and_their_hf_class_names_are_the_llama_decoder(fresh_registry):
     for arch in ("llama", "mistral", "qwen2", "qwen3", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert is_registered(arch)
-        assert resolve_model_class(arch) is LlamaModel
+        assert issubclass(resolve_model_class(arch), LlamaModel)
+    assert resolve_model_class("Qwen3ForCausalLM") is resolve_model_class("qwen3") is not resolve_model_class("llama")
     assert not is_registered("gelu_llama")
 
 
@@ -222,7 +223,9 @@ def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_re
 def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):
     meta = {"gelu_llama.embedding_length": 64, "gelu_llama.attention.head_count": 4, "gelu_llama.feed_forward_length": 96,
             "gelu_llama.block_count": 2, "gelu_llama.vocab_size": 300}  # fmt: skip
-    with pytest.raises(ModelLoadError, match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: gemma3, llama, qwen2, qwen3\)"
+    ):
         _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())
     register_model("gelu_llama", f"{PLUGIN}:GeluLlamaModel")
     cfg = _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())

@@ -69,9 +69,9 @@ def test_blocks_grow_with_the_request_not_reserved_up_front():
     a = make("a", 4)
     s.add_request(a)
     run_step(s)
-    assert len(kv.block_table("a")) == 1
+    assert len(kv.block_table("a")[0]) == 1
     run_step(s)  # 5th token needs a second block
-    assert len(kv.block_table("a")) == 2
+    assert len(kv.block_table("a")[0]) == 2
 
 
 def test_out_of_blocks_preempts_most_recently_admitted():
@@ -127,16 +127,16 @@ def test_a_failed_step_leaves_nothing_findable_it_was_to_write():
     s.scheduled = []
     s.finish(b, "error")
     c = make("c", 14)  # shares b's 10 tokens and 1 block more: written by a, so still findable
-    assert len(kv.find_cached_prefix(c)) == 2
+    assert kv.find_cached_prefix(c).num_blocks == 2
     # a step that wrote a new block, then failed: that block is not findable afterwards
     d = Request("d", None, list(range(200, 213)), SamplingParams(max_tokens=8))
     s.add_request(d)
     s.schedule()
-    assert len(kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams()))) == 3
+    assert kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams())).num_blocks == 3
     kv.forget_step()
     s.scheduled = []
     s.finish(d, "error")
-    assert kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams())) == []
+    assert kv.find_cached_prefix(Request("e", None, list(range(200, 213)), SamplingParams())).num_blocks == 0
 
 
 def test_prefill_cap_applies_only_while_a_request_decodes():

@@ -63,6 +63,22 @@ def hf_config(arch: str, vocab_size: int):
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # layer 0 local (a 12-token window, RoPE base 10,000), layer 1 global (base 1,000,000)
+        return Gemma3TextConfig(
+            **{**common, "bos_token_id": 0, "pad_token_id": 0},
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=12,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
     raise ValueError(arch)
 
 
@@ -111,11 +127,20 @@ _GGUF_LAYER = {
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma's norms as llama.cpp names them
+_GGUF_GEMMA_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in _GGUF_NAMES:
         return _GGUF_NAMES[hf]
     _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER[rest]}"
+    return f"blk.{layer}.{(_GGUF_GEMMA_LAYER if arch == 'gemma3' else _GGUF_LAYER)[rest]}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -152,9 +177,12 @@ def write_gguf(
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma's: one entry per layer type (the local base is fixed)
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":  # llama.cpp fixes the pattern at 6; this tiny model's is 2 (treadle reads the key)
+        w.add_uint32("gemma3.attention.sliding_window_pattern", 2)
     w.add_vocab_size(cfg.vocab_size)
 
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -178,16 +206,19 @@ def write_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.float().numpy().copy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as 1 + w
+        name_in_file = gguf_name(name, arch)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             data = llama_cpp_permute(data, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
-        if raw_tensors and gguf_name(name) in raw_tensors:
-            raw, qtype = raw_tensors[gguf_name(name)]
-            w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
+        if raw_tensors and name_in_file in raw_tensors:
+            raw, qtype = raw_tensors[name_in_file]
+            w.add_tensor(name_in_file, raw, raw_dtype=qtype)
             continue
         if quantize is not None and name.startswith("model.layers.") and name.endswith("proj.weight"):
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, quantize), raw_dtype=quantize)
+            w.add_tensor(name_in_file, gguf.quants.quantize(data, quantize), raw_dtype=quantize)
             continue
-        w.add_tensor(gguf_name(name), data)
+        w.add_tensor(name_in_file, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

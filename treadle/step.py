@@ -36,13 +36,14 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's share of a step: compute `token_ids` at positions start, start + 1, ...
-    into the blocks `block_ids`; `sample_ids` sample one token each from its last row (itself,
-    or every choice of an n > 1 request at its first token; empty when the step ends mid-prompt)."""
+    into the blocks `block_ids` (one table per cache group, kv_layout.py); `sample_ids` sample one
+    token each from its last row (itself, or every choice of an n > 1 request at its first token;
+    empty when the step ends mid-prompt)."""
 
     req_id: str
     token_ids: list[int]
     start: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     sample_ids: list[str] = []
     # speculative decoding: the last `num_drafts` of token_ids are proposals; the request samples
     # from each of its last num_drafts + 1 rows and keeps the proposals its samples confirm

@@ -76,7 +76,7 @@ class EngineCore:
         self.runner, self.dtype, self.model_config, self.tokenizer = w.runner, w.dtype, w.model_config, w.tokenizer
         self.max_model_len, self.eos_token_ids = w.max_model_len, w.eos_token_ids
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
-        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout)
         self.kv_events = None
         if config.kv_events_endpoint:
             from .kv_events import KVEventPublisher
@@ -289,7 +289,7 @@ class EngineCore:
         # a block copy of the step (a forked choice's partial block) may not have been made either
         copied_to = {dst for _, dst in step.block_copies}
         if copied_to:
-            failed_groups |= {r.group_id for r in self.requests.values() if copied_to & set(self.kv.block_table(r.request_id))}
+            failed_groups |= {r.group_id for r in self.requests.values() if copied_to & self.kv.held_blocks(r.request_id)}
         for gid in failed_groups:
             for child in list(self.groups[gid].children):
                 if child.is_finished:

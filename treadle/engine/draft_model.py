@@ -71,11 +71,12 @@ class DraftModel:
             # before any row reads it
             start = min(req.draft_num_computed, s.start)
             lead = 0
-            while (lead + 1) * bs <= s.start and s.block_ids[lead] in written:
+            table = s.block_ids[0]  # the target's first cache group: full attention (the worker checks)
+            while (lead + 1) * bs <= s.start and table[lead] in written:
                 lead += 1
             start = max(start, lead * bs)
-            written.update(s.block_ids[b] for b in range(-(-start // bs), end // bs))
-            first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, s.block_ids, [s.req_id] if s.num_drafts else []))
+            written.update(table[b] for b in range(-(-start // bs), end // bs))
+            first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, [table], [s.req_id] if s.num_drafts else []))
             req.draft_num_computed = end
         if not first:
             return {}, {}
@@ -107,7 +108,7 @@ class DraftModel:
             active = [(s, req) for s, req in active if s.num_drafts > j + 1]
             if not active:
                 break
-            rows = [ScheduledRequest(s.req_id, [drafts[s.req_id][j]], s.start + 1 + j, s.block_ids, [s.req_id]) for s, _ in active]
+            rows = [ScheduledRequest(s.req_id, [drafts[s.req_id][j]], s.start + 1 + j, s.block_ids[:1], [s.req_id]) for s, _ in active]
             logits = self.runner.compute_logits(StepInput(rows))[0]
         for s, req in work:
             req.spec_token_ids = drafts[s.req_id]

@@ -1,22 +1,54 @@
 """Per-request block tables over the block pool, and prefix-cache lookups.
 
-A request owns one reference on each block of its table. Block i of a request holds the KV of
-tokens [i * block_size, (i + 1) * block_size). A block is hashed (made findable) as soon as the
-step that fills it is scheduled: within a step every layer writes KV before any attention reads it.
-Should that step fail, `forget_step()` drops the hashes it gave: KV that was never written must not
-be found by a later request.
+A request has one block table per cache group (kv_layout.py: layers with the same window) and owns
+one reference on each block in them. Entry i of a table holds the KV of tokens
+[i * block_size, (i + 1) * block_size) for that group's layers. In a sliding-window group the
+entries whose tokens no query of the request can see again (every position before the window of
+the step's first query) are let go: the block goes back to the pool and the entry becomes None
+(the runner passes block 0 there; attention never reads it). So a sliding group holds about
+window / block_size blocks per request, however long it runs.
+
+A block is hashed (made findable in its group's index) as soon as the step that fills it is
+scheduled: within a step every layer writes KV before any attention reads it. Should that step
+fail, `forget_step()` drops the hashes it gave: KV that was never written must not be found by a
+later request. A block a window let go keeps its hash until the pool reuses it, so a later
+request with the same prefix can still hit it.
+
+A prefix hit of n blocks needs, in every full-attention group, each of the n blocks, and in each
+sliding group only those the next query reads (the window before position n * block_size); the
+longest n that every group can serve wins.
 """
 
+from dataclasses import dataclass, field
+
+from ..kv_layout import CacheGroup, KVLayout
 from .block_pool import Block, BlockPool, extend_block_hashes
 from .request import Request
 
+FULL_ATTENTION = KVLayout((CacheGroup(None, ()),), 1)  # one group, every position kept
+
+
+@dataclass
+class PrefixHit:
+    """A prefix-cache hit: per cache group, the hit's blocks (None where out of that group's window)."""
+
+    blocks: list[list[Block | None]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks[0]) if self.blocks else 0
+
+
+NO_HIT = PrefixHit()
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, layout: KVLayout = FULL_ATTENTION):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[Block]] = {}
+        self.windows = [g.window for g in layout.groups]
+        self.pool = BlockPool(num_blocks, enable_caching, len(self.windows))
+        self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, one table per group
         self.num_hashed_blocks: dict[str, int] = {}
         self.step_hashed: list[Block] = []  # blocks given a hash since begin_step()
 
@@ -47,60 +79,105 @@ class KVCacheManager:
             self.pool.uncache_block(block)
         self.step_hashed = []
 
-    def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_table(self, request_id: str) -> list[list[int]]:
+        """The request's table per group, block 0 where a window let go of the entry."""
+        return [[0 if b is None else b.block_id for b in table] for table in self.req_blocks.get(request_id, ())]
+
+    def held_blocks(self, request_id: str) -> set[int]:
+        return {b.block_id for table in self.req_blocks.get(request_id, ()) for b in table if b is not None}
+
+    def _first_visible(self, position: int, window: int | None) -> int:
+        """The first table entry a query at `position` reads in a group with this window."""
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
 
     def _block_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the request's full blocks of known tokens, computed once each."""
         return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
 
-    def find_cached_prefix(self, req: Request) -> list[Block]:
-        """The longest run of cached full blocks at the head of the request, leaving its last token to compute."""
+    def find_cached_prefix(self, req: Request) -> PrefixHit:
+        """The longest cached prefix of whole blocks every group can serve, leaving the request's last token to compute."""
         if not self.enable_caching:
-            return []
-        hits = []
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        for h in self._block_hashes(req)[:max_blocks]:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            return NO_HIT
+        hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        n = len(hashes)
+        found: list[list[Block | None]] = []
+        for g, window in enumerate(self.windows):  # full groups first: they bound n before the lookups of sliding ones
+            if window is None:
+                run = []
+                for h in hashes[:n]:
+                    block = self.pool.get_cached_block(h, g)
+                    if block is None:
+                        break
+                    run.append(block)
+                n = len(run)
+                found.append(run)
+            else:
+                found.append([self.pool.get_cached_block(h, g) for h in hashes[:n]])
+        sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        while n and not all(all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n]) for g in sliding):
+            n -= 1
+        if not n:
+            return NO_HIT
+        blocks = []
+        for g, window in enumerate(self.windows):
+            first = self._first_visible(n * self.block_size, window)
+            blocks.append([None] * first + found[g][first:n])
+        return PrefixHit(blocks)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[Block] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and any cached hit).
 
-        Returns False, changing nothing, when the pool cannot provide the blocks.
+        Returns False when the pool cannot provide the blocks; nothing is allocated then (a sliding
+        group may still have let go of entries out of its window: no query reads them again).
         """
-        blocks = self.req_blocks.setdefault(req.request_id, [])
         bs = self.block_size
-        total = req.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
-        need = -(-total // bs) - len(blocks) - len(cached_blocks)
+        tables = self.req_blocks.get(req.request_id)
+        new = tables is None
+        if new:
+            tables = [[] for _ in self.windows]
+        hit_blocks = hit.blocks or [[] for _ in self.windows]
+        first_query = req.num_computed_tokens + hit.num_blocks * bs
+        self._release_out_of_window(tables, first_query)
+        total = first_query + num_new_tokens
+        wanted = -(-total // bs)
+        needs = [max(0, wanted - len(table) - len(hits)) for table, hits in zip(tables, hit_blocks)]
         # Hits with ref_count 0 are still in the free queue but cannot be handed out as new blocks.
-        reserved = sum(1 for b in cached_blocks if b.ref_count == 0)
-        if need > self.pool.num_free_blocks - reserved:
-            if not blocks:
-                del self.req_blocks[req.request_id]
+        reserved = sum(1 for hits in hit_blocks for b in hits if b is not None and b.ref_count == 0)
+        if sum(needs) > self.pool.num_free_blocks - reserved:
             return False
-        self.pool.touch(list(cached_blocks))
-        blocks.extend(cached_blocks)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
+        if new:
+            self.req_blocks[req.request_id] = tables
+        for table, hits, need in zip(tables, hit_blocks, needs):
+            self.pool.touch([b for b in hits if b is not None])
+            table.extend(hits)
+            if need:
+                table.extend(self.pool.allocate(need))
         # proposed tokens (speculative decoding) are not the request's yet: never hash their blocks
-        self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
+        self._cache_full_blocks(req, tables, min(total, req.num_tokens))
         return True
+
+    def _release_out_of_window(self, tables: list[list[Block | None]], first_query: int) -> None:
+        """Let go of each sliding group's entries before the window of a query at `first_query`
+        (oldest first: they leave the pool's queue before the newer ones)."""
+        for table, window in zip(tables, self.windows):
+            if window is None:
+                continue
+            for i in range(min(self._first_visible(first_query, window), len(table))):
+                if table[i] is not None:
+                    self.pool.free([table[i]])
+                    table[i] = None
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Free the request's blocks past its first `num_tokens` (those held only rejected
         proposals; they were never hashed)."""
-        blocks = self.req_blocks.get(req.request_id)
         keep = -(-num_tokens // self.block_size)
-        if blocks and len(blocks) > keep:
-            extra = blocks[keep:]
-            del blocks[keep:]
-            self.pool.free(reversed(extra))
+        for table in self.req_blocks.get(req.request_id, ()):
+            if len(table) > keep:
+                extra = [b for b in table[keep:] if b is not None]
+                del table[keep:]
+                self.pool.free(reversed(extra))
 
-    def _cache_full_blocks(self, req: Request, blocks: list[Block], num_tokens: int) -> None:
+    def _cache_full_blocks(self, req: Request, tables: list[list[Block | None]], num_tokens: int) -> None:
         if not self.enable_caching:
             return
         done = self.num_hashed_blocks.get(req.request_id, 0)
@@ -111,36 +188,41 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(done, full):
             parent, extra = (hashes[i - 1], None) if i else (None, req.cache_salt)
-            if self.pool.cache_block(blocks[i], hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs], extra):
-                self.step_hashed.append(blocks[i])
+            for g, table in enumerate(tables):
+                block = table[i]
+                if block is not None and self.pool.cache_block(block, hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs], extra, g):
+                    self.step_hashed.append(block)
         self.num_hashed_blocks[req.request_id] = full
 
-    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None | bool:
-        """Give `child` the parent's computed blocks: full blocks shared, the partial last one copied.
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | bool:
+        """Give `child` the parent's computed blocks: full blocks shared, each group's partial last
+        one copied.
 
-        Returns the (src, dst) block copy the runner must make before the next step, None when no
-        copy is needed, or False (nothing changed) when no block is free for the copy.
+        Returns the (src, dst) block copies the runner must make before the next step (maybe none),
+        or False (nothing changed) when the pool lacks blocks for the copies.
         """
         bs = self.block_size
-        parent_blocks = self.req_blocks[parent.request_id]
+        parent_tables = self.req_blocks[parent.request_id]
         num_full = parent.num_computed_tokens // bs
         partial = parent.num_computed_tokens % bs != 0
-        if partial and self.pool.num_free_blocks < 1:
+        if partial and self.pool.num_free_blocks < len(parent_tables):
             return False
-        shared = parent_blocks[:num_full]
-        self.pool.touch(shared)
-        blocks = list(shared)
-        copy = None
-        if partial:
-            (new,) = self.pool.allocate(1)
-            blocks.append(new)
-            copy = (parent_blocks[num_full].block_id, new.block_id)
-        self.req_blocks[child.request_id] = blocks
+        tables, copies = [], []
+        for parent_table in parent_tables:
+            shared = parent_table[:num_full]
+            self.pool.touch([b for b in shared if b is not None])
+            table = list(shared)
+            if partial:
+                (new,) = self.pool.allocate(1)
+                table.append(new)
+                copies.append((parent_table[num_full].block_id, new.block_id))
+            tables.append(table)
+        self.req_blocks[child.request_id] = tables
         self.num_hashed_blocks[child.request_id] = min(num_full, self.num_hashed_blocks.get(parent.request_id, 0))
-        return copy
+        return copies
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so a shared head outlives the tail in the LRU queue."""
-        blocks = self.req_blocks.pop(req.request_id, [])
-        self.pool.free(reversed(blocks))
+        for table in self.req_blocks.pop(req.request_id, ()):
+            self.pool.free(b for b in reversed(table) if b is not None)
         self.num_hashed_blocks.pop(req.request_id, None)

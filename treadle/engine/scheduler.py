@@ -28,7 +28,7 @@ go on, max_tokens, the model's length. A finished request's blocks are freed at 
 from collections import deque
 
 from ..step import SampledToken, ScheduledRequest, StepInput
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import NO_HIT, KVCacheManager
 from .protocol import CoreOutput
 from .request import Request, RequestStatus
 from .structured import accept_token
@@ -112,8 +112,8 @@ class Scheduler:
             req = self.waiting[0]
             # mean pooling reads every prompt position's hidden state: it cannot start from the cache
             lookup = req.num_computed_tokens == 0 and req.params.pooling != "mean"
-            hits = self.kv.find_cached_prefix(req) if lookup else []
-            num_cached = len(hits) * self.kv.block_size
+            hits = self.kv.find_cached_prefix(req) if lookup else NO_HIT
+            num_cached = hits.num_blocks * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, prompt_budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
@@ -229,12 +229,11 @@ class Scheduler:
         """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is
         free. Either way it reports its parent's prefix-cache hit (the request's)."""
         child.num_cached_tokens = parent.num_cached_tokens
-        copy = self.kv.fork(parent, child)
-        if copy is False:
+        copies = self.kv.fork(parent, child)
+        if copies is False:
             self.waiting.appendleft(child)
             return
-        if copy is not None:
-            self.pending_copies.append(copy)
+        self.pending_copies.extend(copies)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)

@@ -3,6 +3,8 @@
 Layout of one layer's cache: [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
 block_id * block_size + offset. Every layer first writes the step's new keys/values to their slots,
 then reads: so a request may attend to blocks another request of the same step just filled.
+A model whose layers form several cache groups (sliding-window and full layers) gets one
+`AttentionMetadata` per group (its own tables, slots and window) and each layer uses its group's.
 """
 
 from dataclasses import dataclass, field
@@ -97,6 +99,14 @@ def paged_attention(
         )
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def metadata_by_layer(meta: "AttentionMetadata | list[AttentionMetadata]", layer_groups: list[int]) -> list[AttentionMetadata]:
+    """Each layer's attention metadata: the step's one, or with several cache groups (a list, one
+    per group: kv_layout.py) its own group's."""
+    if isinstance(meta, AttentionMetadata):
+        return [meta] * len(layer_groups)
+    return [meta[g] for g in layer_groups]
 
 
 def graph_kernel_args(row_tables: torch.Tensor, key_begin: torch.Tensor, key_end: torch.Tensor) -> tuple:

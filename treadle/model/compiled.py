@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..kv_layout import kv_layout
 from ..utils import cache_root, process_memory
 from .attention import AttentionMetadata, graph_kernel_args
 from .loader import resolve_model_path
@@ -49,6 +50,7 @@ log = logging.getLogger("treadle.compile")
 
 _SOURCES = (
     "llama.py",
+    "../kv_layout.py",
     "interface.py",
     "worker.py",
     "layers.py",
@@ -128,22 +130,27 @@ def configure_torch() -> None:
 
 
 def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, block: int = 0, kernel: bool = False):
-    """Decode-step inputs of `batch` rows over `width` blocks, every slot in block `block`. With
-    `kernel`, the fields of treadle's attention kernel (one table per row, so that every input's
-    first size is the row count; `graph_kernel_args`), else SDPA's decode fields."""
+    """Decode-step inputs of `batch` rows over `width` blocks, every slot in block `block`, one
+    metadata per cache group of the model (a list when it has several). With `kernel`, the fields
+    of treadle's attention kernel (one table per row, so that every input's first size is the row
+    count; `graph_kernel_args`), else SDPA's decode fields."""
     dev = kv_caches[0][0].device
-    slots = torch.full((batch,), block * block_size, dtype=torch.long, device=dev)
-    if kernel:
-        tables = torch.full((batch, width), block, dtype=torch.long, device=dev)
-        ends = torch.ones(batch, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, kernel_args=graph_kernel_args(tables, torch.zeros_like(ends), ends))
-    else:
-        meta = AttentionMetadata(
+
+    def one_group() -> AttentionMetadata:
+        slots = torch.full((batch,), block * block_size, dtype=torch.long, device=dev)
+        if kernel:
+            tables = torch.full((batch, width), block, dtype=torch.long, device=dev)
+            ends = torch.ones(batch, dtype=torch.long, device=dev)
+            return AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, kernel_args=graph_kernel_args(tables, torch.zeros_like(ends), ends))
+        return AttentionMetadata(
             slot_mapping=slots,
             num_decode_tokens=batch,
             decode_block_tables=torch.full((batch, width), block, dtype=torch.long, device=dev),
             decode_mask=torch.zeros(batch, 1, 1, width * block_size, dtype=model.dtype, device=dev),
         )
+
+    groups = len(kv_layout(model.config.windows()).groups)
+    meta = one_group() if groups == 1 else [one_group() for _ in range(groups)]
     ids = torch.zeros(batch, dtype=torch.long, device=dev)
     positions = torch.zeros(batch, dtype=torch.long, device=dev)
     return ids, positions, kv_caches, meta, torch.arange(batch, device=dev)
@@ -157,19 +164,22 @@ def compile_class(model, kv_caches, block_size: int, cls: DecodeClass, kernel: b
     """torch's precompiled function of one decode class (minutes: run it in the compiler process)."""
     ids, positions, kv, meta, indices = inputs = example_inputs(model, kv_caches, cls.example, 2, block_size, kernel=kernel)
     mark = torch._dynamo.mark_dynamic
-    if kernel:
-        per_row = list(meta.kernel_args[:4])
-        mark(per_row[0], 1)
-    else:
-        per_row = [meta.decode_block_tables, meta.decode_mask]
-        mark(meta.decode_block_tables, 1)
-        mark(meta.decode_mask, 3)
+    per_row = [ids, positions, indices]
+    for group in meta if isinstance(meta, list) else [meta]:
+        per_row.append(group.slot_mapping)
+        if kernel:
+            per_row += group.kernel_args[:4]
+            mark(group.kernel_args[0], 1)
+        else:
+            per_row += [group.decode_block_tables, group.decode_mask]
+            mark(group.decode_block_tables, 1)
+            mark(group.decode_mask, 3)
     for k_cache, v_cache in kv:
         mark(k_cache, 0)
         mark(v_cache, 0)
     if cls.low != cls.high:
         bounds = {"min": cls.low, "max": cls.high or 1 << 30}  # torch wants a finite bound
-        for t in (ids, positions, meta.slot_mapping, *per_row, indices):
+        for t in per_row:
             mark(t, 0, **bounds)
     with torch.no_grad():
         return torch.compile(_decode, fullgraph=True).aot_compile(((model, *inputs), {}))

@@ -36,10 +36,19 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k and v
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     sliding_window: int | None = None
+    # per layer, its sliding window or None for full attention (Gemma's local and global layers);
+    # None here: every layer has `sliding_window`
+    layer_windows: list[int | None] | None = None
     name: str = ""
     # positions the engine will use (its max_model_len), set before the model is built: the rotary
     # tables cover them where they exceed the model's own context (capped: llama.ROPE_TABLE_CAP)
     position_table: int | None = None
+
+    def windows(self) -> list[int | None]:
+        """Every layer's sliding window (None: full attention)."""
+        if self.layer_windows is not None:
+            return list(self.layer_windows)
+        return [self.sliding_window] * self.num_layers
 
 
 @dataclass

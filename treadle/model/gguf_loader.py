@@ -20,19 +20,15 @@ from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig,
 from .gguf_file import open_gguf
 from .kernels import quant
 from .kernels.quant import QuantizedTensor
-from .registry import HF_CLASS_NAMES, registered_architectures
+from .registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
 from .tokenizer import tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
-# Registered names no GGUF file carries: llama.cpp writes Mistral models as "llama", and class
-# names are config.json's.
-NOT_GGUF_ARCHITECTURES = ("mistral", *HF_CLASS_NAMES)
-# llama.cpp permutes Q and K rows of these architectures for its RoPE layout; we undo it.
-PERMUTED_QK_ARCHITECTURES = ("llama",)
-
-_LAYER_TENSORS = {
+# llama.cpp's names of a Llama-style layer's tensors -> the Hugging Face ones (a family's
+# `gguf_layer_tensors`, which may extend or change them).
+LLAMA_LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -55,80 +51,100 @@ _GLOBAL_TENSORS = {
 }
 
 
+class GGUFConfig:
+    """A GGUF file's `{arch}.*` hyperparameters as a family's reader takes them: each missing or
+    wrong one a ModelLoadError naming the file and the key."""
+
+    def __init__(self, path: str, meta: dict, arch: str, tensor_names: set[str]):
+        self.path, self.meta, self.arch, self.tensor_names = path, meta, arch, tensor_names
+
+    def get(self, key: str, default=None, required: bool = False):
+        full = f"{self.arch}.{key}"
+        if full not in self.meta:
+            if required:
+                raise ModelLoadError(f"{self.path}: {full}: missing")
+            return default
+        return self.meta[full]
+
+    def number(self, key: str, lo: int, hi: int, default=None, required: bool = False) -> int:
+        return file_int(self.path, f"{self.arch}.{key}", self.get(key, default, required), lo, hi)
+
+    def fail(self, key: str, message: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: {self.arch}.{key}: {message}")
+
+    def rope(self, theta_key: str = "rope.freq_base") -> RopeConfig:
+        rope = RopeConfig(theta=self.get(theta_key, 10000.0))
+        scaling = self.get("rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise self.fail("rope.scaling.type", f"{scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)")
+            rope.scaling_type = "linear"
+            rope.factor = self.get("rope.scaling.factor", 1.0)
+        return rope
+
+    def llama_style(self, config_class=ModelConfig, **fields) -> ModelConfig:
+        """The hyperparameters every Llama-style file gives, `fields` given or overriding; not yet checked."""
+        hidden = self.number("embedding_length", *LIMITS["hidden_size"], required=True)
+        heads = self.number("attention.head_count", *LIMITS["num_heads"], required=True)
+        kv_heads = self.get("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):
+            raise self.fail("attention.head_count_kv", "per-layer head counts are not supported")
+        head_dim = self.number("attention.key_length", *LIMITS["head_dim"], default=hidden // heads)
+        if self.get("attention.value_length", head_dim) != head_dim:
+            raise self.fail("attention.value_length", "differs from key_length, not supported")
+        rope_dim = self.get("rope.dimension_count", head_dim)
+        if rope_dim != head_dim:
+            raise self.fail("rope.dimension_count", f"{rope_dim!r}: partial rotary embeddings are not supported")
+        if self.get("expert_count", 0):
+            raise self.fail("expert_count", "mixture-of-experts models are not supported")
+        vocab = self.meta.get("tokenizer.ggml.tokens")
+        names = self.tensor_names
+        values = dict(
+            architecture=self.arch,
+            vocab_size=self.get("vocab_size", len(vocab) if isinstance(vocab, list) and vocab else 1),  # the embedding's rows, once read
+            hidden_size=hidden,
+            intermediate_size=self.get("feed_forward_length", required=True),
+            num_layers=self.get("block_count", required=True),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=self.get("attention.layer_norm_rms_epsilon", 1e-5),
+            rope=self.rope(),
+            max_position=self.get("context_length", 4096),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            sliding_window=self.get("attention.sliding_window") or None,  # llama.cpp's converters write 0 for none
+            name=str(self.meta.get("general.name") or os.path.basename(self.path)),
+        )
+        values.update(fields)
+        return config_class(**values)
+
+    def checked(self, config: ModelConfig) -> ModelConfig:
+        keys = {
+            "vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+            "head_dim": "attention.key_length", "max_position": "context_length", "sliding_window": "attention.sliding_window",
+            "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "rope_factor": "rope.scaling.factor",
+        }  # fmt: skip
+        return check_config(self.path, config, {field: f"{self.arch}.{key}" for field, key in keys.items()})
+
+
 def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> ModelConfig:
+    """The architecture's family reads its own hyperparameters (`CausalLM.config_from_gguf`)."""
     arch = meta.get("general.architecture")
     supported = sorted(a for a in registered_architectures() if a not in NOT_GGUF_ARCHITECTURES)
     if arch not in supported:
         raise ModelLoadError(f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(supported)})")
-
-    def get(key, default=None, required=False):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            if required:
-                raise ModelLoadError(f"{path}: {full}: missing")
-            return default
-        return meta[full]
-
-    def number(key, lo, hi, default=None, required=False):
-        return file_int(path, f"{arch}.{key}", get(key, default, required), lo, hi)
-
-    hidden = number("embedding_length", *LIMITS["hidden_size"], required=True)
-    heads = number("attention.head_count", *LIMITS["num_heads"], required=True)
-    kv_heads = get("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
-        raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv: per-layer head counts are not supported")
-    head_dim = number("attention.key_length", *LIMITS["head_dim"], default=hidden // heads)
-    if get("attention.value_length", head_dim) != head_dim:
-        raise ModelLoadError(f"{path}: {arch}.attention.value_length: differs from key_length, not supported")
-    rope_dim = get("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count = {rope_dim!r}: partial rotary embeddings are not supported")
-    if get("expert_count", 0):
-        raise ModelLoadError(f"{path}: {arch}.expert_count: mixture-of-experts models are not supported")
-
-    rope = RopeConfig(theta=get("rope.freq_base", 10000.0))
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise ModelLoadError(
-                f"{path}: {arch}.rope.scaling.type = {scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)"
-            )
-        rope.scaling_type = "linear"
-        rope.factor = get("rope.scaling.factor", 1.0)
-    vocab = meta.get("tokenizer.ggml.tokens")
-    config = ModelConfig(
-        architecture=arch,
-        vocab_size=get("vocab_size", len(vocab) if isinstance(vocab, list) and vocab else 1),  # the embedding's rows, once read
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length", required=True),
-        num_layers=get("block_count", required=True),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        rope=rope,
-        max_position=get("context_length", 4096),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=get("attention.sliding_window") or None,  # llama.cpp's converters write 0 for none
-        name=str(meta.get("general.name") or os.path.basename(path)),
-    )
-    keys = {
-        "vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
-        "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
-        "head_dim": "attention.key_length", "max_position": "context_length", "sliding_window": "attention.sliding_window",
-        "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "rope_factor": "rope.scaling.factor",
-    }  # fmt: skip
-    return check_config(path, config, {field: f"{arch}.{key}" for field, key in keys.items()})
+    return resolve_model_class(arch).config_from_gguf(GGUFConfig(path, meta, arch, tensor_names))
 
 
-def _hf_name(path: str, name: str) -> str:
+def _hf_name(path: str, name: str, layer_tensors: dict[str, str]) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
     raise ModelLoadError(f"{path}: tensor {name}: unknown tensor for this architecture (unsupported feature)")
 
 
@@ -181,10 +197,11 @@ class DeferredWeight:
         return self._load().to(*args, **kwargs)
 
 
-def _float_weight(path: str, tensor, heads: int | None) -> torch.Tensor:
+def _float_weight(path: str, tensor, heads: int | None, hf_name: str, family) -> torch.Tensor:
     data = _dequantize(path, tensor)
     if heads is not None:
         data = _undo_qk_permutation(data, heads)
+    data = family.from_gguf_tensor(hf_name, data)  # the family's own conventions (Gemma's norms)
     return torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memmap
 
 
@@ -208,6 +225,7 @@ def load_gguf(path: str) -> ModelFiles:
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
+    family = resolve_model_class(config.architecture)
     tokenizer = tokenizer_from_gguf(path, meta)
 
     weights: dict[str, torch.Tensor | QuantizedTensor | DeferredWeight] = {}
@@ -221,10 +239,10 @@ def load_gguf(path: str) -> ModelFiles:
                 )
             config.rope.freq_factors = factors.tolist()
             continue
-        hf = _hf_name(path, tensor.name)
+        hf = _hf_name(path, tensor.name, family.gguf_layer_tensors)
         _check_supported(path, tensor)  # at load, though the data is decoded later
         heads = None
-        if config.architecture in PERMUTED_QK_ARCHITECTURES:
+        if family.gguf_permuted_qk:  # llama.cpp permuted Q and K rows for its RoPE layout: undone
             if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
                 heads = config.num_heads
             elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -233,7 +251,7 @@ def load_gguf(path: str) -> ModelFiles:
         if tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
         else:
-            weights[hf] = DeferredWeight(lambda t=tensor, h=heads: _float_weight(path, t, h), shape)
+            weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf: _float_weight(path, t, h, n, family), shape)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
     config.vocab_size = weights["model.embed_tokens.weight"].shape[0]

@@ -4,7 +4,7 @@ import glob
 import os
 
 from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
-from .registry import HF_CLASS_NAMES, is_registered, registered_architectures
+from .registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
 from .tokenizer import read_json, tokenizer_from_hf_folder
 
 
@@ -47,59 +47,78 @@ HF_KEYS = {
 }  # fmt: skip
 
 
-def _config_from_json(folder: str, cfg: dict) -> ModelConfig:
-    """The Llama-style reader, for every registered architecture: the built-in families' quirks are
-    keyed on their model_type. Every value is checked (check_config) before anything is built."""
-    where = f"{folder}/config.json"
-    arch = _architecture(folder, cfg)
+class HFConfig:
+    """config.json's values as a family's reader takes them: each missing or wrong one a
+    ModelLoadError naming the file and the key."""
 
-    def need(key):
-        if key not in cfg:
-            raise ModelLoadError(f"{where}: {key}: missing")
-        return cfg[key]
+    def __init__(self, folder: str, cfg: dict, arch: str):
+        self.folder, self.cfg, self.arch = folder, cfg, arch
+        self.where = f"{folder}/config.json"
 
-    def section(key) -> dict:
-        value = cfg.get(key) or {}
+    def need(self, key: str):
+        if key not in self.cfg:
+            raise ModelLoadError(f"{self.where}: {key}: missing")
+        return self.cfg[key]
+
+    def get(self, key: str, default=None):
+        return self.cfg.get(key, default)
+
+    def section(self, key: str) -> dict:
+        value = self.cfg.get(key) or {}
         if not isinstance(value, dict):
-            raise ModelLoadError(f"{where}: {key} = {value!r}: expected an object")
+            raise ModelLoadError(f"{self.where}: {key} = {value!r}: expected an object")
         return value
 
-    hidden = file_int(where, "hidden_size", need("hidden_size"), *LIMITS["hidden_size"])
-    heads = file_int(where, "num_attention_heads", need("num_attention_heads"), *LIMITS["num_heads"])
-    rope_params = section("rope_parameters")
-    scaling = section("rope_scaling") or rope_params
-    rope = RopeConfig(theta=rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in ("llama3", "linear"):
-        rope.scaling_type = kind
-        rope.factor = scaling.get("factor", 1.0)
-        rope.low_freq_factor = scaling.get("low_freq_factor", 1.0)
-        rope.high_freq_factor = scaling.get("high_freq_factor", 4.0)
-        rope.original_max_position = scaling.get("original_max_position_embeddings", 8192)
-    elif kind not in (None, "default"):
-        raise ModelLoadError(f"{where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3)")
-    sliding = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        sliding = None
-    config = ModelConfig(
-        architecture=arch,
-        vocab_size=need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=need("intermediate_size"),
-        num_layers=need("num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope=rope,
-        max_position=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
-        sliding_window=sliding or None,
-        name=os.path.basename(os.path.normpath(folder)),
-    )
-    return check_config(where, config, HF_KEYS)
+    def int(self, key: str, limits: str) -> int:
+        return file_int(self.where, key, self.need(key), *LIMITS[limits])
+
+    def rope(self, params: dict, default_theta: float = 10000.0) -> RopeConfig:
+        """One RoPE's parameters (rope_parameters, or rope_scaling beside rope_theta)."""
+        rope = RopeConfig(theta=params.get("rope_theta", self.cfg.get("rope_theta", default_theta)))
+        kind = params.get("rope_type", params.get("type"))
+        if kind in ("llama3", "linear"):
+            rope.scaling_type = kind
+            rope.factor = params.get("factor", 1.0)
+            rope.low_freq_factor = params.get("low_freq_factor", 1.0)
+            rope.high_freq_factor = params.get("high_freq_factor", 4.0)
+            rope.original_max_position = params.get("original_max_position_embeddings", 8192)
+        elif kind not in (None, "default"):
+            raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3)")
+        return rope
+
+    def llama_style(self, config_class=ModelConfig, **fields) -> ModelConfig:
+        """The fields every Llama-style config.json gives, `fields` given or overriding; not yet checked."""
+        hidden = self.int("hidden_size", "hidden_size")
+        heads = self.int("num_attention_heads", "num_heads")
+        values = dict(
+            architecture=self.arch,
+            vocab_size=self.need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=self.need("intermediate_size"),
+            num_layers=self.need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=self.cfg.get("num_key_value_heads") or heads,
+            head_dim=self.cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=self.cfg.get("rms_norm_eps", 1e-6),
+            rope=self.rope(self.section("rope_scaling") or self.section("rope_parameters")),
+            max_position=self.cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(self.cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(self.cfg.get("attention_bias", False)),
+            sliding_window=self.cfg.get("sliding_window") or None,
+            name=os.path.basename(os.path.normpath(self.folder)),
+        )
+        values.update(fields)
+        return config_class(**values)
+
+    def checked(self, config: ModelConfig) -> ModelConfig:
+        return check_config(self.where, config, HF_KEYS)
+
+
+def _config_from_json(folder: str, cfg: dict) -> ModelConfig:
+    """The architecture's family reads its own config (`CausalLM.config_from_hf`); every value is
+    checked (check_config) before anything is built."""
+    arch = _architecture(folder, cfg)
+    return resolve_model_class(arch).config_from_hf(HFConfig(folder, cfg, arch))
 
 
 def load_hf_folder(folder: str) -> ModelFiles:

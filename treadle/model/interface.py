@@ -1,17 +1,21 @@
 """What the runner may call on a model: the interface every model family implements.
 
 A family is one module with a subclass of `CausalLM` and one line in `registry.py` (or a plugin's
-`register_model`). The runner builds it as `cls(config, weights, dtype, device, batch_invariant=...)`
+`register_model`). The loaders ask the registered class to read its own hyperparameters
+(`config_from_hf`, `config_from_gguf`; the defaults read a Llama-style file) and how llama.cpp names
+and lays out its tensors (`gguf_layer_tensors`, `gguf_permuted_qk`, `from_gguf_tensor`). The runner builds it as `cls(config, weights, dtype, device, batch_invariant=...)`
 (the constructor consumes `weights`: each float32 tensor is freed once its stored form exists) and
 then calls only what is declared here; the compiler process (`compiled.py`) traces `forward`.
 
 `llama.py` is the reference implementation.
 """
 
+import numpy as np
 import torch
 
 from .attention import AttentionMetadata
 from .config import ModelConfig
+from .gguf_loader import LLAMA_LAYER_TENSORS
 from .kernels.quant import QuantizedTensor
 from .layers import Linear
 
@@ -24,12 +28,40 @@ class CausalLM:
     # whether `hidden_states` is implemented: embedding requests are refused otherwise
     provides_hidden_states: bool = False
 
+    # ---------------------------------------------------------------- reading the family's files
+    # llama.cpp's names of a layer's tensors (after "blk.N.") -> the Hugging Face names the model takes
+    gguf_layer_tensors: dict[str, str] = LLAMA_LAYER_TENSORS
+    # whether llama.cpp's converter permuted the Q and K rows of this architecture (undone at load)
+    gguf_permuted_qk: bool = False
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        """config.json (an `hf_loader.HFConfig`) -> the checked ModelConfig."""
+        return hf.checked(hf.llama_style())
+
+    @classmethod
+    def config_from_gguf(cls, gguf) -> ModelConfig:
+        """A GGUF file's metadata (a `gguf_loader.GGUFConfig`) -> the checked ModelConfig."""
+        return gguf.checked(gguf.llama_style())
+
+    @staticmethod
+    def from_gguf_tensor(name: str, data: np.ndarray) -> np.ndarray:
+        """A float tensor of a GGUF file in the Hugging Face convention (`name`: its HF name)."""
+        return data
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata | list[AttentionMetadata],
+        logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run the step's T tokens (a flattened batch: attention alone sees request boundaries,
-        through `meta`), writing their keys and values into `kv_caches` at `meta.slot_mapping`;
-        return float32 logits of the rows in `logits_indices`."""
+        through `meta`), writing their keys and values into `kv_caches` (per layer) at
+        `meta.slot_mapping`; return float32 logits of the rows in `logits_indices`. A model whose
+        layers form several cache groups (`config.windows()`, kv_layout.py) gets a list, one
+        metadata per group (`attention.metadata_by_layer`)."""
         raise NotImplementedError
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata) -> torch.Tensor:

@@ -7,36 +7,51 @@ attention alone looks at request boundaries, through `AttentionMetadata`.
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, paged_attention
+from ..kv_layout import kv_layout
+from .attention import AttentionMetadata, metadata_by_layer, paged_attention
 from .config import ModelConfig, ModelLoadError
 from .interface import CausalLM
 from .kernels.quant import QuantizedTensor, quant_rows_op
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
+class LayerWeights:
+    """Takes one decoder layer's weights (HF names after `prefix`) off the loader's dict, each in
+    the form the model keeps: norms through the family's `norm` (its convention for the weight)."""
+
+    def __init__(self, w: dict, prefix: str, dtype: torch.dtype, device, norm):
+        self.w, self.prefix, self.dtype, self.device, self.norm_of = w, prefix, dtype, device, norm
+
+    def take(self, name: str) -> torch.Tensor:
+        key = self.prefix + name
+        if key not in self.w:
+            raise ModelLoadError(f"weight {key}: missing")
+        return self.w.pop(key).to(device=self.device, dtype=self.dtype)
+
+    def norm(self, name: str) -> RMSNorm:
+        key = self.prefix + name
+        if key not in self.w:
+            raise ModelLoadError(f"weight {key}: missing")
+        return self.norm_of(self.w.pop(key))
+
+    def linear(self, names, bias=None) -> Linear:
+        """One Linear over the concatenation of these weights, each in its stored form."""
+        return Linear([weight_part(self.w, self.prefix + n, self.dtype, self.device) for n in names], bias)
+
+
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, w: dict, prefix: str, dtype: torch.dtype, device):
-        def take(name):
-            key = prefix + name
-            if key not in w:
-                raise ModelLoadError(f"weight {key}: missing")
-            return w.pop(key).to(device=device, dtype=dtype)
-
-        def linear(names, bias=None):
-            """One Linear over the concatenation of these weights, each in its stored form."""
-            return Linear([weight_part(w, prefix + n, dtype, device) for n in names], bias)
-
-        eps = config.rms_norm_eps
-        self.input_norm = RMSNorm(take("input_layernorm.weight"), eps)
-        self.post_attention_norm = RMSNorm(take("post_attention_layernorm.weight"), eps)
+    def __init__(self, config: ModelConfig, lw: LayerWeights):
+        take, linear = lw.take, lw.linear
+        self.input_norm = lw.norm("input_layernorm.weight")
+        self.post_attention_norm = lw.norm("post_attention_layernorm.weight")
         # q, k, v in one projection and gate, up in another: one matrix product each.
         qkv_names = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")])
         self.qkv = linear(qkv_names, qkv_bias)
-        self.q_norm = RMSNorm(take("self_attn.q_norm.weight"), eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(take("self_attn.k_norm.weight"), eps) if config.qk_norm else None
+        self.q_norm = lw.norm("self_attn.q_norm.weight") if config.qk_norm else None
+        self.k_norm = lw.norm("self_attn.k_norm.weight") if config.qk_norm else None
         self.o_proj = linear(("self_attn.o_proj.weight",))
         gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
         self.gate_up = linear(gate_up)
@@ -76,17 +91,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weight_shapes(config: ModelConfig, weights: dict) -> None:
-    """Each weight present has the shape the config implies (a missing or extra one is reported
-    where it is taken); before any is converted, so a file whose tensors contradict its own
-    hyperparameters is a load error, not a failure in the first forward."""
-    for name, shape in expected_shapes(config).items():
+def check_weight_shapes(shapes: dict[str, tuple[int, ...]], weights: dict) -> None:
+    """Each weight present has the shape the config implies (`shapes`; a missing or extra one is
+    reported where it is taken); before any is converted, so a file whose tensors contradict its
+    own hyperparameters is a load error, not a failure in the first forward."""
+    for name, shape in shapes.items():
         if name in weights and tuple(weights[name].shape) != shape:
             raise ModelLoadError(f"weight {name}: shape {tuple(weights[name].shape)}, expected {shape} from the model's configuration")
 
 
 class LlamaModel(CausalLM):
     provides_hidden_states = True
+    gguf_permuted_qk = True  # llama.cpp's converter permutes Q and K of "llama" files
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
 
@@ -98,30 +114,47 @@ class LlamaModel(CausalLM):
         # kernels compute a row the same way for any number of rows.
         # Consumes `weights`: each float32 tensor is freed as soon as its converted copy exists, so
         # loading never holds two full copies of the model.
+        self.device = device
         w = weights
-        check_weight_shapes(config, w)
+        check_weight_shapes(self.expected_shapes(config), w)
         if "model.embed_tokens.weight" not in w or "model.norm.weight" not in w:
             raise ModelLoadError(f"weight {'model.embed_tokens.weight' if 'model.embed_tokens.weight' not in w else 'model.norm.weight'}: missing")
         self.embed = weight_part(w, "model.embed_tokens.weight", dtype, device)
-        self.norm = RMSNorm(w.pop("model.norm.weight").to(device=device, dtype=dtype), config.rms_norm_eps)
+        self.norm = self.make_norm(w.pop("model.norm.weight"))
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
         self.lm_head = Linear(self.embed if tied else weight_part(w, "lm_head.weight", dtype, device))
         w.pop("lm_head.weight", None)
-        self.layers = [DecoderLayer(config, w, f"model.layers.{i}.", dtype, device) for i in range(config.num_layers)]
+        self.layers = [
+            self.layer_class(config, LayerWeights(w, f"model.layers.{i}.", dtype, device, self.make_norm)) for i in range(config.num_layers)
+        ]
         if batch_invariant:
             for linear in self.linears():
                 linear.row_chunk = Linear.INVARIANT_ROWS
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
-        # the rotary tables cover the model's context (a file's claim capped) or the engine's longer
-        # max_model_len; the same size in the compiler's process as in the engine's (graphs see it)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max(min(config.max_position, ROPE_TABLE_CAP), config.position_table or 0)).to(
-            device
-        )
+        self.rotary = self.rotary_for(config.rope)
+        self.layer_groups = [g for g, _ in kv_layout(config.windows()).layer_slots()]  # each layer's cache group
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+
+    # ---------------------------------------------------------------- what a family may change
+    layer_class = DecoderLayer
+
+    @staticmethod
+    def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return expected_shapes(config)
+
+    def make_norm(self, weight) -> RMSNorm:
+        """An RMSNorm from its stored weight (Llama's convention: the weight multiplies)."""
+        return RMSNorm(weight.to(device=self.device, dtype=self.dtype), self.config.rms_norm_eps)
+
+    def rotary_for(self, rope) -> RotaryEmbedding:
+        """Rotary tables covering the model's context (a file's claim capped) or the engine's longer
+        max_model_len; the same size in the compiler's process as in the engine's (graphs see it)."""
+        cfg = self.config
+        return RotaryEmbedding(rope, cfg.head_dim, max(min(cfg.max_position, ROPE_TABLE_CAP), cfg.position_table or 0)).to(self.device)
 
     def linears(self) -> list[Linear]:
         return [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -131,7 +164,7 @@ class LlamaModel(CausalLM):
         return [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.signed_sin] + [n.weight2 for n in norms]
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata | list[AttentionMetadata], logits_indices) -> torch.Tensor:
         return self.lm_head(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])).float()
 
     def hidden_states(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
@@ -155,15 +188,40 @@ class LlamaModel(CausalLM):
         h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
         cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
         act = self.mlp_activation
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups)):
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
             v = v.view(t, kv_heads, cfg.head_dim)
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
             q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)  # q and k rotated together
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k, v, k_cache, v_cache, layer_meta, self.scale)
             h += layer.o_proj(attn.view(t, self.q_size))
             gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)
             h += layer.down(act(gate) * up)
         return h
+
+
+class MistralModel(LlamaModel):
+    """Mistral: a Llama whose layers may attend within a sliding window (config.json's
+    `sliding_window`; llama.cpp writes these files as "llama")."""
+
+
+class Qwen2Model(LlamaModel):
+    """Qwen2: bias on q, k and v; config.json's sliding window only with `use_sliding_window`."""
+
+    gguf_permuted_qk = False
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        return hf.checked(hf.llama_style(attention_bias=True, sliding_window=window or None))
+
+
+class Qwen3Model(Qwen2Model):
+    """Qwen3: RMSNorm on each head of q and k, no q/k/v bias."""
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        return hf.checked(hf.llama_style(qk_norm=True, sliding_window=window or None))

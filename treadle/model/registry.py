@@ -20,18 +20,28 @@ from .config import ModelLoadError
 PLUGINS_ENV = "TREADLE_PLUGINS"
 PLUGINS_GROUP = "treadle.plugins"
 
-_LLAMA = "treadle.model.llama:LlamaModel"
-# The families the one Llama-style decoder serves; the HF loader knows their config quirks.
-BUILTIN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# The built-in families: architecture name -> model class (each reads its own config: CausalLM).
+BUILTIN = {
+    "llama": "treadle.model.llama:LlamaModel",
+    "mistral": "treadle.model.llama:MistralModel",
+    "qwen2": "treadle.model.llama:Qwen2Model",
+    "qwen3": "treadle.model.llama:Qwen3Model",
+    "gemma3": "treadle.model.gemma3:Gemma3Model",
+    "gemma3_text": "treadle.model.gemma3:Gemma3Model",
+}
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
+# Registered names no GGUF file carries: llama.cpp writes Mistral models as "llama", Gemma 3's
+# text model as "gemma3", and class names are config.json's.
+NOT_GGUF_ARCHITECTURES = ("mistral", "gemma3_text", *HF_CLASS_NAMES)
 
-_registry: dict[str, str] = {name: _LLAMA for name in (*BUILTIN_ARCHITECTURES, *HF_CLASS_NAMES)}
+_registry: dict[str, str] = {**BUILTIN, **{cls: BUILTIN[arch] for cls, arch in HF_CLASS_NAMES.items()}}
 _classes: dict[str, type] = {}  # imported targets, by "module:Class"
 _plugins_loaded = False
 

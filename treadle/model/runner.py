@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from ..kv_layout import kv_layout
 from ..sampling_params import SamplingParams
 from ..step import SampledToken, StepInput, TokenHistory
 from . import kernels
@@ -80,11 +81,16 @@ class ModelRunner:
         extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
         self.model = model_class(config, weights, dtype, self.device, **extra)
         release_freed_memory()  # the loader's float32 tensors, one per weight, before the KV pool
+        # The pool: one key/value tensor pair per layer of a cache group; each layer stores into its
+        # pair at its own group's block ids (kv_layout.py). One group: a pair per layer.
+        self.layout = kv_layout(config.windows())
+        self.group_windows = [g.window for g in self.layout.groups]
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
+        self.kv_pairs = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(config.num_layers)
+            for _ in range(self.layout.group_size)
         ]
+        self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch
         self.attention_kernel = kernels.usable(dtype, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
@@ -99,8 +105,9 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """One page of the pool: a block of every layer of one cache group."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+        return 2 * kv_layout(config.windows()).group_size * block_size * config.num_kv_heads * config.head_dim * elem
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean mask as 0 / -inf in the model's dtype, made once per step: SDPA would
@@ -114,7 +121,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self.kv_pairs:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
@@ -191,28 +198,59 @@ class ModelRunner:
         `pooling` (scheduled index -> "last" or "mean") names the embedding requests; the vector of
         each one whose prompt ends in this step is its pooled, L2-normalized hidden state."""
         self.copy_blocks(step.block_copies)
-        bs = self.block_size
-        window = self.config.sliding_window
         scheduled = step.scheduled
         # Single-token queries first (one batched attention call), then prompt chunks.
         order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
-        ids, positions, slots = [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
-        kernel = self.attention_kernel
-        kernel_tables, kernel_rows = [], []  # with the kernel: each request's table, each row's request
-        prompt_chunks = 0
-        last_row = {}
+        ids, positions, last_row = [], [], {}
         row = 0
         for i in order:
             s = scheduled[i]
-            n, table, start = len(s.token_ids), s.block_ids, s.start
-            end = start + n
             ids.extend(s.token_ids)
-            pos = torch.arange(start, end)
-            positions.append(pos)
-            table_t = torch.tensor(table, dtype=torch.long)
+            positions.append(torch.arange(s.start, s.start + len(s.token_ids)))
+            row += len(s.token_ids)
+            last_row[i] = row - 1
+        pos_t = torch.cat(positions)
+        metas = [self._group_metadata(scheduled, order, positions, pos_t, g, window) for g, window in enumerate(self.group_windows)]
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
+        # a request verifying proposals samples from its last num_drafts + 1 rows
+        rows = [r for i in sample_rows for r in range(last_row[i] - scheduled[i].num_drafts, last_row[i] + 1)]
+        logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = pos_t.to(self.device)
+        meta = metas[0] if len(metas) == 1 else metas
+        if pooling:  # eagerly: the compiled graphs return logits only
+            hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+            return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
+        inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
+        # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
+        # that is not the prompt's last samples nothing, and the graphs were traced with one sample
+        # per row); graphs that attend with the kernel also take verifications (a decode token and
+        # its proposals, every row sampling). Should one ever fail, its class goes back to eager and
+        # the step reruns eagerly: it rewrites the same KV slots.
+        graph = self._graph_meta(metas, scheduled, len(rows), len(ids))
+        if graph is not None:
+            n, width, graph_meta = graph
+            compiled = self.compiled.forward_for(n, width)
+            if compiled is not None:
+                try:
+                    return compiled(input_ids, pos_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
+                except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
+                    self.compiled.discard(n, e)
+        return self.model.forward(*inputs), sample_rows, {}
+
+    def _group_metadata(self, scheduled, order, positions, pos_t, group: int, window: int | None) -> AttentionMetadata:
+        """How the step's rows map onto one cache group's blocks (its tables, its window)."""
+        bs = self.block_size
+        slots, decode_tables, decode_lens, prefills = [], [], [], []
+        kernel = self.attention_kernel
+        kernel_tables, kernel_rows = [], []  # with the kernel: each request's table, each row's request
+        row = 0
+        for i, pos in zip(order, positions):
+            s = scheduled[i]
+            n, start = len(s.token_ids), s.start
+            end = start + n
+            table_t = torch.tensor(s.block_ids[group], dtype=torch.long)
             slots.append(table_t[pos // bs] * bs + pos % bs)
-            prompt_chunks += n > 1
             if kernel:
                 kernel_rows.extend([len(kernel_tables)] * n)
                 kernel_tables.append(table_t)
@@ -230,10 +268,7 @@ class ModelRunner:
                     mask = self._additive(mask)
                 prefills.append(PrefillChunk(row, n, end, table_t.to(self.device), mask))
             row += n
-            last_row[i] = row - 1
-
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=prefills)
-        pos_t = torch.cat(positions)
         if kernel:
             tables = _padded(kernel_tables)
             key_end = pos_t + 1
@@ -252,51 +287,31 @@ class ModelRunner:
                 mask &= k_pos >= lens - window
             meta.decode_block_tables = tables.to(self.device)
             meta.decode_mask = self._additive(mask[:, None, None, :])
+        return meta
 
-        sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
-        # a request verifying proposals samples from its last num_drafts + 1 rows
-        rows = [r for i in sample_rows for r in range(last_row[i] - scheduled[i].num_drafts, last_row[i] + 1)]
-        logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = pos_t.to(self.device)
-        if pooling:  # eagerly: the compiled graphs return logits only
-            hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
-            return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
-        inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
-        # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
-        # that is not the prompt's last samples nothing, and the graphs were traced with one sample
-        # per row); graphs that attend with the kernel also take verifications (a decode token and
-        # its proposals, every row sampling). Should one ever fail, its class goes back to eager and
-        # the step reruns eagerly: it rewrites the same KV slots.
-        graph = self._graph_meta(meta, scheduled, decode_tables, prompt_chunks, len(rows), len(ids))
-        if graph is not None:
-            n, width, graph_meta = graph
-            compiled = self.compiled.forward_for(n, width)
-            if compiled is not None:
-                try:
-                    return compiled(input_ids, pos_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
-                except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
-                    self.compiled.discard(n, e)
-        return self.model.forward(*inputs), sample_rows, {}
-
-    def _graph_meta(self, meta, scheduled, decode_tables, prompt_chunks: int, num_sampled: int, num_rows: int):
+    def _graph_meta(self, metas: list[AttentionMetadata], scheduled, num_sampled: int, num_rows: int):
         """(rows, blocks per row, the metadata a compiled graph takes) for a step one can take, else
         None. Kernel graphs: every row decodes or verifies and samples; one table per row. SDPA
-        graphs (traced with SDPA's decode fields): one-token decode rows only (a verification as
+        graphs (with SDPA's decode fields): one-token decode rows only (a verification as
         decode rows gathers its blocks once per row: slower than eager, docs/benchmarks.md)."""
         if self.compiled is None or num_sampled != num_rows:
             return None
+        graph_metas = []
         if self.compiled.kernel:
-            if meta.kernel_args is None or not all(len(s.token_ids) == s.num_drafts + 1 for s in scheduled):
+            if metas[0].kernel_args is None or not all(len(s.token_ids) == s.num_drafts + 1 for s in scheduled):
                 return None
-            tables, row_table, key_begin, key_end, _ = meta.kernel_args
-            graph_meta = replace(
-                meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None
-            )
-            return num_rows, tables.shape[1], graph_meta
-        if not decode_tables or prompt_chunks or len(decode_tables) != num_rows:
-            return None
-        return num_rows, meta.decode_block_tables.shape[1], replace(meta, kernel_args=None)
+            for meta in metas:
+                tables, row_table, key_begin, key_end, _ = meta.kernel_args
+                graph_metas.append(
+                    replace(meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None)
+                )
+            width = metas[0].kernel_args[0].shape[1]
+        else:
+            if any(len(s.token_ids) != 1 for s in scheduled) or metas[0].num_decode_tokens != num_rows:
+                return None
+            graph_metas = [replace(meta, kernel_args=None) for meta in metas]
+            width = metas[0].decode_block_tables.shape[1]
+        return num_rows, width, graph_metas[0] if len(graph_metas) == 1 else graph_metas
 
     def _compute_apart(self, step: StepInput, pooling: dict[int, str]):
         """compute_logits with each embedding request in a forward of its own (the others, in runs

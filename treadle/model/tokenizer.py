@@ -59,6 +59,46 @@ BPE_PRE_TOKENIZERS = {
 }
 
 
+# A file without a chat template: llama.cpp's rule, the template of the family whose turn markers
+# the vocabulary has (checked in order). Gemma's is Google's own template (system text joins the
+# first user turn; the assistant's role is "model").
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}"
+    "{%- else -%}{{ raise_exception('Invalid content type') }}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = [(("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE), (("<|im_start|>", "<|im_end|>"), CHATML_TEMPLATE)]
+# Control tokens that end a turn in some family's template: a stop wherever the vocabulary has
+# them (llama.cpp's end-of-generation set), beside the file's EOS.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+
+
+def builtin_template(vocab: set[str]) -> str | None:
+    for markers, template in BUILTIN_TEMPLATES:
+        if all(m in vocab for m in markers):
+            return template
+    return None
+
+
 # Template variables the renderer itself sets (the conversation, the special tokens, the helpers
 # every Hugging Face template may call): a caller's extra variables may not replace them.
 TEMPLATE_OWNED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
@@ -173,14 +213,14 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
     _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
 
     stop = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")) if i is not None}
-    return Tokenizer(
-        backend,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        stop_token_ids=stop,
-        chat_template=meta.get("tokenizer.chat_template"),
-        source=path,
-    )
+    control = {tok: i for i, (tok, tt) in enumerate(zip(tokens, token_types)) if tt == TOKEN_CONTROL}
+    stop.update(control[t] for t in END_OF_TURN_TOKENS if t in control)
+    template = meta.get("tokenizer.chat_template")
+    if template is None:
+        template = builtin_template(set(control))
+        if template is not None:
+            log.info("%s has no chat template: using the built-in one its vocabulary's turn markers name", path)
+    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path)
 
 
 def _check_gguf_tokenizer(path: str, meta: dict) -> None:

@@ -10,6 +10,7 @@ import os
 import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from ..kv_layout import kv_layout
 from ..utils import process_memory
 from . import kernels
 from .compiled import CompiledDecode
@@ -77,6 +78,9 @@ class ModelWorker:
         draft_files = None
         if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
             draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size)
+            # the draft addresses its KV through the target's first table: full attention in both
+            if not kv_layout(files.config.windows()).has_full_group or any(w is not None for w in draft_files.config.windows()):
+                raise ValueError("speculative_config.model: a draft model needs full-attention layers in the target and only those in the draft")
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
@@ -128,9 +132,17 @@ class ModelWorker:
         return reason is None if self.config.batch_invariant is None else self.config.batch_invariant
 
     def _size_kv_cache(self, mc: ModelConfig) -> tuple[int, int]:
+        """(blocks in the pool, max_model_len): the pool holds at least one request of
+        max_model_len tokens (its blocks in every cache group: a sliding-window group holds only
+        its window's and the prompt chunk's)."""
         cfg = self.config
         bs = cfg.block_size
         per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype)
+        layout = kv_layout(mc.windows())
+
+        def blocks(tokens: int) -> int:
+            return layout.blocks_needed(tokens, bs, cfg.max_num_batched_tokens)
+
         max_len = cfg.max_model_len or min(mc.max_position, DEFAULT_MAX_MODEL_LEN_CAP)
         if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position:
             log.warning("max_model_len %d exceeds the model's context length %d", cfg.max_model_len, mc.max_position)
@@ -139,14 +151,21 @@ class ModelWorker:
         elif cfg.kv_cache_memory_bytes is not None:
             num_blocks = cfg.kv_cache_memory_bytes // per_block
         else:
-            wanted = cfg.max_num_seqs * -(-max_len // bs)
+            wanted = cfg.max_num_seqs * blocks(max_len)
             num_blocks = min(wanted, max(1, DEFAULT_KV_CACHE_CAP_BYTES // per_block))
         if num_blocks < 1:
             raise ValueError(f"the KV cache holds no block: one block needs {per_block} bytes")
-        if num_blocks * bs < max_len:
+        if blocks(max_len) > num_blocks:
             if cfg.max_model_len is not None:
-                raise ValueError(f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of {bs} tokens = {num_blocks * bs} tokens)")
-            max_len = num_blocks * bs
+                raise ValueError(
+                    f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of {bs} tokens; "
+                    f"a request of {max_len} tokens needs {blocks(max_len)})"
+                )
+            lo, hi = 0, max_len  # the longest request that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if blocks(mid) <= num_blocks else (lo, mid - 1)
+            max_len = lo
         return num_blocks, max_len
 
     # ------------------------------------------------------------ accounting
@@ -155,7 +174,7 @@ class ModelWorker:
         """What the model side holds, in bytes: weights (every stored form, and by type), the KV
         pool, compiled decode graphs (resident growth while they loaded), and the background
         compiler's resident set while it runs (another process)."""
-        kv = sum(t.numel() * t.element_size() for pair in self.runner.kv_caches for t in pair)
+        kv = sum(t.numel() * t.element_size() for pair in self.runner.kv_pairs for t in pair)
         compiled = self.compiled
         compiler = compiled.compiler if compiled is not None else None
         return {

@@ -1,0 +1,124 @@
+"""Sliding-window layers against transformers, and the KV they free (tiny random Mistral and Gemma 3).
+
+Mistral: every layer within a 24-token window (one sliding cache group). Gemma 3: a local layer
+(a 12-token window) and a global one: two cache groups (kv_layout.py). The window is honoured by
+freeing the blocks out of it, not only by masking; these tests hold both.
+"""
+
+import os
+
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+from treadle.engine.kv_cache_manager import KVCacheManager
+from treadle.engine.request import Request
+from treadle.kv_layout import kv_layout
+
+from .reference import assert_matches_reference, hf_greedy
+from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    folder = str(tmp_path_factory.mktemp(arch))
+    model = save_hf_model(folder, arch, seed=11)
+    path = os.path.join(str(tmp_path_factory.mktemp(arch + "_gguf")), f"{arch}.gguf")
+    write_gguf(path, "llama" if arch == "mistral" else arch, model, tiny_tokenizer())
+    return arch, folder, path, model
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Eight prompts of 30-45 tokens, four pairs sharing a 28-token head (prefix-cache hits
+    longer than any window)."""
+    g = torch.Generator().manual_seed(3)
+    heads = [torch.randint(0, 260, (28,), generator=g).tolist() for _ in range(4)]
+    return [h + torch.randint(0, 260, (int(n),), generator=g).tolist() for h in heads for n in torch.randint(2, 18, (2,), generator=g)]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_windows_under_chunking_prefix_hits_and_preemption_match_transformers(tiny, source):
+    """Prompts chunked (8 tokens a step), prefix hits on blocks a window already let go of in the
+    request that wrote them, and a pool small enough that requests are preempted and recomputed:
+    every greedy token as transformers', and every block back in the pool at the end."""
+    arch, folder, path, model = tiny
+    # a pool too small for all eight at once: Mistral's requests hold ~8 blocks each, Gemma's ~20
+    blocks = {"mistral": 30, "gemma3": 60}[arch]
+    llm = LLM(
+        folder if source == "hf" else path, dtype="float32", block_size=BLOCK, max_model_len=128, num_kv_blocks=blocks, max_num_batched_tokens=8
+    )
+    prompts = shared_prefix_prompts()
+    llm.generate(prompts[::2], GREEDY)  # the first of each pair: its blocks cached
+    outs = llm.generate(prompts, GREEDY)  # all eight at once: hits, and preemptions
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 4 * 24, stats
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+    def cont(prefix, n):
+        return (
+            llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+            if n
+            else []
+        )
+
+    for ids, out in zip(prompts, outs):
+        ref, rows = hf_greedy(model, ids, GREEDY.max_tokens)
+        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)
+
+
+def test_kv_blocks_stay_flat_past_the_window(tiny):
+    """One request generating 120 tokens: the blocks it holds in a sliding group stop growing at
+    the window's; the full group's (Gemma's global layer) grow with the sequence."""
+    arch, folder, _, model = tiny
+    llm = LLM(folder, dtype="float32", block_size=BLOCK, max_model_len=256, enable_prefix_caching=False)
+    engine = llm.engine
+    windows = engine.core.model_config.windows()
+    layout = kv_layout(windows)
+    engine.add_request("long", list(range(10, 30)), SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    held = []  # (tokens with KV, blocks held per group)
+    while engine.has_unfinished_requests():
+        engine.step()
+        tables = engine.core.kv.req_blocks.get("long")
+        req = engine.core.requests.get("long")
+        if tables is not None and req is not None:
+            held.append((req.num_computed_tokens, [sum(b is not None for b in t) for t in tables]))
+    assert held[-1][0] >= 130
+    for g, group in enumerate(layout.groups):
+        counts = [h[1][g] for h in held]
+        if group.window is None:
+            n = held[-1][0]
+            assert counts[-1] in (-(-n // BLOCK), -(-(n + 1) // BLOCK)), (n, counts[-1])  # every block of the sequence
+        else:
+            bound = -(-(group.window - 1) // BLOCK) + 2  # the window's blocks, the one being written, one straddling
+            assert max(counts) <= bound, (group, counts)
+            assert counts[-1] <= bound
+    assert engine.stats()["kv_blocks_used"] == 0  # all freed once it finished
+
+
+def test_a_sliding_groups_hit_needs_only_the_window_before_it():
+    """The manager alone: a request that let go of its early blocks still gives a later request
+    with the same prefix a full hit (the window's blocks are what the hit needs); once the window's
+    last blocks are reused by others, the hit shrinks to what is still cached."""
+    layout = kv_layout([8, None])  # one sliding layer (8 tokens), one full
+    kv = KVCacheManager(num_blocks=40, block_size=4, layout=layout)
+    tokens = list(range(100, 133))  # 33 tokens: 8 full blocks
+    a = Request("a", None, tokens, SamplingParams())
+    assert kv.allocate_slots(a, 33)
+    a.num_computed_tokens = 33
+    a.all_token_ids.append(7)
+    assert kv.allocate_slots(a, 1)  # a decode step: the sliding group lets go of blocks before position 33 - 8 + 1
+    full, sliding = kv.req_blocks["a"]
+    assert all(b is not None for b in full)
+    assert sliding[:6] == [None] * 6 and all(b is not None for b in sliding[6:])
+    b = Request("b", None, tokens + [5, 6, 7], SamplingParams())
+    hit = kv.find_cached_prefix(b)
+    assert hit.num_blocks == 8
+    assert all(x is not None for x in hit.blocks[0])  # full group: every block
+    assert hit.blocks[1][:6] == [None] * 6 and all(x is not None for x in hit.blocks[1][6:])
+    kv.free(a)
+    assert kv.num_free_blocks == 40

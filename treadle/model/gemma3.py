@@ -1,0 +1,192 @@
+"""Gemma 3 (the text model): Llama's decoder with Gemma's changes.
+
+- local and global layers: every `sliding_window_pattern`-th layer (6: layers 5, 11, ...) attends
+  to every position, the others within a sliding window; each kind has its own RoPE base (10,000
+  local, 1,000,000 global, where linear scaling may apply) and its own cache group, so the local
+  layers' KV of positions out of their window is freed (kv_layout.py);
+- four norms per layer (before and after attention, before and after the MLP), RMSNorm on each
+  head of q and k; Gemma's RMSNorm multiplies by (1 + weight): the weight is stored as 1 + w in
+  float32 at load (llama.cpp's GGUF files already hold 1 + w; `from_gguf_tensor` takes it back
+  to the Hugging Face convention, which the model then follows for both sources);
+- GeGLU MLP (tanh-approximated GELU of the gate, times up); embeddings scaled by sqrt(hidden),
+  rounded to the model's dtype as transformers does; attention scaled by query_pre_attn_scalar^-1/2;
+- optional final logit soft-capping (Gemma 2's; None in Gemma 3): cap * tanh(logits / cap).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .attention import metadata_by_layer, paged_attention
+from .config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
+from .gguf_loader import LLAMA_LAYER_TENSORS
+from .layers import RMSNorm, apply_rotary
+from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
+
+SLIDING_WINDOW_PATTERN = 6  # transformers' default and llama.cpp's fixed value for gemma3 files
+LOCAL_ROPE_THETA = 10000.0
+
+
+@dataclass
+class Gemma3Config(ModelConfig):
+    local_rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=LOCAL_ROPE_THETA))
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+
+
+def layer_windows(num_layers: int, window: int | None, pattern: int = SLIDING_WINDOW_PATTERN, types=None) -> list[int | None]:
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window if (i + 1) % pattern else None for i in range(num_layers)]
+
+
+class Gemma3Layer(DecoderLayer):
+    def __init__(self, config: ModelConfig, lw: LayerWeights):
+        super().__init__(config, lw)
+        self.pre_feedforward_norm = lw.norm("pre_feedforward_layernorm.weight")
+        self.post_feedforward_norm = lw.norm("post_feedforward_layernorm.weight")
+
+
+class Gemma3Model(LlamaModel):
+    layer_class = Gemma3Layer
+    gguf_permuted_qk = False
+    gguf_layer_tensors = {
+        **LLAMA_LAYER_TENSORS,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+
+    # ---------------------------------------------------------------- reading its files
+
+    @classmethod
+    def config_from_hf(cls, hf) -> Gemma3Config:
+        if "text_config" in hf.cfg:
+            raise ModelLoadError(
+                f"{hf.where}: a multimodal Gemma 3 checkpoint (text_config): treadle serves the text model (model_type gemma3_text, or a GGUF file)"
+            )
+        if hf.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError(f"{hf.where}: attn_logit_softcapping: attention soft-capping (Gemma 2) is not supported")
+        activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ModelLoadError(f"{hf.where}: hidden_activation = {activation!r}: expected gelu_pytorch_tanh")
+        params = hf.section("rope_parameters")
+        if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one entry per layer type
+            global_rope = hf.rope(params.get("full_attention") or {}, default_theta=1e6)
+            local_rope = hf.rope(params.get("sliding_attention") or {}, default_theta=LOCAL_ROPE_THETA)
+        else:  # rope_theta, rope_local_base_freq, rope_scaling (global layers only)
+            global_rope = hf.rope({"rope_theta": hf.get("rope_theta", 1e6), **hf.section("rope_scaling")})
+            local_rope = RopeConfig(theta=hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+        num_layers = hf.need("num_hidden_layers")
+        window = hf.get("sliding_window") or None
+        types = hf.get("layer_types")
+        if types is not None and (
+            not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}
+        ):
+            raise ModelLoadError(f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'")
+        pattern = hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+        config = hf.llama_style(
+            Gemma3Config,
+            head_dim=hf.get("head_dim", 256),
+            rope=global_rope,
+            local_rope=local_rope,
+            qk_norm=True,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            layer_windows=layer_windows(num_layers, window, pattern, types) if window else None,
+            sliding_window=None,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+        )
+        return cls._checked(hf.where, hf.checked(config))
+
+    @classmethod
+    def config_from_gguf(cls, gguf) -> Gemma3Config:
+        window = gguf.get("attention.sliding_window") or None
+        num_layers = gguf.get("block_count", required=True)
+        pattern = gguf.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+        config = gguf.llama_style(
+            Gemma3Config,
+            local_rope=RopeConfig(theta=gguf.get("rope.freq_base_swa", LOCAL_ROPE_THETA)),
+            layer_windows=layer_windows(num_layers, window, pattern) if window and isinstance(num_layers, int) and isinstance(pattern, int) else None,
+            sliding_window=None,
+            final_logit_softcapping=gguf.get("final_logit_softcapping"),
+        )
+        config = gguf.checked(config)
+        # llama.cpp: the query scale is 1/sqrt(head_dim), except Gemma 3 27B's (62 layers): 1/sqrt(hidden / heads)
+        config.query_pre_attn_scalar = config.hidden_size / config.num_heads if config.num_layers == 62 else config.head_dim
+        return cls._checked(gguf.path, config)
+
+    @staticmethod
+    def _checked(where: str, config: Gemma3Config) -> Gemma3Config:
+        config.query_pre_attn_scalar = file_float(where, "query_pre_attn_scalar", config.query_pre_attn_scalar)
+        if config.final_logit_softcapping is not None:
+            config.final_logit_softcapping = file_float(where, "final_logit_softcapping", config.final_logit_softcapping)
+        config.local_rope.theta = file_float(where, "rope local base frequency", config.local_rope.theta)
+        if config.layer_windows is not None:
+            config.layer_windows = [
+                None if w is None else file_int(where, "sliding_window", w, *LIMITS["sliding_window"]) for w in config.layer_windows
+            ]
+            config.sliding_window = next((w for w in config.layer_windows if w is not None), None)
+        return config
+
+    @staticmethod
+    def from_gguf_tensor(name: str, data: np.ndarray) -> np.ndarray:
+        # llama.cpp's converter stores Gemma's norm weights as 1 + w
+        return data - np.float32(1.0) if name.endswith("norm.weight") else data
+
+    # ---------------------------------------------------------------- the model
+
+    @staticmethod
+    def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        shapes = expected_shapes(config)
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "pre_feedforward_layernorm.weight"] = (config.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (config.hidden_size,)
+        return shapes
+
+    def __init__(self, config: Gemma3Config, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
+        super().__init__(config, weights, dtype, device, batch_invariant)
+        self.local_rotary = self.rotary_for(config.local_rope)
+        self.windows = config.windows()
+        self.scale = config.query_pre_attn_scalar**-0.5
+        # transformers multiplies the embedding by sqrt(hidden) rounded to the weights' dtype
+        self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
+
+    def make_norm(self, weight) -> RMSNorm:
+        """Gemma's RMSNorm multiplies by 1 + weight (formed in float32, then in the model's dtype)."""
+        return RMSNorm((1.0 + weight.float()).to(device=self.device, dtype=self.dtype), self.config.rms_norm_eps)
+
+    def tensors(self) -> list[torch.Tensor]:
+        extra = [n.weight2 for layer in self.layers for n in (layer.pre_feedforward_norm, layer.post_feedforward_norm)]
+        return super().tensors() + [self.local_rotary.cos, self.local_rotary.signed_sin] + extra
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
+        return self.logits(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices]))
+
+    def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        cfg = self.config
+        heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+        t = input_ids.shape[0]
+        h = self.embedding(input_ids) * self.embed_scale
+        tables = {None: self.rotary.tables(positions), "local": self.local_rotary.tables(positions)}
+        for layer, (k_cache, v_cache), layer_meta, window in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups), self.windows):
+            cos, sin = tables[None if window is None else "local"]
+            qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(t, heads + kv_heads, cfg.head_dim)
+            qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
+            q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)
+            attn = paged_attention(q, k, v.view(t, kv_heads, cfg.head_dim), k_cache, v_cache, layer_meta, self.scale)
+            h = h + layer.post_attention_norm(layer.o_proj(attn.view(t, self.q_size)))
+            gate, up = layer.gate_up(layer.pre_feedforward_norm(h)).chunk(2, dim=-1)
+            h = h + layer.post_feedforward_norm(layer.down(F.gelu(gate, approximate="tanh") * up))
+        return h

@@ -4,8 +4,11 @@
 
 - llama-server comes from PATH, or is built once (cmake, target llama-server) from the C++ sources
   vendored in the llama-cpp-python sdist on PyPI, into ~/.cache/treadle/llama.cpp. Never committed.
-- Both get the same slots and KV capacity: llama-server -np 16 -c 16384 -kvu -cram 0 -t 2;
-  treadle --max-num-seqs 16 --num-kv-blocks 1024 --block-size 16 --threads 2.
+- Both get the same slots and KV memory: llama-server -np 16 -c 16384 -kvu -cram 0 -t 2;
+  treadle --max-num-seqs 16 --kv-cache-memory-bytes (16,384 tokens of every layer in bf16)
+  --block-size 16 --threads 2. Where a model has sliding-window layers each side spends that
+  memory its own way (llama.cpp sizes its SWA cache to the window; treadle's sliding groups free
+  blocks out of the window): the bytes are the same, the tokens held differ.
 - treadle is measured once its compiled decode steps are in use (it compiles them in the
   background after startup, minutes the first time, seconds from ~/.cache/treadle): the wait is printed.
 - The seed article's workload: random 512-token prompts, 256 output tokens with ignore_eos,
@@ -153,8 +156,15 @@ def main() -> int:
     llama_server = find_or_build_llama_server()
     os.makedirs(args.out, exist_ok=True)
     t_port, l_port = free_port(), free_port()
-    treadle_cmd = [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(t_port), "--max-num-seqs", "16", "--num-kv-blocks", "1024",
-                   "--block-size", "16", "--threads", "2", *args.treadle_args.split()]  # fmt: skip
+    from treadle.model.gguf_file import read_metadata
+
+    meta = read_metadata(gguf)
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
+    kv_bytes = 2 * meta[f"{arch}.block_count"] * 16384 * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
+    treadle_cmd = [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(t_port), "--max-num-seqs", "16",
+                   "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", "16", "--threads", "2", *args.treadle_args.split()]  # fmt: skip
     llama_cmd = [llama_server, "-m", gguf, "--port", str(l_port), "-np", "16", "-c", "16384", "-kvu", "-cram", "0", "-t", "2"]
     print("machine:", platform.platform(), f"{os.cpu_count()} cores;", cpu_description())
     print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB")

@@ -111,3 +111,19 @@ def test_space_prefix_after_special_tokens_as_llama_cpp(ours, spm_gguf):
     _, sp = spm_gguf
     eos = sp.id_to_piece(sp.eos_id())
     assert ours.encode(f"hi{eos}there", add_special_tokens=False) == sp.encode("hi") + [sp.eos_id()] + sp.encode("there")
+
+
+def test_the_built_vocabulary_is_cached_per_file_and_a_bad_cache_is_rebuilt(spm_gguf, tmp_path, monkeypatch):
+    """The SentencePiece merges are derived once per file (seconds for a 262k vocabulary) and kept
+    under ~/.cache/treadle/tokenizers; a cache that cannot be read is replaced, never trusted."""
+    path, sp = spm_gguf
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = tokenizer_from_gguf(path, read_metadata(path))
+    (cached,) = (tmp_path / "treadle" / "tokenizers").iterdir()
+    again = tokenizer_from_gguf(path, read_metadata(path))
+    text = TEXTS[0]
+    assert first.encode(text) == again.encode(text) == [sp.bos_id(), *sp.encode(text)]
+    cached.write_text("{not json")
+    rebuilt = tokenizer_from_gguf(path, read_metadata(path))
+    assert rebuilt.encode(text) == first.encode(text)
+    assert cached.read_text().startswith("{") and "not json" not in cached.read_text()

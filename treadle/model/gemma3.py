@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .attention import metadata_by_layer, paged_attention
 from .config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
-from .gguf_loader import LLAMA_LAYER_TENSORS
+from .gguf_file import LLAMA_LAYER_TENSORS
 from .layers import RMSNorm, apply_rotary
 from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 

@@ -15,7 +15,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import ModelConfig
-from .gguf_loader import LLAMA_LAYER_TENSORS
+from .gguf_file import LLAMA_LAYER_TENSORS
 from .kernels.quant import QuantizedTensor
 from .layers import Linear
 

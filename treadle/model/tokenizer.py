@@ -193,8 +193,8 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if kind == "gpt2":
         backend = _byte_level_bpe(path, meta, tokens)
-    elif kind == "llama":
-        backend = _sentencepiece_bpe(path, meta, tokens, token_types)
+    elif kind == "llama":  # its merges take seconds to derive for a large vocabulary: built once per file
+        backend = _cached_backend(path, lambda: _sentencepiece_bpe(path, meta, tokens, token_types))
     else:
         raise ModelLoadError(f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')")
 
@@ -221,6 +221,39 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
         if template is not None:
             log.info("%s has no chat template: using the built-in one its vocabulary's turn markers name", path)
     return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path)
+
+
+def _cached_backend(path: str, build) -> HFTokenizer:
+    """`build()`'s tokenizer, kept as its JSON under ~/.cache/treadle/tokenizers keyed by the file
+    (path, size, modification time), this module's source and the tokenizers version; any
+    failure to read or write the cache only costs the build."""
+    import hashlib
+
+    import tokenizers
+
+    from ..utils import cache_root
+
+    cached = None
+    try:
+        st = os.stat(path)
+        with open(__file__, "rb") as f:
+            source = hashlib.sha256(f.read()).hexdigest()
+        key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{source}|{tokenizers.__version__}".encode()).hexdigest()[:24]
+        cached = os.path.join(cache_root(), "tokenizers", key + ".json")
+        if os.path.exists(cached):
+            return HFTokenizer.from_file(cached)
+    except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
+        log.debug("tokenizer cache unreadable (%s): building", e)
+    backend = build()
+    if cached is not None:
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            tmp = f"{cached}.{os.getpid()}.tmp"
+            backend.save(tmp)
+            os.replace(tmp, cached)
+        except OSError as e:
+            log.debug("tokenizer cache not written (%s)", e)
+    return backend
 
 
 def _check_gguf_tokenizer(path: str, meta: dict) -> None:

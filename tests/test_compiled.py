@@ -47,7 +47,8 @@ def prompts(n: int, length: int = 20) -> list[list[int]]:
 def write_unloadable_artefacts(folder: str) -> None:
     """Files in every artefact slot of a float32 engine on `folder` (block size 16, CPU) that torch
     cannot load."""
-    target = compiled.artefact_dir(folder, torch.float32, "float32", 16, torch.device("cpu"), LlamaModel)
+    # positions: the engine's max_model_len, the tiny model's 512-token context
+    target = compiled.artefact_dir(folder, torch.float32, "float32", 16, torch.device("cpu"), LlamaModel, positions=512)
     os.makedirs(target)
     for cls in compiled.decode_classes():
         with open(compiled.artefact_path(target, cls), "wb") as f:

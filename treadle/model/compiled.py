@@ -94,6 +94,7 @@ def artefact_dir(
     device: torch.device,
     model_class: type | None = None,
     kernel: bool = False,
+    positions: int | None = None,
 ) -> str:
     """One folder per model file, compute path, stored weight types (`forms`, e.g. "Q4_1,Q8_0,bfloat16"), KV block size, device, CPU vector unit, torch and
     treadle code (and the model class's own file, a plugin's included), and whether the graphs
@@ -102,6 +103,8 @@ def artefact_dir(
     st = os.stat(model_path)
     h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{forms}|kernel={kernel}".encode())
     h.update(f"|{block_size}|{device}|{torch.backends.cpu.get_cpu_capability()}".encode())
+    if positions is not None:  # the rotary tables' length (the engine's max_model_len): the graphs hold them
+        h.update(f"|positions={positions}".encode())
     # inductor's kernels are generated for the number of compute threads
     h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{torch.get_num_threads()}".encode())
     here = os.path.dirname(__file__)
@@ -196,7 +199,14 @@ class CompiledDecode:
         forms = ",".join(sorted(model.weight_bytes()))  # the stored types: a folder quantized two ways differs
         self.classes = decode_classes()
         self.dir = artefact_dir(
-            resolve_model_path(engine_config.model), model.dtype, forms, self.block_size, kv_caches[0][0].device, type(model), kernel
+            resolve_model_path(engine_config.model),
+            model.dtype,
+            forms,
+            self.block_size,
+            kv_caches[0][0].device,
+            type(model),
+            kernel,
+            model.config.position_table,
         )
         self.engine_config = engine_config
         self.ready: dict[str, object] = {}  # class name -> its loaded function, bound to the model
@@ -265,7 +275,15 @@ class CompiledDecode:
         config = replace(self.engine_config, compile=False, threads=torch.get_num_threads())
         from .registry import registered_architectures
 
-        spec = json.dumps({**asdict(config), "out": self.dir, "parent": os.getpid(), "registry": registered_architectures()})
+        spec = json.dumps(
+            {
+                **asdict(config),
+                "out": self.dir,
+                "parent": os.getpid(),
+                "registry": registered_architectures(),
+                "position_table": self.model.config.position_table,
+            }
+        )
         logf = open(self._log_path(), "ab")  # noqa: SIM115 - handed to the child
         self.compiler = subprocess.Popen(
             [sys.executable, "-c", "from treadle.model.compiler_process import main; main()", spec],

@@ -22,6 +22,7 @@ def main() -> None:
     out = spec.pop("out")
     end_with_parent(signal.SIGTERM, spec.pop("parent"))  # exit with the engine's process, even a killed one
     restore_registry(spec.pop("registry", {}))  # architectures registered in the engine's process
+    positions = spec.pop("position_table", None)  # the engine's: its rotary tables, which the graphs hold
     # Two compilers of the same artefacts (two servers started at once) take turns, before either
     # loads the model.
     lock = open(os.path.join(out, "lock"), "w")  # noqa: SIM115 - held until exit
@@ -32,7 +33,7 @@ def main() -> None:
     # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
     # number of blocks as a dynamic size.
     config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
-    runner = ModelWorker(config).runner
+    runner = ModelWorker(config, position_table=positions).runner
     for cls in decode_classes():
         path = artefact_path(out, cls)
         if os.path.exists(path):

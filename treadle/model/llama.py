@@ -69,7 +69,7 @@ def weight_part(w: dict, key: str, dtype: torch.dtype, device):
     return weight.to(device=device, dtype=dtype)
 
 
-ROPE_TABLE_CAP = 1 << 17  # positions; beyond, only if the engine's max_model_len asks for them
+ROPE_TABLE_CAP = 1 << 17  # positions, when no engine says how many it uses
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -151,10 +151,11 @@ class LlamaModel(CausalLM):
         return RMSNorm(weight.to(device=self.device, dtype=self.dtype), self.config.rms_norm_eps)
 
     def rotary_for(self, rope) -> RotaryEmbedding:
-        """Rotary tables covering the model's context (a file's claim capped) or the engine's longer
-        max_model_len; the same size in the compiler's process as in the engine's (graphs see it)."""
+        """Rotary tables covering the positions the engine uses (its max_model_len, `position_table`;
+        the same size in the compiler's process as in the engine's: graphs see it), else the
+        model's context (a file's claim capped)."""
         cfg = self.config
-        return RotaryEmbedding(rope, cfg.head_dim, max(min(cfg.max_position, ROPE_TABLE_CAP), cfg.position_table or 0)).to(self.device)
+        return RotaryEmbedding(rope, cfg.head_dim, cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)).to(self.device)
 
     def linears(self) -> list[Linear]:
         return [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]

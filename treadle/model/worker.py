@@ -67,7 +67,9 @@ def load_draft_files(path: str, *, target_vocab: int):
 
 
 class ModelWorker:
-    def __init__(self, config: EngineConfig, fail_at_steps: frozenset[int] = frozenset()):
+    def __init__(self, config: EngineConfig, fail_at_steps: frozenset[int] = frozenset(), position_table: int | None = None):
+        """position_table: the positions the rotary tables cover (default: this engine's
+        max_model_len; the decode compiler passes its engine's, as the graphs see the tables)."""
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -84,9 +86,9 @@ class ModelWorker:
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
-        files.config.position_table = self.max_model_len
+        files.config.position_table = position_table or self.max_model_len
         if draft_files is not None:
-            draft_files.config.position_table = self.max_model_len
+            draft_files.config.position_table = position_table or self.max_model_len
         self.runner = self._make_runner(files, config.seed, fail_at_steps=fail_at_steps)
         del files
         self._weight_bytes = self.runner.model.weight_bytes()

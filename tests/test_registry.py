@@ -121,8 +121,8 @@ def test_class_target_is_kept_as_its_import_string(fresh_registry):
 
 
 def test_unknown_architecture_names_itself_and_lists_the_registered_ones(fresh_registry):
-    with pytest.raises(ModelLoadError, match=r"architecture 'phi3': not registered \(registered: .*llama.*qwen3"):
-        resolve_model_class("phi3")
+    with pytest.raises(ModelLoadError, match=r"architecture 'olmoe': not registered \(registered: .*llama.*qwen3"):
+        resolve_model_class("olmoe")
 
 
 def test_a_class_that_does_not_implement_the_model_interface_is_refused(fresh_registry, tmp_path):
@@ -215,9 +215,9 @@ def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_re
     cfg = _config_from_json("m", {**MINIMAL_HF, "model_type": "other", "architectures": ["GeluLlamaForCausalLM"]})
     assert cfg.architecture == "GeluLlamaForCausalLM"
     with pytest.raises(
-        ModelLoadError, match=r"m/config.json: model_type = 'phi3', architectures = \['Phi3ForCausalLM'\]: unsupported architecture \(supported: "
+        ModelLoadError, match=r"m/config.json: model_type = 'olmoe', architectures = \['OlmoeForCausalLM'\]: unsupported architecture \(supported: "
     ):
-        _config_from_json("m", {**MINIMAL_HF, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
+        _config_from_json("m", {**MINIMAL_HF, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]})
 
 
 def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):

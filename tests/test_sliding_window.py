@@ -142,3 +142,36 @@ def test_gemma_final_logit_soft_capping_matches_transformers(tmp_path):
             if ours[:k] != ref[:k]:
                 break
             assert abs(entry[ours[k]].logprob - float(row[ours[k]])) < 1e-4
+
+
+def test_phi3_fused_projections_partial_rotary_and_longrope_match_transformers(tmp_path):
+    """Phi-3 / Phi-4-mini's layout (fused qkv and gate_up), half of each head rotated, longrope's
+    short factors and attention factor, a 24-token window: greedy tokens as transformers'."""
+    model = save_hf_model(str(tmp_path), "phi3", seed=13)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=BLOCK, max_model_len=128, max_num_batched_tokens=16)
+    rope = llm.engine.core.model_config.rope
+    assert (rope.scaling_type, rope.rotary_dim) == ("longrope", 8) and rope.attention_factor > 1
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (40, 9, 33)]
+    outs = llm.generate(prompts, GREEDY)
+
+    def cont(prefix, n):
+        return (
+            llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+            if n
+            else []
+        )
+
+    for ids, out in zip(prompts, outs):
+        ref, rows = hf_greedy(model, ids, GREEDY.max_tokens)
+        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)
+
+
+def test_longrope_takes_its_long_factors_where_the_engine_goes_past_the_original_context():
+    from treadle.model.config import RopeConfig
+    from treadle.model.layers import rope_inverse_frequencies
+
+    rope = RopeConfig(scaling_type="longrope", original_max_position=128, short_factor=[1.0, 2.0], long_factor=[3.0, 5.0])
+    base = rope_inverse_frequencies(RopeConfig(), 4)
+    assert torch.allclose(rope_inverse_frequencies(rope, 4, 128), base / torch.tensor([1.0, 2.0]))
+    assert torch.allclose(rope_inverse_frequencies(rope, 4, 129), base / torch.tensor([3.0, 5.0]))

@@ -63,6 +63,26 @@ def hf_config(arch: str, vocab_size: int):
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        # Phi-4-mini's shape in small: half of each 16-wide head rotates (partial rotary), longrope
+        # (short factors within the original 128 positions), every layer within a 24-token window
+        return Phi3Config(
+            **common,
+            pad_token_id=0,
+            original_max_position_embeddings=128,
+            tie_word_embeddings=False,
+            sliding_window=24,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 2.1, 3.7],
+                "long_factor": [1.2, 2.5, 4.0, 9.0],
+                "original_max_position_embeddings": 128,
+            },
+        )
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 

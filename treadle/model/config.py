@@ -10,13 +10,20 @@ class ModelLoadError(ValueError):
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    # None, "linear" or "llama3" (HF names); llama.cpp's rope_freqs tensor arrives as `freq_factors`.
+    # None, "linear", "llama3" or "longrope" (HF names); llama.cpp's rope_freqs tensor arrives as `freq_factors`.
     scaling_type: str | None = None
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     freq_factors: list[float] | None = None
+    # partial rotary embeddings (Phi-4-mini, ...): the first rotary_dim of each head rotate, the rest pass
+    rotary_dim: int | None = None
+    # longrope (Phi-3): per-frequency divisors for contexts within / beyond original_max_position, and
+    # the factor cos and sin are multiplied by
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
+    attention_factor: float = 1.0
 
 
 @dataclass
@@ -119,6 +126,17 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
     rope.low_freq_factor = file_float(where, "rope low_freq_factor", rope.low_freq_factor)
     rope.high_freq_factor = file_float(where, "rope high_freq_factor", rope.high_freq_factor)
     rope.original_max_position = file_int(where, "rope original_max_position_embeddings", rope.original_max_position, 1, 1 << 40)
+    if rope.rotary_dim is not None and not (2 <= rope.rotary_dim <= config.head_dim and rope.rotary_dim % 2 == 0):
+        raise ModelLoadError(
+            f"{where}: partial_rotary_factor gives {rope.rotary_dim} rotated dimensions of {config.head_dim}: expected an even number in 2..head_dim"
+        )
+    if rope.scaling_type == "longrope":
+        dim = rope.rotary_dim or config.head_dim
+        for name in ("short_factor", "long_factor"):
+            values = getattr(rope, name)
+            if not isinstance(values, list) or len(values) != dim // 2 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+                raise ModelLoadError(f"{where}: rope_scaling {name}: expected {dim // 2} positive numbers")
+        rope.attention_factor = file_float(where, "rope_scaling attention_factor", rope.attention_factor)
     if rope.scaling_type == "llama3" and rope.low_freq_factor == rope.high_freq_factor:
         raise ModelLoadError(f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: llama3 scaling divides by their difference")
     return config

@@ -1,6 +1,7 @@
 """Read a Hugging Face model folder: config.json, *.safetensors, tokenizer files."""
 
 import glob
+import math
 import os
 
 from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
@@ -82,8 +83,24 @@ class HFConfig:
             rope.low_freq_factor = params.get("low_freq_factor", 1.0)
             rope.high_freq_factor = params.get("high_freq_factor", 4.0)
             rope.original_max_position = params.get("original_max_position_embeddings", 8192)
+        elif kind in ("longrope", "su"):  # "su": Phi-3's first name for it
+            rope.scaling_type = "longrope"
+            original = params.get("original_max_position_embeddings", self.cfg.get("original_max_position_embeddings"))
+            if original is None:
+                raise ModelLoadError(f"{self.where}: rope_scaling longrope: original_max_position_embeddings missing")
+            rope.original_max_position = original
+            rope.short_factor, rope.long_factor = params.get("short_factor"), params.get("long_factor")
+            factor = params.get("factor") or self.cfg.get("max_position_embeddings", original) / original
+            attention = params.get("attention_factor")
+            rope.attention_factor = (
+                attention if attention is not None else (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+            )
         elif kind not in (None, "default"):
-            raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3)")
+            raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope)")
+        partial = params.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor"))
+        if partial is not None and partial != 1.0:
+            head_dim = self.cfg.get("head_dim") or self.need("hidden_size") // self.need("num_attention_heads")
+            rope.rotary_dim = int(head_dim * partial)
         return rope
 
     def llama_style(self, config_class=ModelConfig, **fields) -> ModelConfig:

@@ -27,7 +27,14 @@ class RMSNorm:
         return F.layer_norm(torch.cat((x, x.neg()), dim=-1), (2 * d,), self.weight2, None, self.eps)[..., :d]
 
 
-def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: int | None = None) -> torch.Tensor:
+    """The inverse frequencies of a `head_dim`-wide rotation (the rotated part of a head). longrope
+    takes its long factors where the engine uses positions beyond the original context
+    (`positions`: how many; as vLLM and llama.cpp decide it, once, not per sequence as transformers)."""
+    if rope.scaling_type == "longrope":
+        ext = rope.long_factor if positions is not None and positions > rope.original_max_position else rope.short_factor
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * rope.theta**shape)  # as transformers computes it
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope.freq_factors is not None:
         # llama.cpp's rope_freqs tensor: per-frequency divisors (Llama 3 scaling baked in).
@@ -50,12 +57,15 @@ class RotaryEmbedding:
     """cos/sin tables for every position up to max_position, indexed by each token's position."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int):
-        inv_freq = rope_inverse_frequencies(rope, head_dim)
+        dim = rope.rotary_dim or head_dim  # partial rotary embeddings: the first `dim` of each head
+        inv_freq = rope_inverse_frequencies(rope, dim, max_position)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        scale = rope.attention_factor
+        self.cos = emb.cos() * scale if scale != 1.0 else emb.cos()
+        sin = freqs.sin() * scale if scale != 1.0 else freqs.sin()
+        self.signed_sin = torch.cat((-sin, sin), dim=-1)
 
     def to(self, device):
         self.cos, self.signed_sin = self.cos.to(device), self.signed_sin.to(device)
@@ -70,10 +80,14 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated in HF's rotate-half layout, computed in float32, returned in x's dtype.
 
-    rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1]; the sign lives in `signed_sin`.
+    rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1]; the sign lives in `signed_sin`. Tables
+    narrower than the head (partial rotary embeddings) rotate its first part; the rest passes.
     """
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :d], cos, signed_sin), x[..., d:]], dim=-1)
     x32 = x.float()
-    return torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), signed_sin).to(x.dtype)
+    return torch.addcmul(x32 * cos, x32.roll(d // 2, dims=-1), signed_sin).to(x.dtype)
 
 
 class Linear:

@@ -28,6 +28,7 @@ BUILTIN = {
     "qwen3": "treadle.model.llama:Qwen3Model",
     "gemma3": "treadle.model.gemma3:Gemma3Model",
     "gemma3_text": "treadle.model.gemma3:Gemma3Model",
+    "phi3": "treadle.model.phi3:Phi3Model",
 }
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
@@ -36,10 +37,11 @@ HF_CLASS_NAMES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
 # Registered names no GGUF file carries: llama.cpp writes Mistral models as "llama", Gemma 3's
 # text model as "gemma3", and class names are config.json's.
-NOT_GGUF_ARCHITECTURES = ("mistral", "gemma3_text", *HF_CLASS_NAMES)
+NOT_GGUF_ARCHITECTURES = ("mistral", "gemma3_text", "phi3", *HF_CLASS_NAMES)  # phi3: its GGUF layout is not read yet
 
 _registry: dict[str, str] = {**BUILTIN, **{cls: BUILTIN[arch] for cls, arch in HF_CLASS_NAMES.items()}}
 _classes: dict[str, type] = {}  # imported targets, by "module:Class"

@@ -175,3 +175,17 @@ def test_longrope_takes_its_long_factors_where_the_engine_goes_past_the_original
     base = rope_inverse_frequencies(RopeConfig(), 4)
     assert torch.allclose(rope_inverse_frequencies(rope, 4, 128), base / torch.tensor([1.0, 2.0]))
     assert torch.allclose(rope_inverse_frequencies(rope, 4, 129), base / torch.tensor([3.0, 5.0]))
+
+
+def test_the_decode_compiler_builds_a_model_of_several_cache_groups(tiny):
+    """The compiler process's small engine (a few blocks) must hold one request in every group:
+    with a sliding and a full group it once asked for 4 blocks where 8 were needed, and failed."""
+    from treadle.config import EngineConfig
+    from treadle.model.compiler_process import compiler_config
+    from treadle.model.worker import ModelWorker
+
+    arch, folder, _, _ = tiny
+    worker = ModelWorker(compiler_config(EngineConfig(model=folder, dtype="float32", compile=True)), position_table=512)
+    groups = len(worker.runner.layout.groups)
+    assert groups == (2 if arch == "gemma3" else 1)
+    assert worker.num_blocks >= 4 * groups and worker.max_model_len == 4 * EngineConfig().block_size

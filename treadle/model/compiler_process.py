@@ -17,6 +17,12 @@ from .registry import restore_registry
 from .worker import ModelWorker
 
 
+def compiler_config(engine: EngineConfig) -> EngineConfig:
+    """The engine's settings with a KV cache of a few blocks (one request of 4 blocks, in every
+    cache group): the graphs take the number of blocks as a dynamic size."""
+    return replace(engine, num_kv_blocks=None, max_num_seqs=1, max_model_len=4 * engine.block_size, kv_cache_memory_bytes=None)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     out = spec.pop("out")
@@ -30,9 +36,7 @@ def main() -> None:
     if all(os.path.exists(artefact_path(out, c)) for c in decode_classes()):
         return  # the other compiler made them
     configure_torch()
-    # The model as the engine builds it, with a KV cache of a few blocks: the graphs take the
-    # number of blocks as a dynamic size.
-    config = replace(EngineConfig(**spec), num_kv_blocks=4, max_model_len=4 * spec["block_size"], kv_cache_memory_bytes=None)
+    config = compiler_config(EngineConfig(**spec))
     runner = ModelWorker(config, position_table=positions).runner
     for cls in decode_classes():
         path = artefact_path(out, cls)

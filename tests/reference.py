@@ -42,3 +42,15 @@ def assert_matches_reference(prompt_ids, ours: list[int], ref: list[int], ref_ro
             ours = ref[: pos + 1] + continue_fn(forced, len(ref) - pos - 1)
         pos += 1
     return ties
+
+
+def greedy_continuation(llm):
+    """`continue_fn` for `assert_matches_reference`: the engine's greedy tokens after a forced prefix."""
+    from treadle import SamplingParams
+
+    def cont(prefix, n):
+        if not n:
+            return []
+        return llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+
+    return cont

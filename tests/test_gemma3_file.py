@@ -13,7 +13,7 @@ import torch
 
 from treadle import LLM, SamplingParams
 
-from .reference import assert_matches_reference, hf_greedy
+from .reference import assert_matches_reference, greedy_continuation, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -128,12 +128,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(gemma_path)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
 
-    def cont(prefix, n):
-        return (
-            llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-            if n
-            else []
-        )
+    cont = greedy_continuation(llm)
 
     prompts = [list(out.prompt_token_ids) for out in outs]
     assert all(ids[0] == 2 for ids in prompts)  # <bos>, as llama.cpp adds it

@@ -15,7 +15,7 @@ from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.request import Request
 from treadle.kv_layout import kv_layout
 
-from .reference import assert_matches_reference, hf_greedy
+from .reference import assert_matches_reference, greedy_continuation, hf_greedy
 from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 BLOCK = 4
@@ -59,12 +59,7 @@ def test_windows_under_chunking_prefix_hits_and_preemption_match_transformers(ti
     assert stats["num_preemptions"] > 0, stats
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
-    def cont(prefix, n):
-        return (
-            llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-            if n
-            else []
-        )
+    cont = greedy_continuation(llm)
 
     for ids, out in zip(prompts, outs):
         ref, rows = hf_greedy(model, ids, GREEDY.max_tokens)
@@ -155,12 +150,7 @@ def test_phi3_fused_projections_partial_rotary_and_longrope_match_transformers(t
     prompts = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (40, 9, 33)]
     outs = llm.generate(prompts, GREEDY)
 
-    def cont(prefix, n):
-        return (
-            llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-            if n
-            else []
-        )
+    cont = greedy_continuation(llm)
 
     for ids, out in zip(prompts, outs):
         ref, rows = hf_greedy(model, ids, GREEDY.max_tokens)
@@ -189,3 +179,21 @@ def test_the_decode_compiler_builds_a_model_of_several_cache_groups(tiny):
     groups = len(worker.runner.layout.groups)
     assert groups == (2 if arch == "gemma3" else 1)
     assert worker.num_blocks >= 4 * groups and worker.max_model_len == 4 * EngineConfig().block_size
+
+
+def test_bfloat16_default_path_honours_the_window(tiny, monkeypatch):
+    """The defaults a user gets (bfloat16, treadle's attention kernel, prefix caching): the float32
+    greedy continuation teacher-forced through it stays within test_fast_paths' KL bound, on prompts
+    longer than the window (an attention that ignored the window would not)."""
+    from . import test_fast_paths
+
+    arch, folder, _, _ = tiny
+    monkeypatch.setattr(test_fast_paths, "NUM_TOKENS", 20)
+    exact = LLM(folder, dtype="float32", block_size=BLOCK, max_model_len=128)
+    prompts = shared_prefix_prompts()[:4]
+    conts = [o.outputs[0].token_ids for o in exact.generate(prompts, GREEDY)]
+    reference = (prompts, conts, test_fast_paths.forced_logprobs(exact, prompts, conts))
+    fast = LLM(folder, block_size=BLOCK, max_model_len=128)
+    assert fast.engine.core.dtype == torch.bfloat16 and fast.engine.core.runner.attention_kernel
+    kl, agreement = test_fast_paths.compare(fast, reference)
+    assert kl < test_fast_paths.KL_BOUND, (kl, agreement)

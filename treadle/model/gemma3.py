@@ -129,7 +129,6 @@ class Gemma3Model(LlamaModel):
             config.layer_windows = [
                 None if w is None else file_int(where, "sliding_window", w, *LIMITS["sliding_window"]) for w in config.layer_windows
             ]
-            config.sliding_window = next((w for w in config.layer_windows if w is not None), None)
         return config
 
     @staticmethod
@@ -169,18 +168,14 @@ class Gemma3Model(LlamaModel):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
-        return self.logits(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices]))
-
     def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
         h = self.embedding(input_ids) * self.embed_scale
-        tables = {None: self.rotary.tables(positions), "local": self.local_rotary.tables(positions)}
+        global_tables, local_tables = self.rotary.tables(positions), self.local_rotary.tables(positions)
         for layer, (k_cache, v_cache), layer_meta, window in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups), self.windows):
-            cos, sin = tables[None if window is None else "local"]
+            cos, sin = global_tables if window is None else local_tables
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
             qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)

@@ -166,7 +166,7 @@ class LlamaModel(CausalLM):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata | list[AttentionMetadata], logits_indices) -> torch.Tensor:
-        return self.lm_head(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])).float()
+        return self.logits(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices]))
 
     def hidden_states(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.norm(self.residual_stream(input_ids, positions, kv_caches, meta))

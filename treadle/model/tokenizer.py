@@ -59,9 +59,9 @@ BPE_PRE_TOKENIZERS = {
 }
 
 
-# A file without a chat template: llama.cpp's rule, the template of the family whose turn markers
-# the vocabulary has (checked in order). Gemma's is Google's own template (system text joins the
-# first user turn; the assistant's role is "model").
+# A file without a chat template gets the template of the family whose turn markers its vocabulary
+# has. Gemma's is Google's own template (system text joins the first user turn; the assistant's
+# role is "model").
 GEMMA_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
@@ -82,11 +82,7 @@ GEMMA_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
-CHATML_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-BUILTIN_TEMPLATES = [(("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE), (("<|im_start|>", "<|im_end|>"), CHATML_TEMPLATE)]
+BUILTIN_TEMPLATES = [(("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE)]
 # Control tokens that end a turn in some family's template: a stop wherever the vocabulary has
 # them (llama.cpp's end-of-generation set), beside the file's EOS.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")

@@ -121,8 +121,8 @@ def test_class_target_is_kept_as_its_import_string(fresh_registry):
 
 
 def test_unknown_architecture_names_itself_and_lists_the_registered_ones(fresh_registry):
-    with pytest.raises(ModelLoadError, match=r"architecture 'olmoe': not registered \(registered: .*llama.*qwen3"):
-        resolve_model_class("olmoe")
+    with pytest.raises(ModelLoadError, match=r"architecture 'rwkv7': not registered \(registered: .*llama.*qwen3"):
+        resolve_model_class("rwkv7")
 
 
 def test_a_class_that_does_not_implement_the_model_interface_is_refused(fresh_registry, tmp_path):
@@ -215,16 +215,17 @@ def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_re
     cfg = _config_from_json("m", {**MINIMAL_HF, "model_type": "other", "architectures": ["GeluLlamaForCausalLM"]})
     assert cfg.architecture == "GeluLlamaForCausalLM"
     with pytest.raises(
-        ModelLoadError, match=r"m/config.json: model_type = 'olmoe', architectures = \['OlmoeForCausalLM'\]: unsupported architecture \(supported: "
+        ModelLoadError, match=r"m/config.json: model_type = 'rwkv7', architectures = \['Rwkv7ForCausalLM'\]: unsupported architecture \(supported: "
     ):
-        _config_from_json("m", {**MINIMAL_HF, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]})
+        _config_from_json("m", {**MINIMAL_HF, "model_type": "rwkv7", "architectures": ["Rwkv7ForCausalLM"]})
 
 
 def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):
     meta = {"gelu_llama.embedding_length": 64, "gelu_llama.attention.head_count": 4, "gelu_llama.feed_forward_length": 96,
             "gelu_llama.block_count": 2, "gelu_llama.vocab_size": 300}  # fmt: skip
     with pytest.raises(
-        ModelLoadError, match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: gemma3, llama, qwen2, qwen3\)"
+        ModelLoadError,
+        match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, qwen3moe\)",
     ):
         _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())
     register_model("gelu_llama", f"{PLUGIN}:GeluLlamaModel")

@@ -99,7 +99,26 @@ def hf_config(arch: str, vocab_size: int):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
         )
+    if arch in MOE_ARCHITECTURES:
+        import transformers
+
+        # 8 experts, 2 chosen per token; small experts beside the dense size (Qwen's own ratio)
+        experts = dict(num_experts_per_tok=2, **{"num_local_experts" if arch == "mixtral" else "num_experts": 8})
+        if arch == "qwen3_moe":
+            return transformers.Qwen3MoeConfig(
+                **common, **experts, head_dim=16, moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1e6
+            )
+        if arch == "qwen2_moe":
+            return transformers.Qwen2MoeConfig(
+                **common, **experts, moe_intermediate_size=32, shared_expert_intermediate_size=48, tie_word_embeddings=False, rope_theta=1e6
+            )
+        if arch == "mixtral":
+            return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, **experts, tie_word_embeddings=False, rope_theta=1e6)
+        return transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, **experts, pad_token_id=0, tie_word_embeddings=False, rope_theta=1e4)
     raise ValueError(arch)
+
+
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
@@ -130,6 +149,14 @@ _GGUF_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _GGUF_LAYER = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -203,6 +230,14 @@ def write_gguf(
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma3":  # llama.cpp fixes the pattern at 6; this tiny model's is 2 (treadle reads the key)
         w.add_uint32("gemma3.attention.sliding_window_pattern", 2)
+    num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if num_experts:  # as llama.cpp's converters write mixtures of experts
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
 
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -220,7 +255,7 @@ def write_gguf(
     rope_factors = _llama3_rope_factors(cfg, head_dim) if arch == "llama" and rope.get("rope_type") == "llama3" else None
     if rope_factors is not None:
         w.add_tensor("rope_freqs.weight", rope_factors)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _stacked_experts(model.state_dict()).items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -235,7 +270,9 @@ def write_gguf(
             raw, qtype = raw_tensors[name_in_file]
             w.add_tensor(name_in_file, raw, raw_dtype=qtype)
             continue
-        if quantize is not None and name.startswith("model.layers.") and name.endswith("proj.weight"):
+        if arch == "qwen2moe" and name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)  # llama.cpp keeps it as a vector
+        if quantize is not None and name.startswith("model.layers.") and (name.endswith("proj.weight") or ".experts." in name):
             w.add_tensor(name_in_file, gguf.quants.quantize(data, quantize), raw_dtype=quantize)
             continue
         w.add_tensor(name_in_file, data)
@@ -243,6 +280,32 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _stacked_experts(state: dict) -> dict:
+    """Per-expert weights (`mlp.experts.E.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.E.w1`)
+    stacked into one [experts, rows, cols] tensor per layer and kind, as llama.cpp's converters do;
+    Mixtral's router under Qwen's name. Everything else as it is."""
+    out, stacks = {}, {}
+    for name, tensor in state.items():
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        parts = name.split(".")
+        if len(parts) == 8 and parts[3] in ("mlp", "block_sparse_moe") and parts[4] == "experts":
+            key = f"model.layers.{parts[2]}.mlp.experts.{_EXPERT[parts[6]]}"
+            stacks.setdefault(key, {})[int(parts[5])] = tensor
+            out.setdefault(key, None)
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' in-memory form: [E, 2F, H], gate rows first
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+            continue
+        out[name] = tensor
+    for key, experts in stacks.items():
+        out[key] = torch.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 def _llama3_rope_factors(cfg, head_dim: int) -> np.ndarray:

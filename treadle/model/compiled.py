@@ -50,6 +50,7 @@ log = logging.getLogger("treadle.compile")
 
 _SOURCES = (
     "llama.py",
+    "moe.py",
     "../kv_layout.py",
     "interface.py",
     "worker.py",

@@ -27,6 +27,25 @@ class RopeConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts feed-forward (moe.py): each token's `top_k` of `num_experts` experts,
+    weighted by the router's softmax (renormalised over the chosen when `norm_topk`), plus a shared
+    expert of `shared_size` on every token where the model has one (Qwen2-MoE, gated by a sigmoid)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate size
+    norm_topk: bool = False
+    shared_size: int = 0
+    # per layer, whether its feed-forward is the experts (Qwen's decoder_sparse_step and
+    # mlp_only_layers); None: every layer
+    sparse_layers: list[bool] | None = None
+
+    def sparse(self, layer: int) -> bool:
+        return self.sparse_layers is None or self.sparse_layers[layer]
+
+
+@dataclass
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -42,6 +61,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k and v
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    # OLMoE: q and k normed over the whole projection (all heads at once) instead of per head
+    qk_norm_per_head: bool = True
+    clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip, clip]
+    moe: MoEConfig | None = None
     sliding_window: int | None = None
     # per layer, its sliding window or None for full attention (Gemma's local and global layers);
     # None here: every layer has `sliding_window`
@@ -137,6 +160,20 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
             if not isinstance(values, list) or len(values) != dim // 2 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
                 raise ModelLoadError(f"{where}: rope_scaling {name}: expected {dim // 2} positive numbers")
         rope.attention_factor = file_float(where, "rope_scaling attention_factor", rope.attention_factor)
+    if config.moe is not None:
+        check_moe(where, config, keys)
+    if config.clip_qkv is not None:
+        config.clip_qkv = file_float(where, keys.get("clip_qkv", "clip_qkv"), config.clip_qkv)
     if rope.scaling_type == "llama3" and rope.low_freq_factor == rope.high_freq_factor:
         raise ModelLoadError(f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: llama3 scaling divides by their difference")
     return config
+
+
+def check_moe(where: str, config: ModelConfig, keys: dict[str, str]) -> None:
+    moe = config.moe
+    moe.num_experts = file_int(where, keys.get("num_experts", "num_experts"), moe.num_experts, 1, 1 << 12)
+    moe.top_k = file_int(where, keys.get("top_k", "num_experts_per_tok"), moe.top_k, 1, moe.num_experts)
+    moe.expert_size = file_int(where, keys.get("expert_size", "moe_intermediate_size"), moe.expert_size, *LIMITS["intermediate_size"])
+    moe.shared_size = file_int(where, keys.get("shared_size", "shared_expert_intermediate_size"), moe.shared_size, 0, LIMITS["intermediate_size"][1])
+    if moe.sparse_layers is not None and len(moe.sparse_layers) != config.num_layers:
+        raise ModelLoadError(f"{where}: sparse layers: {len(moe.sparse_layers)} given for {config.num_layers} layers")

@@ -16,10 +16,11 @@ import gguf
 import numpy as np
 import torch
 
-from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
+from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, MoEConfig, RopeConfig, check_config, file_int
 from .gguf_file import open_gguf
 from .kernels import quant
 from .kernels.quant import QuantizedTensor
+from .moe import ExpertWeights
 from .registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
 from .tokenizer import tokenizer_from_gguf
 
@@ -77,8 +78,6 @@ class GGUFConfig:
         rope_dim = self.get("rope.dimension_count", head_dim)
         if rope_dim != head_dim:
             raise self.fail("rope.dimension_count", f"{rope_dim!r}: partial rotary embeddings are not supported")
-        if self.get("expert_count", 0):
-            raise self.fail("expert_count", "mixture-of-experts models are not supported")
         vocab = self.meta.get("tokenizer.ggml.tokens")
         names = self.tensor_names
         values = dict(
@@ -97,10 +96,25 @@ class GGUFConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             sliding_window=self.get("attention.sliding_window") or None,  # llama.cpp's converters write 0 for none
+            moe=self.moe(norm_topk=True),
             name=str(self.meta.get("general.name") or os.path.basename(self.path)),
         )
         values.update(fields)
         return config_class(**values)
+
+    def moe(self, norm_topk: bool) -> MoEConfig | None:
+        """The experts a file declares (`expert_count`), every layer sparse, as llama.cpp runs
+        these architectures; `norm_topk`: whether the chosen experts' weights are renormalised
+        (llama.cpp fixes it per architecture: Mixtral and Qwen3-MoE yes, Qwen2-MoE and OLMoE no)."""
+        if not self.get("expert_count", 0):
+            return None
+        return MoEConfig(
+            num_experts=self.get("expert_count"),
+            top_k=self.get("expert_used_count", required=True),
+            expert_size=self.get("expert_feed_forward_length", self.get("feed_forward_length")),
+            norm_topk=norm_topk,
+            shared_size=self.get("expert_shared_feed_forward_length", 0),
+        )
 
     def checked(self, config: ModelConfig) -> ModelConfig:
         keys = {
@@ -108,6 +122,8 @@ class GGUFConfig:
             "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
             "head_dim": "attention.key_length", "max_position": "context_length", "sliding_window": "attention.sliding_window",
             "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "rope_factor": "rope.scaling.factor",
+            "num_experts": "expert_count", "top_k": "expert_used_count", "expert_size": "expert_feed_forward_length",
+            "shared_size": "expert_shared_feed_forward_length",
         }  # fmt: skip
         return check_config(self.path, config, {field: f"{self.arch}.{key}" for field, key in keys.items()})
 
@@ -202,6 +218,19 @@ def _quantized_weight(path: str, reader, tensor, heads: int | None) -> Quantized
     return weight
 
 
+def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
+    """A stacked [experts, rows, cols] quantized tensor (llama.cpp's `*_exps`) as one QuantizedTensor
+    per expert, copied off the memory map."""
+    cols = int(tensor.shape[0])
+    try:
+        data = np.array(tensor.data, dtype=np.uint8)  # [experts, rows, bytes per row], a copy
+        parts = [QuantizedTensor(tensor.tensor_type.name, torch.from_numpy(data[e]), cols) for e in range(data.shape[0])]
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
+    reader.release(tensor)
+    return ExpertWeights(parts)
+
+
 def load_gguf(path: str) -> ModelFiles:
     reader = open_gguf(path)
     meta = reader.metadata
@@ -232,6 +261,8 @@ def load_gguf(path: str) -> ModelFiles:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
+        elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 3 and quant.available():
+            weights[hf] = _quantized_experts(path, reader, tensor)  # [experts, rows, cols], each expert at the file's bits
         else:
             weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf: _float_weight(path, t, h, n, family), shape)
     if "model.embed_tokens.weight" not in weights:

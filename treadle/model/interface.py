@@ -80,11 +80,17 @@ class CausalLM:
         """Every stored tensor other than the linears' (embeddings, norms, rotary tables)."""
         return []
 
+    def other_forms(self) -> list[tuple[torch.Tensor, str]]:
+        """Stored tensors neither a linear nor in `tensors`, with the type their bytes are counted
+        under (a mixture of experts' expert weights)."""
+        return []
+
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of every stored weight form by its type ("bfloat16", "Q4_K", ...), a tensor shared
         by two uses counted once."""
         seen, out = set(), {}
         forms = [form for linear in self.linears() for form in linear.stored_forms()]  # first: they name quantized types
+        forms += self.other_forms()
         for t in self.tensors():
             if isinstance(t, QuantizedTensor):
                 forms.append((t.data, t.kind))
@@ -97,4 +103,5 @@ class CausalLM:
         return out
 
     def has_quantized_linears(self) -> bool:
-        return any(linear.quantized for linear in self.linears())
+        quantized_kinds = {kind for _, kind in self.other_forms()} & QuantizedTensor.KINDS
+        return any(linear.quantized for linear in self.linears()) or bool(quantized_kinds)

@@ -13,14 +13,16 @@ from .config import ModelConfig, ModelLoadError
 from .interface import CausalLM
 from .kernels.quant import QuantizedTensor, quant_rows_op
 from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .moe import MoE, moe_shapes
 
 
 class LayerWeights:
     """Takes one decoder layer's weights (HF names after `prefix`) off the loader's dict, each in
     the form the model keeps: norms through the family's `norm` (its convention for the weight)."""
 
-    def __init__(self, w: dict, prefix: str, dtype: torch.dtype, device, norm):
+    def __init__(self, w: dict, prefix: str, dtype: torch.dtype, device, norm, index: int = 0):
         self.w, self.prefix, self.dtype, self.device, self.norm_of = w, prefix, dtype, device, norm
+        self.index = index  # the layer's number
 
     def take(self, name: str) -> torch.Tensor:
         key = self.prefix + name
@@ -34,12 +36,20 @@ class LayerWeights:
             raise ModelLoadError(f"weight {key}: missing")
         return self.norm_of(self.w.pop(key))
 
+    def take_part(self, name: str):
+        """A matrix in its stored form (a file's quantized blocks as they are)."""
+        return weight_part(self.w, self.prefix + name, self.dtype, self.device)
+
     def linear(self, names, bias=None) -> Linear:
         """One Linear over the concatenation of these weights, each in its stored form."""
-        return Linear([weight_part(self.w, self.prefix + n, self.dtype, self.device) for n in names], bias)
+        return Linear([self.take_part(n) for n in names], bias)
 
 
 class DecoderLayer:
+    # a sparse layer's feed-forward: the experts (moe.py), under these names (MoE's defaults: Qwen's)
+    moe: MoE | None = None
+    moe_names: dict = {}
+
     def __init__(self, config: ModelConfig, lw: LayerWeights):
         take, linear = lw.take, lw.linear
         self.input_norm = lw.norm("input_layernorm.weight")
@@ -53,9 +63,12 @@ class DecoderLayer:
         self.q_norm = lw.norm("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = lw.norm("self_attn.k_norm.weight") if config.qk_norm else None
         self.o_proj = linear(("self_attn.o_proj.weight",))
-        gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        self.gate_up = linear(gate_up)
-        self.down = linear(("mlp.down_proj.weight",))
+        if config.moe is not None and config.moe.sparse(lw.index):
+            self.moe = MoE(config, lw, **self.moe_names)
+            self.gate_up = self.down = None
+        else:
+            self.gate_up = linear(("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+            self.down = linear(("mlp.down_proj.weight",))
 
 
 def weight_part(w: dict, key: str, dtype: torch.dtype, device):
@@ -86,8 +99,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
         if config.qk_norm:
-            layer.update({"self_attn.q_norm.weight": (config.head_dim,), "self_attn.k_norm.weight": (config.head_dim,)})
+            q_norm, k_norm = (config.head_dim, config.head_dim) if config.qk_norm_per_head else (q, kv)
+            layer.update({"self_attn.q_norm.weight": (q_norm,), "self_attn.k_norm.weight": (k_norm,)})
         shapes.update({p + k: v for k, v in layer.items()})
+        if config.moe is not None and config.moe.sparse(i):
+            moe_shapes(config, i, shapes, p)
     return shapes
 
 
@@ -125,11 +141,14 @@ class LlamaModel(CausalLM):
         self.lm_head = Linear(self.embed if tied else weight_part(w, "lm_head.weight", dtype, device))
         w.pop("lm_head.weight", None)
         self.layers = [
-            self.layer_class(config, LayerWeights(w, f"model.layers.{i}.", dtype, device, self.make_norm)) for i in range(config.num_layers)
+            self.layer_class(config, LayerWeights(w, f"model.layers.{i}.", dtype, device, self.make_norm, i)) for i in range(config.num_layers)
         ]
         if batch_invariant:
             for linear in self.linears():
                 linear.row_chunk = Linear.INVARIANT_ROWS
+            for layer in self.layers:
+                if layer.moe is not None:
+                    layer.moe.row_chunk = Linear.INVARIANT_ROWS
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
@@ -158,7 +177,13 @@ class LlamaModel(CausalLM):
         return RotaryEmbedding(rope, cfg.head_dim, cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)).to(self.device)
 
     def linears(self) -> list[Linear]:
-        return [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        out = [self.lm_head]
+        for layer in self.layers:
+            out += [layer.qkv, layer.o_proj] + (layer.moe.linears() if layer.moe is not None else [layer.gate_up, layer.down])
+        return out
+
+    def other_forms(self) -> list[tuple[torch.Tensor, str]]:
+        return [form for layer in self.layers if layer.moe is not None for form in layer.moe.stored_forms()]
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
@@ -191,15 +216,23 @@ class LlamaModel(CausalLM):
         act = self.mlp_activation
         for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups)):
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            if layer.q_norm is not None and not cfg.qk_norm_per_head:  # OLMoE: over all heads at once
+                qk = torch.cat([layer.q_norm(qk[:, : self.q_size]), layer.k_norm(qk[:, self.q_size :])], dim=1)
+            if cfg.clip_qkv is not None:  # after OLMoE's norms, as transformers clamps
+                qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
             v = v.view(t, kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and cfg.qk_norm_per_head:
                 qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
             q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)  # q and k rotated together
             attn = paged_attention(q, k, v, k_cache, v_cache, layer_meta, self.scale)
             h += layer.o_proj(attn.view(t, self.q_size))
-            gate, up = layer.gate_up(layer.post_attention_norm(h)).chunk(2, dim=-1)
-            h += layer.down(act(gate) * up)
+            x = layer.post_attention_norm(h)
+            if layer.moe is not None:
+                h += layer.moe(x)
+            else:
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                h += layer.down(act(gate) * up)
         return h
 
 

@@ -29,6 +29,12 @@ BUILTIN = {
     "gemma3": "treadle.model.gemma3:Gemma3Model",
     "gemma3_text": "treadle.model.gemma3:Gemma3Model",
     "phi3": "treadle.model.phi3:Phi3Model",
+    "qwen3_moe": "treadle.model.qwen_moe:Qwen3MoeModel",
+    "qwen3moe": "treadle.model.qwen_moe:Qwen3MoeModel",
+    "qwen2_moe": "treadle.model.qwen_moe:Qwen2MoeModel",
+    "qwen2moe": "treadle.model.qwen_moe:Qwen2MoeModel",
+    "mixtral": "treadle.model.mixtral:MixtralModel",
+    "olmoe": "treadle.model.olmoe:OlmoeModel",
 }
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
@@ -38,10 +44,23 @@ HF_CLASS_NAMES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
-# Registered names no GGUF file carries: llama.cpp writes Mistral models as "llama", Gemma 3's
-# text model as "gemma3", and class names are config.json's.
-NOT_GGUF_ARCHITECTURES = ("mistral", "gemma3_text", "phi3", *HF_CLASS_NAMES)  # phi3: its GGUF layout is not read yet
+# Registered names no GGUF file carries: llama.cpp writes Mistral and Mixtral models as "llama",
+# Gemma 3's text model as "gemma3", the Qwen MoEs as "qwen2moe" / "qwen3moe", and class names are
+# config.json's.
+NOT_GGUF_ARCHITECTURES = (
+    "mistral",
+    "mixtral",
+    "gemma3_text",
+    "qwen2_moe",
+    "qwen3_moe",
+    "phi3",
+    *HF_CLASS_NAMES,
+)  # phi3: its GGUF layout is not read yet
 
 _registry: dict[str, str] = {**BUILTIN, **{cls: BUILTIN[arch] for cls, arch in HF_CLASS_NAMES.items()}}
 _classes: dict[str, type] = {}  # imported targets, by "module:Class"

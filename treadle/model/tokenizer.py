@@ -49,6 +49,7 @@ def _smollm_pre_tokenizer():
 BPE_PRE_TOKENIZERS = {
     "default": lambda: _split_then_bytes(_GPT2_SPLIT),
     "gpt-2": lambda: _split_then_bytes(_GPT2_SPLIT),
+    "olmo": lambda: _split_then_bytes(_GPT2_SPLIT),  # llama.cpp: GPT-2's split (OLMo, OLMoE)
     "smollm": _smollm_pre_tokenizer,
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),

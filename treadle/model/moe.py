@@ -1,0 +1,245 @@
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) and their families.
+
+A router (one small matrix) scores every expert for each token; the token goes to its `top_k`
+experts, weighted by the softmax of the scores (renormalised over the chosen ones where the model
+says so), and the weighted sum of their SwiGLU outputs is the block's output. Qwen2-MoE adds a
+shared expert on every token, scaled by a sigmoid gate.
+
+The experts run grouped: the step's (token, choice) pairs are sorted by expert, each chosen
+expert's rows are gathered into one matrix, and that expert runs once (one gate-and-up product, one
+down product) on all of them; experts no token chose are not touched, so a step reads only the
+weights it uses and its cost follows the number of experts chosen, not the number the model has.
+Each token's outputs are then summed in the order of its own choices, in float32, so a token's
+result does not depend on the other tokens of the step (batch invariance: dense products also run
+in row chunks, as `Linear` does; the quantized kernels compute each row alike for any row count).
+
+Expert weights are kept in the file's form: a GGUF file's stacked [experts, rows, cols] blocks are
+split into one `QuantizedTensor` per expert (gate and up joined per expert), used by the same
+kernels as every other quantized matrix; dense weights stay in the model's dtype. Under
+torch.compile the grouped loop is one opaque operator, `treadle::moe_experts`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig, ModelLoadError, MoEConfig
+from .kernels.quant import QuantizedTensor
+from .kernels.quant import matmul as quant_matmul
+from .layers import Linear
+
+DENSE = -1  # the operator's type id of a dense (not quantized) expert weight
+
+# Tests count the grouped products through this: called as hook(expert, rows) once per expert run.
+expert_run_hook = None
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, type_id: int, row_chunk: int) -> torch.Tensor:
+    if type_id != DENSE:
+        return quant_matmul(x, weight, type_id)
+    if row_chunk and x.shape[0] > row_chunk:
+        return torch.cat([F.linear(part, weight) for part in x.split(row_chunk)])
+    return F.linear(x, weight)
+
+
+def run_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    down: list[torch.Tensor],
+    gate_up_type: int,
+    down_type: int,
+    row_chunk: int,
+) -> torch.Tensor:
+    """x [T, H]; chosen [T, k] expert ids, weights [T, k] float32 -> [T, H] in x's dtype: the sum
+    over each token's choices of weight * down(silu(gate) * up), each chosen expert run once."""
+    t, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
+    gathered = x[order // k]
+    out = torch.empty((t * k, x.shape[1]), dtype=x.dtype)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        gate, up = _product(gathered[start : start + n], gate_up[expert], gate_up_type, row_chunk).chunk(2, dim=-1)
+        out[order[start : start + n]] = _product(F.silu(gate) * up, down[expert], down_type, row_chunk)
+        if expert_run_hook is not None:
+            expert_run_hook(expert, n)
+        start += n
+    out = out.view(t, k, -1)
+    acc = out[:, 0].float() * weights[:, :1]
+    for j in range(1, k):  # each token's choices in its own order: independent of the other tokens
+        acc += out[:, j].float() * weights[:, j : j + 1]
+    return acc.to(x.dtype)
+
+
+@torch.library.custom_op("treadle::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    down: list[torch.Tensor],
+    gate_up_type: int,
+    down_type: int,
+    row_chunk: int,
+) -> torch.Tensor:
+    """`run_experts` as one torch operator: compiled graphs call the grouped loop whole."""
+    return run_experts(x, chosen, weights, gate_up, down, gate_up_type, down_type, row_chunk)
+
+
+@moe_experts_op.register_fake
+def _(x, chosen, weights, gate_up, down, gate_up_type, down_type, row_chunk):
+    return torch.empty_like(x)
+
+
+class ExpertWeights:
+    """A stacked [experts, rows, cols] weight as a file holds it (a GGUF `*_exps` tensor): one
+    QuantizedTensor per expert, or a dense loader's tensor split at use."""
+
+    def __init__(self, parts: list[QuantizedTensor]):
+        self.parts = parts
+        self.shape = torch.Size((len(parts), *parts[0].shape))
+
+
+def _joined(parts: list) -> tuple[torch.Tensor, int, str]:
+    """One expert's matrices (gate and up, or down alone) as one stored weight: its data, the
+    operator's type id, and the type its bytes are counted under."""
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        if len({p.kind for p in parts}) == 1:
+            q = parts[0] if len(parts) == 1 else QuantizedTensor.cat(parts)
+            return q.data, q.type_id, q.kind
+        parts = [p.float() for p in parts]  # gate and up of two types: not one product
+    elif any(isinstance(p, QuantizedTensor) for p in parts):
+        parts = [p.float() for p in parts]
+    dense = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return dense, DENSE, str(dense.dtype).removeprefix("torch.")
+
+
+class FeedForward:
+    """A SwiGLU MLP (the shared expert)."""
+
+    def __init__(self, gate_up: Linear, down: Linear):
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoE:
+    """One layer's experts, router and (optional) shared expert, taken off the loader's dict.
+
+    Names (after the layer's prefix): the router `router`; experts under `experts`, either one
+    weight per expert (`{experts}.{e}.{gate}.weight`, as checkpoints store them) or stacked
+    (`{experts}.{gate}`: a GGUF file's, or transformers' fused `gate_up_proj` / `down_proj`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        lw,
+        router: str = "mlp.gate.weight",
+        experts: str = "mlp.experts",
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        shared: str = "mlp.shared_expert",
+        shared_gate: str = "mlp.shared_expert_gate.weight",
+    ):
+        moe: MoEConfig = config.moe
+        self.top_k, self.norm_topk = moe.top_k, moe.norm_topk
+        self.router = lw.linear((router,))
+        gate, up, down = (self._experts(lw, experts, name, moe.num_experts) for name in names)
+        gate_up = [_joined([g, u]) for g, u in zip(gate, up)]
+        downs = [_joined([d]) for d in down]
+        for forms, what in ((gate_up, "gate/up"), (downs, "down")):
+            if len({type_id for _, type_id, _ in forms}) != 1:
+                raise ModelLoadError(f"{lw.prefix}{experts}: the experts' {what} weights are not all of one type")
+        self.gate_up, self.gate_up_type, self.gate_up_kind = [d for d, _, _ in gate_up], gate_up[0][1], gate_up[0][2]
+        self.down, self.down_type, self.down_kind = [d for d, _, _ in downs], downs[0][1], downs[0][2]
+        self.row_chunk = 0  # batch-invariant mode: dense expert products in chunks of this many rows
+        self.shared = self.shared_gate = None
+        if moe.shared_size:
+            self.shared = FeedForward(
+                lw.linear((f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")), lw.linear((f"{shared}.down_proj.weight",))
+            )
+            gate = lw.take(shared_gate)  # [1, H]; llama.cpp keeps it as a vector [H]
+            if gate.numel() != config.hidden_size:
+                raise ModelLoadError(f"weight {lw.prefix}{shared_gate}: {gate.numel()} values, expected {config.hidden_size}")
+            self.shared_gate = Linear(gate.reshape(1, -1))
+
+    @staticmethod
+    def _experts(lw, experts: str, name: str, n: int) -> list:
+        """Expert e's `name` weight for every e, in its stored form."""
+        stacked = lw.prefix + f"{experts}.{name}"
+        if stacked in lw.w or (name in ("gate_proj", "up_proj") and lw.prefix + f"{experts}.gate_up_proj" in lw.w):
+            if stacked not in lw.w:  # transformers' fused [E, 2F, H]: gate rows, then up
+                fused = lw.w[lw.prefix + f"{experts}.gate_up_proj"]
+                half = fused.shape[1] // 2
+                part = fused[:, :half] if name == "gate_proj" else fused[:, half:]
+                if name == "up_proj":
+                    lw.w.pop(lw.prefix + f"{experts}.gate_up_proj")
+                return [p.to(device=lw.device, dtype=lw.dtype) for p in part]
+            weight = lw.w.pop(stacked)
+            if weight.shape[0] != n:
+                raise ModelLoadError(f"weight {stacked}: {weight.shape[0]} experts, expected {n}")
+            if isinstance(weight, ExpertWeights):
+                if torch.device(lw.device).type == "cpu":
+                    return weight.parts
+                return [p.to(device=lw.device, dtype=lw.dtype) for p in weight.parts]
+            return list(weight.to(device=lw.device, dtype=lw.dtype).unbind(0))
+        return [lw.take_part(f"{experts}.{e}.{name}.weight") for e in range(n)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        run = moe_experts_op if torch.compiler.is_compiling() else run_experts
+        y = run(x, chosen, weights, self.gate_up, self.down, self.gate_up_type, self.down_type, self.row_chunk)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return y
+
+    def linears(self) -> list[Linear]:
+        out = [self.router]
+        if self.shared is not None:
+            out += [self.shared.gate_up, self.shared.down, self.shared_gate]
+        return out
+
+    def stored_forms(self) -> list[tuple[torch.Tensor, str]]:
+        """The experts' tensors, with the type their bytes are counted under."""
+        return [(t, self.gate_up_kind) for t in self.gate_up] + [(t, self.down_kind) for t in self.down]
+
+
+# ---------------------------------------------------------------- shapes and files
+
+
+def moe_shapes(
+    config: ModelConfig,
+    layer: int,
+    shapes: dict,
+    prefix: str,
+    router="mlp.gate.weight",
+    experts="mlp.experts",
+    names=("gate_proj", "up_proj", "down_proj"),
+) -> None:
+    """A sparse layer's weights in `shapes` (HF names) in place of its dense MLP's."""
+    moe, h = config.moe, config.hidden_size
+    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+        shapes.pop(prefix + name, None)
+    f, n = moe.expert_size, moe.num_experts
+    shapes[prefix + router] = (n, h)
+    for name, shape in zip(names, ((f, h), (f, h), (h, f))):
+        shapes[prefix + f"{experts}.{name}"] = (n, *shape)
+        for e in range(n):
+            shapes[prefix + f"{experts}.{e}.{name}.weight"] = shape
+    if moe.shared_size:
+        s = moe.shared_size
+        shapes.update(
+            {
+                prefix + "mlp.shared_expert.gate_proj.weight": (s, h),
+                prefix + "mlp.shared_expert.up_proj.weight": (s, h),
+                prefix + "mlp.shared_expert.down_proj.weight": (h, s),
+            }
+        )  # fmt: skip (the gate: [1, H] or GGUF's [H], checked at load)

@@ -13,6 +13,9 @@
   background after startup, minutes the first time, seconds from ~/.cache/treadle): the wait is printed.
 - The seed article's workload: random 512-token prompts, 256 output tokens with ignore_eos,
   concurrency 1, 2, 4, 8, 16, fresh prompts per level (the same prompts for both servers at a level).
+- `--repetitions` sweeps (3 by default), each with fresh prompts and the servers' order swapped
+  from the last: every figure is printed as median (min-max), and the treadle / llama.cpp ratio is
+  taken within each sweep, so a 10% change shows against the run-to-run spread.
 - The servers start one after the other (each alone on the cores): start to healthy is the load
   time. After the sweep, both stop and `llama-bench -n 128 -p 0 -t 2` gives llama.cpp's own
   single-stream per-token time on the same file (`--skip-llama-bench` to leave it out).
@@ -138,6 +141,34 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def run_dir(out: str, run: int) -> str:
+    return os.path.join(out, f"run{run}")
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """median (min-max) of a figure over the repetitions."""
+    v = sorted(values)
+    median = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    return f"{median:.{digits}f} ({v[0]:.{digits}f}-{v[-1]:.{digits}f})" if len(v) > 1 else f"{median:.{digits}f}"
+
+
+def print_spread(runs: list[dict], concurrency: list[int]) -> None:
+    """Per level: each figure's median and range over the repetitions; the ratio is taken within
+    each repetition (the two servers measured minutes apart), then summarised."""
+    print(f"\nmedian (min-max) over {len(runs)} repetitions")
+    print(
+        "\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms | llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for c in concurrency:
+        t = [run[("treadle", c)] for run in runs]
+        l = [run[("llama.cpp", c)] for run in runs]  # noqa: E741
+        ratios = [a["output_throughput"] / b["output_throughput"] for a, b in zip(t, l) if b["output_throughput"]]
+        col = lambda rows, key, digits=1: spread([r[key] for r in rows], digits)  # noqa: E731
+        print(f"| {c} | {col(t, 'output_throughput')} | {col(l, 'output_throughput')} | {spread(ratios, 2) if ratios else 'nan'} | "
+              f"{col(t, 'median_tpot_ms')} | {col(l, 'median_tpot_ms')} | {col(t, 'median_ttft_ms', 0)} | {col(l, 'median_ttft_ms', 0)} |")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file both servers load (default: treadle's embedded model)")
@@ -148,6 +179,7 @@ def main() -> int:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-bench", action="store_true")
     ap.add_argument("--treadle-args", default="", help="extra flags for treadle serve")
+    ap.add_argument("--repetitions", type=int, default=3, help="sweeps (fresh prompts each): min / median / max of each figure")
     args = ap.parse_args()
 
     from treadle.model.default_model import default_model_path
@@ -183,13 +215,18 @@ def main() -> int:
         wait_healthy(f"http://127.0.0.1:{t_port}", t_proc)
         load_s["treadle"] = time.perf_counter() - started
         wait_compiled(f"http://127.0.0.1:{t_port}")
-        sweep = [sys.executable, "-m", "treadle", "bench", "sweep",
-                 "--server", f"treadle=http://127.0.0.1:{t_port}", "--server", f"llama.cpp=http://127.0.0.1:{l_port}",
-                 "--tokenizer", gguf, "--dataset-name", "random", "--random-input-len", str(args.input_len),
-                 "--random-output-len", str(args.output_len), "--ignore-eos", "--concurrency", *map(str, args.concurrency),
-                 "--result-dir", args.out, "--plot-title", f"{args.input_len} in / {args.output_len} out, 2 threads", "--disable-tqdm"]  # fmt: skip
-        print(" ".join(sweep), flush=True)
-        subprocess.run(sweep, check=False)
+        for run in range(args.repetitions):
+            # each repetition its own prompts (seed) and folder; servers alternate first per level inside a sweep
+            servers = ["--server", f"treadle=http://127.0.0.1:{t_port}", "--server", f"llama.cpp=http://127.0.0.1:{l_port}"]
+            if run % 2:
+                servers = servers[2:] + servers[:2]
+            sweep = [sys.executable, "-m", "treadle", "bench", "sweep", *servers,
+                     "--tokenizer", gguf, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                     "--random-output-len", str(args.output_len), "--ignore-eos", "--concurrency", *map(str, args.concurrency),
+                     "--seed", str(run), "--result-dir", run_dir(args.out, run),
+                     "--plot-title", f"{args.input_len} in / {args.output_len} out, 2 threads", "--disable-tqdm"]  # fmt: skip
+            print(" ".join(sweep), flush=True)
+            subprocess.run(sweep, check=False)
         # treadle is two processes: the HTTP front end and the engine core (holding the model)
         with urllib.request.urlopen(f"http://127.0.0.1:{t_port}/stats", timeout=5) as r:
             stats = json.load(r)
@@ -215,18 +252,11 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    with open(os.path.join(args.out, "sweep.json")) as f:
-        rows = json.load(f)["rows"]
-    by = {(r["server"], r["concurrency"]): r for r in rows}
-    print(
-        "\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms | llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for c in args.concurrency:
-        t, l = by[("treadle", c)], by[("llama.cpp", c)]
-        ratio = t["output_throughput"] / l["output_throughput"] if l["output_throughput"] else float("nan")
-        print(f"| {c} | {t['output_throughput']:.1f} | {l['output_throughput']:.1f} | {ratio:.2f} | {t['median_tpot_ms']:.1f} | "
-              f"{l['median_tpot_ms']:.1f} | {t['median_ttft_ms']:.0f} | {l['median_ttft_ms']:.0f} |")  # fmt: skip
+    runs = []
+    for run in range(args.repetitions):
+        with open(os.path.join(run_dir(args.out, run), "sweep.json")) as f:
+            runs.append({(r["server"], r["concurrency"]): r for r in json.load(f)["rows"]})
+    print_spread(runs, args.concurrency)
     print(
         f"\npeak RSS: treadle {memory['treadle']:.0f} MB (front end {memory['treadle front end']:.0f} + engine core "
         f"{memory['treadle engine core']:.0f}), llama-server {memory['llama.cpp']:.0f} MB"

@@ -127,8 +127,8 @@ def test_missing_path():
 
 
 def test_unsupported_architecture(tmp_path, tiny_llama):
-    path = write(tmp_path, tiny_llama, arch="phi3")
-    with pytest.raises(ModelLoadError, match=r"general.architecture = 'phi3': unsupported architecture"):
+    path = write(tmp_path, tiny_llama, arch="rwkv7")
+    with pytest.raises(ModelLoadError, match=r"general.architecture = 'rwkv7': unsupported architecture"):
         load_gguf(path)
 
 

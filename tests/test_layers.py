@@ -84,3 +84,68 @@ def test_decode_attention_matches_dense_attention(heads, kv_heads):
             scores = keys[:, h // group] @ q[i, h] * head_dim**-0.5
             expected = F.softmax(scores, dim=0) @ values[:, h // group]
             torch.testing.assert_close(out[i, h], expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- RoPE scaling: yarn and dynamic NTK
+
+
+def _rope_model(tmp_path, rope_parameters: dict, max_position: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=max_position, rms_norm_eps=1e-6, initializer_range=0.15,
+                         rope_parameters={"rope_theta": 10000.0, **rope_parameters}, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(str(tmp_path))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return model
+
+
+@pytest.mark.parametrize(
+    "rope, max_position, source",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128, "hf"),  # yarn, the paper's temperature
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128, "gguf"),  # llama.cpp's yarn keys
+        (
+            {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.3},
+            128,
+            "hf",
+        ),
+        ({"rope_type": "dynamic", "factor": 2.0}, 128, "hf"),  # within the context: the plain base, as transformers
+    ],
+)
+def test_rope_scaling_types_match_transformers(tmp_path, rope, max_position, source):
+    from treadle import LLM, SamplingParams
+
+    from .reference import assert_matches_reference, greedy_continuation, hf_greedy
+    from .tiny_models import tiny_tokenizer, write_gguf
+
+    model = _rope_model(tmp_path, rope, max_position)
+    path = str(tmp_path)
+    if source == "gguf":
+        path = str(tmp_path / "yarn.gguf")
+        write_gguf(path, "llama", model, tiny_tokenizer())
+    llm = LLM(path, dtype="float32", max_model_len=max_position)
+    assert llm.engine.core.model_config.rope.scaling_type == rope["rope_type"]
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (70, 12)]  # past yarn's original context
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        ref, rows = hf_greedy(model, ids, 24)
+        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, greedy_continuation(llm))
+
+
+def test_dynamic_ntk_rescales_its_base_once_for_an_engine_past_the_context():
+    """Past the model's context, dynamic NTK's base is transformers' for a sequence of the
+    engine's length (vLLM's choice: one table, consistent with the cached keys)."""
+    from treadle.model.config import RopeConfig
+    from treadle.model.layers import rope_inverse_frequencies
+
+    rope = RopeConfig(scaling_type="dynamic", factor=2.0, original_max_position=64)
+    assert torch.allclose(rope_inverse_frequencies(rope, 16, 64), rope_inverse_frequencies(RopeConfig(), 16, 64))
+    theta = 10000.0 * ((2.0 * 256 / 64) - 1.0) ** (16 / 14)
+    assert torch.allclose(rope_inverse_frequencies(rope, 16, 256), rope_inverse_frequencies(RopeConfig(theta=theta), 16))

@@ -139,13 +139,20 @@ def test_gemma_final_logit_soft_capping_matches_transformers(tmp_path):
             assert abs(entry[ours[k]].logprob - float(row[ours[k]])) < 1e-4
 
 
-def test_phi3_fused_projections_partial_rotary_and_longrope_match_transformers(tmp_path):
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_phi3_fused_projections_partial_rotary_and_longrope_match_transformers(tmp_path, source):
     """Phi-3 / Phi-4-mini's layout (fused qkv and gate_up), half of each head rotated, longrope's
-    short factors and attention factor, a 24-token window: greedy tokens as transformers'."""
-    model = save_hf_model(str(tmp_path), "phi3", seed=13)
-    llm = LLM(str(tmp_path), dtype="float32", block_size=BLOCK, max_model_len=128, max_num_batched_tokens=16)
+    short factors and attention factor, a 24-token window: greedy tokens as transformers', from a
+    folder and from a GGUF file as llama.cpp's converter writes it (attn_qkv, fused ffn_up,
+    rope_factors_long/short tensors)."""
+    model = save_hf_model(str(tmp_path / "hf"), "phi3", seed=13)
+    path = str(tmp_path / "hf") if source == "hf" else str(tmp_path / "phi3.gguf")
+    if source == "gguf":
+        write_gguf(path, "phi3", model, tiny_tokenizer())
+    llm = LLM(path, dtype="float32", block_size=BLOCK, max_model_len=128, max_num_batched_tokens=16)
     rope = llm.engine.core.model_config.rope
     assert (rope.scaling_type, rope.rotary_dim) == ("longrope", 8) and rope.attention_factor > 1
+    assert rope.short_factor == pytest.approx(model.config.rope_parameters["short_factor"])
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (40, 9, 33)]
     outs = llm.generate(prompts, GREEDY)

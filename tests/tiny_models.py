@@ -1,6 +1,7 @@
 """Small randomly initialised models of every supported architecture, saved as HF folders and GGUF files."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -149,6 +150,8 @@ _GGUF_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _GGUF_LAYER = {
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused projections
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.experts.gate_proj": "ffn_gate_exps.weight",
     "mlp.experts.up_proj": "ffn_up_exps.weight",
@@ -221,10 +224,21 @@ def write_gguf(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma's: one entry per layer type (the local base is fixed)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converters write it
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter writes it
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)

@@ -1,5 +1,6 @@
 """The hyperparameters of one Llama-style decoder, whatever file they came from."""
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -7,10 +8,16 @@ class ModelLoadError(ValueError):
     """A model file or folder that treadle cannot load; the message names file, item and reason."""
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original (its paper's 0.1 ln s + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    # None, "linear", "llama3" or "longrope" (HF names); llama.cpp's rope_freqs tensor arrives as `freq_factors`.
+    # None, "linear", "llama3", "longrope", "yarn" or "dynamic" (HF names); llama.cpp's rope_freqs tensor
+    # arrives as `freq_factors`.
     scaling_type: str | None = None
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -24,6 +31,10 @@ class RopeConfig:
     short_factor: list[float] | None = None
     long_factor: list[float] | None = None
     attention_factor: float = 1.0
+    # yarn: the rotation counts bounding the ramp between interpolated and extrapolated frequencies
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass
@@ -160,6 +171,10 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
             if not isinstance(values, list) or len(values) != dim // 2 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
                 raise ModelLoadError(f"{where}: rope_scaling {name}: expected {dim // 2} positive numbers")
         rope.attention_factor = file_float(where, "rope_scaling attention_factor", rope.attention_factor)
+    if rope.scaling_type == "yarn":
+        rope.attention_factor = file_float(where, "rope_scaling attention_factor", rope.attention_factor)
+        rope.beta_fast = file_float(where, "rope_scaling beta_fast", rope.beta_fast)
+        rope.beta_slow = file_float(where, "rope_scaling beta_slow", rope.beta_slow)
     if config.moe is not None:
         check_moe(where, config, keys)
     if config.clip_qkv is not None:

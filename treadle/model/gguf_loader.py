@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import torch
 
-from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, MoEConfig, RopeConfig, check_config, file_int
+from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, MoEConfig, RopeConfig, check_config, file_float, file_int, yarn_mscale
 from .gguf_file import open_gguf
 from .kernels import quant
 from .kernels.quant import QuantizedTensor
@@ -27,6 +27,7 @@ from .tokenizer import tokenizer_from_gguf
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
+LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -58,15 +59,25 @@ class GGUFConfig:
     def rope(self, theta_key: str = "rope.freq_base") -> RopeConfig:
         rope = RopeConfig(theta=self.get(theta_key, 10000.0))
         scaling = self.get("rope.scaling.type")
-        if scaling not in (None, "none"):
-            if scaling != "linear":
-                raise self.fail("rope.scaling.type", f"{scaling!r}: unsupported RoPE scaling (supported: linear, llama3 via rope_freqs)")
-            rope.scaling_type = "linear"
-            rope.factor = self.get("rope.scaling.factor", 1.0)
+        if scaling in (None, "none"):
+            return rope
+        if scaling not in ("linear", "yarn"):
+            raise self.fail("rope.scaling.type", f"{scaling!r}: unsupported RoPE scaling (supported: linear, yarn, llama3 via rope_freqs)")
+        rope.scaling_type = scaling
+        rope.factor = self.get("rope.scaling.factor", 1.0)
+        if scaling == "yarn":  # as llama.cpp applies it: YaRN's temperature times the file's attn_factor
+            rope.original_max_position = self.get("rope.scaling.original_context_length", required=True)
+            rope.beta_fast = self.get("rope.scaling.yarn_beta_fast", 32.0)
+            rope.beta_slow = self.get("rope.scaling.yarn_beta_slow", 1.0)
+            factor = file_float(self.path, f"{self.arch}.rope.scaling.factor", rope.factor)
+            extra = file_float(self.path, f"{self.arch}.rope.scaling.attn_factor", self.get("rope.scaling.attn_factor", 1.0))
+            rope.attention_factor = yarn_mscale(factor) * extra
         return rope
 
-    def llama_style(self, config_class=ModelConfig, **fields) -> ModelConfig:
-        """The hyperparameters every Llama-style file gives, `fields` given or overriding; not yet checked."""
+    def llama_style(self, config_class=ModelConfig, partial_rotary: bool = False, **fields) -> ModelConfig:
+        """The hyperparameters every Llama-style file gives, `fields` given or overriding; not yet
+        checked. `partial_rotary`: the family rotates the first `rope.dimension_count` of each head
+        (NEOX-style, as Phi-3 / Phi-4-mini), where other families refuse a smaller count."""
         hidden = self.number("embedding_length", *LIMITS["hidden_size"], required=True)
         heads = self.number("attention.head_count", *LIMITS["num_heads"], required=True)
         kv_heads = self.get("attention.head_count_kv", heads)
@@ -76,8 +87,11 @@ class GGUFConfig:
         if self.get("attention.value_length", head_dim) != head_dim:
             raise self.fail("attention.value_length", "differs from key_length, not supported")
         rope_dim = self.get("rope.dimension_count", head_dim)
+        if rope_dim != head_dim and not partial_rotary:
+            raise self.fail("rope.dimension_count", f"{rope_dim!r}: partial rotary embeddings are not supported for this architecture")
+        rope = self.rope()
         if rope_dim != head_dim:
-            raise self.fail("rope.dimension_count", f"{rope_dim!r}: partial rotary embeddings are not supported")
+            rope.rotary_dim = rope_dim  # checked with the rest
         vocab = self.meta.get("tokenizer.ggml.tokens")
         names = self.tensor_names
         values = dict(
@@ -90,7 +104,7 @@ class GGUFConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=self.get("attention.layer_norm_rms_epsilon", 1e-5),
-            rope=self.rope(),
+            rope=rope,
             max_position=self.get("context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
@@ -250,6 +264,15 @@ def load_gguf(path: str) -> ModelFiles:
                 )
             config.rope.freq_factors = factors.tolist()
             continue
+        if tensor.name in LONGROPE_TENSORS:
+            # Phi-3's longrope: per-frequency divisors within / beyond the original context
+            rotated = config.rope.rotary_dim or config.head_dim
+            factors = _dequantize(path, tensor).reshape(-1)
+            if factors.shape[0] != rotated // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+                raise ModelLoadError(f"{path}: tensor {tensor.name}: expected {rotated // 2} finite positive factors, found {factors.shape[0]}")
+            setattr(config.rope, LONGROPE_TENSORS[tensor.name], factors.tolist())
+            config.rope.scaling_type = "longrope"
+            continue
         hf = _hf_name(path, tensor.name, family.gguf_layer_tensors)
         _check_supported(path, tensor)  # at load, though the data is decoded later
         heads = None
@@ -267,5 +290,8 @@ def load_gguf(path: str) -> ModelFiles:
             weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf: _float_weight(path, t, h, n, family), shape)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
+    if config.rope.scaling_type == "longrope" and (config.rope.long_factor is None or config.rope.short_factor is None):
+        missing = "rope_factors_long.weight" if config.rope.long_factor is None else "rope_factors_short.weight"
+        raise ModelLoadError(f"{path}: tensor {missing}: missing (longrope needs both factor tensors)")
     config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
     return ModelFiles(config, weights, tokenizer)

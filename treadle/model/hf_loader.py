@@ -4,7 +4,7 @@ import glob
 import math
 import os
 
-from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int
+from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int, yarn_mscale
 from .registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
 from .tokenizer import read_json, tokenizer_from_hf_folder
 
@@ -95,8 +95,27 @@ class HFConfig:
             rope.attention_factor = (
                 attention if attention is not None else (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
             )
+        elif kind == "yarn":
+            rope.scaling_type = "yarn"
+            rope.original_max_position = params.get("original_max_position_embeddings") or self.need("max_position_embeddings")
+            factor = params.get("factor") or self.need("max_position_embeddings") / rope.original_max_position
+            rope.factor = factor
+            rope.beta_fast = params.get("beta_fast") or 32.0
+            rope.beta_slow = params.get("beta_slow") or 1.0
+            rope.truncate = bool(params.get("truncate", True))
+            attention = params.get("attention_factor")
+            if attention is None:
+                mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+                attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all else yarn_mscale(factor)
+            rope.attention_factor = attention
+        elif kind == "dynamic":
+            # dynamic NTK: transformers rescales the base whenever a sequence passes the context;
+            # here once, for the engine's length (layers.rope_inverse_frequencies), as vLLM does
+            rope.scaling_type = "dynamic"
+            rope.factor = params.get("factor", 1.0)
+            rope.original_max_position = self.need("max_position_embeddings")
         elif kind not in (None, "default"):
-            raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope)")
+            raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope, yarn, dynamic)")
         partial = params.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor"))
         if partial is not None and partial != 1.0:
             head_dim = self.cfg.get("head_dim") or self.need("hidden_size") // self.need("num_attention_heads")

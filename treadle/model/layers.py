@@ -35,7 +35,15 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: int | N
         ext = rope.long_factor if positions is not None and positions > rope.original_max_position else rope.short_factor
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (torch.tensor(ext, dtype=torch.float32) * rope.theta**shape)  # as transformers computes it
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.scaling_type == "yarn":
+        return yarn_inverse_frequencies(rope, head_dim)
+    theta = rope.theta
+    if rope.scaling_type == "dynamic" and positions is not None and positions > rope.original_max_position:
+        # dynamic NTK's base for a sequence of `positions` (transformers' formula, taken once for the engine's length)
+        theta = theta * ((rope.factor * positions / rope.original_max_position) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # as transformers computes it
+        return inv_freq
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope.freq_factors is not None:
         # llama.cpp's rope_freqs tensor: per-frequency divisors (Llama 3 scaling baked in).
         inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
@@ -51,6 +59,26 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: int | N
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq.float()
+
+
+def yarn_inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: each frequency interpolated by `factor`,
+    extrapolated, or blended along a linear ramp between the dimensions that turn `beta_fast` and
+    `beta_slow` times over the original context; cos and sin are scaled by `attention_factor`."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 class RotaryEmbedding:

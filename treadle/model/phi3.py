@@ -4,11 +4,15 @@ joined), with longrope scaling (Phi-3's short and long factors and attention fac
 rotary embeddings (Phi-4-mini rotates 3/4 of each head), both read by `hf_loader.HFConfig.rope`.
 A sliding window (Phi-3-mini's 2,047) is one sliding cache group, as Mistral's.
 
-GGUF files of this architecture (llama.cpp's `phi3`, with rope_factors_long/short tensors) are
-not read yet.
+llama.cpp's `phi3` files hold the same fused tensors (`attn_qkv`, and `ffn_up` of gate and up
+rows), the rotated dimensions as `rope.dimension_count`, and longrope as two tensors
+(`rope_factors_long` / `_short`, read by the loader) with `rope.scaling.attn_factor` and
+`rope.scaling.original_context_length`. llama.cpp itself ignores the file's sliding window
+(a TODO in its phi3 model); treadle honours it, as transformers does.
 """
 
-from .config import ModelConfig
+from .config import ModelConfig, file_float, file_int
+from .gguf_file import LLAMA_LAYER_TENSORS
 from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 
 
@@ -26,6 +30,7 @@ class Phi3Layer(DecoderLayer):
 class Phi3Model(LlamaModel):
     layer_class = Phi3Layer
     gguf_permuted_qk = False
+    gguf_layer_tensors = {**LLAMA_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
     @staticmethod
     def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -49,3 +54,13 @@ class Phi3Model(LlamaModel):
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         return hf.checked(hf.llama_style(attention_bias=False))
+
+    @classmethod
+    def config_from_gguf(cls, gguf) -> ModelConfig:
+        config = gguf.llama_style(partial_rotary=True)
+        rope = config.rope
+        key = f"{gguf.arch}.rope.scaling."
+        rope.attention_factor = file_float(gguf.path, key + "attn_factor", gguf.get("rope.scaling.attn_factor", 1.0))
+        original = gguf.get("rope.scaling.original_context_length", config.max_position)
+        rope.original_max_position = file_int(gguf.path, key + "original_context_length", original, 1, 1 << 40)
+        return gguf.checked(config)

@@ -58,9 +58,8 @@ NOT_GGUF_ARCHITECTURES = (
     "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
-    "phi3",
     *HF_CLASS_NAMES,
-)  # phi3: its GGUF layout is not read yet
+)
 
 _registry: dict[str, str] = {**BUILTIN, **{cls: BUILTIN[arch] for cls, arch in HF_CLASS_NAMES.items()}}
 _classes: dict[str, type] = {}  # imported targets, by "module:Class"

@@ -1,0 +1,129 @@
+"""The model families on tiny random models: the bf16 default's deviation, and what experts cost.
+
+    python bench/families.py fidelity [--archs ...] [--tokens 32]
+    python bench/families.py moe-step [--experts 8 64] [--top-k 4] [--batches 1 16] [--layers 8]
+                                      [--hidden 512] [--expert-size 256] [--tokens 48]
+
+fidelity: for each architecture's tiny random model (tests/tiny_models.py, 2 layers, hidden 64,
+the float32 reference of tests/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
+in float32, teacher-forced through the bf16 default (batch-invariant, prefix caching on) as
+tests/test_fast_paths.py does: mean KL(float32 || bf16) per token and greedy agreement. Random
+weights at initializer_range 0.15 give flatter and noisier distributions than trained ones, so
+these figures bound the arithmetic's deviation rather than predict a real model's.
+
+moe-step: random Qwen3-MoE models that differ only in their number of experts (same top-k, same
+expert size, so the same weights per token), decode steps at 1 and 16 requests in the bf16 default:
+the time per output token of each, and the ratio to the smallest model. A step reads the experts
+its tokens chose: at one request that is top-k per layer whatever the model has; at 16 requests the
+model with more experts has more distinct ones chosen, which is more weights read per step.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+
+
+def fidelity(args) -> None:
+    import torch
+
+    from tests import test_fast_paths
+    from tests.tiny_models import save_hf_model
+    from treadle import LLM, SamplingParams
+
+    test_fast_paths.NUM_TOKENS = args.tokens
+    print("| family | bf16 mean KL | bf16 greedy agreement |")
+    print("|---|---|---|")
+    for arch in args.archs:
+        with tempfile.TemporaryDirectory() as folder:
+            save_hf_model(folder, arch, seed=ARCHS.index(arch) if arch in ARCHS else 0)
+            g = torch.Generator().manual_seed(17)
+            prompts = [torch.randint(0, 260, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (8,), generator=g)]
+            ref_llm = LLM(folder, dtype="float32", max_model_len=256)
+            outs = ref_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+            conts = [o.outputs[0].token_ids for o in outs]
+            reference = (prompts, conts, test_fast_paths.forced_logprobs(ref_llm, prompts, conts))
+            del ref_llm
+            kl, agreement = test_fast_paths.compare(LLM(folder, max_model_len=256), reference)
+            print(f"| {arch} | {kl:.4f} | {agreement:.1%} |", flush=True)
+
+
+def moe_step(args) -> None:
+    import torch
+    import transformers
+
+    from bench.peer_compare import cpu_description
+    from tests.tiny_models import tiny_tokenizer
+    from treadle import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    print("CPU:", cpu_description(), f"threads {args.threads}", flush=True)
+    rows = {}
+    with tempfile.TemporaryDirectory() as root:
+        for n in args.experts:
+            folder = os.path.join(root, f"e{n}")
+            config = transformers.Qwen3MoeConfig(
+                vocab_size=tiny_tokenizer().get_vocab_size(), hidden_size=args.hidden, intermediate_size=4 * args.hidden, moe_intermediate_size=args.expert_size,
+                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
+                num_experts=n, num_experts_per_tok=args.top_k, norm_topk_prob=True, max_position_embeddings=4096,
+                tie_word_embeddings=True, eos_token_id=None, bos_token_id=None,
+            )  # fmt: skip
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model.save_pretrained(folder)
+            del model
+            with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+                f.write("{}")
+            tiny_tokenizer().save(os.path.join(folder, "tokenizer.json"))
+            llm = LLM(folder, max_model_len=1024, max_num_seqs=max(args.batches))
+            g = torch.Generator().manual_seed(1)
+            for batch in args.batches:
+                prompts = [{"prompt_token_ids": torch.randint(0, 260, (32,), generator=g).tolist()} for _ in range(batch)]
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm
+                t0 = time.perf_counter()
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                t1 = time.perf_counter()
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True))
+                t2 = time.perf_counter()
+                # the warm-up cached the prompts, so both timed runs do the same (cached) prefill
+                rows[(n, batch)] = ((t2 - t1) - (t1 - t0)) / args.tokens * 1000
+                print(f"  experts {n}, batch {batch}: {rows[(n, batch)]:.2f} ms per step", file=sys.stderr, flush=True)
+            del llm
+    print(f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, experts of {args.expert_size}, top-{args.top_k}, bf16 default:\n")
+    print("| experts | " + " | ".join(f"step ms at {b}" for b in args.batches) + " | " + " | ".join(f"ratio at {b}" for b in args.batches) + " |")
+    print("|---" * (1 + 2 * len(args.batches)) + "|")
+    base = args.experts[0]
+    for n in args.experts:
+        steps = " | ".join(f"{rows[(n, b)]:.2f}" for b in args.batches)
+        ratios = " | ".join(f"{rows[(n, b)] / rows[(base, b)]:.2f}" for b in args.batches)
+        print(f"| {n} | {steps} | {ratios} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    f = sub.add_parser("fidelity")
+    f.add_argument("--archs", nargs="+", default=ARCHS)
+    f.add_argument("--tokens", type=int, default=32)
+    m = sub.add_parser("moe-step")
+    m.add_argument("--experts", nargs="+", type=int, default=[8, 64])
+    m.add_argument("--top-k", type=int, default=4)
+    m.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    m.add_argument("--layers", type=int, default=8)
+    m.add_argument("--hidden", type=int, default=512)
+    m.add_argument("--expert-size", type=int, default=256)
+    m.add_argument("--tokens", type=int, default=48)
+    m.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    fidelity(args) if args.what == "fidelity" else moe_step(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

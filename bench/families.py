@@ -84,7 +84,7 @@ def moe_step(args) -> None:
             llm = LLM(folder, max_model_len=1024, max_num_seqs=max(args.batches))
             g = torch.Generator().manual_seed(1)
             for batch in args.batches:
-                prompts = [{"prompt_token_ids": torch.randint(0, 260, (32,), generator=g).tolist()} for _ in range(batch)]
+                prompts = [torch.randint(0, 260, (32,), generator=g).tolist() for _ in range(batch)]
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm
                 t0 = time.perf_counter()
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))

@@ -12,7 +12,12 @@ defaults (bfloat16, batch-invariant, prefix caching), measured by `treadle bench
 2. random (256 in / 64 out, 48 prompts, 8 users, no shared prefixes) on the same two servers:
    output throughput;
 3. the seed workload (512 in / 256 out, 16 users) on N=2 x 1 thread (cache_aware) and on N=1 x 2
-   threads, each with the default KV pool.
+   threads, each with the default KV pool;
+4. (`--shared-system`, or alone with `--only-shared-system`) multiturn conversations with no system
+   prompt of their own, so that all share only the chat template's default one (2 blocks of the
+   default model): on N=2 x 1 thread, cache_aware (requests routed to each replica, hit rate,
+   throughput), and on N=1 x 1 thread with the two replicas' pool (throughput): the case where
+   routing by the longest match alone sent every conversation to one replica.
 """
 
 import argparse
@@ -73,6 +78,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run of the script)")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "scaleout-8turns.json"))
     ap.add_argument("--work-dir", default="/tmp/treadle-scaleout")
+    ap.add_argument("--shared-system", action="store_true", help="part 4 too: conversations sharing only the default system prompt")
+    ap.add_argument("--only-shared-system", action="store_true", help="part 4 alone")
     args = ap.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     q = args.quick
@@ -104,6 +111,10 @@ def main() -> int:
     ]
     replicas = ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)]
     results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "blocks_per_replica": args.blocks_per_replica, "turns": args.turns, "runs": {}}
+    if args.shared_system or args.only_shared_system:
+        shared_system(args, multiturn, results)
+    if args.only_shared_system:
+        return write(results, args.out)
     for policy in ("cache_aware", "round_robin"):
         proc, url = start([*replicas, "--routing-policy", policy], os.path.join(args.work_dir, f"server-{policy}.log"))
         try:
@@ -134,10 +145,37 @@ def main() -> int:
             runs["random cache_aware"]["output_throughput"] / runs["random round_robin"]["output_throughput"]
         )
         results["ratios"]["seed throughput N=2x1 / N=1x2"] = runs["seed N=2x1"]["output_throughput"] / runs["seed N=1x2"]["output_throughput"]
-    with open(args.out, "w") as f:
+    return write(results, args.out)
+
+
+def write(results: dict, out: str) -> int:
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))
     return 0
+
+
+def shared_system(args, multiturn: list[str], results: dict) -> None:
+    """Part 4: conversations whose only shared prefix is the template's default system prompt."""
+    import httpx
+
+    flags = [*multiturn[: multiturn.index("--multiturn-system-prompt-tokens")], *multiturn[multiturn.index("--multiturn-system-prompt-tokens") + 2 :]]
+    flags += ["--multiturn-system-prompt-tokens", "0"]
+    runs = results["runs"]
+    for name, server in (
+        ("shared-system N=2x1", ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)]),
+        ("shared-system N=1x1", ["--threads", "1", "--num-kv-blocks", str(2 * args.blocks_per_replica)]),
+    ):
+        proc, url = start(server, os.path.join(args.work_dir, f"server-{name[-5:]}.log"))
+        try:
+            runs[name] = bench(url, flags, args.work_dir, name.replace(" ", "-").replace("=", ""))
+            stats = httpx.get(url + "/stats", timeout=10).json()
+            runs[name]["routed_requests"] = [r["routed_requests"] for r in stats.get("replicas", [])]
+        finally:
+            stop(proc)
+    results["ratios"] = {
+        "shared-system throughput N=2x1 / N=1x1": runs["shared-system N=2x1"]["output_throughput"] / runs["shared-system N=1x1"]["output_throughput"]
+    }
 
 
 if __name__ == "__main__":

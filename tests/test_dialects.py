@@ -343,6 +343,25 @@ def test_ollama_models_show_ps_version(llama, server):
     assert httpx.get(server.url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()["version"]
 
 
+def test_ollama_reads_a_form_encoded_body_as_json_as_its_curl_examples_send_it(server, llama):
+    """`curl URL/api/chat -d '{...}'` sends Content-Type application/x-www-form-urlencoded; Ollama
+    reads the body as JSON whatever the header says, and so do treadle's /api/* routes."""
+    body = {"model": MODEL, "messages": chat(QUESTION), "stream": False, "options": {"temperature": 0, "num_predict": TOKENS}}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for kind in ("application/x-www-form-urlencoded", None):
+        headers = {**auth, **({"Content-Type": kind} if kind else {})}
+        r = httpx.post(server.url + "/api/chat", content=json.dumps(body).encode(), headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["message"]["content"] == llama.chat(**{k: v for k, v in body.items() if k != "stream"}).message.content
+    bad = httpx.post(server.url + "/api/chat", content=b"model=x&messages=y", headers={**auth, "Content-Type": "application/x-www-form-urlencoded"})
+    assert bad.status_code == 400 and "error" in bad.json()
+    # the OpenAI routes keep FastAPI's rule: a body that does not say it is JSON is refused, not guessed
+    assert (
+        httpx.post(server.url + "/v1/chat/completions", content=json.dumps(body).encode(), headers={**auth, "Content-Type": "text/plain"}).status_code
+        == 400
+    )
+
+
 def test_ollama_errors_and_auth(server, llama):
     assert httpx.get(server.url + "/api/tags").status_code == 401
     with pytest.raises(ollama.ResponseError) as e:

@@ -171,6 +171,17 @@ def presented_key(request: Request) -> str | None:
     return None
 
 
+def as_json(request: Request) -> None:
+    """Ollama's server reads every body as JSON whatever its Content-Type says, and its documented
+    calls are `curl URL -d '{...}'` (curl then sends application/x-www-form-urlencoded): on the
+    /api/* routes a body is JSON unless it says so. FastAPI parses a body only when the header
+    says JSON, so the header is set before it looks."""
+    kind = request.headers.get("content-type", "")
+    if request.method in ("POST", "PUT", "DELETE", "PATCH") and not kind.split(";")[0].strip().endswith("json"):
+        request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + [(b"content-type", b"application/json")]
+        request.__dict__.pop("_headers", None)  # starlette caches the parsed headers
+
+
 class UnicodeCheckedRoute(APIRoute):
     """A route whose JSON body is checked, before FastAPI validates it and any handler sees it, for
     strings that are not valid Unicode: a lone surrogate is a legal JSON escape ("\\ud800") and a
@@ -183,6 +194,8 @@ class UnicodeCheckedRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
+            if dialect_of(request.url.path) == "ollama":
+                as_json(request)
             body = await request.body()  # starlette keeps it: the handler reads the same bytes
             if _SURROGATE_ESCAPE.search(body):  # a surrogate can only arrive as an escape
                 try:

@@ -80,12 +80,15 @@ def make_llm():
     from treadle import LLM
     from treadle.model import worker as model_worker
     from treadle.model.kernels.quant import QuantizedTensor
+    from treadle.model.moe import ExpertWeights
 
     def load_once(model):
         # the loader defers converting float tensors to the model; for many engines, convert once
         # here (quantized tensors stay the file's blocks, as the model uses them)
         files = original(model)
-        return dataclasses.replace(files, weights={k: v if isinstance(v, QuantizedTensor) else v.float() for k, v in files.weights.items()})
+        return dataclasses.replace(
+            files, weights={k: v if isinstance(v, (QuantizedTensor, ExpertWeights)) else v.float() for k, v in files.weights.items()}
+        )
 
     original = model_worker.load_model_files
     cached = functools.lru_cache(maxsize=4)(load_once)

@@ -54,3 +54,16 @@ def greedy_continuation(llm):
         return llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
 
     return cont
+
+
+@torch.inference_mode()
+def hf_greedy_uncached(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """As `hf_greedy`, each step a full forward over the whole sequence (no cache): for models whose
+    transformers cache path disagrees with their own forward (Bamba's, in transformers 5.24)."""
+    tokens, rows = [], []
+    for _ in range(num_tokens):
+        logits = model(torch.tensor([list(prompt_ids) + tokens]), use_cache=False).logits[0, -1]
+        row = torch.log_softmax(logits.float(), dim=-1)
+        tokens.append(int(row.argmax()))
+        rows.append(row)
+    return tokens, rows

@@ -100,6 +100,15 @@ def hf_config(arch: str, vocab_size: int):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
         )
+    if arch == "bamba":
+        import transformers
+
+        # a hybrid: Mamba-2 mixers around one attention layer (8 heads of 16, 2 groups, a 16-wide state)
+        return transformers.BambaConfig(
+            **{**common, "num_hidden_layers": 3, "pad_token_id": 0, "bos_token_id": None},
+            attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=16, tie_word_embeddings=False,
+        )  # fmt: skip
     if arch in MOE_ARCHITECTURES:
         import transformers
 

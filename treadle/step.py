@@ -55,6 +55,8 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequestData] = []
     finished_req_ids: list[str] = []
     block_copies: list[tuple[int, int]] = []  # (src, dst) block copies before the step
+    # (parent, child) request ids: a forked choice starts from its parent's recurrent state (hybrids)
+    state_copies: list[tuple[str, str]] = []
     # constrained samples: sample id -> the allowed-token bitmask (int32 words, little-endian)
     grammar_masks: dict[str, bytes] = {}
 

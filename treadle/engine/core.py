@@ -76,7 +76,12 @@ class EngineCore:
         self.runner, self.dtype, self.model_config, self.tokenizer = w.runner, w.dtype, w.model_config, w.tokenizer
         self.max_model_len, self.eos_token_ids = w.max_model_len, w.eos_token_ids
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
-        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout)
+        caching = config.enable_prefix_caching
+        if caching and self.model_config.recurrent:
+            # a prefix hit would need the recurrent state at the hit's end: not checkpointed yet
+            log.warning("prefix caching is off for this model: its recurrent layers' states are not checkpointed for prefix hits yet")
+            caching = False
+        self.kv = KVCacheManager(w.num_blocks, config.block_size, caching, w.runner.layout)
         self.kv_events = None
         if config.kv_events_endpoint:
             from .kv_events import KVEventPublisher

@@ -54,6 +54,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.pending_copies: list[tuple[int, int]] = []
+        self.pending_state_copies: list[tuple[str, str]] = []  # forks of a hybrid model's recurrent state
         self.scheduled: list[tuple[Request, int]] = []  # the last schedule(), until update_after_step()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up
@@ -69,8 +70,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, prefill_cap: int | None = None) -> StepInput:
-        out = StepInput(scheduled=[], block_copies=self.pending_copies)
-        self.pending_copies = []
+        out = StepInput(scheduled=[], block_copies=self.pending_copies, state_copies=self.pending_state_copies)
+        self.pending_copies, self.pending_state_copies = [], []
         self.scheduled = []
         self.kv.begin_step()
         budget = self.max_num_batched_tokens
@@ -234,6 +235,7 @@ class Scheduler:
             self.waiting.appendleft(child)
             return
         self.pending_copies.extend(copies)
+        self.pending_state_copies.append((parent.request_id, child.request_id))
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)

@@ -27,7 +27,7 @@ def snapshot(core) -> dict:
         "num_waiting": len(scheduler.waiting),
         "num_preemptions": scheduler.num_preemptions,
         "block_size": config.block_size,
-        "enable_prefix_caching": config.enable_prefix_caching,
+        "enable_prefix_caching": core.kv.enable_caching,
         "kv_events_endpoint": events.endpoint if events else None,
         "kv_events_replay_endpoint": events.replay_endpoint if events else None,
         "prefix_cache_queries": scheduler.prefix_cache_queries,

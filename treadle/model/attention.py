@@ -38,6 +38,8 @@ class AttentionMetadata:
     # (tables [requests, width], row -> its table, first key, last key + 1: int64 tensors; the widest span)
     kernel_args: tuple | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # a hybrid model's recurrent layers: each request's rows and state (mamba.Segment), in row order
+    recurrent: list | None = None
 
 
 def paged_attention(

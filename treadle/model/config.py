@@ -76,6 +76,9 @@ class ModelConfig:
     qk_norm_per_head: bool = True
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip, clip]
     moe: MoEConfig | None = None
+    # hybrids: per layer, "attention" or "recurrent" (a state-space mixer with a per-request state
+    # instead of KV: mamba.py); None: every layer attends
+    layer_types: list[str] | None = None
     sliding_window: int | None = None
     # per layer, its sliding window or None for full attention (Gemma's local and global layers);
     # None here: every layer has `sliding_window`
@@ -86,10 +89,15 @@ class ModelConfig:
     position_table: int | None = None
 
     def windows(self) -> list[int | None]:
-        """Every layer's sliding window (None: full attention)."""
-        if self.layer_windows is not None:
-            return list(self.layer_windows)
-        return [self.sliding_window] * self.num_layers
+        """Every attention layer's sliding window (None: full attention); a hybrid's recurrent
+        layers have no KV and are not listed."""
+        windows = list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
+        return windows if self.layer_types is None else [w for w, t in zip(windows, self.layer_types) if t == "attention"]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep a recurrent state per request (a hybrid model)."""
+        return self.layer_types is not None and "recurrent" in self.layer_types
 
 
 @dataclass

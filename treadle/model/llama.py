@@ -36,6 +36,13 @@ class LayerWeights:
             raise ModelLoadError(f"weight {key}: missing")
         return self.norm_of(self.w.pop(key))
 
+    def take_float(self, name: str) -> torch.Tensor:
+        """A small parameter in float32, whatever the model's dtype (a state-space layer's A, D, dt bias)."""
+        key = self.prefix + name
+        if key not in self.w:
+            raise ModelLoadError(f"weight {key}: missing")
+        return self.w.pop(key).float().to(self.device)
+
     def take_part(self, name: str):
         """A matrix in its stored form (a file's quantized blocks as they are)."""
         return weight_part(self.w, self.prefix + name, self.dtype, self.device)
@@ -208,32 +215,38 @@ class LlamaModel(CausalLM):
 
     def residual_stream(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Every decoder layer over the step's T tokens: the residual stream before the final norm."""
+        h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
+        tables = self.rotary.tables(positions)  # once per step, shared by every layer
+        for layer, kv, layer_meta in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups)):
+            h += self.attention(layer, layer.input_norm(h), tables, kv, layer_meta)
+            h += self.feed_forward(layer, layer.post_attention_norm(h))
+        return h
+
+    def attention(self, layer, x: torch.Tensor, tables, kv, layer_meta: AttentionMetadata) -> torch.Tensor:
+        """One layer's attention over the normed stream `x` [T, hidden]: q, k, v, their norms,
+        rotary embeddings, paged attention (writing this step's K/V), the output projection."""
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-        t = input_ids.shape[0]
-        h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
-        cos, sin = self.rotary.tables(positions)  # once per step, shared by every layer
-        act = self.mlp_activation
-        for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups)):
-            qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            if layer.q_norm is not None and not cfg.qk_norm_per_head:  # OLMoE: over all heads at once
-                qk = torch.cat([layer.q_norm(qk[:, : self.q_size]), layer.k_norm(qk[:, self.q_size :])], dim=1)
-            if cfg.clip_qkv is not None:  # after OLMoE's norms, as transformers clamps
-                qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
-            qk = qk.view(t, heads + kv_heads, cfg.head_dim)
-            v = v.view(t, kv_heads, cfg.head_dim)
-            if layer.q_norm is not None and cfg.qk_norm_per_head:
-                qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
-            q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)  # q and k rotated together
-            attn = paged_attention(q, k, v, k_cache, v_cache, layer_meta, self.scale)
-            h += layer.o_proj(attn.view(t, self.q_size))
-            x = layer.post_attention_norm(h)
-            if layer.moe is not None:
-                h += layer.moe(x)
-            else:
-                gate, up = layer.gate_up(x).chunk(2, dim=-1)
-                h += layer.down(act(gate) * up)
-        return h
+        t = x.shape[0]
+        qk, v = layer.qkv(x).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        if layer.q_norm is not None and not cfg.qk_norm_per_head:  # OLMoE: over all heads at once
+            qk = torch.cat([layer.q_norm(qk[:, : self.q_size]), layer.k_norm(qk[:, self.q_size :])], dim=1)
+        if cfg.clip_qkv is not None:  # after OLMoE's norms, as transformers clamps
+            qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+        qk = qk.view(t, heads + kv_heads, cfg.head_dim)
+        v = v.view(t, kv_heads, cfg.head_dim)
+        if layer.q_norm is not None and cfg.qk_norm_per_head:
+            qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
+        q, k = apply_rotary(qk, *tables).split_with_sizes([heads, kv_heads], dim=1)  # q and k rotated together
+        attn = paged_attention(q, k, v, kv[0], kv[1], layer_meta, self.scale)
+        return layer.o_proj(attn.view(t, self.q_size))
+
+    def feed_forward(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """One layer's MLP, or its experts, over the normed stream `x`."""
+        if layer.moe is not None:
+            return layer.moe(x)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(self.mlp_activation(gate) * up)
 
 
 class MistralModel(LlamaModel):

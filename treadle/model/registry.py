@@ -35,6 +35,7 @@ BUILTIN = {
     "qwen2moe": "treadle.model.qwen_moe:Qwen2MoeModel",
     "mixtral": "treadle.model.mixtral:MixtralModel",
     "olmoe": "treadle.model.olmoe:OlmoeModel",
+    "bamba": "treadle.model.bamba:BambaModel",
 }
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
@@ -48,6 +49,7 @@ HF_CLASS_NAMES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "BambaForCausalLM": "bamba",
 }
 # Registered names no GGUF file carries: llama.cpp writes Mistral and Mixtral models as "llama",
 # Gemma 3's text model as "gemma3", the Qwen MoEs as "qwen2moe" / "qwen3moe", and class names are
@@ -58,6 +60,7 @@ NOT_GGUF_ARCHITECTURES = (
     "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
+    "bamba",  # its GGUF layout (llama.cpp's granitehybrid) is not read yet
     *HF_CLASS_NAMES,
 )
 

@@ -100,6 +100,10 @@ class ModelRunner:
         # their own, so that a text's vector is the same alone or beside others
         self.isolate_pooling = not batch_invariant
         self.requests: dict[str, RunnerRequest] = {}
+        # a hybrid model's recurrent layers: each request's state (mamba.RecurrentState), made when it
+        # starts at position 0 (again after a preemption), copied to a forked choice, dropped at its end
+        self.recurrent = config.recurrent
+        self.states: dict = {}
         self.num_steps = 0
         self.fail_at_steps = fail_at_steps
 
@@ -131,6 +135,10 @@ class ModelRunner:
             self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, SamplingParams(**new.params))
         for req_id in step.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.states.pop(req_id, None)
+        for parent, child in step.state_copies:
+            if parent in self.states:
+                self.states[child] = self.states[parent].copy()
 
     @torch.inference_mode()
     def execute(self, step: StepInput, draft_probs: dict | None = None) -> dict[str, list[SampledToken]]:
@@ -217,6 +225,8 @@ class ModelRunner:
         logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = pos_t.to(self.device)
+        if self.recurrent:
+            metas[0].recurrent = self._segments(scheduled, order)
         meta = metas[0] if len(metas) == 1 else metas
         if pooling:  # eagerly: the compiled graphs return logits only
             hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
@@ -237,6 +247,25 @@ class ModelRunner:
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(n, e)
         return self.model.forward(*inputs), sample_rows, {}
+
+    def _segments(self, scheduled, order) -> list:
+        """Each request's rows and recurrent state, in row order; a request at position 0 starts
+        from a zero state (a new request, or one preempted and recomputed)."""
+        from .mamba import Segment
+
+        segments, row = [], 0
+        for i in order:
+            s = scheduled[i]
+            state = self.states.get(s.req_id)
+            if s.start == 0:
+                state = self.states[s.req_id] = self.model.new_state()
+            elif state is None or state.position != s.start:
+                at = "none" if state is None else state.position
+                raise RuntimeError(f"request {s.req_id}: its recurrent state is at position {at}, the step starts at {s.start}")
+            segments.append(Segment(row, len(s.token_ids), state))
+            state.position += len(s.token_ids)
+            row += len(s.token_ids)
+        return segments
 
     def _group_metadata(self, scheduled, order, positions, pos_t, group: int, window: int | None) -> AttentionMetadata:
         """How the step's rows map onto one cache group's blocks (its tables, its window)."""

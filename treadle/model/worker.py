@@ -77,6 +77,10 @@ class ModelWorker:
         files = load_quantized_model_files(config.model, config.quantization)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
+        if spec is not None and files.config.recurrent:
+            raise ValueError(
+                "speculative_config: not supported yet for models with recurrent layers (a rejected proposal needs their state rolled back)"
+            )
         draft_files = None
         if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
             draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size)
@@ -93,7 +97,9 @@ class ModelWorker:
         del files
         self._weight_bytes = self.runner.model.weight_bytes()
         self.compiled: CompiledDecode | None = None
-        if config.compile and self.batch_invariant:
+        if config.compile and self.model_config.recurrent:
+            log.info("recurrent layers: decode steps run eagerly (no compiled graphs for them yet)")
+        elif config.compile and self.batch_invariant:
             # inductor's fused kernels round differently from the eager ones
             log.info("batch-invariant mode: decode steps run eagerly (compiled graphs are not used)")
         elif config.compile:
@@ -151,7 +157,9 @@ class ModelWorker:
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_memory_bytes is not None:
-            num_blocks = cfg.kv_cache_memory_bytes // per_block
+            # one budget: a hybrid's recurrent states (one per running request) come out of it first
+            states = cfg.max_num_seqs * mc.state_bytes(self.dtype) if mc.recurrent else 0
+            num_blocks = (cfg.kv_cache_memory_bytes - states) // per_block
         else:
             wanted = cfg.max_num_seqs * blocks(max_len)
             num_blocks = min(wanted, max(1, DEFAULT_KV_CACHE_CAP_BYTES // per_block))

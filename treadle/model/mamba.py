@@ -1,0 +1,149 @@
+"""Mamba-2 mixers: the recurrent layers of hybrid models (Bamba, Granite 4, Nemotron-H style).
+
+A mixer keeps, per request, a state instead of KV: the last `d_conv - 1` inputs of its causal
+convolution (the model's dtype) and the SSM state [heads, head_dim, d_state] (float32). One step:
+
+    z, xBC, dt = in_proj(x)
+    xBC = silu(conv1d(state.conv ++ xBC))            per channel, kernel d_conv
+    x, B, C = split(xBC);  dt = softplus(dt + dt_bias) clamped to the time-step limit
+    h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t;   y_t = C_t h_t + D x_t
+    out = out_proj(rmsnorm_grouped(y * silu(z)))
+
+The scan runs token by token in float32, in the same order whether a prompt arrives whole, in
+chunks or one token at a time, so a request's outputs do not depend on how the scheduler split it
+(the batch-invariant rule); transformers' prefill uses the chunked SSD form, the same recurrence
+summed in another order (equal to float32 rounding).
+
+The runner owns the states (`RecurrentState`, one per request, made when a request starts at
+position 0, copied to a forked choice, dropped when it finishes or is preempted) and hands each
+step's per-request row ranges to the model through `AttentionMetadata.recurrent`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelLoadError
+
+
+@dataclass
+class MambaConfig:
+    heads: int
+    head_dim: int
+    d_state: int
+    d_conv: int
+    groups: int = 1
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_min: float = 0.0
+    time_step_max: float = math.inf
+    norm_eps: float = 1e-5
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.d_state
+
+
+class RecurrentState:
+    """One request's state in every recurrent layer, and how many of its tokens it has consumed."""
+
+    __slots__ = ("conv", "ssm", "position")
+
+    def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor]):
+        self.conv, self.ssm, self.position = conv, ssm, 0
+
+    @classmethod
+    def zeros(cls, cfg: MambaConfig, layers: int, dtype: torch.dtype, device) -> "RecurrentState":
+        conv = [torch.zeros(cfg.conv_dim, cfg.d_conv - 1, dtype=dtype, device=device) for _ in range(layers)]
+        ssm = [torch.zeros(cfg.heads, cfg.head_dim, cfg.d_state, dtype=torch.float32, device=device) for _ in range(layers)]
+        return cls(conv, ssm)
+
+    def copy(self) -> "RecurrentState":
+        out = RecurrentState([c.clone() for c in self.conv], [s.clone() for s in self.ssm])
+        out.position = self.position
+        return out
+
+    @staticmethod
+    def nbytes(cfg: MambaConfig, layers: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return layers * (cfg.conv_dim * (cfg.d_conv - 1) * elem + cfg.heads * cfg.head_dim * cfg.d_state * 4)
+
+
+@dataclass
+class Segment:
+    """One request's rows of the step: rows [start, start + length) of the flattened batch."""
+
+    start: int
+    length: int
+    state: RecurrentState
+
+
+class Mamba2Mixer:
+    """One recurrent layer's weights (HF names under `prefix`, taken off the loader's dict)."""
+
+    def __init__(self, cfg: MambaConfig, lw, index: int, prefix: str = "mamba."):
+        self.cfg, self.index = cfg, index  # index: this layer's place among the recurrent layers
+        p = prefix
+        self.in_proj = lw.linear((p + "in_proj.weight",), lw.take(p + "in_proj.bias") if cfg.proj_bias else None)
+        conv = lw.take(p + "conv1d.weight")
+        if tuple(conv.shape) not in ((cfg.conv_dim, 1, cfg.d_conv), (cfg.conv_dim, cfg.d_conv)):
+            raise ModelLoadError(f"weight {lw.prefix}{p}conv1d.weight: shape {tuple(conv.shape)}, expected ({cfg.conv_dim}, 1, {cfg.d_conv})")
+        self.conv_weight = conv.reshape(cfg.conv_dim, 1, cfg.d_conv)
+        self.conv_bias = lw.take(p + "conv1d.bias") if cfg.conv_bias else None
+        self.dt_bias = lw.take_float(p + "dt_bias")
+        self.A = -torch.exp(lw.take_float(p + "A_log"))  # [heads], negative: a decay
+        self.D = lw.take_float(p + "D")
+        self.norm_weight = lw.take(p + "norm.weight")
+        self.out_proj = lw.linear((p + "out_proj.weight",), lw.take(p + "out_proj.bias") if cfg.proj_bias else None)
+
+    def linears(self):
+        return [self.in_proj, self.out_proj]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.conv_weight, self.conv_bias, self.dt_bias, self.A, self.D, self.norm_weight) if t is not None]
+
+    def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        cfg = self.cfg
+        proj = self.in_proj(x)
+        out = torch.empty((x.shape[0], cfg.inner), dtype=torch.float32, device=x.device)
+        gates = proj[:, : cfg.inner]
+        for seg in segments:
+            rows = slice(seg.start, seg.start + seg.length)
+            out[rows] = self._segment(proj[rows, cfg.inner :], seg.state)
+        y = out * F.silu(gates.float())  # the gate, then RMSNorm per group (norm_before_gate = False)
+        grouped = y.view(y.shape[0], cfg.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+        y = self.norm_weight * grouped.view(y.shape).to(x.dtype)
+        return self.out_proj(y.to(x.dtype))
+
+    def _segment(self, proj: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One request's n rows: the convolution over its conv state, then the scan over its SSM
+        state (both updated in place) -> y [n, inner] float32 (before the gate)."""
+        cfg = self.cfg
+        n = proj.shape[0]
+        xbc, dt = proj[:, : cfg.conv_dim], proj[:, cfg.conv_dim :]
+        conv_state = state.conv[self.index]
+        seq = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)  # [conv_dim, d_conv - 1 + n]
+        conv_state.copy_(seq[:, -(cfg.d_conv - 1) :])
+        xbc = F.silu(F.conv1d(seq.unsqueeze(0), self.conv_weight, self.conv_bias, groups=cfg.conv_dim)[0]).t()  # [n, conv_dim]
+        xs, B, C = xbc.float().split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
+        xs = xs.view(n, cfg.heads, cfg.head_dim)
+        per_group = cfg.heads // cfg.groups
+        B = B.view(n, cfg.groups, 1, cfg.d_state).expand(n, cfg.groups, per_group, cfg.d_state).reshape(n, cfg.heads, cfg.d_state)
+        C = C.view(n, cfg.groups, 1, cfg.d_state).expand(n, cfg.groups, per_group, cfg.d_state).reshape(n, cfg.heads, cfg.d_state)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(cfg.time_step_min, cfg.time_step_max)  # [n, heads]
+        decay = torch.exp(dt * self.A)  # [n, heads]
+        dtx = dt[:, :, None] * xs  # [n, heads, head_dim]
+        h = state.ssm[self.index]
+        ys = torch.empty((n, cfg.heads, cfg.head_dim), dtype=torch.float32, device=proj.device)
+        for t in range(n):  # token by token: the same sums in the same order however the prompt is split
+            h.mul_(decay[t, :, None, None]).add_(dtx[t, :, :, None] * B[t, :, None, :])
+            ys[t] = torch.einsum("hpn,hn->hp", h, C[t])
+        ys += self.D[:, None] * xs
+        return ys.reshape(n, cfg.inner)

@@ -2,7 +2,8 @@
 
 The recurrent layers keep a state per request in the runner (mamba.py), so what these tests hold
 is that the state follows the request: across prompt chunks, batch neighbours, preemption (the
-state made again from position 0) and forked choices (the parent's state copied).
+state made again from position 0), forked choices (the parent's state copied) and prefix-cache
+hits (the state checkpointed at the hit's end restored: engine/state_cache.py).
 
 The reference is transformers' full forward over the whole sequence at every step: its cached
 decode path for Bamba (transformers 5.24) disagrees with its own forward after a few tokens
@@ -65,10 +66,52 @@ def test_forked_choices_start_from_their_parents_state(bamba):
         assert [o.token_ids for o in out.outputs] == [ref] * 3
 
 
-def test_what_is_not_there_yet_is_said(bamba, caplog):
+def shared_heads(seed: int = 5) -> list[list[int]]:
+    """Six prompts, three pairs sharing a 32-token head (8 blocks of 4)."""
+    g = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(0, 260, (32,), generator=g).tolist() for _ in range(3)]
+    return [h + torch.randint(0, 260, (n,), generator=g).tolist() for h in heads for n in (3, 9)]
+
+
+def test_prefix_hits_restore_the_recurrent_state_checkpointed_at_their_end(bamba, monkeypatch):
+    """A request saves its state at block boundaries (here every 2 blocks) and at its prompt's
+    ends; a later request with the same head restores the checkpoint where its hit ends, as it
+    would the KV, and its tokens are transformers'. The same prompt again hits up to its last block."""
+    from treadle.engine import state_cache
+
+    monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
+    folder, model = bamba
+    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=128)
+    batch = shared_heads()
+    llm.generate(batch[::2], GREEDY)  # the first of each pair: checkpoints at 8, 16, 24, 32 tokens...
+    before = llm.stats()["prefix_cache_hits"]
+    check(model, llm, batch[1::2])
+    assert llm.stats()["prefix_cache_hits"] - before == 3 * 32  # each follow-up restored its head's 8 blocks
+    again = llm.stats()["prefix_cache_hits"]
+    check(model, llm, batch[:1])  # the same prompt again (35 tokens): the hit ends at its last full block before its last token
+    assert llm.stats()["prefix_cache_hits"] - again == 32
+    checkpoints = llm.engine.core.kv.checkpoints
+    assert checkpoints.saved > 0 and len(checkpoints.slots) <= checkpoints.num_slots
+
+
+def test_prefix_hits_with_chunking_preemption_and_few_checkpoints(bamba, monkeypatch):
+    """The same under 8-token chunks, a pool that preempts, and two checkpoint slots (evicted
+    least recently used first): a hit never restores a state that is not its prefix's."""
+    from treadle.engine import state_cache
+
+    monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
+    folder, model = bamba
+    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=64, max_num_batched_tokens=8, num_kv_blocks=24, recurrent_checkpoints=2)
+    batch = shared_heads(seed=8)
+    llm.generate(batch[::2], GREEDY)
+    check(model, llm, batch)
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_what_is_not_there_yet_is_said(bamba):
     folder, _ = bamba
-    llm = LLM(folder, dtype="float32", max_model_len=128)
-    assert llm.stats()["enable_prefix_caching"] is False  # no state checkpoints for prefix hits yet
     with pytest.raises(ValueError, match="recurrent layers"):
         LLM(folder, dtype="float32", max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
@@ -79,7 +122,9 @@ def test_the_states_come_out_of_the_kv_budget(bamba):
     llm = LLM(folder, dtype="float32", max_model_len=128, block_size=16, max_num_seqs=4, kv_cache_memory_bytes=budget)
     cfg = llm.engine.core.model_config
     per_block = 2 * 1 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # one attention layer, float32
-    assert llm.stats()["kv_blocks_total"] == (budget - 4 * cfg.state_bytes(torch.float32)) // per_block
+    slots = llm.engine.core.kv.checkpoints.num_slots  # a quarter of the budget's bytes, at most 4 x max_num_seqs
+    assert slots == max(2, min(16, budget // 4 // cfg.state_bytes(torch.float32)))
+    assert llm.stats()["kv_blocks_total"] == (budget - (4 + slots) * cfg.state_bytes(torch.float32)) // per_block
 
 
 def test_bf16_default_is_invariant_to_batching_and_chunking(bamba):
@@ -90,7 +135,8 @@ def test_bf16_default_is_invariant_to_batching_and_chunking(bamba):
     assert llm.stats()["batch_invariant"]
     alone = [llm.generate([p], params)[0].outputs[0] for p in batch[:2]]
     chunked = LLM(folder, max_model_len=128, max_num_batched_tokens=7)
-    for run in (llm.generate(batch, params), chunked.generate(batch, params)):
+    # batched, chunked, and again with the first two prompts' prefixes cached (checkpoints restored)
+    for run in (llm.generate(batch, params), chunked.generate(batch, params), chunked.generate(batch, params)):
         for a, b in zip(alone, run):
             assert (a.token_ids, a.logprobs) == (b.outputs[0].token_ids, b.outputs[0].logprobs)
 

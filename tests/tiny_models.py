@@ -143,6 +143,12 @@ def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch == "bamba":  # long memory: decays near 1 (transformers' init forgets within a few tokens), so a wrong state shows
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if getattr(layer, "mamba", None) is not None:
+                    layer.mamba.A_log.uniform_(-5.0, -3.0)  # A in -0.05..-0.007
+                    layer.mamba.dt_bias.uniform_(-1.0, 0.0)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(os.path.join(folder, "tokenizer.json"))

@@ -114,6 +114,10 @@ class EngineConfig:
     # (`treadle serve` defaults to 1.0; engine/step_cost.py)
     decode_stall_ratio: float | None = None
     enable_prefix_caching: bool = True
+    # a hybrid model's prefix caching: how many checkpoints of recurrent states to keep (each one
+    # request's state in every recurrent layer, out of the KV budget); None: as many as fit in a
+    # quarter of the KV pool's bytes, between 2 and max_num_seqs x 4
+    recurrent_checkpoints: int | None = None
     # quantize a Hugging Face folder's matrices at load into GGUF block types (vLLM's flag name):
     # "q8_0", "q4_k" or "q4_0"; None: as the files hold them. A GGUF file keeps its own types.
     quantization: str | None = None
@@ -168,6 +172,7 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "recurrent_checkpoints": "hybrid (recurrent-state) models: checkpoints of request states kept for prefix hits (default: a quarter of the KV budget's bytes, 2 to 4 x max-num-seqs)",
     "quantization": "quantize a Hugging Face folder's matrices at load (q8_0, q4_k, q4_0), held and multiplied as a GGUF file's; a GGUF file keeps its own types",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
     "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (a GGUF file's blocks as they are, or the dtype), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",

@@ -48,6 +48,10 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # speculative decoding: the last `num_drafts` of token_ids are proposals; the request samples
     # from each of its last num_drafts + 1 rows and keeps the proposals its samples confirm
     num_drafts: int = 0
+    # a hybrid model's recurrent state: start from checkpoint slot `restore_state` (a prefix hit;
+    # -1: from the request's own state), and save it into a slot after each `offset` of these tokens
+    restore_state: int = -1
+    save_states: list[tuple[int, int]] = []
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -36,6 +36,7 @@ from .protocol import CoreOutput, EngineCoreRequest, child_request_id
 from .request import Request, validate_prompt
 from .scheduler import Scheduler
 from .spec_decode import SpeculationPolicy, fill_proposals
+from .state_cache import StateCheckpoints
 from .step_cost import StepCostModel
 from .structured import StructuredOutputManager
 
@@ -76,12 +77,9 @@ class EngineCore:
         self.runner, self.dtype, self.model_config, self.tokenizer = w.runner, w.dtype, w.model_config, w.tokenizer
         self.max_model_len, self.eos_token_ids = w.max_model_len, w.eos_token_ids
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
-        caching = config.enable_prefix_caching
-        if caching and self.model_config.recurrent:
-            # a prefix hit would need the recurrent state at the hit's end: not checkpointed yet
-            log.warning("prefix caching is off for this model: its recurrent layers' states are not checkpointed for prefix hits yet")
-            caching = False
-        self.kv = KVCacheManager(w.num_blocks, config.block_size, caching, w.runner.layout)
+        # a hybrid's prefix hits also need its recurrent states at their ends: checkpoints of them
+        checkpoints = StateCheckpoints(w.num_state_checkpoints) if self.model_config.recurrent and w.num_state_checkpoints else None
+        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout, checkpoints)
         self.kv_events = None
         if config.kv_events_endpoint:
             from .kv_events import KVEventPublisher

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..kv_layout import CacheGroup, KVLayout
 from .block_pool import Block, BlockPool, extend_block_hashes
 from .request import Request
+from .state_cache import StateCheckpoints, boundaries
 
 FULL_ATTENTION = KVLayout((CacheGroup(None, ()),), 1)  # one group, every position kept
 
@@ -33,6 +34,7 @@ class PrefixHit:
     """A prefix-cache hit: per cache group, the hit's blocks (None where out of that group's window)."""
 
     blocks: list[list[Block | None]] = field(default_factory=list)
+    state_slot: int | None = None  # a hybrid model's: the checkpoint of its recurrent state at the hit's end
 
     @property
     def num_blocks(self) -> int:
@@ -43,9 +45,18 @@ NO_HIT = PrefixHit()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, layout: KVLayout = FULL_ATTENTION):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        layout: KVLayout = FULL_ATTENTION,
+        checkpoints: StateCheckpoints | None = None,
+    ):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # a hybrid model's recurrent-state checkpoints (state_cache.py): a hit needs one at its end
+        self.checkpoints = checkpoints if enable_caching else None
         self.windows = [g.window for g in layout.groups]
         self.pool = BlockPool(num_blocks, enable_caching, len(self.windows))
         self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, one table per group
@@ -72,12 +83,29 @@ class KVCacheManager:
 
     def begin_step(self) -> None:
         self.step_hashed = []
+        if self.checkpoints is not None:
+            self.checkpoints.commit()  # the last step ran: its checkpoints hold their states
 
     def forget_step(self) -> None:
         """The step scheduled since begin_step() failed: un-hash the blocks it was to fill."""
         for block in self.step_hashed:
             self.pool.uncache_block(block)
         self.step_hashed = []
+        if self.checkpoints is not None:
+            self.checkpoints.forget()
+
+    def checkpoint_saves(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """(offset in the step's tokens, slot): where a hybrid request computing tokens [start, end)
+        saves its recurrent state (state_cache.boundaries), each a new checkpoint."""
+        if self.checkpoints is None:
+            return []
+        hashes = self._block_hashes(req)
+        saves = []
+        for b in boundaries(start, end, req.num_prompt_tokens, self.block_size):
+            slot = self.checkpoints.reserve(hashes[b // self.block_size - 1])
+            if slot is not None:
+                saves.append((b - start, slot))
+        return saves
 
     def block_table(self, request_id: str) -> list[list[int]]:
         """The request's table per group, block 0 where a window let go of the entry."""
@@ -114,7 +142,14 @@ class KVCacheManager:
             else:
                 found.append([self.pool.get_cached_block(h, g) for h in hashes[:n]])
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
-        while n and not all(all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n]) for g in sliding):
+        state_slot = None
+        while n:
+            if all(all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n]) for g in sliding):
+                if self.checkpoints is None:
+                    break
+                state_slot = self.checkpoints.find(hashes[n - 1])
+                if state_slot is not None:
+                    break
             n -= 1
         if not n:
             return NO_HIT
@@ -122,7 +157,7 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             first = self._first_visible(n * self.block_size, window)
             blocks.append([None] * first + found[g][first:n])
-        return PrefixHit(blocks)
+        return PrefixHit(blocks, state_slot)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and any cached hit).

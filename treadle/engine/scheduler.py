@@ -126,18 +126,19 @@ class Scheduler:
             req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._add(out, req, num_new)
+            self._add(out, req, num_new, restore=-1 if hits.state_slot is None else hits.state_slot)
             budget -= num_new
             prompt_budget -= num_new
         return out
 
-    def _add(self, out: StepInput, req: Request, num_new: int, drafts: list[int] = ()) -> None:
+    def _add(self, out: StepInput, req: Request, num_new: int, drafts: list[int] = (), restore: int = -1) -> None:
         start = req.num_computed_tokens
         end = start + num_new - len(drafts)
         samples = [req.request_id] if end == req.num_tokens else []
         table = self.kv.block_table(req.request_id)
         tokens = req.all_token_ids[start:end] + list(drafts)
-        out.scheduled.append(ScheduledRequest(req.request_id, tokens, start, table, samples, len(drafts)))
+        saves = self.kv.checkpoint_saves(req, start, end)
+        out.scheduled.append(ScheduledRequest(req.request_id, tokens, start, table, samples, len(drafts), restore, saves))
         self.scheduled.append((req, num_new))
 
     def _preempt(self, req: Request) -> None:

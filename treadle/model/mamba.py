@@ -82,6 +82,8 @@ class Segment:
     start: int
     length: int
     state: RecurrentState
+    # (offset, checkpoint): copy the state after the first `offset` rows into the checkpoint
+    saves: list = None
 
 
 class Mamba2Mixer:
@@ -115,22 +117,27 @@ class Mamba2Mixer:
         gates = proj[:, : cfg.inner]
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
-            out[rows] = self._segment(proj[rows, cfg.inner :], seg.state)
+            out[rows] = self._segment(proj[rows, cfg.inner :], seg.state, seg.saves or ())
         y = out * F.silu(gates.float())  # the gate, then RMSNorm per group (norm_before_gate = False)
         grouped = y.view(y.shape[0], cfg.groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
         y = self.norm_weight * grouped.view(y.shape).to(x.dtype)
         return self.out_proj(y.to(x.dtype))
 
-    def _segment(self, proj: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+    def _segment(self, proj: torch.Tensor, state: RecurrentState, saves) -> torch.Tensor:
         """One request's n rows: the convolution over its conv state, then the scan over its SSM
-        state (both updated in place) -> y [n, inner] float32 (before the gate)."""
+        state (both updated in place) -> y [n, inner] float32 (before the gate). `saves`: (offset,
+        checkpoint) pairs, each given this layer's state after `offset` rows."""
         cfg = self.cfg
         n = proj.shape[0]
         xbc, dt = proj[:, : cfg.conv_dim], proj[:, cfg.conv_dim :]
         conv_state = state.conv[self.index]
         seq = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)  # [conv_dim, d_conv - 1 + n]
         conv_state.copy_(seq[:, -(cfg.d_conv - 1) :])
+        at = {}
+        for offset, checkpoint in saves:  # the conv state after `offset` rows: the d_conv - 1 inputs before row `offset`
+            checkpoint.conv[self.index].copy_(seq[:, offset : offset + cfg.d_conv - 1])
+            at[offset] = checkpoint
         xbc = F.silu(F.conv1d(seq.unsqueeze(0), self.conv_weight, self.conv_bias, groups=cfg.conv_dim)[0]).t()  # [n, conv_dim]
         xs, B, C = xbc.float().split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
         xs = xs.view(n, cfg.heads, cfg.head_dim)
@@ -145,5 +152,7 @@ class Mamba2Mixer:
         for t in range(n):  # token by token: the same sums in the same order however the prompt is split
             h.mul_(decay[t, :, None, None]).add_(dtx[t, :, :, None] * B[t, :, None, :])
             ys[t] = torch.einsum("hpn,hn->hp", h, C[t])
+            if t + 1 in at:
+                at[t + 1].ssm[self.index].copy_(h)
         ys += self.D[:, None] * xs
         return ys.reshape(n, cfg.inner)

@@ -104,6 +104,7 @@ class ModelRunner:
         # starts at position 0 (again after a preemption), copied to a forked choice, dropped at its end
         self.recurrent = config.recurrent
         self.states: dict = {}
+        self.checkpoints: dict = {}  # slot -> the RecurrentState saved there (engine/state_cache.py)
         self.num_steps = 0
         self.fail_at_steps = fail_at_steps
 
@@ -257,12 +258,25 @@ class ModelRunner:
         for i in order:
             s = scheduled[i]
             state = self.states.get(s.req_id)
-            if s.start == 0:
+            if s.restore_state >= 0:  # a prefix hit: the checkpoint at its end
+                saved = self.checkpoints.get(s.restore_state)
+                if saved is None or saved.position != s.start:
+                    at = "empty" if saved is None else f"at position {saved.position}"
+                    raise RuntimeError(f"request {s.req_id}: checkpoint {s.restore_state} is {at}, the step starts at {s.start}")
+                state = self.states[s.req_id] = saved.copy()
+            elif s.start == 0:
                 state = self.states[s.req_id] = self.model.new_state()
             elif state is None or state.position != s.start:
                 at = "none" if state is None else state.position
                 raise RuntimeError(f"request {s.req_id}: its recurrent state is at position {at}, the step starts at {s.start}")
-            segments.append(Segment(row, len(s.token_ids), state))
+            saves = []
+            for offset, slot in s.save_states:
+                target = self.checkpoints.get(slot)
+                if target is None:
+                    target = self.checkpoints[slot] = self.model.new_state()
+                target.position = s.start + offset
+                saves.append((offset, target))
+            segments.append(Segment(row, len(s.token_ids), state, saves))
             state.position += len(s.token_ids)
             row += len(s.token_ids)
         return segments

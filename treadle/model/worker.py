@@ -88,6 +88,10 @@ class ModelWorker:
             if not kv_layout(files.config.windows()).has_full_group or any(w is not None for w in draft_files.config.windows()):
                 raise ValueError("speculative_config.model: a draft model needs full-attention layers in the target and only those in the draft")
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
+        pool_bytes = config.kv_cache_memory_bytes or self.num_blocks * ModelRunner.kv_bytes_per_block(
+            self.model_config, config.block_size, self.dtype
+        )
+        self.num_state_checkpoints = self._checkpoints(self.model_config, pool_bytes)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
         files.config.position_table = position_table or self.max_model_len
@@ -139,6 +143,15 @@ class ModelWorker:
             raise ValueError(f"batch_invariant needs treadle's attention kernel, which cannot serve this engine: {reason}")
         return reason is None if self.config.batch_invariant is None else self.config.batch_invariant
 
+    def _checkpoints(self, mc: ModelConfig, pool_bytes: int) -> int:
+        """How many checkpoints of a hybrid's recurrent states the prefix cache keeps (0: none)."""
+        cfg = self.config
+        if not mc.recurrent or not cfg.enable_prefix_caching:
+            return 0
+        if cfg.recurrent_checkpoints is not None:
+            return cfg.recurrent_checkpoints
+        return max(2, min(4 * cfg.max_num_seqs, pool_bytes // 4 // mc.state_bytes(self.dtype)))
+
     def _size_kv_cache(self, mc: ModelConfig) -> tuple[int, int]:
         """(blocks in the pool, max_model_len): the pool holds at least one request of
         max_model_len tokens (its blocks in every cache group: a sliding-window group holds only
@@ -157,8 +170,9 @@ class ModelWorker:
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_memory_bytes is not None:
-            # one budget: a hybrid's recurrent states (one per running request) come out of it first
-            states = cfg.max_num_seqs * mc.state_bytes(self.dtype) if mc.recurrent else 0
+            # one budget: a hybrid's recurrent states (one per running request, and the prefix
+            # cache's checkpoints) come out of it first
+            states = (cfg.max_num_seqs + self._checkpoints(mc, cfg.kv_cache_memory_bytes)) * mc.state_bytes(self.dtype) if mc.recurrent else 0
             num_blocks = (cfg.kv_cache_memory_bytes - states) // per_block
         else:
             wanted = cfg.max_num_seqs * blocks(max_len)

@@ -110,10 +110,26 @@ def test_prefix_hits_with_chunking_preemption_and_few_checkpoints(bamba, monkeyp
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_what_is_not_there_yet_is_said(bamba):
-    folder, _ = bamba
-    with pytest.raises(ValueError, match="recurrent layers"):
-        LLM(folder, dtype="float32", max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_rolls_the_state_back_past_rejected_proposals(bamba, method):
+    """Proposals verified in one step run through the mixers; where some are rejected, the state
+    goes back to the one after the last accepted row. Tokens equal plain decoding's."""
+    folder, model = bamba
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    llm = LLM(folder, dtype="float32", max_model_len=128, speculative_config=spec)
+    plain = LLM(folder, dtype="float32", max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    head = [11, 12, 13, 14, 15] * 3
+    seen = plain.generate([head], params)[0].outputs[0].token_ids
+    # the model's own continuation repeated in the prompt: n-gram / suffix proposals, some accepted, some refused
+    repeats = [head + seen + head + seen[:5], head + seen + head + seen[:12], seen + head + seen[:3]]
+    for prompt in repeats + prompts(2):
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain.generate([prompt], params)[0].outputs[0].token_ids
+    stats = llm.stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    assert llm.engine.runner.states == {} and llm.engine.runner.draft_states == {}
 
 
 def test_the_states_come_out_of_the_kv_budget(bamba):

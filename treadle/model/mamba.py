@@ -137,7 +137,7 @@ class Mamba2Mixer:
         at = {}
         for offset, checkpoint in saves:  # the conv state after `offset` rows: the d_conv - 1 inputs before row `offset`
             checkpoint.conv[self.index].copy_(seq[:, offset : offset + cfg.d_conv - 1])
-            at[offset] = checkpoint
+            at.setdefault(offset, []).append(checkpoint)
         xbc = F.silu(F.conv1d(seq.unsqueeze(0), self.conv_weight, self.conv_bias, groups=cfg.conv_dim)[0]).t()  # [n, conv_dim]
         xs, B, C = xbc.float().split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
         xs = xs.view(n, cfg.heads, cfg.head_dim)
@@ -152,7 +152,7 @@ class Mamba2Mixer:
         for t in range(n):  # token by token: the same sums in the same order however the prompt is split
             h.mul_(decay[t, :, None, None]).add_(dtx[t, :, :, None] * B[t, :, None, :])
             ys[t] = torch.einsum("hpn,hn->hp", h, C[t])
-            if t + 1 in at:
-                at[t + 1].ssm[self.index].copy_(h)
+            for checkpoint in at.get(t + 1, ()):
+                checkpoint.ssm[self.index].copy_(h)
         ys += self.D[:, None] * xs
         return ys.reshape(n, cfg.inner)

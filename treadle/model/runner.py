@@ -105,6 +105,9 @@ class ModelRunner:
         self.recurrent = config.recurrent
         self.states: dict = {}
         self.checkpoints: dict = {}  # slot -> the RecurrentState saved there (engine/state_cache.py)
+        # a verifying request's states after each of its rows but the last: where a rejected
+        # proposal rolls its state back to (request id -> [state after 1 row, after 2, ...])
+        self.draft_states: dict = {}
         self.num_steps = 0
         self.fail_at_steps = fail_at_steps
 
@@ -193,6 +196,11 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, reqs, constrained, verification)
         if verification is not None:
             results.update(verification.accept(sampled, self.requests))
+            for req_id, drafts in verified.items():  # a hybrid: back to the state after the last accepted row
+                kept = len(results[req_id]) - 1  # proposals accepted (the last token is sampled, not yet computed)
+                if req_id in self.draft_states and kept < len(drafts):
+                    self.states[req_id] = self.draft_states[req_id][kept]
+            self.draft_states = {}
         else:
             for req_id, tok in zip(ids, sampled):
                 self.requests[req_id].all_token_ids.append(tok.token_id)
@@ -270,6 +278,12 @@ class ModelRunner:
                 at = "none" if state is None else state.position
                 raise RuntimeError(f"request {s.req_id}: its recurrent state is at position {at}, the step starts at {s.start}")
             saves = []
+            if s.num_drafts:  # verifying proposals: keep the state after each row but the last, for a rollback
+                rollback = [self.model.new_state() for _ in range(s.num_drafts)]
+                for j, target in enumerate(rollback):
+                    target.position = s.start + j + 1
+                    saves.append((j + 1, target))
+                self.draft_states[s.req_id] = rollback
             for offset, slot in s.save_states:
                 target = self.checkpoints.get(slot)
                 if target is None:

@@ -77,10 +77,6 @@ class ModelWorker:
         files = load_quantized_model_files(config.model, config.quantization)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
-        if spec is not None and files.config.recurrent:
-            raise ValueError(
-                "speculative_config: not supported yet for models with recurrent layers (a rejected proposal needs their state rolled back)"
-            )
         draft_files = None
         if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
             draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size)

@@ -3,6 +3,7 @@
     python bench/families.py fidelity [--archs ...] [--tokens 32]
     python bench/families.py moe-step [--experts 8 64] [--top-k 4] [--batches 1 16] [--layers 8]
                                       [--hidden 512] [--expert-size 256] [--tokens 48]
+    python bench/families.py hybrid-prefix [--prefix 2048] [--suffix 32] [--layers 8] [--hidden 512]
 
 fidelity: for each architecture's tiny random model (tests/tiny_models.py, 2 layers, hidden 64,
 the float32 reference of tests/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
@@ -16,6 +17,11 @@ expert size, so the same weights per token), decode steps at 1 and 16 requests i
 the time per output token of each, and the ratio to the smallest model. A step reads the experts
 its tokens chose: at one request that is top-k per layer whatever the model has; at 16 requests the
 model with more experts has more distinct ones chosen, which is more weights read per step.
+
+hybrid-prefix: a random Bamba (Mamba-2 mixers, every 4th layer attention), a `--prefix`-token
+shared prefix: TTFT (a 1-token generation) of prefix + suffix A with nothing cached (cold), then of
+prefix + suffix B (the prefix's KV found and its recurrent state restored from the checkpoint at
+its end), then of prefix + suffix C on a server with prefix caching off (cold again), in one run.
 """
 
 import argparse
@@ -105,6 +111,56 @@ def moe_step(args) -> None:
         print(f"| {n} | {steps} | {ratios} |")
 
 
+def hybrid_prefix(args) -> None:
+    import torch
+    import transformers
+
+    from bench.peer_compare import cpu_description
+    from tests.tiny_models import tiny_tokenizer
+    from treadle import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    print("CPU:", cpu_description(), f"threads {args.threads}", flush=True)
+    vocab = tiny_tokenizer().get_vocab_size()
+    with tempfile.TemporaryDirectory() as folder:
+        config = transformers.BambaConfig(
+            vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=8, num_key_value_heads=4, attn_layer_indices=list(range(3, args.layers, 4)),
+            mamba_n_heads=16, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, max_position_embeddings=8192,
+            tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            f.write("{}")
+        tiny_tokenizer().save(os.path.join(folder, "tokenizer.json"))
+        g = torch.Generator().manual_seed(3)
+        prefix = torch.randint(0, 260, (args.prefix,), generator=g).tolist()
+        suffixes = [torch.randint(0, 260, (args.suffix,), generator=g).tolist() for _ in range(3)]
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+        def ttft(llm, prompt) -> float:
+            t = time.perf_counter()
+            llm.generate([prompt], one)
+            return time.perf_counter() - t
+
+        llm = LLM(folder, max_model_len=4096)
+        ttft(llm, suffixes[2][:8])  # warm the kernels
+        cold = ttft(llm, prefix + suffixes[0])
+        warm = ttft(llm, prefix + suffixes[1])
+        hits = llm.stats()["prefix_cache_hits"]
+        off = LLM(folder, max_model_len=4096, enable_prefix_caching=False)
+        ttft(off, suffixes[2][:8])
+        uncached = ttft(off, prefix + suffixes[2])
+    print(f"\nBamba, {args.layers} layers (attention at {config.attn_layer_indices}), hidden {args.hidden}, bf16 default; "
+          f"{args.prefix}-token shared prefix + {args.suffix}-token suffixes:\n")  # fmt: skip
+    print("| | TTFT ms | / cold |")
+    print("|---|---|---|")
+    print(f"| cold (nothing cached) | {cold * 1000:.0f} | 1.00 |")
+    print(f"| follow-up, prefix cached ({hits} tokens hit: KV and recurrent state) | {warm * 1000:.0f} | {warm / cold:.3f} |")
+    print(f"| follow-up, prefix caching off | {uncached * 1000:.0f} | {uncached / cold:.3f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -120,8 +176,14 @@ def main() -> int:
     m.add_argument("--expert-size", type=int, default=256)
     m.add_argument("--tokens", type=int, default=48)
     m.add_argument("--threads", type=int, default=2)
+    h = sub.add_parser("hybrid-prefix")
+    h.add_argument("--prefix", type=int, default=2048)
+    h.add_argument("--suffix", type=int, default=32)
+    h.add_argument("--layers", type=int, default=8)
+    h.add_argument("--hidden", type=int, default=512)
+    h.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    fidelity(args) if args.what == "fidelity" else moe_step(args)
+    {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix}[args.what](args)
     return 0
 
 

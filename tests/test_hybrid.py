@@ -157,6 +157,23 @@ def test_bf16_default_is_invariant_to_batching_and_chunking(bamba):
             assert (a.token_ids, a.logprobs) == (b.outputs[0].token_ids, b.outputs[0].logprobs)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # NoPE attention, a shared MLP and 4 experts, Granite's multipliers
+        {"num_local_experts": 0, "position_embedding_type": "rope"},  # dense, rotary attention
+    ],
+)
+def test_granite_hybrid_matches_transformers(tmp_path, overrides):
+    model = save_hf_model(str(tmp_path), "granitemoehybrid", seed=4, **overrides)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=16)
+    cfg = llm.engine.core.model_config
+    assert cfg.layer_types == ["recurrent", "attention", "recurrent"] and (cfg.moe is None) == ("num_local_experts" in overrides)
+    check(model, llm, prompts(3))
+    check(model, llm, prompts(3))  # again: the prompts' prefixes hit the cache (KV and checkpointed states)
+    assert llm.stats()["prefix_cache_hits"] > 0
+
+
 def test_transformers_cached_decode_is_not_the_reference(bamba):
     """Why the reference above runs uncached: transformers' own two paths disagree on this model."""
     _, model = bamba

@@ -109,6 +109,17 @@ def hf_config(arch: str, vocab_size: int):
             attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
             mamba_chunk_size=16, tie_word_embeddings=False,
         )  # fmt: skip
+    if arch == "granitemoehybrid":
+        import transformers
+
+        # Granite 4-H in small: a mixer, an attention layer without position embeddings, a mixer;
+        # a shared MLP beside 4 experts (top-2); Granite's scalings away from 1
+        return transformers.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 3, "intermediate_size": 32, "bos_token_id": None},
+            layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+            mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5, tie_word_embeddings=False,
+        )  # fmt: skip
     if arch in MOE_ARCHITECTURES:
         import transformers
 
@@ -143,7 +154,7 @@ def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    if arch == "bamba":  # long memory: decays near 1 (transformers' init forgets within a few tokens), so a wrong state shows
+    if arch in ("bamba", "granitemoehybrid"):  # long memory: decays near 1 (transformers' init forgets within a few tokens), so a wrong state shows
         with torch.no_grad():
             for layer in model.model.layers:
                 if getattr(layer, "mamba", None) is not None:

@@ -17,6 +17,35 @@ from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 from .mamba import Mamba2Mixer, MambaConfig, RecurrentState
 
 
+def mamba_config(hf) -> MambaConfig:
+    """The Mamba-2 mixers' hyperparameters as config.json gives them (mamba_* keys)."""
+    hidden, heads = hf.int("hidden_size", "hidden_size"), file_int(hf.where, "mamba_n_heads", hf.need("mamba_n_heads"), 1, 1 << 14)
+    head_dim = hf.get("mamba_d_head", "auto")
+    if head_dim in (None, "auto"):
+        head_dim = hf.get("mamba_expand", 2) * hidden // heads
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    low, high = (
+        (float(v) if isinstance(v, (int, float)) else math.inf for v in limit)
+        if isinstance(limit, (list, tuple)) and len(limit) == 2
+        else (0.0, math.inf)
+    )
+    mamba = MambaConfig(
+        heads=heads,
+        head_dim=file_int(hf.where, "mamba_d_head", head_dim, 1, 1 << 14),
+        d_state=file_int(hf.where, "mamba_d_state", hf.get("mamba_d_state", 256), 1, 1 << 14),
+        d_conv=file_int(hf.where, "mamba_d_conv", hf.get("mamba_d_conv", 4), 2, 64),
+        groups=file_int(hf.where, "mamba_n_groups", hf.get("mamba_n_groups", 1), 1, heads),
+        conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        proj_bias=bool(hf.get("mamba_proj_bias", False)),
+        time_step_min=low,
+        time_step_max=high,
+        norm_eps=file_float(hf.where, "rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
+    )
+    if heads % mamba.groups:
+        raise ModelLoadError(f"{hf.where}: mamba_n_groups = {mamba.groups}: does not divide mamba_n_heads = {heads}")
+    return mamba
+
+
 @dataclass
 class BambaConfig(ModelConfig):
     mamba: MambaConfig = field(default_factory=lambda: MambaConfig(heads=1, head_dim=1, d_state=1, d_conv=2))
@@ -54,30 +83,7 @@ class BambaModel(LlamaModel):
             raise ModelLoadError(f"{hf.where}: attn_layer_indices: no attention layer (a model of recurrent layers alone is not supported)")
         if hf.get("mlp_bias") or hf.get("attention_bias"):
             raise ModelLoadError(f"{hf.where}: mlp_bias / attention_bias: not supported")
-        hidden, heads = hf.int("hidden_size", "hidden_size"), file_int(hf.where, "mamba_n_heads", hf.need("mamba_n_heads"), 1, 1 << 14)
-        head_dim = hf.get("mamba_d_head", "auto")
-        if head_dim in (None, "auto"):
-            head_dim = hf.get("mamba_expand", 2) * hidden // heads
-        limit = hf.get("time_step_limit") or (0.0, math.inf)
-        low, high = (
-            (float(v) if isinstance(v, (int, float)) else math.inf for v in limit)
-            if isinstance(limit, (list, tuple)) and len(limit) == 2
-            else (0.0, math.inf)
-        )
-        mamba = MambaConfig(
-            heads=heads,
-            head_dim=file_int(hf.where, "mamba_d_head", head_dim, 1, 1 << 14),
-            d_state=file_int(hf.where, "mamba_d_state", hf.get("mamba_d_state", 256), 1, 1 << 14),
-            d_conv=file_int(hf.where, "mamba_d_conv", hf.get("mamba_d_conv", 4), 2, 64),
-            groups=file_int(hf.where, "mamba_n_groups", hf.get("mamba_n_groups", 1), 1, heads),
-            conv_bias=bool(hf.get("mamba_conv_bias", True)),
-            proj_bias=bool(hf.get("mamba_proj_bias", False)),
-            time_step_min=low,
-            time_step_max=high,
-            norm_eps=file_float(hf.where, "rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
-        )
-        if heads % mamba.groups:
-            raise ModelLoadError(f"{hf.where}: mamba_n_groups = {mamba.groups}: does not divide mamba_n_heads = {heads}")
+        mamba = mamba_config(hf)
         rope = hf.rope({"partial_rotary_factor": 0.5, **(hf.section("rope_parameters") or hf.section("rope_scaling"))})
         config = hf.llama_style(
             BambaConfig,

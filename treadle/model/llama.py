@@ -237,7 +237,9 @@ class LlamaModel(CausalLM):
         v = v.view(t, kv_heads, cfg.head_dim)
         if layer.q_norm is not None and cfg.qk_norm_per_head:
             qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
-        q, k = apply_rotary(qk, *tables).split_with_sizes([heads, kv_heads], dim=1)  # q and k rotated together
+        if tables is not None:  # None: no position embedding (NoPE layers)
+            qk = apply_rotary(qk, *tables)  # q and k rotated together
+        q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
         attn = paged_attention(q, k, v, kv[0], kv[1], layer_meta, self.scale)
         return layer.o_proj(attn.view(t, self.q_size))
 

@@ -145,11 +145,13 @@ class MoE:
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
         shared: str = "mlp.shared_expert",
         shared_gate: str = "mlp.shared_expert_gate.weight",
+        fused_gate_up: str = "gate_up_proj",
     ):
         moe: MoEConfig = config.moe
+        self.fused_gate_up = fused_gate_up  # the stacked gate-and-up weight's name, where a checkpoint fuses them
         self.top_k, self.norm_topk = moe.top_k, moe.norm_topk
         self.router = lw.linear((router,))
-        gate, up, down = (self._experts(lw, experts, name, moe.num_experts) for name in names)
+        gate, up, down = (self._experts(lw, experts, name, moe.num_experts, fused_gate_up) for name in names)
         gate_up = [_joined([g, u]) for g, u in zip(gate, up)]
         downs = [_joined([d]) for d in down]
         for forms, what in ((gate_up, "gate/up"), (downs, "down")):
@@ -169,16 +171,17 @@ class MoE:
             self.shared_gate = Linear(gate.reshape(1, -1))
 
     @staticmethod
-    def _experts(lw, experts: str, name: str, n: int) -> list:
+    def _experts(lw, experts: str, name: str, n: int, fused_gate_up: str = "gate_up_proj") -> list:
         """Expert e's `name` weight for every e, in its stored form."""
         stacked = lw.prefix + f"{experts}.{name}"
-        if stacked in lw.w or (name in ("gate_proj", "up_proj") and lw.prefix + f"{experts}.gate_up_proj" in lw.w):
-            if stacked not in lw.w:  # transformers' fused [E, 2F, H]: gate rows, then up
-                fused = lw.w[lw.prefix + f"{experts}.gate_up_proj"]
+        fused_key = lw.prefix + f"{experts}.{fused_gate_up}"
+        if stacked in lw.w or (name in ("gate_proj", "up_proj") and fused_key in lw.w):
+            if stacked not in lw.w:  # a fused [E, 2F, H] (transformers', Granite's): gate rows, then up
+                fused = lw.w[fused_key]
                 half = fused.shape[1] // 2
                 part = fused[:, :half] if name == "gate_proj" else fused[:, half:]
                 if name == "up_proj":
-                    lw.w.pop(lw.prefix + f"{experts}.gate_up_proj")
+                    lw.w.pop(fused_key)
                 return [p.to(device=lw.device, dtype=lw.dtype) for p in part]
             weight = lw.w.pop(stacked)
             if weight.shape[0] != n:

@@ -36,6 +36,7 @@ BUILTIN = {
     "mixtral": "treadle.model.mixtral:MixtralModel",
     "olmoe": "treadle.model.olmoe:OlmoeModel",
     "bamba": "treadle.model.bamba:BambaModel",
+    "granitemoehybrid": "treadle.model.granite_hybrid:GraniteHybridModel",
 }
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
@@ -50,6 +51,7 @@ HF_CLASS_NAMES = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 # Registered names no GGUF file carries: llama.cpp writes Mistral and Mixtral models as "llama",
 # Gemma 3's text model as "gemma3", the Qwen MoEs as "qwen2moe" / "qwen3moe", and class names are
@@ -60,7 +62,8 @@ NOT_GGUF_ARCHITECTURES = (
     "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
-    "bamba",  # its GGUF layout (llama.cpp's granitehybrid) is not read yet
+    "bamba",  # their GGUF layout (llama.cpp's granitehybrid) is not read yet
+    "granitemoehybrid",
     *HF_CLASS_NAMES,
 )
 

@@ -56,9 +56,14 @@ class BambaConfig(ModelConfig):
 
 
 class BambaLayer(DecoderLayer):
+    """A mixer or an attention layer, then the MLP (a hybrid's layer; names are Bamba's)."""
+
+    pre_mlp_norm = "pre_ff_layernorm.weight"
+    mlp = (("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"), "feed_forward.down_proj.weight")
+
     def __init__(self, config: BambaConfig, lw: LayerWeights):
         self.input_norm = lw.norm("input_layernorm.weight")
-        self.post_attention_norm = lw.norm("pre_ff_layernorm.weight")
+        self.post_attention_norm = lw.norm(self.pre_mlp_norm)
         self.mixer = None
         if config.layer_types[lw.index] == "recurrent":
             self.mixer = Mamba2Mixer(config.mamba, lw, index=config.layer_types[: lw.index].count("recurrent"))
@@ -66,8 +71,8 @@ class BambaLayer(DecoderLayer):
             self.qkv = lw.linear(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
             self.o_proj = lw.linear(("self_attn.o_proj.weight",))
         self.q_norm = self.k_norm = None
-        self.gate_up = lw.linear(("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"))
-        self.down = lw.linear(("feed_forward.down_proj.weight",))
+        self.gate_up = lw.linear(self.mlp[0])
+        self.down = lw.linear((self.mlp[1],))
 
 
 class BambaModel(LlamaModel):

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .attention import metadata_by_layer
-from .bamba import BambaConfig, BambaModel, mamba_config
+from .bamba import BambaConfig, BambaLayer, BambaModel, mamba_config
 from .config import ModelLoadError, MoEConfig, file_float
-from .llama import DecoderLayer, LayerWeights, expected_shapes
-from .mamba import Mamba2Mixer
+from .llama import LayerWeights, expected_shapes
 from .moe import MoE, moe_shapes
 
 MOE_NAMES = dict(
@@ -40,19 +39,12 @@ class GraniteHybridConfig(BambaConfig):
     rope_positions: bool = False  # position_embedding_type "rope"; else NoPE
 
 
-class GraniteHybridLayer(DecoderLayer):
+class GraniteHybridLayer(BambaLayer):
+    pre_mlp_norm = "post_attention_layernorm.weight"
+    mlp = (("shared_mlp.input_linear.weight",), "shared_mlp.output_linear.weight")  # gate rows, then up
+
     def __init__(self, config: GraniteHybridConfig, lw: LayerWeights):
-        self.input_norm = lw.norm("input_layernorm.weight")
-        self.post_attention_norm = lw.norm("post_attention_layernorm.weight")
-        self.mixer = None
-        if config.layer_types[lw.index] == "recurrent":
-            self.mixer = Mamba2Mixer(config.mamba, lw, index=config.layer_types[: lw.index].count("recurrent"))
-        else:
-            self.qkv = lw.linear(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
-            self.o_proj = lw.linear(("self_attn.o_proj.weight",))
-        self.q_norm = self.k_norm = None
-        self.gate_up = lw.linear(("shared_mlp.input_linear.weight",))
-        self.down = lw.linear(("shared_mlp.output_linear.weight",))
+        super().__init__(config, lw)
         self.moe = MoE(config, lw, **MOE_NAMES) if config.moe is not None else None
 
 

@@ -75,19 +75,8 @@ def run_experts(
     return acc.to(x.dtype)
 
 
-@torch.library.custom_op("treadle::moe_experts", mutates_args=())
-def moe_experts_op(
-    x: torch.Tensor,
-    chosen: torch.Tensor,
-    weights: torch.Tensor,
-    gate_up: list[torch.Tensor],
-    down: list[torch.Tensor],
-    gate_up_type: int,
-    down_type: int,
-    row_chunk: int,
-) -> torch.Tensor:
-    """`run_experts` as one torch operator: compiled graphs call the grouped loop whole."""
-    return run_experts(x, chosen, weights, gate_up, down, gate_up_type, down_type, row_chunk)
+# `run_experts` as one torch operator (the same function): compiled graphs call the grouped loop whole.
+moe_experts_op = torch.library.custom_op("treadle::moe_experts", run_experts, mutates_args=())
 
 
 @moe_experts_op.register_fake

@@ -179,3 +179,33 @@ def test_transformers_cached_decode_is_not_the_reference(bamba):
     _, model = bamba
     batch = prompts()
     assert any(hf_greedy(model, p, GREEDY.max_tokens)[0] != hf_greedy_uncached(model, p, GREEDY.max_tokens)[0] for p in batch)
+
+
+@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_a_config_json_of_wrong_values_is_a_load_error(tmp_path, arch):
+    """The new families' own keys given wrong values (a type, a sign, an absurd size): a
+    ModelLoadError naming the file, never another exception or a huge allocation; and a mixer
+    whose weights contradict its config is refused at load."""
+    import json
+
+    from treadle.model.config import ModelLoadError
+
+    save_hf_model(str(tmp_path), arch, seed=0)
+    path = tmp_path / "config.json"
+    good = json.loads(path.read_text())
+    keys = ["num_hidden_layers", "attn_layer_indices", "layer_types", "mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups",
+            "time_step_limit", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_intermediate_size",
+            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "embedding_multiplier", "clip_qkv"]  # fmt: skip
+    for key in (k for k in keys if k in good):
+        for value in (None, "x", -1, [1, 2], 10**12):
+            path.write_text(json.dumps({**good, key: value}))
+            try:
+                LLM(str(tmp_path), dtype="float32", max_model_len=64)  # loads, or refuses at load
+            except ModelLoadError:
+                pass
+            except ValueError as e:  # the engine's own refusal of a setting (a ModelLoadError is one too)
+                assert "KV cache" in str(e) or "max_model_len" in str(e), (key, value, e)
+    if arch in ("bamba", "granitemoehybrid"):
+        path.write_text(json.dumps({**good, "mamba_d_state": good["mamba_d_state"] * 2}))
+        with pytest.raises(ModelLoadError, match="mamba"):
+            LLM(str(tmp_path), dtype="float32", max_model_len=64)

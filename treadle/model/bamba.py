@@ -22,7 +22,7 @@ def mamba_config(hf) -> MambaConfig:
     hidden, heads = hf.int("hidden_size", "hidden_size"), file_int(hf.where, "mamba_n_heads", hf.need("mamba_n_heads"), 1, 1 << 14)
     head_dim = hf.get("mamba_d_head", "auto")
     if head_dim in (None, "auto"):
-        head_dim = hf.get("mamba_expand", 2) * hidden // heads
+        head_dim = file_int(hf.where, "mamba_expand", hf.get("mamba_expand", 2), 1, 64) * hidden // heads
     limit = hf.get("time_step_limit") or (0.0, math.inf)
     low, high = (
         (float(v) if isinstance(v, (int, float)) else math.inf for v in limit)
@@ -44,6 +44,13 @@ def mamba_config(hf) -> MambaConfig:
     if heads % mamba.groups:
         raise ModelLoadError(f"{hf.where}: mamba_n_groups = {mamba.groups}: does not divide mamba_n_heads = {heads}")
     return mamba
+
+
+def mixer_shapes(config) -> dict[str, tuple[int, ...]]:
+    """A Mamba-2 mixer's weights (under its layer's prefix) and their shapes."""
+    m, h = config.mamba, config.hidden_size
+    return {"mamba.in_proj.weight": (m.inner + m.conv_dim + m.heads, h), "mamba.out_proj.weight": (h, m.inner), "mamba.norm.weight": (m.inner,),
+            "mamba.dt_bias": (m.heads,), "mamba.A_log": (m.heads,), "mamba.D": (m.heads,), "mamba.conv1d.bias": (m.conv_dim,)}  # fmt: skip
 
 
 @dataclass
@@ -80,7 +87,7 @@ class BambaModel(LlamaModel):
 
     @classmethod
     def config_from_hf(cls, hf) -> BambaConfig:
-        layers = hf.need("num_hidden_layers")
+        layers = hf.int("num_hidden_layers", "num_layers")
         attention = hf.get("attn_layer_indices") or []
         if not isinstance(layers, int) or not isinstance(attention, list) or not all(isinstance(i, int) and 0 <= i < layers for i in attention):
             raise ModelLoadError(f"{hf.where}: attn_layer_indices = {attention!r}: expected layer numbers below num_hidden_layers")
@@ -108,6 +115,7 @@ class BambaModel(LlamaModel):
             if kind == "recurrent":
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                     shapes.pop(p + f"self_attn.{name}.weight")
+                shapes.update({p + k: v for k, v in mixer_shapes(config).items()})
         return shapes
 
     def __init__(self, config: BambaConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False):

@@ -80,7 +80,7 @@ class Gemma3Model(LlamaModel):
         else:  # rope_theta, rope_local_base_freq, rope_scaling (global layers only)
             global_rope = hf.rope({"rope_theta": hf.get("rope_theta", 1e6), **hf.section("rope_scaling")})
             local_rope = RopeConfig(theta=hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))
-        num_layers = hf.need("num_hidden_layers")
+        num_layers = hf.int("num_hidden_layers", "num_layers")
         window = hf.get("sliding_window") or None
         types = hf.get("layer_types")
         if types is not None and (
@@ -105,7 +105,7 @@ class Gemma3Model(LlamaModel):
     @classmethod
     def config_from_gguf(cls, gguf) -> Gemma3Config:
         window = gguf.get("attention.sliding_window") or None
-        num_layers = gguf.get("block_count", required=True)
+        num_layers = gguf.number("block_count", *LIMITS["num_layers"], required=True)
         pattern = gguf.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
         config = gguf.llama_style(
             Gemma3Config,

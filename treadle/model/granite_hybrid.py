@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import metadata_by_layer
-from .bamba import BambaConfig, BambaLayer, BambaModel, mamba_config
+from .bamba import BambaConfig, BambaLayer, BambaModel, mamba_config, mixer_shapes
 from .config import ModelLoadError, MoEConfig, file_float
 from .llama import LayerWeights, expected_shapes
 from .moe import MoE, moe_shapes
@@ -53,7 +53,7 @@ class GraniteHybridModel(BambaModel):
 
     @classmethod
     def config_from_hf(cls, hf) -> GraniteHybridConfig:
-        layers = hf.need("num_hidden_layers")
+        layers = hf.int("num_hidden_layers", "num_layers")
         types = hf.get("layer_types")
         if not isinstance(types, list) or len(types) != layers or not all(t in LAYER_TYPES for t in types):
             raise ModelLoadError(f"{hf.where}: layer_types = {types!r}: expected {layers} of {sorted(LAYER_TYPES)}")
@@ -91,6 +91,7 @@ class GraniteHybridModel(BambaModel):
             if kind == "recurrent":
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                     shapes.pop(p + f"self_attn.{name}.weight")
+                shapes.update({p + k: v for k, v in mixer_shapes(config).items()})
             shapes[p + "shared_mlp.input_linear.weight"] = (2 * s, h)
             shapes[p + "shared_mlp.output_linear.weight"] = (h, s)
             if config.moe is not None:

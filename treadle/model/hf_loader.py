@@ -4,7 +4,7 @@ import glob
 import math
 import os
 
-from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_int, yarn_mscale
+from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
 from .registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
 from .tokenizer import read_json, tokenizer_from_hf_folder
 
@@ -88,17 +88,20 @@ class HFConfig:
             original = params.get("original_max_position_embeddings", self.cfg.get("original_max_position_embeddings"))
             if original is None:
                 raise ModelLoadError(f"{self.where}: rope_scaling longrope: original_max_position_embeddings missing")
-            rope.original_max_position = original
+            original = rope.original_max_position = self._positions("rope_scaling original_max_position_embeddings", original)
             rope.short_factor, rope.long_factor = params.get("short_factor"), params.get("long_factor")
-            factor = params.get("factor") or self.cfg.get("max_position_embeddings", original) / original
+            factor = self._factor(params) or self._positions("max_position_embeddings", self.cfg.get("max_position_embeddings", original)) / original
             attention = params.get("attention_factor")
             rope.attention_factor = (
                 attention if attention is not None else (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
             )
         elif kind == "yarn":
             rope.scaling_type = "yarn"
-            rope.original_max_position = params.get("original_max_position_embeddings") or self.need("max_position_embeddings")
-            factor = params.get("factor") or self.need("max_position_embeddings") / rope.original_max_position
+            context = self._positions("max_position_embeddings", self.need("max_position_embeddings"))
+            original = rope.original_max_position = self._positions(
+                "rope_scaling original_max_position_embeddings", params.get("original_max_position_embeddings") or context
+            )
+            factor = self._factor(params) or context / original
             rope.factor = factor
             rope.beta_fast = params.get("beta_fast") or 32.0
             rope.beta_slow = params.get("beta_slow") or 1.0
@@ -112,15 +115,23 @@ class HFConfig:
             # dynamic NTK: transformers rescales the base whenever a sequence passes the context;
             # here once, for the engine's length (layers.rope_inverse_frequencies), as vLLM does
             rope.scaling_type = "dynamic"
-            rope.factor = params.get("factor", 1.0)
-            rope.original_max_position = self.need("max_position_embeddings")
+            rope.factor = self._factor(params) or 1.0
+            rope.original_max_position = self._positions("max_position_embeddings", self.need("max_position_embeddings"))
         elif kind not in (None, "default"):
             raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope, yarn, dynamic)")
         partial = params.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor"))
         if partial is not None and partial != 1.0:
-            head_dim = self.cfg.get("head_dim") or self.need("hidden_size") // self.need("num_attention_heads")
+            head_dim = self.cfg.get("head_dim") or self.int("hidden_size", "hidden_size") // self.int("num_attention_heads", "num_heads")
             rope.rotary_dim = int(head_dim * partial)
         return rope
+
+    def _positions(self, key: str, value) -> int:
+        return file_int(self.where, key, value, *LIMITS["max_position"])
+
+    def _factor(self, params: dict) -> float | None:
+        """rope_scaling's factor, checked; None where the file gives none."""
+        factor = params.get("factor")
+        return None if factor is None else file_float(self.where, "rope_scaling factor", factor)
 
     def llama_style(self, config_class=ModelConfig, **fields) -> ModelConfig:
         """The fields every Llama-style config.json gives, `fields` given or overriding; not yet checked."""

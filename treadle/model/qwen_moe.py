@@ -17,7 +17,7 @@ from .llama import Qwen2Model, Qwen3Model
 
 def hf_moe(hf, norm_topk: bool, shared: bool) -> MoEConfig:
     """A Qwen MoE config.json's experts (Qwen2-MoE's shared expert where `shared`)."""
-    num_layers = hf.need("num_hidden_layers")
+    num_layers = hf.int("num_hidden_layers", "num_layers")
     step = hf.get("decoder_sparse_step", 1) or 1
     dense = hf.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1 or not isinstance(dense, list) or not isinstance(num_layers, int):

@@ -71,6 +71,20 @@ def hf_tokenizer(gguf_path):
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
+def version_of(model) -> tuple | None:
+    """What identifies a model's files as they are now: config.json's bytes for a folder, size and
+    mtime for a file."""
+    import hashlib
+
+    if model and os.path.isdir(model):
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            return (hashlib.sha256(f.read()).hexdigest(),)
+    if model and os.path.exists(model):
+        st = os.stat(model)
+        return (st.st_size, st.st_mtime_ns)
+    return None
+
+
 @pytest.fixture(scope="session")
 def make_llm():
     """Build engines with other settings without re-reading the model file each time."""
@@ -82,7 +96,7 @@ def make_llm():
     from treadle.model.kernels.quant import QuantizedTensor
     from treadle.model.moe import ExpertWeights
 
-    def load_once(model):
+    def load_once(model, version):
         # the loader defers converting float tensors to the model; for many engines, convert once
         # here (quantized tensors stay the file's blocks, as the model uses them)
         files = original(model)
@@ -93,7 +107,8 @@ def make_llm():
     original = model_worker.load_model_files
     cached = functools.lru_cache(maxsize=4)(load_once)
     # engines consume the weight dicts they are given: hand each one its own dict (same tensors)
-    model_worker.load_model_files = lambda model: dataclasses.replace(cached(model), weights=dict(cached(model).weights))
+    # (keyed by the files' contents too: the patch lasts the session, and a test may rewrite a folder's config.json)
+    model_worker.load_model_files = lambda model: dataclasses.replace(files := cached(model, version_of(model)), weights=dict(files.weights))
 
     def build(**kwargs):
         kwargs.setdefault("dtype", "float32")

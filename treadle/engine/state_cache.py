@@ -29,7 +29,6 @@ class StateCheckpoints:
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # findable, least recently used first
         self.pending: dict[bytes, int] = {}  # reserved by the step being scheduled or run
         self.saved = 0
-        self.restored = 0
 
     def find(self, block_hash: bytes) -> int | None:
         slot = self.slots.get(block_hash)

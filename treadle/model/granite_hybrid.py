@@ -11,7 +11,7 @@ layers (mamba.py, bamba.py), with Granite's scalings and feed-forward.
   logits, which is the top-k of the softmax renormalised) added to it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,12 +82,12 @@ class GraniteHybridModel(BambaModel):
 
     @staticmethod
     def expected_shapes(config: GraniteHybridConfig) -> dict[str, tuple[int, ...]]:
-        shapes = expected_shapes(config)
+        shapes = expected_shapes(replace(config, moe=None))  # the experts' shapes under Granite's names, below
         h, s = config.hidden_size, config.intermediate_size
         for i, kind in enumerate(config.layer_types):
             p = f"model.layers.{i}."
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
-                shapes.pop(p + name, None)  # (gone already where llama's shapes took the layer as sparse)
+                shapes.pop(p + name)
             if kind == "recurrent":
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                     shapes.pop(p + f"self_attn.{name}.weight")

@@ -103,5 +103,4 @@ class CausalLM:
         return out
 
     def has_quantized_linears(self) -> bool:
-        quantized_kinds = {kind for _, kind in self.other_forms()} & QuantizedTensor.KINDS
-        return any(linear.quantized for linear in self.linears()) or bool(quantized_kinds)
+        return any(linear.quantized for linear in self.linears())

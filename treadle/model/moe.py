@@ -93,16 +93,17 @@ class ExpertWeights:
         self.shape = torch.Size((len(parts), *parts[0].shape))
 
 
-def _joined(parts: list) -> tuple[torch.Tensor, int, str]:
+def _joined(parts: list, where: str) -> tuple[torch.Tensor, int, str]:
     """One expert's matrices (gate and up, or down alone) as one stored weight: its data, the
-    operator's type id, and the type its bytes are counted under."""
-    if all(isinstance(p, QuantizedTensor) for p in parts):
-        if len({p.kind for p in parts}) == 1:
-            q = parts[0] if len(parts) == 1 else QuantizedTensor.cat(parts)
-            return q.data, q.type_id, q.kind
-        parts = [p.float() for p in parts]  # gate and up of two types: not one product
-    elif any(isinstance(p, QuantizedTensor) for p in parts):
-        parts = [p.float() for p in parts]
+    operator's type id, and the type its bytes are counted under. Gate and up must be of one type
+    (one product): a dense copy of quantized experts is never made."""
+    quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+    if quantized:
+        if len(quantized) != len(parts) or len({p.kind for p in quantized}) != 1:
+            kinds = [p.kind if isinstance(p, QuantizedTensor) else str(p.dtype) for p in parts]
+            raise ModelLoadError(f"{where}: the experts' gate and up weights are of different types ({', '.join(kinds)}): not supported")
+        q = parts[0] if len(parts) == 1 else QuantizedTensor.cat(parts)
+        return q.data, q.type_id, q.kind
     dense = parts[0] if len(parts) == 1 else torch.cat(parts)
     return dense, DENSE, str(dense.dtype).removeprefix("torch.")
 
@@ -141,8 +142,8 @@ class MoE:
         self.top_k, self.norm_topk = moe.top_k, moe.norm_topk
         self.router = lw.linear((router,))
         gate, up, down = (self._experts(lw, experts, name, moe.num_experts, fused_gate_up) for name in names)
-        gate_up = [_joined([g, u]) for g, u in zip(gate, up)]
-        downs = [_joined([d]) for d in down]
+        gate_up = [_joined([g, u], lw.prefix + experts) for g, u in zip(gate, up)]
+        downs = [_joined([d], lw.prefix + experts) for d in down]
         for forms, what in ((gate_up, "gate/up"), (downs, "down")):
             if len({type_id for _, type_id, _ in forms}) != 1:
                 raise ModelLoadError(f"{lw.prefix}{experts}: the experts' {what} weights are not all of one type")

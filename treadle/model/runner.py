@@ -19,6 +19,7 @@ from ..step import SampledToken, StepInput, TokenHistory
 from . import kernels
 from .attention import AttentionMetadata, PrefillChunk, graph_kernel_args
 from .config import ModelConfig
+from .mamba import Segment
 from .registry import resolve_model_class
 from .sampler import Sampler, allowed_from_bitmask
 from .verification import HistoryWithDrafts, Verification
@@ -260,8 +261,6 @@ class ModelRunner:
     def _segments(self, scheduled, order) -> list:
         """Each request's rows and recurrent state, in row order; a request at position 0 starts
         from a zero state (a new request, or one preempted and recomputed)."""
-        from .mamba import Segment
-
         segments, row = [], 0
         for i in order:
             s = scheduled[i]

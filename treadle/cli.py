@@ -1,4 +1,5 @@
-"""The `treadle` command: serve (the OpenAI-compatible server), router (in front of several), chat (terminal), run (one prompt), bench."""
+"""The `treadle` command: serve (the OpenAI-compatible server), router (in front of several), pull / list / show / rm / cp (the model
+store), chat (terminal), run (one prompt), bench."""
 
 import argparse
 import os
@@ -317,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     add_router_parser(sub)
+    from .store.cli import add_store_parsers
+
+    add_store_parsers(sub)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -10,6 +10,7 @@ from .config import ENGINE_HELP, add_engine_args, engine_config_from_args
 from .routing.policy import POLICIES
 from .server.reasoning import PARSERS as REASONING_PARSERS
 from .server.tools import PARSERS as TOOL_PARSERS
+from .store.store import default_models_dir
 
 
 def cmd_run(args) -> int:
@@ -74,33 +75,84 @@ def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
     return keys
 
 
-def cmd_serve(args) -> int:
+def serve_models(args):
+    """The models `treadle serve` answers to, from its positional model, each --model (PATH, or
+    NAME=PATH), --models-dir and the model flags: (the command line's model path or None, ModelOptions)."""
+    from .config import parse_size
     from .model.loader import resolve_model_path
-    from .server.app import ServerSettings
-    from .server.serve import read_chat_template, serve
+    from .server.models import ModelSpec, parse_keep_alive
+    from .server.protocol import RequestError
+    from .server.serve import ModelOptions, available_memory, read_chat_template
 
-    if args.model_pos and args.model and args.model_pos != args.model:
-        print("treadle: error: give the model once (positional or --model)", file=sys.stderr)
-        return 2
-    args.model = args.model_pos or args.model
+    given = ([args.model_pos] if args.model_pos else []) + list(args.model or [])
+    plain = [g for g in given if "=" not in g or os.path.exists(os.path.expanduser(g))]
+    named = [g.split("=", 1) for g in given if g not in plain]
+    if len(set(plain)) > 1:
+        raise ValueError("give the served model once (positional or --model); name the others as --model NAME=PATH")
+    models_dir = args.models_dir
+    multi = models_dir is not None or bool(named)
+    primary_path = plain[0] if plain else None
+    specs = []
+    primary = None
+    if plain or not multi:
+        primary = args.served_model_name or default_served_name(primary_path)
+        specs.append(ModelSpec(primary, resolve_model_path(primary_path), read_chat_template(args.chat_template)))
+    for name, path in named:
+        if not name or not path:
+            raise ValueError(f"--model {name}={path}: expected NAME=PATH")
+        specs.append(ModelSpec(name, resolve_model_path(path)))
+    try:
+        keep = parse_keep_alive(args.keep_alive) if args.keep_alive is not None else 300.0
+    except RequestError as e:
+        raise ValueError(f"--keep-alive: {e.message}") from None
+    primary_keep = keep if args.keep_alive is not None else None  # the command line's model stays, unless told
+    if args.memory_budget is not None:
+        budget = parse_size(args.memory_budget)
+    else:
+        free = available_memory()
+        budget = int(free * 0.8) if multi and free else None
+    if args.max_loaded_models < 1:
+        raise ValueError("--max-loaded-models must be at least 1")
+    options = ModelOptions(primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep)
+    return primary_path, options
+
+
+def cmd_serve(args) -> int:
+    import json
+
+    from .server.app import ServerSettings
+    from .server.serve import serve
+
+    primary_path, models = serve_models(args)
+    args.model = primary_path
+    try:
+        overrides = json.loads(args.override_generation_config) if args.override_generation_config else {}
+        from .store.inspect import checked_defaults
+
+        overrides = checked_defaults(overrides, "--override-generation-config")
+    except ValueError as e:
+        raise ValueError(f"--override-generation-config: {e}") from None
     config = engine_config_from_args(args)
     if args.kv_events_port is not None:  # on the server's own address only
         host = f"[{args.host}]" if ":" in args.host else args.host
         config.kv_events_endpoint = f"tcp://{host}:{args.kv_events_port}"
+    primary = next((s for s in models.named if s.name == models.primary), None)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or default_served_name(args.model),
-        model_root=resolve_model_path(args.model),
+        served_model_name=models.primary or "",
+        model_root=primary.path if primary else "",
         api_keys=api_keys_from(args.api_key, os.environ.get("TREADLE_API_KEY")),
         metrics_require_key=args.metrics_require_key,
         log_requests=args.log_requests,
         max_waiting=args.max_waiting,
-        chat_template=read_chat_template(args.chat_template),
+        chat_template=primary.chat_template if primary else None,
         max_schema_bytes=args.max_schema_bytes,
         **{name: getattr(args, name) for name in LIMIT_HELP},
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_stored_responses=args.max_stored_responses,
         pooling=args.pooling,
+        generation_config=args.generation_config,
+        override_generation_config=overrides,
     )
     return serve(
         config,
@@ -119,6 +171,7 @@ def cmd_serve(args) -> int:
             "backend": args.data_parallel_backend,
             "ray_address": args.ray_address,
         },
+        models=models,
     )
 
 
@@ -235,7 +288,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (and the web chat)")
     srv.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
-    srv.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
+    srv.add_argument(
+        "--model",
+        "-m",
+        action="append",
+        default=None,
+        help=ENGINE_HELP["model"] + "; NAME=PATH serves one more model under NAME, loaded when a request names it (give it once per model)",
+    )
+    srv.add_argument(
+        "--models-dir",
+        nargs="?",
+        const=default_models_dir(),
+        default=None,
+        help="serve every model of this store (treadle pull) by name, loaded when a request names it; without DIR: $TREADLE_MODELS, else ~/.cache/treadle/models (default: off)",
+    )
+    srv.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=3,
+        help="models loaded at once (an engine core process each); one more unloads the least recently used idle one (default: 3)",
+    )
+    srv.add_argument(
+        "--memory-budget",
+        default=None,
+        help="memory all loaded models may use (every engine core's resident set), e.g. 8G; a load unloads idle models, least recently used first, to fit (default: 80%% of the memory available at start when serving several models)",
+    )
+    srv.add_argument(
+        "--keep-alive",
+        default=None,
+        help="how long a model loaded on demand stays loaded once idle, e.g. 30s, 5m, 1h; 0: unload at once; -1: forever; a request's Ollama keep_alive overrides it; given, it applies to the command line's model too, which otherwise stays (default: 5m)",
+    )
+    srv.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "vllm"],
+        help="auto: a model's own generation defaults (generation_config.json, GGUF general.sampling.*, the store's params.json) apply where a request does not set them; vllm: treadle's defaults only (default: auto)",
+    )
+    srv.add_argument(
+        "--override-generation-config",
+        default=None,
+        help="generation defaults on top of every model's, as JSON in SamplingParams' names, e.g. '{\"temperature\": 0.5}' (default: none)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     srv.add_argument(

@@ -18,10 +18,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from . import openapi
 from .api import anthropic, chat_completions, completions, embeddings, ollama, responses
-from .engine_client import EngineClient
 from .errors import dialect_of, error_response
 from .metrics import ServerMetrics
-from .prepare import ServerSettings, ServerState, chat_template, check_model, check_token_ids, model_card, plain_messages, render_chat, require_ready
+from .models import ModelHub, ModelNotFound
+from .prepare import (
+    ServerSettings,
+    ServerState,
+    chat_template,
+    check_token_ids,
+    model_card,
+    model_state,
+    plain_messages,
+    render_chat,
+    require_ready,
+    serving,
+)
 from .protocol import DetokenizeRequest, ModelList, RequestError, TokenizeRequest, find_invalid_unicode
 from .tools import prepare_messages, template_supports_tools
 
@@ -211,19 +222,28 @@ class UnicodeCheckedRoute(APIRoute):
         return checked
 
 
-def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
+def build_app(engine, settings: ServerSettings) -> FastAPI:
+    """The app over a ModelHub (server/models.py), or over one engine (an EngineClient or replicas)
+    serving `settings.served_model_name`."""
+    hub = (
+        engine
+        if isinstance(engine, ModelHub)
+        else ModelHub.for_engine(engine, settings.served_model_name, settings.model_root, settings.chat_template)
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await async_engine.start()  # the engine core process starts with the event loop
+        await hub.start()  # the command line's model's engine core process starts with the event loop
         try:
             yield
         finally:
-            await async_engine.stop()
+            await hub.stop()
 
     app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.router.route_class = UnicodeCheckedRoute  # every route registered below
-    state = ServerState(async_engine, settings, ServerMetrics(async_engine))
+    state = ServerState(hub, settings, ServerMetrics(hub), hub=hub)
     app.state.treadle = state
+    hub.make_state = lambda spec, engine: model_state(state, spec, engine)
 
     # ------------------------------------------------------------ errors
 
@@ -243,7 +263,10 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.headers)
+        message = exc.message
+        if isinstance(exc, ModelNotFound) and dialect_of(request.url.path) == "ollama":
+            message = f"model '{exc.name}' not found"  # Ollama's words
+        return error_response(request.url.path, exc.status, message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -282,10 +305,12 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not async_engine.ready:
-            body = {"status": "loading" if async_engine.state == "ready" else async_engine.state}
-            if async_engine.reason:
-                body["reason"] = async_engine.reason
+        entry = hub.primary_entry  # the command line's model, while it is loaded
+        if entry is not None and not entry.engine.ready:
+            engine = entry.engine
+            body = {"status": "loading" if engine.state == "ready" else engine.state}
+            if engine.reason:
+                body["reason"] = engine.reason
             return JSONResponse(body, status_code=503)
         return {"status": "ok"}
 
@@ -294,52 +319,62 @@ def build_app(async_engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[model_card(state)]).model_dump()
+    async def models(loaded: bool = False):
+        cards = [model_card(state, spec) for spec in hub.catalog.specs() if not loaded or spec.name in hub.loaded]
+        return ModelList(data=cards).model_dump(exclude_none=True)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        check_model(state, model_id)
-        return model_card(state).model_dump()
+        return model_card(state, hub.resolve_name(model_id)).model_dump(exclude_none=True)
 
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/stats")
-    async def stats():
-        require_ready(state)
-        return async_engine.stats()
+    async def stats(model: str | None = None):
+        """The engine's numbers of `model` (default: the command line's), and every loaded model's
+        memory and expiry under "models"."""
+        fleet = {"models": hub.describe(), "max_loaded_models": hub.max_loaded, "memory_budget_bytes": hub.memory_budget,
+                 "model_loads": hub.loads, "model_unloads": hub.unloads}  # fmt: skip
+        name = model if model is not None else hub.primary
+        if name is None:
+            return fleet
+        entry = hub.loaded.get(hub.resolve_name(name).name)
+        if entry is None:
+            raise RequestError(f"model `{name}` is not loaded", "model", status=503, code="model_not_loaded")
+        require_ready(entry.state)
+        return {**entry.engine.stats(), **fleet}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        require_ready(state)
-        check_model(state, body.model)
-        tok = async_engine.tokenizer
-        if body.content is not None:  # llama.cpp's shape
-            add = True if body.add_special is None else body.add_special
-            ids = tok.encode(body.content, add_special_tokens=add)
-            if body.with_pieces:
-                return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
-            return {"tokens": ids}
-        if body.messages is not None:
-            messages, _ = prepare_messages(plain_messages(body.messages), None, template_supports_tools(chat_template(state)))
-            text = await asyncio.to_thread(render_chat, state, messages, body.add_generation_prompt, None)
-            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
-        elif body.prompt is not None:
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tok.encode(body.prompt, add_special_tokens=add)
-        else:
-            raise RequestError("one of prompt, messages or content is required", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
+        async with serving(state, body.model) as served:
+            require_ready(served)
+            tok = served.engine.tokenizer
+            if body.content is not None:  # llama.cpp's shape
+                add = True if body.add_special is None else body.add_special
+                ids = tok.encode(body.content, add_special_tokens=add)
+                if body.with_pieces:
+                    return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
+                return {"tokens": ids}
+            if body.messages is not None:
+                messages, _ = prepare_messages(plain_messages(body.messages), None, template_supports_tools(chat_template(served)))
+                text = await asyncio.to_thread(render_chat, served, messages, body.add_generation_prompt, None)
+                ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            elif body.prompt is not None:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = tok.encode(body.prompt, add_special_tokens=add)
+            else:
+                raise RequestError("one of prompt, messages or content is required", "prompt")
+            return {"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        require_ready(state)
-        check_model(state, body.model)
-        check_token_ids(state, body.tokens, "tokens")
-        text = async_engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return {"prompt": text, "content": text}
+        async with serving(state, body.model) as served:
+            require_ready(served)
+            check_token_ids(served, body.tokens, "tokens")
+            text = served.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+            return {"prompt": text, "content": text}
 
     # ------------------------------------------------------------ generation: one module per dialect
 

@@ -12,41 +12,47 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class _EngineCollector:
-    """The engine's series; with data-parallel replicas (server/replicas.py), every series once per
+    """The loaded models' engine series; on a server of several models (server/models.py) each with
+    a `model_name` label; with data-parallel replicas (server/replicas.py), every series once per
     replica with a `replica` label."""
 
-    def __init__(self, async_engine):
-        self.async_engine = async_engine
+    def __init__(self, hub):
+        self.hub = hub
 
     def collect(self):
-        client = self.async_engine
-        replicas = getattr(client, "replicas", None)
-        sources = [(None, client)] if not replicas else [(str(i), r) for i, r in enumerate(replicas)]
+        hub = self.hub
+        named = hub.multi_model
         families: dict[str, object] = {}
+        sources = []  # (labels, engine)
+        for name, entry in list(hub.loaded.items()):
+            client = entry.engine
+            model = {"model_name": name} if named else {}
+            replicas = getattr(client, "replicas", None)
+            sources += [(model, client)] if not replicas else [({**model, "replica": str(i)}, r) for i, r in enumerate(replicas)]
 
-        def add(kind, name: str, doc: str, replica: str | None, value, **labels) -> None:
+        def add(kind, name: str, doc: str, where: dict, value, **labels) -> None:
+            labels = {**where, **labels}
             family = families.get(name)
             if family is None:
-                names = (["replica"] if replica is not None else []) + list(labels)
-                family = families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=names)
-            family.add_metric(([replica] if replica is not None else []) + list(labels.values()), value)
+                family = families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
 
-        for replica, engine in sources:
-            add("counter", "treadle:engine_restarts", "Restarts of the engine core process after it died.", replica, engine.num_restarts)
+        for where, engine in sources:
+            add("counter", "treadle:engine_restarts", "Restarts of the engine core process after it died.", where, engine.num_restarts)
             s = engine.stats()
             if "kv_blocks_total" not in s:
                 continue  # no snapshot yet: the core is loading
             used = s["kv_blocks_total"] - s["kv_blocks_free"]
-            add("gauge", "treadle:num_requests_running", "Requests in the running batch.", replica, s["num_running"])
-            add("gauge", "treadle:num_requests_waiting", "Requests waiting to be scheduled.", replica, s["num_waiting"])
-            add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", replica, used / s["kv_blocks_total"])
-            add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", replica, used)
-            add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", replica, s["kv_blocks_total"])
+            add("gauge", "treadle:num_requests_running", "Requests in the running batch.", where, s["num_running"])
+            add("gauge", "treadle:num_requests_waiting", "Requests waiting to be scheduled.", where, s["num_waiting"])
+            add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", where, used / s["kv_blocks_total"])
+            add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", where, used)
+            add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", where, s["kv_blocks_total"])
             add(
                 "gauge",
                 "treadle:compiled_decode_classes",
                 "Decode batch-size classes running compiled graphs.",
-                replica,
+                where,
                 len(s["compiled_decode"]["ready"]),
             )
             for name, key, doc in (
@@ -56,7 +62,7 @@ class _EngineCollector:
                 ("treadle:prompt_tokens", "prompt_tokens_computed", "Prompt tokens run through the model."),
                 ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
             ):
-                add("counter", name, doc, replica, s[key])
+                add("counter", name, doc, where, s[key])
             spec = s.get("spec_decode")
             if spec:
                 for name, key, doc in (
@@ -64,32 +70,33 @@ class _EngineCollector:
                     ("treadle:spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
                     ("treadle:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
                 ):
-                    add("counter", name, doc, replica, spec[key])
+                    add("counter", name, doc, where, spec[key])
                 for pos, n in enumerate(spec["accepted_per_position"]):
                     add(
                         "counter",
                         "treadle:spec_decode_num_accepted_tokens_per_pos",
                         "Accepted proposed tokens by their position in the proposal.",
-                        replica,
+                        where,
                         n,
                         position=str(pos),
                     )
-        if replicas:
-            for i in range(len(client.replicas)):
-                add("counter", "treadle:router_requests", "Requests routed to each replica.", str(i), client.router.routed.get(str(i), 0))
+        for name, entry in list(hub.loaded.items()):
+            client = entry.engine
+            for i in range(len(getattr(client, "replicas", None) or ())):
+                where = {**({"model_name": name} if named else {}), "replica": str(i)}
+                add("counter", "treadle:router_requests", "Requests routed to each replica.", where, client.router.routed.get(str(i), 0))
+        if named:
+            add("gauge", "treadle:models_loaded", "Models loaded (an engine core process each).", {}, len(hub.loaded))
+            add("counter", "treadle:model_loads", "Models loaded since the server started.", {}, hub.loads)
+            add("counter", "treadle:model_unloads", "Models unloaded (idle, evicted, or failed) since the server started.", {}, hub.unloads)
         yield from families.values()
 
 
 class ServerMetrics:
-    def __init__(self, async_engine):
+    def __init__(self, hub):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(async_engine))
-        if hasattr(async_engine, "replicas"):  # the router's prediction for each routed request (cache_aware)
-            hits = Histogram(
-                "treadle:router_predicted_hit_tokens", "Prompt tokens the router expected the chosen replica to find cached.",
-                buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry,
-            )  # fmt: skip
-            async_engine.observe_prediction = hits.observe
+        self.registry.register(_EngineCollector(hub))
+        self.predicted_hits: Histogram | None = None
         self.request_success = Counter("treadle:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=self.registry)
         self.ttft = Histogram("treadle:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("treadle:inter_token_latency_seconds", "Time between streamed tokens.", buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -102,6 +109,18 @@ class ServerMetrics:
         self.e2e = Histogram(
             "treadle:e2e_request_latency_seconds", "Request latency, arrival to last token.", buckets=LATENCY_BUCKETS, registry=self.registry
         )
+
+    def attach(self, engine) -> None:
+        """A model's engine as it is built: with replicas, the router's prediction for each routed
+        request (cache_aware) is observed."""
+        if not hasattr(engine, "replicas"):
+            return
+        if self.predicted_hits is None:
+            self.predicted_hits = Histogram(
+                "treadle:router_predicted_hit_tokens", "Prompt tokens the router expected the chosen replica to find cached.",
+                buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry,
+            )  # fmt: skip
+        engine.observe_prediction = self.predicted_hits.observe
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

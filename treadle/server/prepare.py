@@ -5,8 +5,11 @@ chat or completion request and call `prepare_chat` / `prepare_completion`; the r
 `Generation`."""
 
 import asyncio
+import contextvars
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 
 from ..engine.request import validate_prompt
 from .chat_output import ChatOutput
@@ -43,15 +46,72 @@ class ServerSettings:
     reasoning_parser: str | None = None  # qwen3, deepseek_r1
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
     pooling: str = "last"  # embeddings: the last token's final hidden state, or the mean of all
+    generation_config: str = "auto"  # auto: the model's own generation defaults apply where a request is silent; vllm: none
+    override_generation_config: dict = field(default_factory=dict)  # on top of the model's (SamplingParams' names)
+
+
+@dataclass
+class Lifecycle:
+    """What every model's state shares: the server is draining; the generations in flight."""
+
+    draining: bool = False
+    in_flight: set = field(default_factory=set)
 
 
 @dataclass
 class ServerState:
+    """One served model as the request handlers see it: its engine (one core, or replicas), the
+    server's settings with its name, root and template, and its generation defaults. The app's own
+    state (app.state.treadle) has the hub (server/models.py) as its engine: `serving` gives the
+    model a request names."""
+
     engine: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
-    draining: bool = False
-    in_flight: set = field(default_factory=set)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    hub: object = None  # the ModelHub
+    defaults: dict = field(default_factory=dict)  # the model's generation defaults (SamplingParams' names)
+
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.lifecycle.draining = value
+
+    @property
+    def in_flight(self) -> set:
+        return self.lifecycle.in_flight
+
+
+LOAD_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar("load_wait", default=0.0)  # seconds this request waited for its model to load
+
+
+@asynccontextmanager
+async def serving(state: ServerState, model: str | None, keep_alive=None):
+    """The state of the model a request names (loaded and waited for if it is not), held while
+    the request is prepared and submitted; a 404 in the route's dialect for an unknown name."""
+    if state.draining:
+        raise RequestError("the server is shutting down", status=503, code="shutting_down")
+    start = time.monotonic()
+    served = await state.hub.acquire(model, keep_alive)
+    LOAD_WAIT.set(time.monotonic() - start)
+    try:
+        yield served
+    finally:
+        state.hub.release(served)
+
+
+def apply_defaults(state: ServerState, body) -> None:
+    """The model's generation defaults on the fields the request did not set (vLLM's
+    --generation-config auto): the request's own values always win."""
+    given = body.model_fields_set
+    for key, value in state.defaults.items():
+        if key == "max_tokens" and given & {"max_tokens", "max_completion_tokens"}:
+            continue
+        if key in type(body).model_fields and key not in given:
+            setattr(body, key, value)
 
 
 @dataclass
@@ -88,8 +148,38 @@ async def prepare_renamed(prepare, state: ServerState, body, names: dict[str, st
         raise
 
 
-def model_card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.settings.served_model_name, root=state.settings.model_root, max_model_len=state.engine.max_model_len)
+def generation_defaults(settings: ServerSettings, path: str) -> dict:
+    """The model's own generation defaults (store/inspect.py) unless --generation-config vllm, with
+    --override-generation-config on top."""
+    from ..store.inspect import describe_cached
+
+    own = describe_cached(path).defaults if settings.generation_config == "auto" else {}
+    return {**own, **settings.override_generation_config}
+
+
+def model_state(server: ServerState, spec, engine) -> ServerState:
+    """One model's state: the server's settings with its name, root and template; its defaults;
+    the server's metrics and lifecycle."""
+    settings = replace(server.settings, served_model_name=spec.name, model_root=spec.path, chat_template=spec.chat_template)
+    server.metrics.attach(engine)
+    return ServerState(engine, settings, server.metrics, server.lifecycle, server.hub, generation_defaults(settings, spec.path))
+
+
+def model_card(server: ServerState, spec) -> ModelCard:
+    """/v1/models' entry: loaded or not, its context length and generation defaults."""
+    from ..store.inspect import describe_cached
+
+    entry = server.hub.loaded.get(spec.name)
+    if entry is not None and entry.engine.ready:
+        return ModelCard(id=spec.name, root=spec.path, max_model_len=entry.engine.max_model_len, loaded=True, generation_config=entry.state.defaults)
+    length = describe_cached(spec.path).context_length
+    return ModelCard(
+        id=spec.name,
+        root=spec.path,
+        max_model_len=length,
+        loaded=entry is not None,
+        generation_config=generation_defaults(server.settings, spec.path),
+    )
 
 
 def require_ready(state: ServerState) -> None:
@@ -103,7 +193,9 @@ def require_ready(state: ServerState) -> None:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.settings.served_model_name:
+    """`model` names this state's model (bare or with Ollama's :latest), or is absent."""
+    served = state.settings.served_model_name
+    if model is not None and served not in (model, f"{model}:latest") and model != f"{served}:latest":
         raise RequestError(f"The model `{model}` does not exist.", "model", status=404, code="model_not_found")
 
 
@@ -226,6 +318,7 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolSetu
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     require_ready(state)
     check_model(state, body.model)
+    apply_defaults(state, body)
     body.check()
     limit = state.settings.max_messages
     if len(body.messages) > limit:
@@ -246,6 +339,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     require_ready(state)
     check_model(state, body.model)
+    apply_defaults(state, body)
     body.check()
     tok = state.engine.tokenizer
     prompts = []

@@ -349,7 +349,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "treadle"
     root: str
-    max_model_len: int
+    max_model_len: int | None = None  # the engine's when loaded, else the model's context length
+    loaded: bool | None = None
+    generation_config: dict | None = None  # the model's generation defaults, applied where a request is silent
 
 
 class ModelList(BaseModel):

@@ -10,12 +10,14 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from ..config import EngineConfig
 from .app import ServerSettings, build_app
 from .engine_client import EngineClient
+from .models import Catalog, ModelHub, ModelSpec
 
 log = logging.getLogger("treadle.server")
 
@@ -55,6 +57,19 @@ class GracefulServer(uvicorn.Server):
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # the server's log lines (tests read them)
 
 
+@dataclass
+class ModelOptions:
+    """Which models a server answers to and how many it keeps loaded (server/models.py)."""
+
+    primary: str | None  # the served name of the command line's model, loaded at start; None: none
+    named: list = field(default_factory=list)  # ModelSpecs: the command line's model and every --model NAME=PATH
+    models_dir: str | None = None  # the model store, if any
+    max_loaded_models: int = 3
+    memory_budget: int | None = None
+    keep_alive: float | None = 300.0  # seconds a model loaded on demand stays once idle; None: forever
+    primary_keep_alive: float | None = None  # the command line's model's; None: forever
+
+
 def serve(
     engine_config: EngineConfig,
     settings: ServerSettings,
@@ -66,15 +81,30 @@ def serve(
     log_level: str = "info",
     data_parallel_size: int = 1,
     routing: dict | None = None,
+    models: ModelOptions | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
-    if data_parallel_size > 1 or (routing or {}).get("backend") == "ray":
-        from .replicas import ReplicaSet
 
-        engine = ReplicaSet(engine_config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
-    else:
-        engine = EngineClient(engine_config, max_restarts=max_engine_restarts, log_level=log_level)
-    app = build_app(engine, settings)
+    def make_engine(config: EngineConfig):
+        if data_parallel_size > 1 or (routing or {}).get("backend") == "ray":
+            from .replicas import ReplicaSet
+
+            return ReplicaSet(config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
+        return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level)
+
+    if models is None:
+        models = ModelOptions(settings.served_model_name, [ModelSpec(settings.served_model_name, settings.model_root, settings.chat_template)])
+    store = None
+    if models.models_dir is not None:
+        from ..store import ModelStore
+
+        store = ModelStore(models.models_dir)
+    catalog = Catalog(models.named, store, include_default=store is not None or len(models.named) > 1)
+    hub = ModelHub(
+        catalog, make_engine, engine_config, primary=models.primary, max_loaded=models.max_loaded_models,
+        memory_budget=models.memory_budget, keep_alive=models.keep_alive, primary_keep_alive=models.primary_keep_alive,
+    )  # fmt: skip
+    app = build_app(hub, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)
 
@@ -82,12 +112,24 @@ def serve(
         log.error("cannot serve: %s", message)
         server.should_exit = True
 
-    engine.on_fatal = fatal
+    hub.on_fatal = fatal
     try:
         server.run()
     finally:
-        engine.kill_now()  # normally stopped already, with the app's lifespan
-    return 1 if engine.load_error is not None else 0
+        hub.kill_now()  # normally stopped already, with the app's lifespan
+    return 1 if hub.load_error is not None else 0
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -7,6 +7,7 @@ repetition_penalty, max_tokens), come from the model: an HF folder's generation_
 store's per-model parameter file (params.json, Ollama's PARAMETER lines), later ones winning.
 """
 
+import functools
 import json
 import math
 import os
@@ -127,6 +128,25 @@ def describe(path: str) -> ModelInfo:
                 raise InspectError(f"{params_file}: not JSON: {e}") from None
         info.defaults.update(ollama_parameters(values, params_file))
     return info
+
+
+@functools.lru_cache(maxsize=256)
+def _describe_version(path: str, mtime: float) -> ModelInfo | None:
+    try:
+        return describe(path)
+    except (InspectError, OSError):
+        return None
+
+
+def describe_cached(path: str) -> ModelInfo:
+    """describe(path), read once per version of the files (a listing asks often); what can be
+    said of a model that cannot be read (format by its name, nothing else) where it cannot."""
+    try:
+        mtime = max(os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)) if os.path.isdir(path) else os.path.getmtime(path)
+    except (OSError, ValueError):
+        mtime = 0.0
+    found = _describe_version(path, mtime)
+    return found or ModelInfo("gguf" if path.endswith(".gguf") else "safetensors", "unknown", None, "", None, 0)
 
 
 def _describe_gguf(path: str) -> ModelInfo:

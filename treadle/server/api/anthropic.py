@@ -18,7 +18,7 @@ from pydantic import StrictBool, StrictInt, StrictStr
 
 from ..errors import anthropic_body, anthropic_status
 from ..generation import Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, chat_prompt, check_model, prepare_chat, prepare_renamed, require_ready
+from ..prepare import Prepared, ServerState, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
 from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from ..tools import tool_setup
 from .reply_parts import PartStream, ReplyPart, reply_parts
@@ -56,13 +56,14 @@ class CountTokensRequest(StrictModel):
     cache_control: dict[str, Any] | None = None
 
 
-def register(app, state: ServerState) -> None:
+def register(app, server: ServerState) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         arrival = time.monotonic()
-        chat = chat_request(body, state.settings.reasoning_parser is not None)
-        prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        generation = await prepared.start(state, new_id("msg", "_"), None, arrival)
+        async with serving(server, body.model) as state:
+            chat = chat_request(body, state.settings.reasoning_parser is not None)
+            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+            generation = await prepared.start(state, new_id("msg", "_"), None, arrival)
         if body.stream:
             return stream_response(generation, stream(generation, prepared))
 
@@ -76,13 +77,13 @@ def register(app, state: ServerState) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        require_ready(state)
-        check_model(state, body.model)
-        fields = body.model_dump(exclude_none=True)
-        chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
-        tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-        text = await asyncio.to_thread(chat_prompt, state, chat, tools)
-        return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
+        async with serving(server, body.model) as state:
+            require_ready(state)
+            fields = body.model_dump(exclude_none=True)
+            chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
+            tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+            text = await asyncio.to_thread(chat_prompt, state, chat, tools)
+            return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
 
 
 # ---------------------------------------------------------------- request in

@@ -6,17 +6,18 @@ from fastapi import Request
 
 from ..errors import openai_type
 from ..generation import Choice, Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, prepare_chat
+from ..prepare import Prepared, ServerState, prepare_chat, serving
 from ..protocol import ChatCompletionRequest, error_body, new_id
 from .sse import DONE, sse, stream_response
 
 
-def register(app, state: ServerState) -> None:
+def register(app, server: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
-        prepared = await prepare_chat(state, body)
-        generation = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
+        async with serving(server, body.model) as state:
+            prepared = await prepare_chat(state, body)
+            generation = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
         if body.stream:
             return stream_response(generation, stream(generation, body, prepared))
         return await generation.reply(request, lambda results: reply(generation, body, prepared, results))

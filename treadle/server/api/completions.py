@@ -5,18 +5,19 @@ import time
 from fastapi import Request
 
 from ..generation import Choice, Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, prepare_completion
+from ..prepare import Prepared, ServerState, prepare_completion, serving
 from ..protocol import CompletionRequest, new_id
 from .chat_completions import error_event, top_logprobs
 from .sse import DONE, sse, stream_response
 
 
-def register(app, state: ServerState) -> None:
+def register(app, server: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.monotonic()
-        prepared = await prepare_completion(state, body)
-        generation = await prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
+        async with serving(server, body.model) as state:
+            prepared = await prepare_completion(state, body)
+            generation = await prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
         if body.stream:
             return stream_response(generation, stream(generation, body, prepared))
         return await generation.reply(request, lambda results: reply(generation, body, prepared, results))

@@ -18,7 +18,7 @@ from pydantic import StrictInt, StrictStr
 from ...engine.request import validate_prompt
 from ...sampling_params import SamplingParams
 from ..generation import ClientGone, Generation, GenerationFailed
-from ..prepare import ServerState, check_model, check_token_ids, require_ready
+from ..prepare import ServerState, check_token_ids, require_ready, serving
 from ..protocol import RequestError, StrictModel, new_id
 
 
@@ -30,16 +30,16 @@ class EmbeddingRequest(StrictModel):
     user: StrictStr | None = None  # a no-op, as in Chat Completions
 
 
-def register(app, state: ServerState) -> None:
+def register(app, server: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
-        check_model(state, body.model)
         if body.encoding_format not in ("float", "base64"):
             raise RequestError(f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}", "encoding_format")
         inp = body.input
         if isinstance(inp, str) or (inp and all(isinstance(x, int) for x in inp)):
             inp = [inp]
-        vectors, prompt_tokens = await embed_texts(state, inp, body.dimensions, "input", request=request)
+        async with serving(server, body.model) as state:
+            vectors, prompt_tokens = await embed_texts(state, inp, body.dimensions, "input", request=request)
         data = []
         for i, v in enumerate(vectors):
             value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v

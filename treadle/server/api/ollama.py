@@ -10,18 +10,24 @@ num_gpu, ...) are set when treadle starts and are accepted and ignored here; any
 a 400 naming it.
 """
 
+import asyncio
 import json
+import os
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import StrictBool, StrictStr
 
 from ... import __version__
+from ...store.inspect import describe_cached, human_count
+from ...store.store import full_name
 from ..chat_output import is_json
 from ..generation import Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, chat_template, prepare_chat, prepare_completion, prepare_renamed, require_ready
+from ..models import COMMAND_LINE, EMBEDDED, parse_keep_alive
+from ..prepare import LOAD_WAIT, Prepared, ServerState, prepare_chat, prepare_completion, prepare_renamed, require_ready, serving
 from ..protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
 from ..tools import template_supports_tools
 from .embeddings import embed_texts
@@ -56,7 +62,7 @@ class OllamaChatRequest(StrictModel):
     format: StrictStr | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     stream: StrictBool = True
-    keep_alive: StrictStr | int | float | None = None  # how long Ollama keeps a model loaded: a no-op here
+    keep_alive: StrictStr | int | float | None = None  # how long the model stays loaded once idle (server/models.py)
     think: StrictBool | None = None
 
 
@@ -82,6 +88,18 @@ class OllamaModelRequest(StrictModel):
     verbose: StrictBool | None = None
 
 
+class OllamaPullRequest(StrictModel):
+    model: StrictStr | None = None
+    name: StrictStr | None = None  # the older spelling
+    stream: StrictBool = True
+    insecure: StrictBool | None = None  # Ollama's registry option: no meaning for the hub or a URL
+
+
+class OllamaCopyRequest(StrictModel):
+    source: StrictStr
+    destination: StrictStr
+
+
 class OllamaEmbedRequest(StrictModel):
     model: StrictStr
     input: StrictStr | list[StrictStr]
@@ -91,68 +109,88 @@ class OllamaEmbedRequest(StrictModel):
     keep_alive: StrictStr | int | float | None = None
 
 
-def register(app, state: ServerState) -> None:
+def register(app, server: ServerState) -> None:
+    hub = server.hub
+
     @app.post("/api/chat")
     async def chat(body: OllamaChatRequest, request: Request):
         arrival = time.monotonic()
-        name = _model_name(state, body.model)
-        if not body.messages:  # Ollama: an empty conversation loads the model
-            return _loaded(name, {"message": {"role": "assistant", "content": ""}})
-        prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
-        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        if not body.messages:  # Ollama: an empty conversation loads the model (keep_alive 0: unloads it)
+            return await _load_or_unload(server, body.model, body.keep_alive, {"message": {"role": "assistant", "content": ""}})
+        async with serving(server, body.model, body.keep_alive) as state:
+            name = state.settings.served_model_name
+            prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
+            generation = await prepared.start(state, new_id("ollama"), None, arrival)
+            generation.load_seconds = LOAD_WAIT.get()
         return await _respond(generation, prepared, body.stream, request, chat=True, name=name)
 
     @app.post("/api/generate")
     async def generate(body: OllamaGenerateRequest, request: Request):
         arrival = time.monotonic()
-        name = _model_name(state, body.model)
         for field in ("suffix", "images", "template", "context"):
             if getattr(body, field):
                 raise RequestError(f"{field} is not supported", field)
         if not body.prompt and body.system is None:
-            return _loaded(name, {"response": ""})
-        if body.raw:
-            fields = dict(model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format))
-            prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
-        else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
-            chat = _chat_request(
-                OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name
-            )
-            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+            return await _load_or_unload(server, body.model, body.keep_alive, {"response": ""})
+        async with serving(server, body.model, body.keep_alive) as state:
+            name = state.settings.served_model_name
+            if body.raw:
+                fields = dict(model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format))
+                prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
+            else:
+                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
+                chat = _chat_request(
+                    OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name
+                )
+                prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+            generation = await prepared.start(state, new_id("ollama"), None, arrival)
+            generation.load_seconds = LOAD_WAIT.get()
         return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
 
     @app.get("/api/tags")
     async def tags():
-        return {"models": [_model_entry(state)]}
+        return {"models": [_model_entry(spec) for spec in hub.catalog.specs()]}
 
     @app.get("/api/ps")
     async def ps():
-        entry = _model_entry(state)
-        return {"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0, "context_length": state.engine.max_model_len}]}
+        out = []
+        for loaded in hub.describe():
+            entry = _model_entry(hub.catalog.lookup(loaded["name"]))
+            expires = loaded["expires_at"]
+            out.append(
+                {
+                    **entry,
+                    "size": loaded["rss_bytes"],
+                    "expires_at": _iso(expires) if expires is not None else "2318-01-01T00:00:00Z",  # Ollama's "forever"
+                    "size_vram": 0,
+                    "context_length": loaded["max_model_len"],
+                }
+            )
+        return {"models": out}
 
     @app.post("/api/show")
     async def show(body: OllamaModelRequest):
-        _model_name(state, body.model or body.name)
-        entry = _model_entry(state)
-        try:
-            template = chat_template(state)
-        except RequestError:
-            template = ""
+        spec = _spec(server, body.model or body.name)
+        info = describe_cached(spec.path)
+        entry = _model_entry(spec)
+        template = spec.chat_template or info.chat_template
+        loaded = hub.loaded.get(spec.name)
+        context = loaded.engine.max_model_len if loaded is not None and loaded.engine.ready else info.context_length
         family = entry["details"]["family"]
         capabilities = (
-            ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if state.settings.reasoning_parser else [])
+            ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if server.settings.reasoning_parser else [])
         )
         return {
             "modelfile": "",
-            "parameters": "",
+            "parameters": "\n".join(f"{k} {json.dumps(v)}" for k, v in info.defaults.items()),
+            "license": info.license,
             "template": template,
             "details": entry["details"],
             "model_info": {
                 "general.architecture": family,
-                f"{family}.context_length": state.engine.max_model_len,
-                "general.context_length": state.engine.max_model_len,
+                "general.parameter_count": info.parameters or 0,
+                f"{family}.context_length": context,
+                "general.context_length": context,
             },
             "capabilities": capabilities,
             "modified_at": entry["modified_at"],
@@ -161,56 +199,148 @@ def register(app, state: ServerState) -> None:
     @app.post("/api/embed")
     async def embed(body: OllamaEmbedRequest):
         arrival = time.monotonic()
-        _model_name(state, body.model)
         if body.options:
             raise RequestError(f"options.{sorted(body.options)[0]} is not supported for embeddings", "options")
         inputs = [body.input] if isinstance(body.input, str) else body.input
-        vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
+        async with serving(server, body.model, body.keep_alive) as state:
+            vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
         return {
             "model": body.model,
             "embeddings": vectors,
             "total_duration": _ns(time.monotonic() - arrival),
-            "load_duration": 0,
+            "load_duration": _ns(LOAD_WAIT.get()),
             "prompt_eval_count": prompt_tokens,
         }
+
+    @app.post("/api/pull")
+    async def pull(body: OllamaPullRequest):
+        store = _store(hub)
+        ref = body.model or body.name
+        if not ref:
+            raise RequestError("model is required", "model")
+        if not body.stream:
+            manifest = await _pull(store, ref)
+            return {"status": "success", "model": manifest["name"]}
+
+        async def lines():
+            yield json.dumps({"status": "pulling manifest"}) + "\n"
+            try:
+                manifest = await _pull(store, ref)
+            except RequestError as e:
+                yield json.dumps({"error": e.message}) + "\n"
+                return
+            for f in manifest["files"]:
+                yield (
+                    json.dumps({"status": f"pulled {f['path']}", "digest": f"sha256:{f['sha256']}", "total": f["size"], "completed": f["size"]})
+                    + "\n"
+                )
+            yield json.dumps({"status": "verifying sha256 digest"}) + "\n"
+            yield json.dumps({"status": "writing manifest"}) + "\n"
+            yield json.dumps({"status": "success"}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.delete("/api/delete")
+    async def delete(body: OllamaModelRequest):
+        from ...store import NotFound
+
+        store = _store(hub)
+        name = body.model or body.name
+        if not name:
+            raise RequestError("model is required", "model")
+        spec = hub.catalog.lookup(name)
+        if spec is not None and spec.source in (COMMAND_LINE, EMBEDDED):
+            raise RequestError(f"model '{name}' is not in the store ({spec.source}): it cannot be deleted", "model")
+        try:
+            if spec is not None and spec.name in hub.loaded:
+                await hub.unload(spec.name)
+            await asyncio.to_thread(store.remove, name)
+        except NotFound:
+            raise RequestError(f"model '{name}' not found", "model", status=404) from None
+        return Response(status_code=200)
+
+    @app.post("/api/copy")
+    async def copy(body: OllamaCopyRequest):
+        from ...store import NotFound, StoreError
+
+        store = _store(hub)
+        try:
+            await asyncio.to_thread(store.copy, body.source, body.destination)
+        except NotFound:
+            raise RequestError(f"model '{body.source}' not found", "source", status=404) from None
+        except StoreError as e:
+            raise RequestError(str(e), "destination") from None
+        return Response(status_code=200)
 
     @app.get("/api/version")
     async def version():
         return {"version": __version__}
 
 
-def _model_name(state: ServerState, model: str | None) -> str:
-    """The served name for Ollama's `name` or `name:latest`; 404 in Ollama's words otherwise."""
-    require_ready(state)
-    served = state.settings.served_model_name
+async def _load_or_unload(server: ServerState, model: str, keep_alive, fields: dict) -> dict:
+    """Ollama's empty request: load the model and answer done_reason "load", or, with keep_alive 0,
+    unload it and answer "unload"."""
+    hub = server.hub
+    if keep_alive is not None and parse_keep_alive(keep_alive) == 0:
+        spec = _spec(server, model)
+        await hub.unload(spec.name)
+        return {"model": spec.name, "created_at": _now(), **fields, "done": True, "done_reason": "unload"}
+    async with serving(server, model, keep_alive) as state:
+        require_ready(state)
+        return _loaded(state.settings.served_model_name, fields)
+
+
+def _spec(server: ServerState, model: str | None):
+    """The catalog's entry for Ollama's `name` or `name:latest`; 404 in Ollama's words otherwise."""
     if model is None:
         raise RequestError("model is required", "model")
-    if model in (served, f"{served}:latest") or (":" in served and model == served):
-        return served
-    raise RequestError(f"model '{model}' not found", "model", status=404)
+    spec = server.hub.catalog.lookup(model)
+    if spec is None:
+        raise RequestError(f"model '{model}' not found", "model", status=404)
+    return spec
 
 
-def _model_entry(state: ServerState) -> dict:
-    served = state.settings.served_model_name
-    name = served if ":" in served else f"{served}:latest"
-    stats = state.engine.stats()
-    weights = (stats.get("memory") or {}).get("weights_bytes") or 0
-    family = stats.get("architecture") or "unknown"
+def _store(hub):
+    if hub.catalog.store is None:
+        raise RequestError("this server has no model store: start it with --models-dir", "model")
+    return hub.catalog.store
+
+
+async def _pull(store, ref: str) -> dict:
+    from ...store import StoreError
+
+    try:
+        return await asyncio.to_thread(store.pull, ref, None, False, lambda text: None)
+    except StoreError as e:
+        raise RequestError(str(e), "model", status=404 if "no such repository" in str(e) else 400) from None
+
+
+def _model_entry(spec) -> dict:
+    info = describe_cached(spec.path)
+    name = full_name(spec.name)
+    try:
+        modified = os.path.getmtime(spec.path)
+    except OSError:
+        modified = time.time()
     return {
         "name": name,
         "model": name,
-        "modified_at": _now(),
-        "size": weights,
+        "modified_at": _iso(modified),
+        "size": info.size,
         "digest": "",
         "details": {
             "parent_model": "",
-            "format": "gguf" if state.settings.model_root.endswith(".gguf") else "safetensors",
-            "family": family,
-            "families": [family],
-            "parameter_size": "",
-            "quantization_level": "",
+            "format": info.format,
+            "family": info.architecture,
+            "families": [info.architecture],
+            "parameter_size": human_count(info.parameters),
+            "quantization_level": info.quantization,
         },
     }
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _now() -> str:
@@ -304,7 +434,7 @@ def _timings(generation: Generation) -> dict:
     first = generation.first_token_at or end
     return {
         "total_duration": _ns(end - generation.arrival),
-        "load_duration": 0,
+        "load_duration": _ns(getattr(generation, "load_seconds", 0.0)),
         "prompt_eval_count": generation.prompt_tokens - generation.cached,
         "prompt_eval_duration": _ns(first - generation.arrival),
         "eval_count": generation.completion_tokens,

@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from ..generation import Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed
+from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
 from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from .reply_parts import PartStream, ReplyPart, complete_calls, reply_parts
 from .sse import stream_response
@@ -70,8 +70,8 @@ class ResponseStore:
         return self.items.pop(response_id, None) is not None
 
 
-def register(app, state: ServerState) -> None:
-    store = ResponseStore(state.settings.max_stored_responses)
+def register(app, server: ServerState) -> None:
+    store = ResponseStore(server.settings.max_stored_responses)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
@@ -84,9 +84,10 @@ def register(app, state: ServerState) -> None:
             history = found[1]
         conversation = history + input_messages(body.input)
         chat = chat_request(body, conversation)
-        prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
-        generation = await prepared.start(state, reply.id, None, arrival)
+        async with serving(server, body.model) as state:
+            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+            reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
+            generation = await prepared.start(state, reply.id, None, arrival)
         if body.stream:
             return stream_response(generation, reply.stream(generation, prepared))
         return await generation.reply(

@@ -122,6 +122,14 @@ def test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic(
     assert r.status_code == 200 and r.json()["done_reason"] == "unload"
     assert TINY not in loaded(multi)
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)  # its process, and with it its memory, is gone
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_predict": 2}}
+    assert httpx.post(multi.url + "/api/chat", json={**chat, "keep_alive": -1}, timeout=120).status_code == 200
+    entry = next(m for m in httpx.get(multi.url + "/api/ps").json()["models"] if m["name"] == TINY)
+    assert entry["expires_at"].startswith("2318")  # Ollama's forever
+    r = httpx.post(multi.url + "/api/embed", json={"model": "tiny", "input": "hi", "keep_alive": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: TINY not in loaded(multi), 10)  # 0: unloaded once the request is done
+    assert httpx.post(multi.url + "/api/generate", json={"model": "tiny", "keep_alive": "soon"}).status_code == 400
 
 
 def test_the_least_recently_used_idle_model_is_evicted_past_max_loaded(multi):

@@ -23,6 +23,7 @@ exits as a one-model server always did.
 
 import asyncio
 import logging
+import math
 import os
 import re
 import time
@@ -37,6 +38,7 @@ log = logging.getLogger("treadle.server")
 FOREVER = None  # a keep-alive that never expires
 COMMAND_LINE, EMBEDDED = "command line", "embedded"  # ModelSpec.source of the models not in the store
 RUNTIME_ESTIMATE = 500 * 1024 * 1024  # an engine core's memory beyond weights and KV, until one has been measured
+LONGEST_KEEP_ALIVE = 100 * 365 * 86400.0  # a longer keep-alive is forever (and stays a date /api/ps can print)
 REAP_INTERVAL = 0.25  # seconds between the reaper's looks
 
 
@@ -52,7 +54,9 @@ def parse_keep_alive(value) -> float | None:
     if isinstance(value, bool) or value is None:
         raise RequestError(f"keep_alive: {value!r} is not a duration", "keep_alive")
     if isinstance(value, int | float):
-        return FOREVER if value < 0 else float(value)
+        if math.isnan(value):
+            raise RequestError("keep_alive: NaN is not a duration", "keep_alive")
+        return FOREVER if value < 0 or value > LONGEST_KEEP_ALIVE else float(value)
     text = str(value).strip()
     if re.fullmatch(r"-?\d+(\.\d+)?", text):
         return parse_keep_alive(float(text))
@@ -60,7 +64,7 @@ def parse_keep_alive(value) -> float | None:
     if not parts or "".join(n + u for n, u in parts) != text.lstrip("-"):
         raise RequestError(f"keep_alive: {value!r} is not a duration (e.g. 30s, 5m, 1h, 0, -1)", "keep_alive")
     seconds = sum(float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[u] for n, u in parts)
-    return FOREVER if text.startswith("-") else seconds
+    return FOREVER if text.startswith("-") or seconds > LONGEST_KEEP_ALIVE else seconds
 
 
 @dataclass
@@ -258,8 +262,9 @@ class ModelHub:
         entry = Loaded(spec, state, keep, now, now, startup=fatal)
         engine = state.engine
 
-        def ready():
-            entry.load_seconds = time.monotonic() - entry.loaded_at
+        def ready():  # each time a core (or a replica) is ready: the first time, the load is done
+            if not entry.ready.is_set():
+                entry.load_seconds = time.monotonic() - entry.loaded_at
             entry.ready.set()
             memory = engine.stats().get("memory") or {}
             if memory.get("other_bytes"):

@@ -91,12 +91,14 @@ __all__ = [
     "OllamaPs",
     "OllamaModelInfo",
     "OllamaShow",
+    "OllamaPullStatus",
     "OllamaEmbed",
     "OllamaVersion",
     # plain
     "Health",
     "Version",
     "StatsMemory",
+    "StatsModel",
     "Stats",
     "TokenPiece",
     "TokenizeResponse",
@@ -581,6 +583,13 @@ class OllamaShow(BaseModel):
     modified_at: str
 
 
+class OllamaPullStatus(BaseModel):
+    """POST /api/pull with stream false (a stream's NDJSON lines are not modeled)."""
+
+    status: str
+    model: str | None = None
+
+
 class OllamaEmbed(BaseModel):
     """POST /api/embed (model: the name as the request gave it)."""
 
@@ -623,16 +632,37 @@ class StatsMemory(BaseModel):
     peak_rss_bytes: int | None = None
 
 
+class StatsModel(BaseModel):
+    """One loaded model of /stats' models (server.models.ModelHub.describe)."""
+
+    name: str
+    path: str
+    state: Literal["loading", "ready", "failed"]
+    rss_bytes: int
+    weights_bytes: int
+    max_model_len: int | None
+    expires_at: float | None  # unix time; null: kept loaded forever
+    load_seconds: float | None
+    in_flight: int
+
+
 class Stats(BaseModel):
     """GET /stats: the engine core's latest snapshot (engine.core.EngineCore.stats) plus the front end's numbers.
 
-    Only the keys the front end adds are required; the core's are present once it has reported
-    (it has, whenever /stats answers 200) and are open-ended (spec_decode, step_cost, ...)."""
+    The loaded models (every engine core's memory and expiry) are always there; the one model's
+    numbers (?model=, default the command line's) are there unless the server has no command-line
+    model and none was named (a --models-dir server). The core's are open-ended (spec_decode,
+    step_cost, ...)."""
 
-    memory: StatsMemory
-    num_waiting: int
-    engine_pid: int | None
-    engine_restarts: int
+    models: list[StatsModel]
+    max_loaded_models: int
+    memory_budget_bytes: int | None
+    model_loads: int
+    model_unloads: int
+    memory: StatsMemory | None = None
+    num_waiting: int | None = None
+    engine_pid: int | None = None
+    engine_restarts: int | None = None
     kv_blocks_total: int | None = None
     kv_blocks_free: int | None = None
     kv_blocks_used: int | None = None
@@ -739,11 +769,11 @@ ROUTES: dict[tuple[str, str], dict] = {
     ("GET", "/health"): _route(Health, "plain", [503] + _GATE, error_bodies={503: Health}),
     ("GET", "/version"): _route(Version, "plain", _GATE),
     ("GET", "/metrics"): _route(None, "plain", [401] + _GATE, media=["text/plain"]),  # 401 only with --metrics-require-key
-    ("GET", "/stats"): _route(Stats, "plain", [503] + _KEYED + _GATE),
+    ("GET", "/stats"): _route(Stats, "plain", [400, 404, 503] + _KEYED + _GATE),  # 404: ?model= names no model
     ("POST", "/tokenize"): _route(TokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
     ("POST", "/detokenize"): _route(DetokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
     # ---------------------------------------------------------------- OpenAI
-    ("GET", "/v1/models"): _route(ModelList, "openai", _KEYED + _GATE),
+    ("GET", "/v1/models"): _route(ModelList, "openai", [400] + _KEYED + _GATE),  # 400: ?loaded= not a boolean
     ("GET", "/v1/models/{model_id}"): _route(ModelCard, "openai", [404] + _KEYED + _GATE),
     ("POST", "/v1/chat/completions"): _route(
         ChatCompletion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
@@ -768,6 +798,10 @@ ROUTES: dict[tuple[str, str], dict] = {
     ("GET", "/api/tags"): _route(OllamaTags, "ollama", _KEYED + _GATE),
     ("GET", "/api/ps"): _route(OllamaPs, "ollama", _KEYED + _GATE),
     ("POST", "/api/show"): _route(OllamaShow, "ollama", [400, 404, 503] + _KEYED + _GATE),
+    # the model store (400 also where the server has no --models-dir); delete and copy answer an empty 200
+    ("POST", "/api/pull"): _route(OllamaPullStatus, "ollama", [400, 404] + _KEYED + _GATE, media=["application/x-ndjson"]),
+    ("DELETE", "/api/delete"): _route(None, "ollama", [400, 404] + _KEYED + _GATE),
+    ("POST", "/api/copy"): _route(None, "ollama", [400, 404] + _KEYED + _GATE),
     # no 499: embed_texts gets no request to watch here
     ("POST", "/api/embed"): _route(OllamaEmbed, "ollama", [400, 404, 500, 503] + _KEYED + _GATE),
     ("GET", "/api/version"): _route(OllamaVersion, "ollama", _KEYED + _GATE),

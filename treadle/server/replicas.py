@@ -72,6 +72,7 @@ class ReplicaSet:
         self._subscribers: list[KVEventSubscriber | None] = [None] * size  # each replica's, from its Ready on
         self.observe_prediction = lambda tokens: None  # the metrics' histogram (cache_aware)
         self.on_fatal = lambda message: None
+        self.on_ready = lambda: None  # each time a replica (the first, or a restarted one) is ready
         self._draining = False
 
     def _placements(self, config: EngineConfig, size: int, ray_address: str | None):
@@ -111,11 +112,12 @@ class ReplicaSet:
         sub = self._subscribers[i]
         if sub is not None and sub.endpoint == endpoint:
             sub.reset()  # the same endpoint, a new publisher: its events are numbered from 0 again
-            return
-        if sub is not None:
-            sub.stop()
-        self.index.forget(str(i))
-        self._subscribers[i] = KVEventSubscriber(self.index, str(i), endpoint, replay).start() if endpoint and replay else None
+        else:
+            if sub is not None:
+                sub.stop()
+            self.index.forget(str(i))
+            self._subscribers[i] = KVEventSubscriber(self.index, str(i), endpoint, replay).start() if endpoint and replay else None
+        self.on_ready()
 
     async def stop(self, timeout: float = 10.0) -> None:
         for r in self.replicas:

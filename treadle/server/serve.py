@@ -108,8 +108,11 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)
 
+    fatal_errors: list[str] = []
+
     def fatal(message: str) -> None:
         log.error("cannot serve: %s", message)
+        fatal_errors.append(message)
         server.should_exit = True
 
     hub.on_fatal = fatal
@@ -117,7 +120,7 @@ def serve(
         server.run()
     finally:
         hub.kill_now()  # normally stopped already, with the app's lifespan
-    return 1 if hub.load_error is not None else 0
+    return 1 if fatal_errors else 0
 
 
 def available_memory() -> int | None:

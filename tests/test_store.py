@@ -182,6 +182,11 @@ def test_local_import_copy_and_remove(files, tmp_path, capsys):
     assert main(["pull", files["Q8_0"], "--name", "mine", "--models-dir", store]) == 0
     assert main(["pull", files["folder"], "--models-dir", store]) == 0
     assert main(["cp", "mine", "mine:copy", "--models-dir", store]) == 0
+    assert main(["cp", "mine", "mine:cold", "--param", "temperature=0.2", "--param", 'stop=["END"]', "--models-dir", store]) == 0
+    assert ModelStore(store).info("mine:cold").defaults == {"temperature": 0.2, "stop": ["END"]}
+    assert main(["cp", "mine", "mine:bad", "--param", "mirostat=1", "--models-dir", store]) == 1
+    assert "mirostat" in capsys.readouterr().err
+    assert main(["rm", "mine:cold", "--models-dir", store]) == 0
     names = [m["name"] for m in ModelStore(store).manifests()]
     assert names == ["hf:latest", "mine:copy", "mine:latest"]
     assert main(["rm", "mine", "--models-dir", store]) == 0

@@ -3,7 +3,7 @@
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
@@ -141,9 +141,14 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     # the cores this engine's process (and its compute threads) may run on; None: any
     cpu_affinity: list[int] | None = None
+    # LoRA adapters (PEFT folders) loaded at start, NAME -> PATH; a request names one by its model
+    # field (vLLM's --lora-modules). Adapters loaded later join this, so a restarted core has them.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4  # most distinct adapters among the requests running at once (one step's)
+    max_lora_rank: int = 64  # an adapter of a higher rank is refused
 
     def __post_init__(self):
-        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 1), ("max_lora_rank", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if self.decode_stall_ratio is not None and self.decode_stall_ratio < 0:
@@ -181,6 +186,8 @@ ENGINE_HELP = {
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",
+    "max_loras": "LoRA: most distinct adapters among the requests running at once (a request for one more waits)",
+    "max_lora_rank": "LoRA: the highest adapter rank accepted",
 }
 
 
@@ -196,7 +203,9 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint", "cpu_affinity"), defaults: dict | None = None) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint", "cpu_affinity", "lora_modules"), defaults: dict | None = None
+) -> None:
     """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
     for f in fields(EngineConfig):
         if f.name in skip:

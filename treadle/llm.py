@@ -27,11 +27,20 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *, cache_salt=None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *, cache_salt=None, lora=None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. lora: the name of a
+        loaded LoRA adapter (`lora_modules={NAME: PATH}` or `load_lora`) for every prompt, or one
+        name or None per prompt (one batch serves them all)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run(list(prompts), params, add_special_tokens=True, cache_salt=cache_salt)
+        return self._run(list(prompts), params, add_special_tokens=True, cache_salt=cache_salt, lora=lora)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Attach a PEFT LoRA adapter folder under `name` (vLLM's LoRARequest, by name)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def chat(
         self,
@@ -55,17 +64,20 @@ class LLM:
         outs = self._run(list(prompts), SamplingParams(max_tokens=1, pooling=pooling), add_special_tokens=True)
         return [o.outputs[0].embedding for o in outs]
 
-    def _run(self, prompts, params, add_special_tokens: bool, cache_salt=None) -> list[RequestOutput]:
+    def _run(self, prompts, params, add_special_tokens: bool, cache_salt=None, lora=None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = list(lora) if isinstance(lora, list | tuple) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA names for {len(prompts)} prompts")
         engine = self.engine
         ids = []
-        for prompt, p in zip(prompts, params):
-            ids.append(engine.add_request(None, prompt, p, cache_salt=cache_salt, add_special_tokens=add_special_tokens))
+        for prompt, p, name in zip(prompts, params, loras):
+            ids.append(engine.add_request(None, prompt, p, cache_salt=cache_salt, add_special_tokens=add_special_tokens, lora_name=name))
         results = {rid: None for rid in ids}
         pending = set(ids)
         while pending:

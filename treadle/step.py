@@ -32,6 +32,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     prompt_token_ids: list[int]
     params: dict
+    lora: int = 0  # the LoRA adapter's id in the runner (model/lora.py); 0: none
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

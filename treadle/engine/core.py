@@ -99,6 +99,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             spec=self.spec,
+            max_loras=config.max_loras,
         )
         # structured output: grammars compile on a thread while their requests wait (never in a step)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, config.max_grammar_compile_seconds)
@@ -112,6 +113,54 @@ class EngineCore:
         self.consecutive_failed_steps = 0  # the core process gives up (and is restarted) past a few
         self.requests_received = 0
         self.prompt_tokens_computed = 0
+        # LoRA adapters: name -> id (the runner's); requests per id; ids unloaded while still in use
+        self.loras: dict[str, int] = {}
+        self._lora_users: dict[int, int] = {}
+        self._lora_retired: set[int] = set()
+        self._next_lora = 1
+        for name, path in config.lora_modules.items():
+            error = self.load_lora(name, path)
+            if error is not None:
+                raise ValueError(f"LoRA adapter {name}: {error}")
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    def load_lora(self, name: str, path: str) -> str | None:
+        """Attach a PEFT adapter under `name`; the reason as text if it cannot be."""
+        if name in self.loras:
+            return f"a LoRA adapter named {name!r} is already loaded"
+        lora_id = self._next_lora
+        try:
+            self.runner.add_lora(lora_id, path, self.config.max_lora_rank)
+        except (ValueError, OSError) as e:
+            return str(e)
+        self._next_lora += 1
+        self.loras[name] = lora_id
+        self._lora_users[lora_id] = 0
+        return None
+
+    def unload_lora(self, name: str) -> str | None:
+        """Detach adapter `name`: new requests cannot name it; its weights go with its last request."""
+        lora_id = self.loras.pop(name, None)
+        if lora_id is None:
+            return f"no LoRA adapter named {name!r} is loaded"
+        if self._lora_users.get(lora_id):
+            self._lora_retired.add(lora_id)
+        else:
+            self._drop_lora(lora_id)
+        return None
+
+    def _drop_lora(self, lora_id: int) -> None:
+        self._lora_users.pop(lora_id, None)
+        self._lora_retired.discard(lora_id)
+        self.runner.remove_lora(lora_id)
+
+    def _lora_done(self, req: Request) -> None:
+        if not req.lora:
+            return
+        self._lora_users[req.lora] -= 1
+        if not self._lora_users[req.lora] and req.lora in self._lora_retired:
+            self._drop_lora(req.lora)
 
     # ------------------------------------------------------------ requests
 
@@ -128,6 +177,13 @@ class EngineCore:
                 self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", client_error=True,
                                                        error=f"architecture {self.model_config.architecture} does not provide hidden states for embeddings"))  # fmt: skip
                 return
+            lora = 0
+            if request.lora_name is not None:
+                lora = self.loras.get(request.lora_name, 0)
+                if not lora:
+                    self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", client_error=True,
+                                                           error=f"no LoRA adapter named {request.lora_name!r} is loaded"))  # fmt: skip
+                    return
             children, runner_data = [], []
             per_choice_seed = params.n > 1 and params.seed is not None
             for i in range(params.n):
@@ -141,13 +197,16 @@ class EngineCore:
                     index=i,
                     cache_salt=request.cache_salt,
                 )
+                req.lora = lora
                 children.append(req)
-                runner_data.append(NewRequestData(req.request_id, request.prompt_token_ids, child_params))
+                runner_data.append(NewRequestData(req.request_id, request.prompt_token_ids, child_params, lora))
         except (ValueError, TypeError) as e:  # nothing was registered: the request simply ends
             self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e)))
             return
         for req in children:
             self.requests[req.request_id] = req
+            if lora:
+                self._lora_users[lora] += 1
         self._new_for_runner.extend(runner_data)
         self.groups[rid] = RequestGroup(rid, children)
         if params.structured_outputs is not None:
@@ -200,7 +259,8 @@ class EngineCore:
     def _forget_finished(self) -> None:
         """The requests the scheduler finished leave the core, the proposer and (next step) the runner."""
         for req in self.scheduler.take_finished():
-            self.requests.pop(req.request_id, None)
+            if self.requests.pop(req.request_id, None) is not None:
+                self._lora_done(req)
             if self.spec is not None:
                 self.spec.finish(req)
             self._finished_for_runner.append(req.request_id)

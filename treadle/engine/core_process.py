@@ -19,7 +19,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..utils import end_with_parent
-from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown
+from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
 
 log = logging.getLogger("treadle")
 
@@ -85,6 +85,10 @@ def _serve(core, inp, out, codec: Codec) -> None:
                     core.add_request(msg)
                 elif isinstance(msg, Abort):
                     core.abort(msg.request_ids)
+                elif isinstance(msg, LoadLora):
+                    out.send(codec.encode(LoraReply("load", msg.name, core.load_lora(msg.name, msg.path))))
+                elif isinstance(msg, UnloadLora):
+                    out.send(codec.encode(LoraReply("unload", msg.name, core.unload_lora(msg.name))))
                 elif isinstance(msg, Shutdown):
                     return
         outputs = core.step() if core.has_unfinished_requests() else []

@@ -12,7 +12,7 @@ from ..sampling_params import SamplingParams
 from .core import EngineCore
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .protocol import EngineCoreRequest, params_to_dict
+from .protocol import EngineCoreRequest, lora_cache_salt, params_to_dict
 from .request import validate_prompt
 
 
@@ -24,6 +24,24 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+        from ..model.lora import adapter_digest
+
+        self.lora_digests = {name: adapter_digest(path) for name, path in config.lora_modules.items()}
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Attach a PEFT adapter under `name` (a ValueError naming the problem if it cannot be)."""
+        from ..model.lora import adapter_digest
+
+        error = self.core.load_lora(name, path)
+        if error is not None:
+            raise ValueError(error)
+        self.lora_digests[name] = adapter_digest(path)
+
+    def unload_lora(self, name: str) -> None:
+        error = self.core.unload_lora(name)
+        if error is not None:
+            raise ValueError(error)
+        del self.lora_digests[name]
 
     # the core's parts, for tests, benchmarks and the terminal chat
     model_config = property(lambda self: self.core.model_config)
@@ -52,17 +70,21 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        lora_name: str | None = None,
     ) -> str:
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_name is not None and lora_name not in self.lora_digests:
+            raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         text, token_ids = self.encode_prompt(prompt, add_special_tokens)
         self.validate_prompt(token_ids, params)
         if params.structured_outputs is not None:
             self.core.structured.compiler.compile(params.structured_outputs)  # a grammar that cannot compile: ValueError now
         self.processor.add_request(request_id, text, token_ids, params)
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params_to_dict(params), cache_salt))
+        salt = lora_cache_salt(self.lora_digests.get(lora_name) if lora_name else None, cache_salt)
+        self.core.add_request(EngineCoreRequest(request_id, token_ids, params_to_dict(params), salt, lora_name))
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

@@ -45,6 +45,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     prompt_token_ids: list[int]
     params: dict
     cache_salt: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter (model/lora.py); None: the base model
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -61,6 +62,27 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class LoadLora(msgspec.Struct, tag=True):
+    """Attach the PEFT adapter at `path` under `name` (answered by a LoraReply)."""
+
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, tag=True):
+    """Detach adapter `name`: new requests can no longer name it; its weights go once its last request ends."""
+
+    name: str
+
+
+def lora_cache_salt(digest: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request on an adapter: the adapter's identity (a hash of its
+    files) before the request's own salt, so no KV is shared between adapters or with the base."""
+    if digest is None:
+        return cache_salt
+    return f"lora:{digest}" + ("" if cache_salt is None else "\x00" + cache_salt)
+
+
 # ---------------------------------------------------------------- engine core -> front end
 
 
@@ -74,6 +96,14 @@ class Ready(msgspec.Struct, tag=True):
 
 class LoadFailed(msgspec.Struct, tag=True):
     error: str
+
+
+class LoraReply(msgspec.Struct, tag=True):
+    """The answer to LoadLora / UnloadLora: error None when it was done."""
+
+    op: str  # "load" | "unload"
+    name: str
+    error: str | None = None
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -98,8 +128,8 @@ class CoreOutputs(msgspec.Struct, tag=True):
     stats: dict | None = None  # a snapshot of EngineCore.stats() after the step
 
 
-ToCore = EngineCoreRequest | Abort | Shutdown
-FromCore = Ready | LoadFailed | CoreOutputs
+ToCore = EngineCoreRequest | Abort | Shutdown | LoadLora | UnloadLora
+FromCore = Ready | LoadFailed | CoreOutputs | LoraReply
 
 
 # ---------------------------------------------------------------- encoding

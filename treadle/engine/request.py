@@ -42,6 +42,7 @@ class Request(TokenHistory):
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt
+        self.lora = 0  # the LoRA adapter's id (EngineCore.loras); 0: the base model
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted

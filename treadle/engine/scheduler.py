@@ -44,8 +44,10 @@ class Scheduler:
         max_model_len: int | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         spec=None,
+        max_loras: int | None = None,
     ):
         self.kv = kv
+        self.max_loras = max_loras  # most distinct LoRA adapters among the running requests
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.spec = spec  # the SpeculationPolicy, told of every verification
@@ -109,8 +111,13 @@ class Scheduler:
                 prompt_budget -= num_new
 
         # No admissions in a step that had to preempt: memory is short.
+        adapters = {r.lora for r in self.running if r.lora}
+        skipped = []  # requests for one adapter too many: they keep their place for a later step
         while self.waiting and min(budget, prompt_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.lora and req.lora not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             # mean pooling reads every prompt position's hidden state: it cannot start from the cache
             lookup = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.find_cached_prefix(req) if lookup else NO_HIT
@@ -129,6 +136,9 @@ class Scheduler:
             self._add(out, req, num_new, restore=-1 if hits.state_slot is None else hits.state_slot)
             budget -= num_new
             prompt_budget -= num_new
+            if req.lora:
+                adapters.add(req.lora)
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _add(self, out: StepInput, req: Request, num_new: int, drafts: list[int] = (), restore: int = -1) -> None:

@@ -11,7 +11,8 @@ def memory(worker) -> dict:
     status = process_memory()
     parts = worker.memory()
     rss = status.get("VmRSS")
-    held = parts["weights_bytes"] + parts["kv_cache_bytes"] + parts["compiled_graphs_bytes"]
+    parts["lora_bytes"] = worker.runner.lora_bytes()
+    held = parts["weights_bytes"] + parts["kv_cache_bytes"] + parts["compiled_graphs_bytes"] + parts["lora_bytes"]
     return {**parts, "other_bytes": None if rss is None else rss - held, "rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM")}
 
 
@@ -46,4 +47,5 @@ def snapshot(core) -> dict:
         "grammars_compiled": core.structured.compiler.compiled,
         "grammar_cache_hits": core.structured.compiler.cache_hits,
         "memory": memory(core.worker),
+        "lora_adapters": sorted(core.loras),
     }

@@ -133,6 +133,9 @@ class Linear:
     # AMX and AVX-512 CPUs), so a row's logits would otherwise depend on how many rows share it.
     INVARIANT_ROWS = 32
     row_chunk: int | None = None
+    # LoRA (model/lora.py): adapter id -> (A [rank, in], B [out, rank] with the scale folded in),
+    # added to the rows of the step that use that adapter (LORA_ROWS). Empty: no adapter here.
+    lora: dict | None = None
 
     def __init__(self, parts, bias: torch.Tensor | None = None):
         parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
@@ -149,6 +152,9 @@ class Linear:
                 joined.append(part)
         self.parts = joined
         self.bias = bias
+        # the checkpoint's matrices this layer holds, in its output's order: (name, rows), e.g.
+        # ("model.layers.0.self_attn.q_proj", 576); where a LoRA adapter's targets land
+        self.sources: list[tuple[str, int]] = []
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -173,9 +179,37 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1 and not isinstance(self.parts[0], QuantizedTensor):
-            return self._dense(x, self.parts[0], self.bias)
-        # eager: the kernel itself; under torch.compile: the same kernel as an opaque operator
-        product = quant_matmul_op if torch.compiler.is_compiling() else quant_matmul
-        outs = [product(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None) for p in self.parts]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return y if self.bias is None else y + self.bias
+            y = self._dense(x, self.parts[0], self.bias)
+        else:
+            # eager: the kernel itself; under torch.compile: the same kernel as an opaque operator
+            product = quant_matmul_op if torch.compiler.is_compiling() else quant_matmul
+            outs = [product(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None) for p in self.parts]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            y = y if self.bias is None else y + self.bias
+        if self.lora and LORA_ROWS.groups:
+            y = self._add_lora(x, y)
+        return y
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + (x A^T) B^T on each adapter's rows: one low-rank product pair per adapter in the
+        step (its rows gathered), in the same row chunks as the dense products, so a row's delta
+        does not depend on its batch either."""
+        for adapter, rows in LORA_ROWS.groups:
+            ab = self.lora.get(adapter)
+            if ab is None:
+                continue
+            a, b = ab
+            delta = self._dense(self._dense(x.index_select(0, rows), a, None), b, None)
+            y = y.index_add(0, rows, delta.to(y.dtype))
+        return y
+
+
+class LoraRows:
+    """The current step's rows per LoRA adapter: [(adapter id, row indices)], set by the runner
+    around a forward (model/lora.py); empty outside one, and for steps without adapters."""
+
+    def __init__(self):
+        self.groups: list[tuple[int, torch.Tensor]] = []
+
+
+LORA_ROWS = LoraRows()

@@ -49,7 +49,10 @@ class LayerWeights:
 
     def linear(self, names, bias=None) -> Linear:
         """One Linear over the concatenation of these weights, each in its stored form."""
-        return Linear([self.take_part(n) for n in names], bias)
+        parts = [self.take_part(n) for n in names]
+        linear = Linear(parts, bias)
+        linear.sources = [((self.prefix + n).removesuffix(".weight"), p.shape[0]) for n, p in zip(names, parts)]
+        return linear
 
 
 class DecoderLayer:

@@ -19,6 +19,7 @@ from ..step import SampledToken, StepInput, TokenHistory
 from . import kernels
 from .attention import AttentionMetadata, PrefillChunk, graph_kernel_args
 from .config import ModelConfig
+from .layers import LORA_ROWS
 from .mamba import Segment
 from .registry import resolve_model_class
 from .sampler import Sampler, allowed_from_bitmask
@@ -50,10 +51,11 @@ class InjectedFault(RuntimeError):
 class RunnerRequest(TokenHistory):
     """What the sampler needs of one request, kept by the runner between steps."""
 
-    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows")
+    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows", "lora")
 
-    def __init__(self, prompt_token_ids: list[int], params):
+    def __init__(self, prompt_token_ids: list[int], params, lora: int = 0):
         self.params = params
+        self.lora = lora  # its LoRA adapter's id (model/lora.py); 0: the base model
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_state = None  # the request's own generator, when it has a seed
@@ -77,6 +79,7 @@ class ModelRunner:
     ):
         self.config = config
         self.device = torch.device(device)
+        self.dtype = dtype
         self.block_size = block_size
         model_class = resolve_model_class(config.architecture)
         extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
@@ -111,6 +114,22 @@ class ModelRunner:
         self.draft_states: dict = {}
         self.num_steps = 0
         self.fail_at_steps = fail_at_steps
+        self.loras = None  # a LoraSet, once an adapter is added
+
+    def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
+        from .lora import LoraSet
+
+        if self.loras is None:
+            self.loras = LoraSet(self.model.linears(), self.dtype, self.device, max_rank)
+        self.loras.max_rank = max_rank
+        self.loras.add(lora_id, path)
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.loras is not None:
+            self.loras.remove(lora_id)
+
+    def lora_bytes(self) -> int:
+        return sum(self.loras.nbytes.values()) if self.loras is not None else 0
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -137,7 +156,7 @@ class ModelRunner:
     def update_states(self, step: StepInput) -> None:
         """Learn the step's new requests and forget the finished ones (before anything can fail)."""
         for new in step.new_requests:
-            self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, SamplingParams(**new.params))
+            self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, SamplingParams(**new.params), new.lora)
         for req_id in step.finished_req_ids:
             self.requests.pop(req_id, None)
             self.states.pop(req_id, None)
@@ -220,11 +239,15 @@ class ModelRunner:
         # Single-token queries first (one batched attention call), then prompt chunks.
         order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
         ids, positions, last_row = [], [], {}
+        lora_rows: dict[int, list[int]] = {}  # adapter id -> the step's rows of its requests
         row = 0
         for i in order:
             s = scheduled[i]
             ids.extend(s.token_ids)
             positions.append(torch.arange(s.start, s.start + len(s.token_ids)))
+            lora = self.requests[s.req_id].lora
+            if lora:
+                lora_rows.setdefault(lora, []).extend(range(row, row + len(s.token_ids)))
             row += len(s.token_ids)
             last_row[i] = row - 1
         pos_t = torch.cat(positions)
@@ -238,6 +261,15 @@ class ModelRunner:
         if self.recurrent:
             metas[0].recurrent = self._segments(scheduled, order)
         meta = metas[0] if len(metas) == 1 else metas
+        if lora_rows:  # eagerly: the compiled graphs have no adapters
+            LORA_ROWS.groups = [(lora, torch.tensor(rows, dtype=torch.long, device=self.device)) for lora, rows in sorted(lora_rows.items())]
+            try:
+                if pooling:
+                    hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+                    return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
+                return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
+            finally:
+                LORA_ROWS.groups = []
         if pooling:  # eagerly: the compiled graphs return logits only
             hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
             return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)

@@ -106,12 +106,31 @@ def cmd_rm(args) -> int:
     return 0
 
 
-def cmd_cp(args) -> int:
+def _parameter(text: str) -> tuple[str, object]:
+    """KEY=VALUE, the value read as JSON where it parses (0.2, 64, ["a"]) and as a string otherwise."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise StoreError(f"--param {text!r}: expected KEY=VALUE, e.g. temperature=0.2")
     try:
-        m = _store(args).copy(args.source, args.dest)
-    except StoreError as e:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def cmd_cp(args) -> int:
+    store = _store(args)
+    try:
+        params = dict(_parameter(p) for p in args.param)
+        m = store.copy(args.source, args.dest)
+        if params:
+            try:
+                store.set_parameters(m["name"], {**store.parameters(m["name"]), **params})
+            except ValueError:
+                store.remove(m["name"])  # a copy with parameters it refused is not left behind
+                raise
+    except (StoreError, ValueError) as e:
         return _fail(e)
-    print(f"copied '{args.source}' to '{m['name']}'")
+    print(f"copied '{args.source}' to '{m['name']}'" + (f" with {', '.join(f'{k}={v}' for k, v in params.items())}" if params else ""))
     return 0
 
 
@@ -136,6 +155,11 @@ def add_store_parsers(sub) -> None:
     c = sub.add_parser("cp", help="copy a stored model under another name (hard links: no second copy of the weights)")
     c.add_argument("source")
     c.add_argument("dest")
+    c.add_argument(
+        "--param", action="append", default=[], metavar="KEY=VALUE",
+        help="a generation default of the copy, in Ollama's PARAMETER names (temperature, top_p, top_k, min_p, repeat_penalty, "
+        "num_predict, stop, seed, presence_penalty, frequency_penalty); repeatable",
+    )  # fmt: skip
     c.set_defaults(func=cmd_cp)
     for parser in (p, ls, s, r, c):
         parser.add_argument("--models-dir", default=None, help=MODELS_DIR_HELP)

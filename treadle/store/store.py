@@ -178,6 +178,14 @@ class ModelStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def parameters(self, name: str) -> dict:
+        """The entry's params.json as it was written (Ollama's names); {} where it has none."""
+        path = os.path.join(self.get(name)["dir"], PARAMS_FILE)
+        if not os.path.isfile(path):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
     def set_parameters(self, name: str, params: dict) -> None:
         """The entry's params.json (Ollama's names), checked first."""
         m = self.get(name)

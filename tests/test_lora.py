@@ -129,3 +129,65 @@ def test_bfloat16_adapters_keep_the_batch_invariant_default(lora_models):
     names = ["a", None, "b", "b", "a", None, "a"]
     outs = llm.generate([PROMPTS[1]] * len(names), greedy, lora=names)
     assert [o.outputs[0].token_ids for o in outs] == [alone[n] for n in names]
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_models):
+    from .server_process import ServerProcess
+
+    s = ServerProcess(
+        "--model", lora_models["base_dir"], "--served-model-name", "base", "--lora-modules", f"a={lora_models['paths']['a']}",
+        "--dtype", "float32", "--no-compile", "--max-model-len", "256", "--kv-cache-memory-bytes", "16M",
+    )  # fmt: skip
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_adapters_served_by_name_loaded_and_unloaded_at_run_time(lora_models, lora_server):
+    import concurrent.futures
+
+    import httpx
+
+    url = lora_server.url
+    ref = reference(lora_models)
+
+    def complete(model, prompt):
+        body = {"model": model, "prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        return r.json()
+
+    cards = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
+    assert cards["a"]["parent"] == "base" and cards["a"]["root"] == lora_models["paths"]["a"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": lora_models["paths"]["b"]})
+    assert r.status_code == 200 and "b" in r.text
+    assert httpx.get(url + "/stats").json()["lora_adapters"] == ["a", "b"]
+    # the base and both adapters at once: the same tokens as transformers + peft
+    jobs = [(name, i) for name in ("base", "a", "b") for i in range(len(PROMPTS))] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: complete(job[0], PROMPTS[job[1]]), jobs))
+    from treadle.model.loader import load_tokenizer
+
+    tok = load_tokenizer(lora_models["base_dir"])
+    for (name, i), result in zip(jobs, results):
+        # the reply's text is the reference's tokens decoded (a trailing incomplete UTF-8 sequence held back)
+        assert result["choices"][0]["text"] == tok.decode(ref[name][i]).rstrip("\ufffd"), (name, i)
+        assert result["usage"]["completion_tokens"] == NUM_TOKENS
+    # refusals: each names its problem
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": lora_models["paths"]["b"]})
+    assert r.status_code == 400 and "already in use" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(lora_models["root"])})
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"] and r.json()["error"]["param"] == "lora_path"
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"})
+    assert r.status_code == 200
+    assert httpx.get(url + "/stats").json()["lora_adapters"] == ["a"]
+    r = httpx.post(url + "/v1/completions", json={"model": "b", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"})
+    assert r.status_code == 404
+    stats = httpx.get(url + "/stats").json()
+    assert stats["kv_blocks_used"] == 0 or stats["num_running"] == 0

@@ -88,4 +88,4 @@ def test_the_document_names_every_reply_and_every_stream():
     assert streams[("post", "/v1/messages")] == ["text/event-stream"]
     assert streams[("post", "/api/chat")] == ["application/x-ndjson"]
     assert streams[("get", "/metrics")] == ["text/plain"]
-    assert len(streams) == 26
+    assert len(streams) == 28

@@ -75,6 +75,28 @@ def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
     return keys
 
 
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH or '{"name": NAME, "path": PATH}' (vLLM's two forms) -> {NAME: PATH}."""
+    import json
+
+    out = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                d = json.loads(item)
+                name, path = d["name"], d["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f'--lora-modules {item}: expected NAME=PATH or {{"name": ..., "path": ...}}') from None
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {item}: expected NAME=PATH")
+        if name in out:
+            raise ValueError(f"--lora-modules: {name} is given twice")
+        out[name] = os.path.abspath(os.path.expanduser(path))
+    return out
+
+
 def serve_models(args):
     """The models `treadle serve` answers to, from its positional model, each --model (PATH, or
     NAME=PATH), --models-dir and the model flags: (the command line's model path or None, ModelOptions)."""
@@ -113,7 +135,7 @@ def serve_models(args):
         budget = int(free * 0.8) if multi and free else None
     if args.max_loaded_models < 1:
         raise ValueError("--max-loaded-models must be at least 1")
-    options = ModelOptions(primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep)
+    options = ModelOptions(primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep, parse_lora_modules(args.lora_modules))
     return primary_path, options
 
 
@@ -317,6 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-alive",
         default=None,
         help="how long a model loaded on demand stays loaded once idle, e.g. 30s, 5m, 1h; 0: unload at once; -1: forever; a request's Ollama keep_alive overrides it; given, it applies to the command line's model too, which otherwise stays (default: 5m)",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) of the command line's model, each served as model NAME (vLLM's flag; also as JSON "
+        '\'{"name": ..., "path": ...}\'); more can be loaded at run time with POST /v1/load_lora_adapter (default: none)',
     )
     srv.add_argument(
         "--generation-config",

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from . import openapi
 from .api import anthropic, chat_completions, completions, embeddings, ollama, responses
+from .engine_client import EngineDead
 from .errors import dialect_of, error_response
 from .metrics import ServerMetrics
 from .models import ModelHub, ModelNotFound
@@ -33,7 +34,7 @@ from .prepare import (
     require_ready,
     serving,
 )
-from .protocol import DetokenizeRequest, ModelList, RequestError, TokenizeRequest, find_invalid_unicode
+from .protocol import DetokenizeRequest, LoadLoraRequest, ModelCard, ModelList, RequestError, TokenizeRequest, UnloadLoraRequest, find_invalid_unicode
 from .tools import prepare_messages, template_supports_tools
 
 __all__ = ["ServerSettings", "build_app"]
@@ -318,14 +319,37 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async def version():
         return {"version": __version__}
 
+    def adapter_card(adapter) -> ModelCard:
+        return ModelCard(id=adapter.name, root=adapter.path, parent=adapter.base, loaded=adapter.base in hub.loaded)
+
     @app.get("/v1/models")
     async def models(loaded: bool = False):
         cards = [model_card(state, spec) for spec in hub.catalog.specs() if not loaded or spec.name in hub.loaded]
+        cards += [adapter_card(a) for a in hub.adapters.values() if not loaded or a.base in hub.loaded]
         return ModelList(data=cards).model_dump(exclude_none=True)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
+        if model_id in hub.adapters:
+            return adapter_card(hub.adapters[model_id]).model_dump(exclude_none=True)
         return model_card(state, hub.resolve_name(model_id)).model_dump(exclude_none=True)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest):
+        """vLLM's: serve a PEFT LoRA folder as the model `lora_name` (plain-text success, as vLLM's)."""
+        try:
+            await hub.load_adapter(body.lora_name, body.lora_path, body.base_model_name)
+        except EngineDead as e:
+            raise RequestError(str(e), status=503, code="engine_dead", headers={"Retry-After": "5"}) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest):
+        try:
+            await hub.unload_adapter(body.lora_name)
+        except EngineDead as e:
+            raise RequestError(str(e), status=503, code="engine_dead", headers={"Retry-After": "5"}) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/metrics")
     async def metrics():

@@ -24,7 +24,19 @@ from ..config import EngineConfig
 from ..engine.core_process import LOAD_FAILED_EXIT
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
-from ..engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, Ready, Shutdown, params_to_dict
+from ..engine.protocol import (
+    Abort,
+    Codec,
+    CoreOutputs,
+    EngineCoreRequest,
+    LoadFailed,
+    LoadLora,
+    LoraReply,
+    Ready,
+    Shutdown,
+    UnloadLora,
+    params_to_dict,
+)
 from ..sampling_params import SamplingParams
 from ..utils import process_memory
 from .launchers import LocalLauncher
@@ -66,6 +78,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.draining = False  # set by the server on SIGINT/SIGTERM: a core that dies now is not restarted
+        self._lora_replies: dict[tuple[str, str], asyncio.Future] = {}  # (op, name) -> the core's answer
 
     # ------------------------------------------------------------ lifecycle
 
@@ -214,6 +227,10 @@ class EngineClient:
                     log.exception("on_ready failed")
             elif isinstance(msg, LoadFailed):
                 self._fail(msg.error)
+            elif isinstance(msg, LoraReply):
+                future = self._lora_replies.pop((msg.op, msg.name), None)
+                if future is not None and not future.done():
+                    future.set_result(msg.error)
 
     def _dispatch(self, msg: CoreOutputs) -> None:
         deltas, to_abort = self.processor.process(msg.outputs)
@@ -231,6 +248,9 @@ class EngineClient:
         q.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:
+        for future in self._lora_replies.values():  # an adapter load the dead core never answered
+            if not future.done():
+                future.set_result(f"the engine core died: {message}")
         for request_id, q in list(self._streams.items()):
             if self.processor is not None:
                 self.processor.abort(request_id, reason="error", error=message)
@@ -274,6 +294,7 @@ class EngineClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         out_queue: asyncio.Queue | None = None,
+        lora_name: str | None = None,
     ) -> asyncio.Queue:
         """Queue a request (already validated); its outputs (RequestOutput deltas, or an exception)
         arrive on `out_queue` (several requests may share one) or a new queue, which is returned."""
@@ -283,8 +304,34 @@ class EngineClient:
         self.processor.add_request(request_id, None, prompt_token_ids, params)
         self._streams[request_id] = q
         self._adds_sent += 1
-        self._send(EngineCoreRequest(request_id, prompt_token_ids, params_to_dict(params), cache_salt))
+        self._send(EngineCoreRequest(request_id, prompt_token_ids, params_to_dict(params), cache_salt, lora_name))
         return q
+
+    async def load_lora(self, name: str, path: str, timeout: float = 120.0) -> None:
+        """Attach a LoRA adapter in the core (a ValueError with the core's reason if it cannot);
+        kept in this client's config, so a restarted core loads it too."""
+        await self._lora_call("load", name, LoadLora(name, path), timeout)
+        self.config.lora_modules = {**self.config.lora_modules, name: path}
+
+    async def unload_lora(self, name: str, timeout: float = 30.0) -> None:
+        await self._lora_call("unload", name, UnloadLora(name), timeout)
+        self.config.lora_modules = {k: v for k, v in self.config.lora_modules.items() if k != name}
+
+    async def _lora_call(self, op: str, name: str, msg, timeout: float) -> None:
+        if not self.ready:
+            raise EngineDead(self.reason or "the engine is not running")
+        if (op, name) in self._lora_replies:
+            raise ValueError(f"adapter {name!r}: a {op} is already in progress")
+        future = self._lora_replies[(op, name)] = asyncio.get_running_loop().create_future()
+        self._send(msg)
+        try:
+            error = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise EngineDead(f"the engine core did not answer the adapter {op} of {name!r} in {timeout:.0f} s") from None
+        finally:
+            self._lora_replies.pop((op, name), None)
+        if error is not None:
+            raise ValueError(error)
 
     def abort(self, request_id: str) -> None:
         """End a request now: its stream gets a final output with finish_reason "abort"."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import Response
 
 from ..engine.outputs import RequestOutput
+from ..engine.protocol import lora_cache_salt
 from .engine_client import EngineDead
 from .metrics import RequestTimer
 from .protocol import RequestError
@@ -128,8 +129,13 @@ class Generation:
             raise RequestError("too many requests are waiting; retry later", status=503, code="queue_full", headers={"Retry-After": "1"})
         try:
             q: asyncio.Queue = asyncio.Queue()
+            lora = self.state.lora
+            salt = lora_cache_salt(lora[1], self.cache_salt) if lora else self.cache_salt
             for rid, ids, params in zip(self.request_ids, self.prompts, self.params):
-                engine.add_request(rid, ids, params, self.cache_salt, out_queue=q)
+                if lora:
+                    engine.add_request(rid, ids, params, salt, out_queue=q, lora_name=lora[0])
+                else:
+                    engine.add_request(rid, ids, params, salt, out_queue=q)
         except EngineDead as e:
             for rid in self.request_ids:
                 engine.abort(rid)

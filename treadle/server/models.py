@@ -104,6 +104,16 @@ class Loaded:
         return int(memory.get("rss_bytes") or 0)
 
 
+@dataclass
+class Adapter:
+    """A LoRA adapter served as a model of its own name, on its base model's engine."""
+
+    name: str
+    base: str  # the base model's served name
+    path: str
+    digest: str  # a hash of its files: its prefix-cache identity (model/lora.py)
+
+
 class Catalog:
     """Every model name the server answers to, and where its files are."""
 
@@ -177,6 +187,8 @@ class ModelHub:
         self._runtime_seen = 0
         self.loads = 0
         self.unloads = 0
+        self.adapters: dict[str, Adapter] = {}  # LoRA adapters by name, each on a base model
+        self._adapter_lock = asyncio.Lock()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -223,7 +235,14 @@ class ModelHub:
 
     async def acquire(self, name: str | None, keep_alive=None):
         """The ServerState of the model `name` names, loaded (and waited for) if it is not; the
-        request holds it until `release`, so it is not unloaded under the request."""
+        request holds it until `release`, so it is not unloaded under the request. A LoRA
+        adapter's name gives its base model's state, marked with the adapter."""
+        adapter = self.adapters.get(name) if name is not None else None
+        if adapter is not None:
+            state = await self.acquire(adapter.base, keep_alive)
+            return replace(
+                state, settings=replace(state.settings, served_model_name=adapter.name), lora=(adapter.name, adapter.digest), base=adapter.base
+            )
         spec = self.resolve_name(name)
         seconds = parse_keep_alive(keep_alive) if keep_alive is not None else None
         async with self._lock:
@@ -247,15 +266,72 @@ class ModelHub:
         return entry.state
 
     def release(self, state) -> None:
-        entry = self.loaded.get(state.settings.served_model_name)
-        if entry is not None and entry.state is state:
+        base = getattr(state, "base", None)
+        entry = self.loaded.get(base or state.settings.served_model_name)
+        if entry is not None and (entry.state is state or (base is not None and entry.state.engine is state.engine)):
             entry.users -= 1
             entry.last_used = time.monotonic()
 
     # ------------------------------------------------------------ loading and unloading
 
+    # ------------------------------------------------------------ LoRA adapters
+
+    async def load_adapter(self, name: str, path: str, base: str | None = None) -> Adapter:
+        """Serve the PEFT adapter at `path` as model `name`, on `base` (default: the command line's
+        model), loading it in the base's engine now if that is loaded, else when it loads."""
+        from ..model.lora import adapter_digest, read_adapter_config
+
+        if base is None and self.primary is None:
+            raise RequestError("LoRA adapters need a base model: name it (base_model_name) or start the server with --model", "base_model_name")
+        base = self.resolve_name(base).name  # a 404 for an unknown base
+        if name in self.adapters or self.catalog.lookup(name) is not None:
+            raise RequestError(f"the name {name!r} is already in use by a model or adapter", "lora_name")
+        try:
+            read_adapter_config(path)
+            digest = await asyncio.to_thread(adapter_digest, path)
+        except ValueError as e:
+            raise RequestError(str(e), "lora_path") from None
+        async with self._adapter_lock:
+            entry = self.loaded.get(base)
+            if entry is not None:
+                await entry.ready.wait()  # a core still loading was spawned without it
+            if entry is not None and entry.engine.ready:
+                try:
+                    await entry.engine.load_lora(name, path)
+                except ValueError as e:
+                    raise RequestError(str(e), "lora_path") from None
+            adapter = self.adapters[name] = Adapter(name, base, path, digest)
+        return adapter
+
+    def add_startup_adapter(self, name: str, path: str) -> None:
+        """--lora-modules: an adapter of the command line's model, loaded with it (a failure is its load failure)."""
+        from ..model.lora import adapter_digest, read_adapter_config
+
+        if self.primary is None:
+            raise ValueError("--lora-modules needs a model loaded at start (--model)")
+        if name in self.adapters or self.catalog.lookup(name) is not None:
+            raise ValueError(f"--lora-modules {name}: the name is already in use by a model or adapter")
+        read_adapter_config(path)
+        self.adapters[name] = Adapter(name, self.primary, path, adapter_digest(path))
+
+    async def unload_adapter(self, name: str) -> None:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise RequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name", status=404, code="model_not_found")
+        async with self._adapter_lock:
+            del self.adapters[name]
+            entry = self.loaded.get(adapter.base)
+            if entry is not None and entry.engine.ready:
+                try:
+                    await entry.engine.unload_lora(name)
+                except ValueError:
+                    pass  # the core had lost it already (a restart before it was reloaded)
+
+    def _adapters_of(self, base: str) -> dict[str, str]:
+        return {a.name: a.path for a in self.adapters.values() if a.base == base}
+
     def _spawn(self, spec: ModelSpec, fatal: bool) -> Loaded:
-        config = replace(self.engine_config, model=spec.path)
+        config = replace(self.engine_config, model=spec.path, lora_modules=self._adapters_of(spec.name))
         state = self.make_state(spec, self.make_engine(config))
         now = time.monotonic()
         keep = self.primary_keep_alive if fatal else self.keep_alive

@@ -784,6 +784,9 @@ ROUTES: dict[tuple[str, str], dict] = {
     ("GET", "/v1/responses/{response_id}"): _route(ResponseObject, "openai", [404] + _KEYED + _GATE),
     ("DELETE", "/v1/responses/{response_id}"): _route(ResponseDeleted, "openai", [404] + _KEYED + _GATE),
     # 499 here is a RequestError: OpenAI's error body, not an empty one
+    # vLLM's LoRA routes: a plain-text success; 400 a bad adapter or name, 404 an unknown one, 503 the engine down
+    ("POST", "/v1/load_lora_adapter"): _route(None, "openai", [400, 404, 503] + _KEYED + _GATE, media=["text/plain"]),
+    ("POST", "/v1/unload_lora_adapter"): _route(None, "openai", [400, 404, 503] + _KEYED + _GATE, media=["text/plain"]),
     ("POST", "/v1/embeddings"): _route(EmbeddingList, "openai", [400, 404, 499, 500, 503] + _KEYED + _GATE),
     # ---------------------------------------------------------------- Anthropic
     ("POST", "/v1/messages"): _route(

@@ -71,6 +71,8 @@ class ServerState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     hub: object = None  # the ModelHub
     defaults: dict = field(default_factory=dict)  # the model's generation defaults (SamplingParams' names)
+    lora: tuple[str, str] | None = None  # a LoRA adapter's (name, digest): the request runs on it
+    base: str | None = None  # with lora: the base model's served name
 
     @property
     def draining(self) -> bool:

@@ -323,6 +323,23 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
+class LoadLoraRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter: a PEFT adapter folder served as model `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: StrictStr = Field(min_length=1, max_length=256)
+    lora_path: StrictStr = Field(min_length=1, max_length=4096)
+    base_model_name: StrictStr | None = None  # the base model (default: the command line's)
+
+
+class UnloadLoraRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: StrictStr = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's; accepted and unused (adapters are named)
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's shape (prompt or messages, add_special_tokens) or llama.cpp's (content, add_special)."""
 
@@ -352,6 +369,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None  # the engine's when loaded, else the model's context length
     loaded: bool | None = None
     generation_config: dict | None = None  # the model's generation defaults, applied where a request is silent
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):

@@ -182,14 +182,39 @@ class ReplicaSet:
         if all(r.state == "failed" for r in self.replicas):
             self.on_fatal(message)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params, cache_salt: str | None = None, out_queue=None):
+    async def load_lora(self, name: str, path: str) -> None:
+        """On every replica (each keeps it for its restarts); undone on those that took it if one cannot."""
+        done = []
+        try:
+            for r in self.replicas:
+                await r.load_lora(name, path)
+                done.append(r)
+        except BaseException:
+            for r in done:
+                try:
+                    await r.unload_lora(name)
+                except (ValueError, EngineDead):
+                    pass
+            raise
+
+    async def unload_lora(self, name: str) -> None:
+        errors = []
+        for r in self.replicas:
+            try:
+                await r.unload_lora(name)
+            except (ValueError, EngineDead) as e:
+                errors.append(e)
+        if len(errors) == len(self.replicas):
+            raise errors[0]
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params, cache_salt: str | None = None, out_queue=None, lora_name=None):
         ready = self._ready()
         if not ready:
             raise EngineDead(self.reason or "no replica is running")
         choice = self.router.choose({str(i): self.replicas[i].num_unfinished for i in ready}, prompt_token_ids, self.block_size, cache_salt)
         if choice.predicted_hit_tokens is not None:
             self.observe_prediction(choice.predicted_hit_tokens)
-        return self.replicas[int(choice.worker)].add_request(request_id, prompt_token_ids, params, cache_salt, out_queue)
+        return self.replicas[int(choice.worker)].add_request(request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name)
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:

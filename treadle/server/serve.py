@@ -68,6 +68,7 @@ class ModelOptions:
     memory_budget: int | None = None
     keep_alive: float | None = 300.0  # seconds a model loaded on demand stays once idle; None: forever
     primary_keep_alive: float | None = None  # the command line's model's; None: forever
+    lora_modules: dict = field(default_factory=dict)  # --lora-modules: adapters of the command line's model
 
 
 def serve(
@@ -104,6 +105,8 @@ def serve(
         catalog, make_engine, engine_config, primary=models.primary, max_loaded=models.max_loaded_models,
         memory_budget=models.memory_budget, keep_alive=models.keep_alive, primary_keep_alive=models.primary_keep_alive,
     )  # fmt: skip
+    for name, path in models.lora_modules.items():
+        hub.add_startup_adapter(name, path)
     app = build_app(hub, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)

@@ -191,3 +191,34 @@ def test_adapters_served_by_name_loaded_and_unloaded_at_run_time(lora_models, lo
     assert r.status_code == 404
     stats = httpx.get(url + "/stats").json()
     assert stats["kv_blocks_used"] == 0 or stats["num_running"] == 0
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "lora")  # tests/make_lora_files.py
+
+
+def test_a_gguf_lora_from_llama_cpps_converter_equals_its_peft_adapter(lora_models, tmp_path):
+    """llama.cpp's convert_lora_to_gguf.py output (q and k rows in llama.cpp's RoPE order) on the
+    HF base and on the same base as a GGUF file: the tokens of transformers + peft with the PEFT
+    adapter it was converted from."""
+    from peft import PeftModel
+
+    from .tiny_models import tiny_tokenizer, write_gguf
+
+    base = lora_models["base"]
+    import copy
+
+    ref_model = PeftModel.from_pretrained(copy.deepcopy(base), os.path.join(DATA, "peft")).eval()
+    with torch.no_grad():
+        ref = [hf_greedy(ref_model, p, NUM_TOKENS)[0] for p in PROMPTS]
+        plain = [hf_greedy(base, p, NUM_TOKENS)[0] for p in PROMPTS]
+    assert ref != plain
+    gguf_base = str(tmp_path / "base.gguf")
+    write_gguf(gguf_base, "llama", base, tiny_tokenizer())
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    for model in (lora_models["base_dir"], gguf_base):
+        llm = LLM(model, dtype="float32", lora_modules={"g": os.path.join(DATA, "adapter.gguf"), "p": os.path.join(DATA, "peft")})
+        for name in ("g", "p"):
+            outs = llm.generate(PROMPTS, greedy, lora=name)
+            assert [o.outputs[0].token_ids for o in outs] == ref, (model, name)
+    with pytest.raises(ValueError, match="not a GGUF LoRA adapter"):
+        llm.load_lora("x", gguf_base)

@@ -1,4 +1,5 @@
-"""LoRA adapters on a loaded model, as PEFT saves them (adapter_config.json + adapter_model.safetensors).
+"""LoRA adapters on a loaded model, as PEFT saves them (adapter_config.json + adapter_model.safetensors)
+or as llama.cpp's convert_lora_to_gguf.py writes them (a GGUF file of general.type "adapter").
 
 An adapter adds, to each matrix it targets, y += scale * (x A^T) B^T (A: [r, in], B: [out, r];
 scale = lora_alpha / r, or / sqrt(r) with use_rslora), and nothing else: the base weights are
@@ -31,10 +32,13 @@ class LoraError(ModelLoadError):
 
 
 def read_adapter_config(path: str) -> dict:
-    """The adapter folder's adapter_config.json, checked for what treadle can apply."""
+    """The adapter folder's adapter_config.json, checked for what treadle can apply ({} for a GGUF
+    file: its header is read when the core loads it)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return {}
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
-        raise LoraError(f"{path}: not a folder (a LoRA adapter is a PEFT folder: {CONFIG_FILE} and {WEIGHTS_FILE})")
+        raise LoraError(f"{path}: not a folder or a .gguf file (a LoRA adapter is a PEFT folder: {CONFIG_FILE} and {WEIGHTS_FILE}; or a GGUF LoRA)")
     try:
         with open(file, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -66,6 +70,11 @@ def adapter_digest(path: str) -> str:
     """A short hash of the adapter's files: its identity in prefix-cache keys (no KV is shared
     between adapters, nor with an adapter that replaced another under the same name)."""
     h = hashlib.sha256()
+    if os.path.isfile(path):  # a GGUF LoRA
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()[:16]
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         file = os.path.join(path, name)
         if os.path.isfile(file):
@@ -78,8 +87,11 @@ def adapter_digest(path: str) -> str:
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_(A|B)(?:\.[A-Za-z0-9_-]+)?\.weight$")
 
 
-def read_adapter(path: str, max_rank: int) -> tuple[dict, dict]:
-    """(config, {module name: (A, B, scale)}) of a PEFT adapter folder, A and B in float32."""
+def read_adapter(path: str, max_rank: int, model_config=None) -> tuple[dict, dict]:
+    """(config, {module name: (A, B, scale)}) of a PEFT adapter folder or a GGUF LoRA file, A and
+    B in float32 (`model_config`: the base's, for a GGUF file's head counts)."""
+    if os.path.isfile(path):
+        return {}, read_gguf_adapter(path, max_rank, model_config)
     import torch
 
     cfg = read_adapter_config(path)
@@ -119,11 +131,68 @@ def read_adapter(path: str, max_rank: int) -> tuple[dict, dict]:
     return cfg, out
 
 
+def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
+    """A GGUF LoRA (llama.cpp's convert_lora_to_gguf.py): tensors `blk.N.attn_q.weight.lora_a` /
+    `.lora_b`, the scale adapter.lora.alpha / rank (1 where alpha is 0, as llama.cpp does); the B
+    rows of attn_q / attn_k put back from llama.cpp's RoPE permutation, as the base's are."""
+    import torch
+
+    from .gguf_file import open_gguf
+    from .gguf_loader import _dequantize, _hf_name, _undo_qk_permutation
+    from .registry import resolve_model_class
+
+    try:
+        reader = open_gguf(path)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{path}: {e}") from None
+    meta = reader.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise LoraError(f"{path}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})")
+    arch = meta.get("general.architecture")
+    if model_config is not None and arch != model_config.architecture:
+        raise LoraError(f"{path}: an adapter for architecture {arch!r}, the model is {model_config.architecture!r}")
+    try:
+        family = resolve_model_class(arch)
+    except (KeyError, ValueError):
+        raise LoraError(f"{path}: general.architecture {arch!r}: unsupported architecture") from None
+    alpha = meta.get("adapter.lora.alpha", 0.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoraError(f"{path}: adapter.lora.alpha {alpha!r} is not a number")
+    halves: dict[str, dict] = {}
+    for tensor in reader.tensors:
+        base, dot, half = tensor.name.rpartition(".")
+        if not dot or half not in ("lora_a", "lora_b"):
+            raise LoraError(f"{path}: tensor {tensor.name}: not a LoRA A or B matrix")
+        try:
+            module = _hf_name(path, base, family.gguf_layer_tensors).removesuffix(".weight")
+        except ModelLoadError as e:
+            raise LoraError(str(e)) from None
+        w = torch.from_numpy(_dequantize(path, tensor).astype("float32"))
+        if half == "lora_b" and family.gguf_permuted_qk and model_config is not None and base.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = model_config.num_heads if base.endswith("attn_q.weight") else model_config.num_kv_heads
+            w = torch.from_numpy(_undo_qk_permutation(w.numpy(), heads).copy())
+        halves.setdefault(module, {})[half] = w
+    out = {}
+    for module, ab in halves.items():
+        if set(ab) != {"lora_a", "lora_b"}:
+            raise LoraError(f"{path}: {module}: {'lora_a' if 'lora_a' not in ab else 'lora_b'} is missing")
+        a, b = ab["lora_a"], ab["lora_b"]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise LoraError(f"{path}: {module}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not make a low-rank product")
+        r = a.shape[0]
+        if r > max_rank:
+            raise LoraError(f"{path}: {module}: rank {r} is above --max-lora-rank {max_rank}")
+        out[module] = (a, b, alpha / r if alpha else 1.0)
+    if not out:
+        raise LoraError(f"{path}: no LoRA matrices")
+    return out
+
+
 class LoraSet:
     """The adapters loaded on one model, each under an id the runner's requests refer to."""
 
-    def __init__(self, linears: list, dtype, device, max_rank: int):
-        self.dtype, self.device, self.max_rank = dtype, device, max_rank
+    def __init__(self, linears: list, dtype, device, max_rank: int, model_config=None):
+        self.dtype, self.device, self.max_rank, self.model_config = dtype, device, max_rank, model_config
         self.targets: dict[str, tuple] = {}  # module name -> (its Linear, first output row, rows)
         for linear in linears:
             row = 0
@@ -139,7 +208,7 @@ class LoraSet:
 
         if adapter_id in self.adapters:
             raise LoraError(f"adapter id {adapter_id} is in use")
-        _, modules = read_adapter(path, self.max_rank)
+        _, modules = read_adapter(path, self.max_rank, self.model_config)
         per_linear: dict[int, list] = {}
         for module, (a, b, scale) in sorted(modules.items()):
             if module not in self.targets:

@@ -120,7 +120,7 @@ class ModelRunner:
         from .lora import LoraSet
 
         if self.loras is None:
-            self.loras = LoraSet(self.model.linears(), self.dtype, self.device, max_rank)
+            self.loras = LoraSet(self.model.linears(), self.dtype, self.device, max_rank, self.config)
         self.loras.max_rank = max_rank
         self.loras.add(lora_id, path)
 

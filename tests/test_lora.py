@@ -65,6 +65,19 @@ def weights_hash(llm) -> str:
     return h.hexdigest()
 
 
+def record_adapters_per_step(llm) -> list[set]:
+    """The adapter ids (0: the base) of each step's requests, from here on."""
+    runner, steps = llm.engine.runner, []
+    compute = runner.compute_logits
+
+    def recording(step, *args, **kwargs):
+        steps.append({runner.requests[s.req_id].lora for s in step.scheduled})
+        return compute(step, *args, **kwargs)
+
+    runner.compute_logits = recording
+    return steps
+
+
 def test_adapters_and_the_base_in_one_batch_equal_transformers_with_peft(lora_models):
     ref = reference(lora_models)
     assert ref["a"] != ref["base"] and ref["b"] != ref["base"] and ref["a"] != ref["b"]  # the adapters matter
@@ -77,7 +90,9 @@ def test_adapters_and_the_base_in_one_batch_equal_transformers_with_peft(lora_mo
     # one batch: base, a and b side by side (a step holds all three)
     names = [None, "a", "b", "a", "b", None]
     prompts = [PROMPTS[i % 2] for i in range(len(names))]
+    steps = record_adapters_per_step(llm)
     outs = llm.generate(prompts, greedy, lora=names)
+    assert {0, 1, 2} in steps  # ids: 0 the base, 1 and 2 the adapters
     for i, (name, out) in enumerate(zip(names, outs)):
         assert out.outputs[0].token_ids == ref[name or "base"][i % 2], (i, name)
     assert weights_hash(llm) == before  # the base weights are never changed or merged
@@ -89,6 +104,12 @@ def test_adapters_and_the_base_in_one_batch_equal_transformers_with_peft(lora_mo
     assert llm.stats()["prefix_cache_hits"] == hits
     llm.generate([fresh], greedy, lora="b")
     assert llm.stats()["prefix_cache_hits"] == hits + 32  # ... and is shared within one adapter
+    # --max-loras 1: one adapter at a time among the running requests; the base runs beside it
+    one = LLM(lora_models["base_dir"], dtype="float32", lora_modules=lora_models["paths"], max_loras=1)
+    steps = record_adapters_per_step(one)
+    outs = one.generate(prompts, greedy, lora=names)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[n or "base"][i % 2] for i, n in enumerate(names)]
+    assert all(len(s - {0}) <= 1 for s in steps) and any(s == {0, 1} for s in steps) and any(2 in s for s in steps)
 
 
 def test_load_unload_and_refusals(lora_models):

@@ -33,7 +33,8 @@ class FakeHub:
         self.served: dict[str, int] = {}  # path -> body bytes sent
         self.cut_after: dict[str, int] = {}
         self.corrupt: set[str] = set()
-        self.delay = 0.0  # seconds per 64 KiB chunk
+        self.delay = 0.0  # seconds per chunk
+        self.chunk = 65536  # body bytes per write
         self.lock = threading.Lock()
         hub = self
 
@@ -146,8 +147,9 @@ class FakeHub:
         cut = self.cut_after.pop(key, None)
         sent = 0
         try:
-            for i in range(0, len(body), 65536):
-                chunk = body[i : i + 65536]
+            step = self.chunk
+            for i in range(0, len(body), step):
+                chunk = body[i : i + step]
                 if cut is not None and sent + len(chunk) > cut:
                     chunk = chunk[: max(0, cut - sent)]
                     h.wfile.write(chunk)

@@ -113,3 +113,14 @@ class RouterProcess(ServerProcess):
     @staticmethod
     def default_args(args) -> list[str]:
         return ["--health-check-interval", "0.5"]
+
+
+def running(*args: str, env: dict | None = None):
+    """A module fixture's body: `yield from running(...)` starts a server, waits for it, yields it
+    and stops it whatever happened."""
+    s = ServerProcess(*args, env=env)
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()

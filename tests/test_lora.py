@@ -154,17 +154,12 @@ def test_bfloat16_adapters_keep_the_batch_invariant_default(lora_models):
 
 @pytest.fixture(scope="module")
 def lora_server(lora_models):
-    from .server_process import ServerProcess
+    from .server_process import running
 
-    s = ServerProcess(
+    yield from running(
         "--model", lora_models["base_dir"], "--served-model-name", "base", "--lora-modules", f"a={lora_models['paths']['a']}",
         "--dtype", "float32", "--no-compile", "--max-model-len", "256", "--kv-cache-memory-bytes", "16M",
     )  # fmt: skip
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
 
 
 def test_adapters_served_by_name_loaded_and_unloaded_at_run_time(lora_models, lora_server):

@@ -16,7 +16,7 @@ from treadle.store import ModelStore
 
 from .conftest import MODEL
 from .reference import hf_greedy
-from .server_process import ServerProcess
+from .server_process import running
 from .tiny_models import save_hf_model
 
 TINY = "tiny:latest"
@@ -40,15 +40,10 @@ def store_dir(tmp_path_factory, gguf_path):
 
 @pytest.fixture(scope="module")
 def multi(store_dir):
-    s = ServerProcess(
+    yield from running(
         "--models-dir", store_dir["dir"], "--model", f"broken={store_dir['broken']}", "--max-loaded-models", "2",
         "--kv-cache-memory-bytes", "32M", "--max-model-len", "512",
     )  # fmt: skip
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
 
 
 def loaded(server) -> list[str]:
@@ -196,12 +191,7 @@ def test_ollama_pull_show_copy_delete_against_the_store(multi, store_dir):
 def budget_server(store_dir):
     """--memory-budget that holds the default model or the tiny one, not both (their engine cores
     measured ~410 MB and ~300 MB resident on 2 cores)."""
-    s = ServerProcess("--models-dir", store_dir["dir"], "--memory-budget", "580M", "--kv-cache-memory-bytes", "32M", "--max-model-len", "512")
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
+    yield from running("--models-dir", store_dir["dir"], "--memory-budget", "580M", "--kv-cache-memory-bytes", "32M", "--max-model-len", "512")
 
 
 def test_the_memory_budget_counts_every_engine_core_and_evicts_by_least_recent_use(budget_server):

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from .conftest import KEY, MODEL, SECOND_KEY
-from .server_process import ServerProcess, free_port_pair
+from .server_process import ServerProcess, free_port_pair, running
 
 
 @pytest.fixture(scope="module")
@@ -433,16 +433,11 @@ def limited(tmp_path_factory):
     file) that loops when the first message says so."""
     template = tmp_path_factory.mktemp("template") / "looping.jinja"
     template.write_text(LOOPING_TEMPLATE)
-    s = ServerProcess(
+    yield from running(
         "--api-key", "one", "--api-key", "two", "--max-concurrent-per-key", "1",
         "--request-body-timeout", "2", "--max-stream-buffer-bytes", "32768", "--chat-template", str(template),
         "--kv-events-port", str(free_port_pair()),
     )  # fmt: skip
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
 
 
 def test_concurrent_requests_per_key_beyond_the_limit_are_429(limited):

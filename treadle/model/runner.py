@@ -245,7 +245,8 @@ class ModelRunner:
             s = scheduled[i]
             ids.extend(s.token_ids)
             positions.append(torch.arange(s.start, s.start + len(s.token_ids)))
-            lora = self.requests[s.req_id].lora
+            known = self.requests.get(s.req_id)  # a draft's runner and the fast-path checks compute rows of requests it never learnt
+            lora = known.lora if known is not None else 0
             if lora:
                 lora_rows.setdefault(lora, []).extend(range(row, row + len(s.token_ids)))
             row += len(s.token_ids)

@@ -214,10 +214,7 @@ def register(app, server: ServerState) -> None:
 
     @app.post("/api/pull")
     async def pull(body: OllamaPullRequest):
-        store = _store(hub)
-        ref = body.model or body.name
-        if not ref:
-            raise RequestError("model is required", "model")
+        store, ref = _store(hub), _required_name(body)
         if not body.stream:
             manifest = await _pull(store, ref)
             return {"status": "success", "model": manifest["name"]}
@@ -244,10 +241,7 @@ def register(app, server: ServerState) -> None:
     async def delete(body: OllamaModelRequest):
         from ...store import NotFound
 
-        store = _store(hub)
-        name = body.model or body.name
-        if not name:
-            raise RequestError("model is required", "model")
+        store, name = _store(hub), _required_name(body)
         spec = hub.catalog.lookup(name)
         if spec is not None and spec.source in (COMMAND_LINE, EMBEDDED):
             raise RequestError(f"model '{name}' is not in the store ({spec.source}): it cannot be deleted", "model")
@@ -298,6 +292,14 @@ def _spec(server: ServerState, model: str | None):
     if spec is None:
         raise RequestError(f"model '{model}' not found", "model", status=404)
     return spec
+
+
+def _required_name(body) -> str:
+    """Ollama's model name, as `model` or (older clients) `name`."""
+    name = body.model or body.name
+    if not name:
+        raise RequestError("model is required", "model")
+    return name
 
 
 def _store(hub):

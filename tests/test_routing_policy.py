@@ -69,7 +69,7 @@ def test_a_long_shared_prefix_still_goes_where_it_is_cached():
 def test_the_balance_rule_still_overrides_the_cache():
     policy = RoutingPolicy("cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
     document = tokens(1, 40 * BLOCK)
-    policy.index.blocks["w0"] = set(prompt_block_hashes(document, BLOCK))
+    policy.index.blocks["w0"] = {h: {"CPU"} for h in prompt_block_hashes(document, BLOCK)}
     assert policy.choose({"w0": 10, "w1": 0}, document + tokens(2, 8), BLOCK).worker == "w1"
     assert policy.choose({"w0": 3, "w1": 0}, document + tokens(2, 8), BLOCK).worker == "w0"
 

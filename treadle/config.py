@@ -114,6 +114,14 @@ class EngineConfig:
     # (`treadle serve` defaults to 1.0; engine/step_cost.py)
     decode_stall_ratio: float | None = None
     enable_prefix_caching: bool = True
+    # the prefix cache's lower tiers (engine/kv_tiers.py): blocks the pool evicts are kept in host RAM
+    # up to this many bytes (0: no host tier; on a CPU the pool is RAM too, so the host tier pays
+    # where the pool is kept small or as the disk tier's cache) ...
+    kv_offload_bytes: int = 0
+    # ... and every computed block is written to a file under this folder (None: no disk tier), up
+    # to kv_disk_bytes; a restarted server, or another one on the same model and folder, finds them
+    kv_cache_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30
     # a hybrid model's prefix caching: how many checkpoints of recurrent states to keep (each one
     # request's state in every recurrent layer, out of the KV budget); None: as many as fit in a
     # quarter of the KV pool's bytes, between 2 and max_num_seqs x 4
@@ -153,6 +161,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if self.decode_stall_ratio is not None and self.decode_stall_ratio < 0:
             raise ValueError(f"decode_stall_ratio must be at least 0, got {self.decode_stall_ratio}")
+        for name in ("kv_offload_bytes", "kv_disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
         if self.max_grammar_compile_seconds <= 0:
             raise ValueError(f"max_grammar_compile_seconds must be positive, got {self.max_grammar_compile_seconds}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -177,6 +188,9 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "kv_offload_bytes": "host-RAM tier of the prefix cache: blocks evicted from the KV pool are kept here (e.g. 2G) and loaded back on a prefix hit; 0: off",
+    "kv_cache_dir": "disk tier of the prefix cache: every computed block is written here (a file each, off the step loop) and loaded back on a prefix hit the pool misses, also by a restarted server or another one on the same model",
+    "kv_disk_bytes": "most bytes the disk tier keeps under --kv-cache-dir (least recently used files deleted first)",
     "recurrent_checkpoints": "hybrid (recurrent-state) models: checkpoints of request states kept for prefix hits (default: a quarter of the KV budget's bytes, 2 to 4 x max-num-seqs)",
     "quantization": "quantize a Hugging Face folder's matrices at load (q8_0, q4_k, q4_0), held and multiplied as a GGUF file's; a GGUF file keeps its own types",
     "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
@@ -217,7 +231,7 @@ def add_engine_args(
             if default is None:
                 help_text = f"{ENGINE_HELP.get(f.name, '')} (default: auto)"
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif f.name == "kv_cache_memory_bytes":
+        elif f.name in ("kv_cache_memory_bytes", "kv_offload_bytes", "kv_disk_bytes"):
             parser.add_argument(flag, type=parse_size, default=default, help=help_text)
         elif f.name in ("dtype",):
             parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
@@ -225,7 +239,7 @@ def add_engine_args(
             parser.add_argument(flag, choices=["q8_0", "q4_k", "q4_0"], default=default, help=help_text)
         elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
             parser.add_argument(flag, type=float, default=default, help=help_text)
-        elif f.name in ("device", "speculative_config"):
+        elif f.name in ("device", "speculative_config", "kv_cache_dir"):
             parser.add_argument(flag, default=default, help=help_text)
         else:
             parser.add_argument(flag, type=int, default=default, help=help_text)

@@ -58,6 +58,9 @@ class BlockPool:
         # KV cache events (kv_events.py), when someone listens: every hash given and taken away in
         # group 0's index (full attention where the model has any: what a router's prefix match means)
         self.events: list | None = None
+        # with the lower tiers on (kv_tiers.py): (block id, hash, group) of every hashed block
+        # allocate() evicted, for the KV manager to save before the step overwrites it
+        self.evicted: list | None = None
 
     @property
     def cached(self) -> dict[BlockHash, Block]:
@@ -79,6 +82,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block.block_hash, block.group))
                 self.uncache_block(block)  # evicted: its content is about to be overwritten
             block.ref_count = 1
             out.append(block)

@@ -79,7 +79,7 @@ class EngineCore:
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
         # a hybrid's prefix hits also need its recurrent states at their ends: checkpoints of them
         checkpoints = StateCheckpoints(w.num_state_checkpoints) if self.model_config.recurrent and w.num_state_checkpoints else None
-        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout, checkpoints)
+        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout, checkpoints, self._make_tiers())
         self.kv_events = None
         if config.kv_events_endpoint:
             from .kv_events import KVEventPublisher
@@ -122,6 +122,46 @@ class EngineCore:
             error = self.load_lora(name, path)
             if error is not None:
                 raise ValueError(f"LoRA adapter {name}: {error}")
+
+    def _make_tiers(self):
+        """The prefix cache's host and disk tiers (kv_tiers.py), where asked for."""
+        cfg = self.config
+        if not cfg.enable_prefix_caching or not (cfg.kv_offload_bytes or cfg.kv_cache_dir):
+            return None
+        from ..model.loader import resolve_model_path
+        from .kv_tiers import KVTiers, model_identity
+
+        identity = b""
+        if cfg.kv_cache_dir:
+            path = resolve_model_path(cfg.model)
+            files = (
+                [os.path.join(path, f) for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))] if os.path.isdir(path) else [path]
+            )
+            layout = self.runner.layout
+            k = self.runner.kv_pairs[0][0]
+            identity = model_identity(
+                files,
+                dtype=str(k.dtype),
+                kv_dtype=str(k.dtype),
+                page_shape=tuple(k.shape[1:]),
+                pairs=len(self.runner.kv_pairs),
+                groups=[(g.window, g.layers) for g in layout.groups],
+                block_size=cfg.block_size,
+                quantization=cfg.quantization,
+            )
+        return KVTiers(cfg.kv_offload_bytes, cfg.kv_cache_dir, cfg.kv_disk_bytes, identity, self.runner.page_bytes)
+
+    def _move_kv(self) -> None:
+        """The lower tiers' copies for this step, before its forward: evicted blocks saved first
+        (a load or the step may overwrite them), then hits' pages loaded."""
+        saves, loads = self.kv.take_moves()
+        if saves:
+            for (_, key), page in zip(saves, self.runner.read_blocks([b for b, _ in saves])):
+                self.kv.tiers.save(key, page)
+        if loads:
+            started = time.perf_counter()
+            self.runner.write_blocks([b for b, _ in loads], [p for _, p in loads])
+            self.kv.tiers.count_host_load(len(loads), time.perf_counter() - started)
 
     # ------------------------------------------------------------ LoRA adapters
 
@@ -275,6 +315,8 @@ class EngineCore:
         """Stop background work (the decode compiler, the grammar thread); the core stays usable, eagerly."""
         self.worker.close()
         self.structured.close()
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -297,6 +339,8 @@ class EngineCore:
         step.finished_req_ids, self._finished_for_runner = self._finished_for_runner, []
         if not step.scheduled:
             self.runner.update_states(step)
+            if self.kv.tiers is not None and self.kv.tiers.reading():
+                time.sleep(0.002)  # only requests waiting for pages from disk: no busy loop
             return outputs
         for s in step.scheduled:
             if s.sample_ids:
@@ -309,6 +353,7 @@ class EngineCore:
         started = time.perf_counter()
         try:
             # the draft's distributions are tensors: the draft and the target share a process
+            self._move_kv()
             draft_probs = None
             if self.draft is not None:
                 proposals, draft_probs = self.draft.propose(step, self.requests, self.runner, self.structured.compiler)
@@ -321,6 +366,10 @@ class EngineCore:
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
             return outputs
+        written = self.kv.take_written()
+        if written:  # the disk tier gets every block as it is computed (its writer thread does the I/O)
+            for (_, key), page in zip(written, self.runner.read_blocks([b for b, _ in written])):
+                self.kv.tiers.disk.put(key, page)
         decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) - s.num_drafts == 1)
         drafts = sum(s.num_drafts for s in step.scheduled)
         self.step_cost.observe(time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows - drafts, drafts)
@@ -345,6 +394,7 @@ class EngineCore:
             exc_info=not isinstance(error, InjectedFault),
         )
         self.kv.forget_step()
+        self.kv.take_moves()  # a failed step's loads are of blocks its requests no longer hold
         self.scheduler.scheduled = []
         message = f"the engine failed while running this request: {type(error).__name__}: {error}"
         outputs = []

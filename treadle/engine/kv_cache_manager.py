@@ -17,24 +17,42 @@ request with the same prefix can still hit it.
 A prefix hit of n blocks needs, in every full-attention group, each of the n blocks, and in each
 sliding group only those the next query reads (the window before position n * block_size); the
 longest n that every group can serve wins.
+
+With the lower tiers on (kv_tiers.py), a block the pool no longer holds may still be served from
+them: the hit names it by a `TierPage`, which gets a fresh block whose page is loaded before the
+step's forward (`take_moves`); a hit that needs pages from disk first starts their reads and is
+`pending` (its request waits, the others step). A hashed block the pool evicts is saved into the
+tiers before the step that overwrites it runs (the same `take_moves`).
 """
 
 from dataclasses import dataclass, field
 
 from ..kv_layout import CacheGroup, KVLayout
 from .block_pool import Block, BlockPool, extend_block_hashes
+from .kv_events import BlockRemoved, BlockStored
+from .kv_tiers import DISK, HOST, KVTiers, tier_key
 from .request import Request
 from .state_cache import StateCheckpoints, boundaries
 
 FULL_ATTENTION = KVLayout((CacheGroup(None, ()),), 1)  # one group, every position kept
 
 
+@dataclass(frozen=True)
+class TierPage:
+    """A hit's block that only a lower tier holds: `key` is its page there, `medium` HOST or DISK."""
+
+    key: bytes
+    medium: str
+
+
 @dataclass
 class PrefixHit:
-    """A prefix-cache hit: per cache group, the hit's blocks (None where out of that group's window)."""
+    """A prefix-cache hit: per cache group, the hit's blocks (None where out of that group's window;
+    a TierPage where a lower tier holds it)."""
 
-    blocks: list[list[Block | None]] = field(default_factory=list)
+    blocks: list[list[Block | TierPage | None]] = field(default_factory=list)
     state_slot: int | None = None  # a hybrid model's: the checkpoint of its recurrent state at the hit's end
+    pending: bool = False  # pages of the hit are being read from disk: the request waits
 
     @property
     def num_blocks(self) -> int:
@@ -52,6 +70,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         layout: KVLayout = FULL_ATTENTION,
         checkpoints: StateCheckpoints | None = None,
+        tiers: KVTiers | None = None,
     ):
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -62,6 +81,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, one table per group
         self.num_hashed_blocks: dict[str, int] = {}
         self.step_hashed: list[Block] = []  # blocks given a hash since begin_step()
+        self.tiers = tiers if enable_caching else None
+        if self.tiers is not None:
+            self.pool.evicted = []
+        self.step_loads: list[tuple[int, object]] = []  # (block id, page) to load before the step's forward
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,17 +95,55 @@ class KVCacheManager:
         from .kv_events import AllBlocksCleared
 
         self.pool.events = [AllBlocksCleared()]
+        if self.tiers is not None:
+            self.tiers.record_events()
 
     def take_events(self) -> list:
         """The events since the last call (none unless record_events() was called)."""
         events = self.pool.events
-        if not events:
+        if events is None:
             return []
         self.pool.events = []
+        if self.tiers is not None:
+            for medium, key, stored in self.tiers.take_events():
+                if key[-1] == 0:  # group 0's, as the pool's events
+                    h = key[:-1]
+                    events.append(BlockStored([h], None, [], self.block_size, medium=medium) if stored else BlockRemoved([h], medium=medium))
         return events
+
+    def take_moves(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, object]]]:
+        """The lower tiers' work before this step's forward: (block id, key) of the evicted blocks to
+        save (read them first: a load or the step may overwrite them), then (block id, page) to load."""
+        if self.tiers is None:
+            return [], []
+        saves = []
+        for block_id, block_hash, group in self.pool.evicted:
+            key = tier_key(block_hash, group)
+            if self.tiers.wants(key):
+                saves.append((block_id, key))
+        self.pool.evicted = []
+        loads, self.step_loads = self.step_loads, []
+        return saves, loads
+
+    def take_written(self) -> list[tuple[int, bytes]]:
+        """After a step ran: (block id, key) of the blocks it filled that the disk tier lacks. With a
+        disk tier every computed block is written there (off the step loop), so a restart finds
+        what was still in the pool too, not only what the pool evicted."""
+        if self.tiers is None or self.tiers.disk is None:
+            return []
+        disk = self.tiers.disk
+        out = []
+        for block in self.step_hashed:
+            if block.block_hash is not None:
+                key = tier_key(block.block_hash, block.group)
+                if key not in disk:
+                    out.append((block.block_id, key))
+        return out
 
     def begin_step(self) -> None:
         self.step_hashed = []
+        if self.tiers is not None:
+            self.tiers.poll()
         if self.checkpoints is not None:
             self.checkpoints.commit()  # the last step ran: its checkpoints hold their states
 
@@ -122,25 +183,34 @@ class KVCacheManager:
         """Hashes of the request's full blocks of known tokens, computed once each."""
         return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
 
-    def find_cached_prefix(self, req: Request) -> PrefixHit:
+    def _lookup(self, h: bytes, g: int, owner: str, disk: bool) -> Block | TierPage | None:
+        block = self.pool.get_cached_block(h, g)
+        if block is not None or self.tiers is None:
+            return block
+        key = tier_key(h, g)
+        medium = self.tiers.locate(key, owner)
+        return TierPage(key, medium) if medium == HOST or (medium == DISK and disk) else None
+
+    def find_cached_prefix(self, req: Request, _disk: bool = True) -> PrefixHit:
         """The longest cached prefix of whole blocks every group can serve, leaving the request's last token to compute."""
         if not self.enable_caching:
             return NO_HIT
         hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
         n = len(hashes)
-        found: list[list[Block | None]] = []
+        rid = req.request_id
+        found: list[list[Block | TierPage | None]] = []
         for g, window in enumerate(self.windows):  # full groups first: they bound n before the lookups of sliding ones
             if window is None:
                 run = []
                 for h in hashes[:n]:
-                    block = self.pool.get_cached_block(h, g)
+                    block = self._lookup(h, g, rid, _disk)
                     if block is None:
                         break
                     run.append(block)
                 n = len(run)
                 found.append(run)
             else:
-                found.append([self.pool.get_cached_block(h, g) for h in hashes[:n]])
+                found.append([self._lookup(h, g, rid, _disk) for h in hashes[:n]])
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
         state_slot = None
         while n:
@@ -157,6 +227,11 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             first = self._first_visible(n * self.block_size, window)
             blocks.append([None] * first + found[g][first:n])
+        from_disk = [b.key for table in blocks for b in table if isinstance(b, TierPage) and b.medium == DISK]
+        if from_disk:
+            if not self.tiers.prefetch(rid, from_disk):
+                return PrefixHit(pending=True)
+            return self.find_cached_prefix(req, _disk=False)  # the pages read are staged (HOST) now, the bad ones gone
         return PrefixHit(blocks, state_slot)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
@@ -175,18 +250,28 @@ class KVCacheManager:
         self._release_out_of_window(tables, first_query)
         total = first_query + num_new_tokens
         wanted = -(-total // bs)
-        needs = [max(0, wanted - len(table) - len(hits)) for table, hits in zip(tables, hit_blocks)]
+        # a hit's pages from a lower tier each need a fresh block
+        needs = [max(0, wanted - len(table) - len(hits)) + sum(isinstance(b, TierPage) for b in hits) for table, hits in zip(tables, hit_blocks)]
         # Hits with ref_count 0 are still in the free queue but cannot be handed out as new blocks.
-        reserved = sum(1 for hits in hit_blocks for b in hits if b is not None and b.ref_count == 0)
+        reserved = sum(1 for hits in hit_blocks for b in hits if isinstance(b, Block) and b.ref_count == 0)
         if sum(needs) > self.pool.num_free_blocks - reserved:
             return False
         if new:
             self.req_blocks[req.request_id] = tables
+        for hits in hit_blocks:  # every group's hits out of the free queue before any allocation pops one
+            self.pool.touch([b for b in hits if isinstance(b, Block)])
         for table, hits, need in zip(tables, hit_blocks, needs):
-            self.pool.touch([b for b in hits if b is not None])
-            table.extend(hits)
+            for b in hits:
+                if isinstance(b, TierPage):
+                    (block,) = self.pool.allocate(1)  # its page is loaded before the step's forward
+                    self.step_loads.append((block.block_id, self.tiers.page(b.key, req.request_id)))
+                    need -= 1
+                    b = block
+                table.append(b)
             if need:
                 table.extend(self.pool.allocate(need))
+        if self.tiers is not None and hit.blocks:
+            self.tiers.release(req.request_id)
         # proposed tokens (speculative decoding) are not the request's yet: never hash their blocks
         self._cache_full_blocks(req, tables, min(total, req.num_tokens))
         return True
@@ -258,6 +343,8 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so a shared head outlives the tail in the LRU queue."""
+        if self.tiers is not None:
+            self.tiers.release(req.request_id)
         for table in self.req_blocks.pop(req.request_id, ()):
             self.pool.free(b for b in reversed(table) if b is not None)
         self.num_hashed_blocks.pop(req.request_id, None)

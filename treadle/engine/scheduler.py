@@ -112,7 +112,7 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: memory is short.
         adapters = {r.lora for r in self.running if r.lora}
-        skipped = []  # requests for one adapter too many: they keep their place for a later step
+        skipped = []  # requests for one adapter too many, or waiting for disk: they keep their place for a later step
         while self.waiting and min(budget, prompt_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.lora and req.lora not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras:
@@ -121,6 +121,9 @@ class Scheduler:
             # mean pooling reads every prompt position's hidden state: it cannot start from the cache
             lookup = req.num_computed_tokens == 0 and req.params.pooling != "mean"
             hits = self.kv.find_cached_prefix(req) if lookup else NO_HIT
+            if hits.pending:  # its cached prefix is being read from disk: it keeps its place, others go first
+                skipped.append(self.waiting.popleft())
+                continue
             num_cached = hits.num_blocks * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, prompt_budget)
             if not self.kv.allocate_slots(req, num_new, hits):

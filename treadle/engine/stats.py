@@ -4,7 +4,7 @@ accounting by component."""
 from ..utils import process_memory
 
 
-def memory(worker) -> dict:
+def memory(worker, tiers=None) -> dict:
     """This process's memory by component, in bytes: the model side's (weights, also by type; the
     KV pool; compiled decode graphs; the background compiler's resident set, another process), the
     rest (torch, Python, tokenizer, buffers); its resident set now and at its peak."""
@@ -12,7 +12,8 @@ def memory(worker) -> dict:
     parts = worker.memory()
     rss = status.get("VmRSS")
     parts["lora_bytes"] = worker.runner.lora_bytes()
-    held = parts["weights_bytes"] + parts["kv_cache_bytes"] + parts["compiled_graphs_bytes"] + parts["lora_bytes"]
+    parts["kv_offload_bytes"] = tiers.host.nbytes if tiers is not None and tiers.host is not None else 0  # the host tier's pages
+    held = parts["weights_bytes"] + parts["kv_cache_bytes"] + parts["compiled_graphs_bytes"] + parts["lora_bytes"] + parts["kv_offload_bytes"]
     return {**parts, "other_bytes": None if rss is None else rss - held, "rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM")}
 
 
@@ -46,6 +47,7 @@ def snapshot(core) -> dict:
         "num_waiting_for_grammar": core.structured.num_waiting,
         "grammars_compiled": core.structured.compiler.compiled,
         "grammar_cache_hits": core.structured.compiler.cache_hits,
-        "memory": memory(core.worker),
+        "kv_tiers": core.kv.tiers.stats() if core.kv.tiers is not None else None,
+        "memory": memory(core.worker, core.kv.tiers),
         "lora_adapters": sorted(core.loras),
     }

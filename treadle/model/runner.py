@@ -153,6 +153,35 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    @property
+    def page_bytes(self) -> int:
+        """One block's page: its keys and values in every tensor pair (engine/kv_tiers.py's payload)."""
+        k = self.kv_pairs[0][0]
+        return 2 * len(self.kv_pairs) * k[0].numel() * k.element_size()
+
+    def read_blocks(self, block_ids: list[int]) -> list:
+        """Copies of these blocks' pages, each a uint8 numpy array of `page_bytes` (keys then values
+        of every tensor pair, in pair order)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(block_ids, device=self.device)
+        parts = [t.index_select(0, idx) for pair in self.kv_pairs for t in pair]  # each [n, block, heads, dim]
+        pages = torch.stack(parts, 1).contiguous().cpu()  # [n, pairs * 2, block, heads, dim]
+        flat = pages.view(len(block_ids), -1).view(torch.uint8)
+        return [flat[i].numpy().copy() for i in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: list[int], pages: list) -> None:
+        """Put pages made by read_blocks (by this model, dtype and block size) into these blocks."""
+        if not block_ids:
+            return
+        k = self.kv_pairs[0][0]
+        raw = torch.stack([torch.frombuffer(memoryview(p).cast("B"), dtype=torch.uint8) for p in pages])
+        shaped = raw.view(k.dtype).view(len(block_ids), 2 * len(self.kv_pairs), *k.shape[1:]).to(self.device)
+        idx = torch.tensor(block_ids, device=self.device)
+        for j, (k_cache, v_cache) in enumerate(self.kv_pairs):
+            k_cache.index_copy_(0, idx, shaped[:, 2 * j])
+            v_cache.index_copy_(0, idx, shaped[:, 2 * j + 1])
+
     def update_states(self, step: StepInput) -> None:
         """Learn the step's new requests and forget the finished ones (before anything can fail)."""
         for new in step.new_requests:

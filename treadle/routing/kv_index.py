@@ -4,7 +4,10 @@ A router that hashes a prompt's full blocks exactly as the engines do (`prompt_b
 block_pool.hash_block_tokens over each block's token ids, chained, the cache_salt in the first)
 can ask `KVIndex.match` how many leading blocks of it each worker holds. The index is nothing but
 the events applied in order per worker (engine/kv_events.py): BlockStored adds hashes,
-BlockRemoved takes them away, AllBlocksCleared empties the worker. `KVEventSubscriber` feeds one
+BlockRemoved takes them away, AllBlocksCleared empties the worker. Each event names its medium
+(the pool's "CPU", the lower tiers' "HOST" and "DISK": engine/kv_tiers.py); a block counts as
+cached while any medium holds it (a tier's block is loaded back instead of recomputed), and
+`media` counts each worker's blocks per medium. `KVEventSubscriber` feeds one
 worker's events into the index, replaying what it missed (at the start, or after a gap in the
 sequence numbers) from the worker's replay socket.
 """
@@ -32,18 +35,33 @@ def cached_tokens(num_blocks: int, prompt_len: int, block_size: int) -> int:
 class KVIndex:
     def __init__(self):
         self._lock = threading.Lock()
-        self.blocks: dict[str, set[bytes]] = {}  # worker -> the hashes it holds
+        self.blocks: dict[str, dict[bytes, set[str]]] = {}  # worker -> the hashes it holds -> the media holding each
 
     def apply(self, worker: str, batch: KVEventBatch) -> None:
         with self._lock:
-            held = self.blocks.setdefault(worker, set())
+            held = self.blocks.setdefault(worker, {})
             for event in batch.events:
                 if isinstance(event, BlockStored):
-                    held.update(event.block_hashes)
+                    for h in event.block_hashes:
+                        held.setdefault(h, set()).add(event.medium)
                 elif isinstance(event, BlockRemoved):
-                    held.difference_update(event.block_hashes)
+                    for h in event.block_hashes:
+                        media = held.get(h)
+                        if media is not None:
+                            media.discard(event.medium)
+                            if not media:
+                                del held[h]
                 elif isinstance(event, AllBlocksCleared):
                     held.clear()
+
+    def media(self, worker: str) -> dict[str, int]:
+        """How many blocks each medium of the worker holds."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for media in self.blocks.get(worker, {}).values():
+                for m in media:
+                    out[m] = out.get(m, 0) + 1
+            return out
 
     def forget(self, worker: str) -> None:
         """A worker that died or left: nothing of it is cached any more."""

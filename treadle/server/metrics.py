@@ -63,6 +63,23 @@ class _EngineCollector:
                 ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
             ):
                 add("counter", name, doc, where, s[key])
+            for tier, t in (s.get("kv_tiers") or {}).items():  # the prefix cache's host and disk tiers
+                for name, key, kind, doc in (
+                    ("treadle:kv_tier_hits", "hits", "counter", "Prefix-cache blocks loaded back from a lower tier."),
+                    ("treadle:kv_tier_stored", "stored", "counter", "Blocks evicted from the KV pool kept in a lower tier."),
+                    ("treadle:kv_tier_evicted", "evicted", "counter", "Blocks a lower tier dropped for its budget."),
+                    (
+                        "treadle:kv_tier_load_seconds",
+                        "load_seconds",
+                        "counter",
+                        "Time spent loading blocks from a lower tier (disk: reads on its thread).",
+                    ),
+                    ("treadle:kv_tier_loads", "loads", "counter", "Blocks loaded from a lower tier (disk: files read)."),
+                    ("treadle:kv_tier_corrupt", "corrupt", "counter", "Disk-tier files that failed their checks (deleted, never loaded)."),
+                    ("treadle:kv_tier_bytes", "bytes", "gauge", "Bytes a lower tier holds."),
+                    ("treadle:kv_tier_blocks", "blocks", "gauge", "Blocks a lower tier holds."),
+                ):
+                    add(kind, name, doc, where, t[key], tier=tier)
             spec = s.get("spec_decode")
             if spec:
                 for name, key, doc in (

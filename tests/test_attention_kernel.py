@@ -6,17 +6,20 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model import kernels
+from treadle.model.attention import dequantize_kv, quantize_kv
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the engine uses SDPA")
 
 D, KV_HEADS, HEADS, BLOCK = 64, 3, 9, 16
 
 
-@pytest.fixture(scope="module")
-def cache():
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def cache(request):
+    """The caches as bf16, or as int8 KV's rows (head_dim int8 values and a float32 scale)."""
     g = torch.Generator().manual_seed(0)
     shape = (64, BLOCK, KV_HEADS, D)
-    return torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+    k, v = torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+    return (quantize_kv(k), quantize_kv(v)) if request.param == "int8" else (k, v)
 
 
 def request(length: int, seed: int):
@@ -29,6 +32,8 @@ def request(length: int, seed: int):
 def reference(q, k_cache, v_cache, blocks, window=None):
     """float32 textbook attention: causal (and windowed) softmax(q k^T / sqrt(d)) v, heads grouped."""
     n = q.shape[0]
+    if k_cache.dtype == torch.int8:  # the values the int8 rows stand for
+        k_cache, v_cache = dequantize_kv(k_cache, torch.float32), dequantize_kv(v_cache, torch.float32)
     k = k_cache[blocks].reshape(-1, KV_HEADS, D)[:n].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
     v = v_cache[blocks].reshape(-1, KV_HEADS, D)[:n].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
     pos = torch.arange(n)
@@ -82,6 +87,17 @@ def test_a_rows_bits_do_not_depend_on_its_company(cache):
         assert torch.equal(run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90)), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    x = torch.randn(50, KV_HEADS, D) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7] = 0.0  # a row of zeros has scale 0 and comes back as zeros
+    rows = quantize_kv(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, KV_HEADS, D + 4)
+    back = dequantize_kv(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((back - x).abs() <= step / 2 * (1 + 1e-6))
+    assert torch.equal(back[7], x[7])
 
 
 def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):

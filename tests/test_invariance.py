@@ -122,6 +122,20 @@ def test_preemption_and_recompute_do_not_change_the_tokens(invariant, alone):
     assert_same(got, alone, "preempted and recomputed")
 
 
+def test_int8_kv_keeps_a_requests_tokens_whatever_its_batch_cache_hits_and_chunks(invariant):
+    """The same guarantee with --kv-cache-dtype int8: its rows are written once per token and read
+    as they are on every path."""
+    solo = invariant(kv_cache_dtype="int8", enable_prefix_caching=False)
+    want = [tokens(solo.generate([p], GREEDY))[0] for p in PROMPTS[:4]]
+    llm = invariant(kv_cache_dtype="int8", max_num_batched_tokens=40, num_kv_blocks=24)
+    batch = PROMPTS[:4] + [chat(q) for q in OTHERS[:2]]
+    first = tokens(llm.generate(batch, GREEDY))[:4]
+    again = tokens(llm.generate(batch, GREEDY))[:4]
+    assert llm.stats()["prefix_cache_hits"] > 0 and llm.stats()["num_preemptions"] > 0
+    assert_same(first, want, "int8 KV: chunked by 40, batched, preempted")
+    assert_same(again, want, "int8 KV: prefix cached")
+
+
 def test_compiled_graphs_do_not_change_the_tokens(invariant, alone):
     """Inductor's fused kernels round differently: the invariant engine keeps decode steps eager
     even when compiling is asked for (the server's default), so its answer is the same."""

@@ -182,8 +182,9 @@ def test_a_restarted_engine_loads_the_disk_tier_and_skips_a_corrupt_block(make_l
     third.engine.close()
 
 
-def test_bfloat16_default_restored_blocks_give_the_recomputed_tokens(make_llm):
-    llm = make_llm(dtype="auto", num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_offload_bytes=64 << 20)
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_bfloat16_default_restored_blocks_give_the_recomputed_tokens(make_llm, kv_dtype):
+    llm = make_llm(dtype="auto", num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_offload_bytes=64 << 20, kv_cache_dtype=kv_dtype)
     tok = llm.tokenizer
     prompt = long_prompt(tok, 3, 22)
     cold, _ = hit_tokens(llm, prompt)

@@ -104,6 +104,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (bfloat16 where the CPU has native bf16, else float32), "float32", "bfloat16"
     max_model_len: int | None = None  # default: the model's context length, at most 8192, at most the KV pool
     block_size: int = 16
+    # what the KV pool stores: "auto" (the compute dtype), "bf16", or "int8" (a float32 scale per
+    # token and head: 0.53x bf16's bytes at head_dim 64; attention.py)
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None  # default: enough for max_num_seqs x max_model_len, capped at 1 GiB
     max_num_seqs: int = 256
@@ -167,11 +170,14 @@ class EngineConfig:
         if self.max_grammar_compile_seconds <= 0:
             raise ValueError(f"max_grammar_compile_seconds must be positive, got {self.max_grammar_compile_seconds}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "int8", "fp8")
 
 DEFAULT_KV_CACHE_CAP_BYTES = 1 << 30
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -182,6 +188,7 @@ ENGINE_HELP = {
     "dtype": "compute type: auto (bfloat16 where the CPU has native bf16, else float32), float32, bfloat16",
     "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
     "block_size": "tokens per KV block",
+    "kv_cache_dtype": "what the KV pool stores: auto (the compute dtype), bf16, or int8 (a float32 scale per token and head; about half of bf16's bytes, read as int8 by the attention kernel)",
     "num_kv_blocks": "KV blocks in the pool (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)",
     "max_num_seqs": "most requests running at once",
@@ -233,6 +240,8 @@ def add_engine_args(
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif f.name in ("kv_cache_memory_bytes", "kv_offload_bytes", "kv_disk_bytes"):
             parser.add_argument(flag, type=parse_size, default=default, help=help_text)
+        elif f.name == "kv_cache_dtype":
+            parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=help_text)
         elif f.name in ("dtype",):
             parser.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=default, help=help_text)
         elif f.name == "quantization":

@@ -5,6 +5,11 @@ block_id * block_size + offset. Every layer first writes the step's new keys/val
 then reads: so a request may attend to blocks another request of the same step just filled.
 A model whose layers form several cache groups (sliding-window and full layers) gets one
 `AttentionMetadata` per group (its own tables, slots and window) and each layer uses its group's.
+
+int8 KV (`--kv-cache-dtype int8`): a cache row (one token, one KV head) is head_dim int8 values and
+their float32 scale, [..., head_dim + 4] int8 (`quantize_kv`: symmetric, max |x| / 127, rounded half
+to even), 0.53x a bf16 row at head_dim 64. treadle's kernel reads the rows as they are; torch's SDPA
+path (float32, or without the kernel) dequantizes the rows it gathers (`dequantize_kv`).
 """
 
 from dataclasses import dataclass, field
@@ -13,6 +18,27 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+
+SCALE_BYTES = 4  # an int8 KV row's float32 scale, after its values
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] keys or values -> [..., D + 4] int8 rows: round(x / s) with s = max |x| / 127 per row,
+    then s's float32 bytes."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xf / scale.clamp_min(1e-30)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], -1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D + 4] int8 rows -> [..., D] values in `dtype` (s * q, in float32 first)."""
+    d = rows.shape[-1] - SCALE_BYTES
+    return (rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)).to(dtype)
+
+
+def _read(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_kv(cache, dtype) if cache.dtype == torch.int8 else cache
 
 
 @dataclass
@@ -52,11 +78,17 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    flat_k = k_cache.view(-1, kv_heads, head_dim)
-    flat_v = v_cache.view(-1, kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    num_blocks, block_size, kv_heads, row = k_cache.shape
+    head_dim = q.shape[-1]
+    flat_k = k_cache.view(-1, kv_heads, row)
+    flat_v = v_cache.view(-1, kv_heads, row)
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)  # a fresh chunk's own keys below are these rows too
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+    else:
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
     if meta.kernel_args is not None:
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
@@ -71,8 +103,8 @@ def paged_attention(
         tables = meta.decode_block_tables
         length = tables.shape[1] * block_size
         flat_tables = tables.view(-1)
-        keys = k_cache.index_select(0, flat_tables).view(n, length, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, flat_tables).view(n, length, kv_heads, head_dim).transpose(1, 2)
+        keys = _read(k_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
+        values = _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         group = q.shape[1] // kv_heads
         decode_out = F.scaled_dot_product_attention(
             q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
@@ -86,10 +118,10 @@ def paged_attention(
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)
         if chunk.mask is None:  # nothing cached before this chunk: attend to the fresh keys
-            keys, values = k[rows], v[rows]
+            keys, values = _read(k[rows], q.dtype), _read(v[rows], q.dtype)
         else:
-            keys = k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, head_dim)[: chunk.context_len]
-            values = v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, head_dim)[: chunk.context_len]
+            keys = _read(k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype)
+            values = _read(v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype)
         o = F.scaled_dot_product_attention(
             query,
             keys.transpose(0, 1).unsqueeze(0),

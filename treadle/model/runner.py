@@ -17,7 +17,7 @@ from ..kv_layout import kv_layout
 from ..sampling_params import SamplingParams
 from ..step import SampledToken, StepInput, TokenHistory
 from . import kernels
-from .attention import AttentionMetadata, PrefillChunk, graph_kernel_args
+from .attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from .config import ModelConfig
 from .layers import LORA_ROWS
 from .mamba import Segment
@@ -76,6 +76,7 @@ class ModelRunner:
         device: str = "cpu",
         fail_at_steps: frozenset[int] = frozenset(),
         batch_invariant: bool = False,
+        kv_int8: bool = False,
     ):
         self.config = config
         self.device = torch.device(device)
@@ -89,9 +90,11 @@ class ModelRunner:
         # pair at its own group's block ids (kv_layout.py). One group: a pair per layer.
         self.layout = kv_layout(config.windows())
         self.group_windows = [g.window for g in self.layout.groups]
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # int8 KV: each row is head_dim int8 values and their float32 scale (attention.quantize_kv)
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim + (SCALE_BYTES if kv_int8 else 0))
+        kv_dtype = torch.int8 if kv_int8 else dtype
         self.kv_pairs = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
             for _ in range(self.layout.group_size)
         ]
         self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
@@ -132,10 +135,10 @@ class ModelRunner:
         return sum(self.loras.nbytes.values()) if self.loras is not None else 0
 
     @staticmethod
-    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_int8: bool = False) -> int:
         """One page of the pool: a block of every layer of one cache group."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * kv_layout(config.windows()).group_size * block_size * config.num_kv_heads * config.head_dim * elem
+        row = config.head_dim + SCALE_BYTES if kv_int8 else config.head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * kv_layout(config.windows()).group_size * block_size * config.num_kv_heads * row
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean mask as 0 / -inf in the model's dtype, made once per step: SDPA would

@@ -40,6 +40,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> bool:
+    """Whether the KV pool holds int8 rows (--kv-cache-dtype int8); auto and bf16 keep the compute
+    dtype (bf16 asked of a float32 engine is refused: its KV would be rounded behind its back)."""
+    if name == "int8":
+        return True
+    if name in ("bf16", "bfloat16") and dtype != torch.bfloat16:
+        raise ValueError(f"kv_cache_dtype {name} needs dtype bfloat16 (this engine computes in {dtype}); use auto or int8")
+    if name == "fp8":
+        raise ValueError("kv_cache_dtype fp8: torch's CPU build has no fp8 attention here; use int8 (the same bytes per token)")
+    return False
+
+
 def load_quantized_model_files(model: str | None, quantization: str | None):
     """The model's files, with a Hugging Face folder's matrices quantized when asked (--quantization)."""
     files = load_model_files(model)
@@ -74,6 +86,7 @@ class ModelWorker:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
+        self.kv_int8 = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         files = load_quantized_model_files(config.model, config.quantization)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
@@ -85,7 +98,7 @@ class ModelWorker:
                 raise ValueError("speculative_config.model: a draft model needs full-attention layers in the target and only those in the draft")
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         pool_bytes = config.kv_cache_memory_bytes or self.num_blocks * ModelRunner.kv_bytes_per_block(
-            self.model_config, config.block_size, self.dtype
+            self.model_config, config.block_size, self.dtype, self.kv_int8
         )
         self.num_state_checkpoints = self._checkpoints(self.model_config, pool_bytes)
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
@@ -121,6 +134,7 @@ class ModelWorker:
             seed=seed,
             device=self.config.device,
             batch_invariant=self.batch_invariant,
+            kv_int8=self.kv_int8,
             **extra,
         )
 
@@ -154,7 +168,7 @@ class ModelWorker:
         its window's and the prompt chunk's)."""
         cfg = self.config
         bs = cfg.block_size
-        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, self.kv_int8)
         layout = kv_layout(mc.windows())
 
         def blocks(tokens: int) -> int:

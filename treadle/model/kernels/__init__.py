@@ -30,7 +30,7 @@ def _build() -> ctypes.CDLL:
     lib = build("paged_attention.c", ["-ffp-contract=fast"])
     fn = lib.treadle_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, i64]
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, i64, i64]
     fn.restype = ctypes.c_int
     return lib
 
@@ -57,7 +57,8 @@ def available() -> bool:
 def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale: float, span: int | None = None):
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
-    kv_heads, head_dim] bf16; tables: [n, width] int64; row_table, key_begin, key_end: [rows]
+    kv_heads, head_dim] bf16, or int8 KV's [blocks, block_size, kv_heads, head_dim + 4] int8 rows
+    (values, then a float32 scale: attention.quantize_kv); tables: [n, width] int64; row_table, key_begin, key_end: [rows]
     int64; span: the largest key_end - key_begin (computed when not given). Returns [rows, heads,
     head_dim] bf16."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -70,7 +71,7 @@ def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, 
     code = _lib.treadle_paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
         heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
-        key_end.data_ptr(), scale, out.data_ptr(), out.stride(0), rows, span,
+        key_end.data_ptr(), scale, out.data_ptr(), out.stride(0), rows, span, int(k_cache.dtype == torch.int8),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"paged attention kernel: error {code} (head_dim {head_dim}, group {heads // kv_heads})")

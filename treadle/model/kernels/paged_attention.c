@@ -12,6 +12,12 @@
  * the compiler to reassociate (no -ffast-math). One binary, one order: whichever path computes a
  * row, the bits are the same. Keys and values are bf16 (widened exactly), the math is float32,
  * the output is rounded to bf16 (round to nearest even), as torch rounds.
+ *
+ * int8 KV caches (--kv-cache-dtype int8): each cache row (one token, one KV head) is head_dim int8
+ * values and then their float32 scale (4 bytes), x = scale * q. The kernel reads them as they are:
+ * a score is (q . k_int8) * k_scale * softmax_scale, with the dot in the same lanes and tree as a
+ * bf16 key's; a value row is accumulated as (p * v_scale) * v_int8. No dequantized copy is made,
+ * and the order of every sum is the bf16 path's, so int8 is batch-invariant too.
  */
 
 #include <math.h>
@@ -29,7 +35,17 @@
 static inline __m512 load16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+static inline __m512 load16_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 #endif
+
+/* An int8 cache row's scale: the float32 after its head_dim values. */
+static inline float row_scale(const int8_t *row, int64_t head_dim) {
+    float s;
+    memcpy(&s, row + head_dim, sizeof s);
+    return s;
+}
 
 
 /* exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction, degree-6 polynomial.
@@ -71,16 +87,25 @@ static inline float dot(const float *q, const uint16_t *k, int64_t head_dim) {
     return lane_sum(acc);
 }
 
+static inline float dot_i8(const float *q, const int8_t *k, int64_t head_dim) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < head_dim; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += q[d + l] * (float)k[d + l];
+    return lane_sum(acc);
+}
+
 /*
  * One item: row `row`, KV head `h`. scratch holds group * span floats, offsets span slots.
+ * kv_int8: the caches are int8 rows of head_dim + 4 bytes (values, then the scale), else bf16.
  */
 static void attend_item(
-    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_size,
+    const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
-    int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets) {
+    int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets, int kv_int8) {
     enum { MAX_GROUP = 16, MAX_DIM = 256 };
-    const int64_t slot_stride = kv_heads * head_dim;
+    const int64_t row_elems = kv_int8 ? head_dim + 4 : head_dim;  /* one cache row, in cache elements */
+    const int64_t slot_stride = kv_heads * row_elems;
     float qf[MAX_GROUP * MAX_DIM];
     float acc[MAX_GROUP * MAX_DIM];
     const int64_t begin = key_begin[row], end = key_end[row], n = end - begin;
@@ -91,12 +116,31 @@ static void attend_item(
     for (int64_t pos = begin, j = 0; pos < end;) {
         const int64_t block = table[pos / block_size], first = pos % block_size;
         const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
-        for (int64_t slot = first; slot < stop; slot++) offsets[j++] = (block * block_size + slot) * slot_stride + h * head_dim;
+        for (int64_t slot = first; slot < stop; slot++) offsets[j++] = (block * block_size + slot) * slot_stride + h * row_elems;
         pos += stop - first;
     }
     /* scores: scratch[g * n + j] */
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *k = k_cache + offsets[j];
+    for (int64_t j = 0; j < n && kv_int8; j++) {
+        const int8_t *k = (const int8_t *)k_cache + offsets[j];
+        const float ks = row_scale(k, head_dim);
+#if TREADLE_AVX512
+        if (head_dim == 64) {
+            const __m512 k0 = load16_i8(k), k1 = load16_i8(k + 16), k2 = load16_i8(k + 32), k3 = load16_i8(k + 48);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qf + g * 64;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
+                scratch[g * n + j] = _mm512_reduce_add_ps(a) * ks * scale;
+            }
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot_i8(qf + g * head_dim, k, head_dim) * ks * scale;
+    }
+    for (int64_t j = 0; j < n && !kv_int8; j++) {
+        const uint16_t *k = (const uint16_t *)k_cache + offsets[j];
 #if TREADLE_AVX512
         if (head_dim == 64) {
             const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
@@ -134,8 +178,31 @@ static void attend_item(
     }
     /* values: sequential over keys, lanes over head_dim, every head of the group per key */
     for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *v = v_cache + offsets[j];
+    for (int64_t j = 0; j < n && kv_int8; j++) {
+        const int8_t *v = (const int8_t *)v_cache + offsets[j];
+        const float vs = row_scale(v, head_dim);
+#if TREADLE_AVX512
+        if (head_dim == 64) {
+            const __m512 v0 = load16_i8(v), v1 = load16_i8(v + 16), v2 = load16_i8(v + 32), v3 = load16_i8(v + 48);
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 p = _mm512_set1_ps(scratch[g * n + j] * vs);
+                float *a = acc + g * 64;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v0, _mm512_loadu_ps(a)));
+                _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(p, v1, _mm512_loadu_ps(a + 16)));
+                _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(p, v2, _mm512_loadu_ps(a + 32)));
+                _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(p, v3, _mm512_loadu_ps(a + 48)));
+            }
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scratch[g * n + j] * vs;
+            float *a = acc + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * (float)v[d];
+        }
+    }
+    for (int64_t j = 0; j < n && !kv_int8; j++) {
+        const uint16_t *v = (const uint16_t *)v_cache + offsets[j];
 #if TREADLE_AVX512
         if (head_dim == 64) {
             const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
@@ -169,17 +236,18 @@ static void attend_item(
  * linked against the libgomp torch has already loaded). Which thread runs an item does not
  * change its arithmetic.
  * q, out:       [rows, kv_heads * group, head_dim] bf16, row strides q_stride / out_stride (elements)
- * k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] bf16
+ * k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] bf16, or with kv_int8
+ *               [num_blocks, block_size, kv_heads, head_dim + 4] int8 (values, then a float32 scale)
  * tables:       [num_tables, table_stride] int64 block ids; row_table[row] picks the row's table
  * key_begin/end:[rows] the row attends to keys key_begin .. key_end - 1 (key_end = position + 1)
  * span:         the largest key_end - key_begin
  * Returns 0, -1 for an unsupported shape, -2 when out of memory.
  */
 int treadle_paged_attention(
-    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_size,
+    const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
-    int64_t out_stride, int64_t rows, int64_t span) {
+    int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
     if (head_dim % LANES != 0 || head_dim > 256 || group > 16) return -1;
     const int64_t items = rows * kv_heads;
     int failed = 0;
@@ -196,7 +264,7 @@ int treadle_paged_attention(
             if (scratch != NULL && offsets != NULL)
                 attend_item(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
                             row_table, key_begin, key_end, scale, out, out_stride, item / kv_heads, item % kv_heads,
-                            scratch, offsets);
+                            scratch, offsets, (int)kv_int8);
         }
         free(scratch);
         free(offsets);

@@ -123,6 +123,10 @@ def tiers(args) -> None:
         llm.engine.close()
         del llm
         # the disk tier alone (no host tier), in a fresh process: a restart
+        if args.drop_caches:  # the files read from the disk itself, not from the page cache (root only)
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
         code = RESTART.format(root=os.path.join(HERE, ".."), here=HERE, model=args.model, len=length, dir=folder, kv=kv, prefix=args.prefix)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
         restart, hit = float(out[0]), int(out[1])
@@ -139,6 +143,7 @@ def main() -> int:
     parser.add_argument("--prefix", type=int, default=16384)
     parser.add_argument("--host-bytes", type=int, default=2 << 30)
     parser.add_argument("--kv", nargs="+", default=["auto"])
+    parser.add_argument("--drop-caches", action="store_true", help="tiers: empty the OS page cache before the restart (root)")
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores", flush=True)
     {"fidelity": fidelity, "decode": decode, "tiers": tiers}[args.what](args)

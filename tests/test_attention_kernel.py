@@ -100,6 +100,22 @@ def test_int8_rows_round_trip_within_half_a_step():
     assert torch.equal(back[7], x[7])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_rows_stored_in_c_are_quantize_kvs_bits(dtype):
+    """The kernel path writes int8 rows with C in place; the SDPA path with torch: the same bits."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(40, 3 * KV_HEADS * D, generator=g).to(dtype) * torch.logspace(-2, 2, 40, dtype=torch.float32)[:, None].to(dtype)
+    x = qkv[:, KV_HEADS * D : 2 * KV_HEADS * D].view(40, KV_HEADS, D)  # a view, as a layer's keys are
+    x[3] = 0
+    slots = torch.randperm(8 * BLOCK, generator=g)[:40]
+    by_c = torch.zeros(8, BLOCK, KV_HEADS, D + 4, dtype=torch.int8)
+    kernels.store_int8_rows(x, by_c, slots)
+    by_torch = torch.zeros_like(by_c)
+    by_torch.view(-1, KV_HEADS, D + 4).index_copy_(0, slots, quantize_kv(x))
+    assert torch.equal(by_c, by_torch)
+
+
 def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
     """No C compiler (CC=false, empty kernel cache): bfloat16 still serves, not batch-invariant, with
     the quantized weights dequantized at load."""

@@ -52,7 +52,7 @@ def test_disk_pages_survive_a_restart_and_bad_files_are_deleted_never_loaded(tmp
     folder = t.folder
     assert sorted(os.listdir(folder)) == sorted(key(i).hex() + ".kv" for i in range(4))
     # what a killed writer leaves, a truncated file, one byte flipped mid-payload, another model's file
-    open(os.path.join(folder, key(9).hex() + ".kv.123.tmp"), "wb").write(b"half")
+    open(os.path.join(folder, key(9).hex() + ".kv.99999999-1.tmp"), "wb").write(b"half")
     with open(os.path.join(folder, key(1).hex() + ".kv"), "r+b") as f:
         f.truncate(HEADER.size + 500)
     with open(os.path.join(folder, key(2).hex() + ".kv"), "r+b") as f:

@@ -214,7 +214,8 @@ class DiskTier:
         for entry in os.scandir(self.folder):
             name = entry.name
             if name.endswith(".tmp"):
-                _unlink(entry.path)
+                if not _writer_alive(name):  # a killed writer's half file (a live server's own is left to it)
+                    _unlink(entry.path)
                 continue
             if not name.endswith(".kv"):
                 continue
@@ -266,7 +267,7 @@ class DiskTier:
     def _write(self, key: bytes, page) -> None:
         data = memoryview(page).cast("B")
         final = self.path(key)
-        tmp = f"{final}.{threading.get_ident()}.tmp"
+        tmp = f"{final}.{os.getpid()}-{threading.get_ident()}.tmp"  # unique across processes sharing the folder
         with open(tmp, "wb") as f:
             f.write(HEADER.pack(MAGIC, self.identity, key, len(data), zlib.crc32(data)))
             f.write(data)
@@ -367,6 +368,24 @@ class DiskTier:
             t.join(5)
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that is writing `<key>.kv.<pid>-<thread>.tmp` still runs (not this one: a
+    start's own scan runs before its writer)."""
+    try:
+        pid = int(tmp_name.rsplit(".", 2)[-2].split("-")[0])
+    except (ValueError, IndexError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -435,13 +454,12 @@ class KVTiers:
                 staged.pages[key] = page
 
     def page(self, key: bytes, owner: str):
-        """The page a lookup located, for loading into the pool (a staged page moves to the host tier)."""
+        """The page a lookup located, for loading into the pool. Nothing leaves the host tier here (a
+        hit's later pages must still be there): a staged page is not put into it (the disk has it)."""
         staged = self.staged.get(owner)
         if staged is not None and key in staged.pages:
             page = staged.pages.pop(key)
             self.disk.stats.hits += 1
-            if self.host is not None:
-                self._host_put(key, page)
             return page
         page = self.host.get(key)
         self.host.stats.hits += 1

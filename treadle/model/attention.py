@@ -82,7 +82,12 @@ def paged_attention(
     head_dim = q.shape[-1]
     flat_k = k_cache.view(-1, kv_heads, row)
     flat_v = v_cache.view(-1, kv_heads, row)
-    if k_cache.dtype == torch.int8:
+    if k_cache.dtype == torch.int8 and meta.kernel_args is not None and not torch.compiler.is_compiling():
+        # the kernel's path reads every key from the cache: the rows written in place, in C (the
+        # same bits as quantize_kv, without its dozen torch operations per layer)
+        kernels.store_int8_rows(k, k_cache, meta.slot_mapping)
+        kernels.store_int8_rows(v, v_cache, meta.slot_mapping)
+    elif k_cache.dtype == torch.int8:
         k, v = quantize_kv(k), quantize_kv(v)  # a fresh chunk's own keys below are these rows too
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)

@@ -32,6 +32,9 @@ def _build() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, i64, i64]
     fn.restype = ctypes.c_int
+    store = lib.treadle_store_int8_rows
+    store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
+    store.restype = None
     return lib
 
 
@@ -76,6 +79,20 @@ def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, 
     if code:
         raise RuntimeError(f"paged attention kernel: error {code} (head_dim {head_dim}, group {heads // kv_heads})")
     return out
+
+
+def store_int8_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write x [tokens, kv_heads, head_dim] (bf16 or float32, each token's heads contiguous) into
+    the int8 KV cache [..., block_size, kv_heads, head_dim + 4] at `slots` (int64), as
+    attention.quantize_kv would, bit for bit, in one pass (see the C source)."""
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        x = x.contiguous()
+    if head_dim > 256:
+        raise ValueError(f"int8 KV rows: head_dim {head_dim} > 256")
+    _lib.treadle_store_int8_rows(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), tokens, heads, head_dim, slots.data_ptr(), cache.data_ptr()
+    )
 
 
 @torch.library.custom_op("treadle::paged_attention", mutates_args=())

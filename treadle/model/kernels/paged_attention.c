@@ -271,3 +271,32 @@ int treadle_paged_attention(
     }
     return failed ? -2 : 0;
 }
+
+/*
+ * int8 KV rows written in place: row (t, h) of x ([tokens, heads, head_dim], bf16 or float32, token
+ * stride x_token_stride elements, heads contiguous) becomes cache row (slots[t], h): head_dim int8
+ * values round(x / s), s = max |x| / 127 (half to even; s floored at 1e-30 for the division), then s
+ * as float32. The same bits as attention.quantize_kv (torch), in one pass and no temporary.
+ */
+void treadle_store_int8_rows(const void *x, int64_t x_is_bf16, int64_t x_token_stride, int64_t tokens, int64_t heads,
+                             int64_t head_dim, const int64_t *slots, int8_t *cache) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = t * x_token_stride + h * head_dim;
+            float v[256], amax = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) {
+                v[d] = x_is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + d]) : ((const float *)x)[at + d];
+                const float a = fabsf(v[d]);
+                amax = a > amax ? a : amax;
+            }
+            const float scale = amax / 127.0f;
+            const float div = scale > 1e-30f ? scale : 1e-30f;
+            int8_t *out = cache + (slots[t] * heads + h) * (head_dim + 4);
+            for (int64_t d = 0; d < head_dim; d++) {
+                float r = nearbyintf(v[d] / div);
+                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                out[d] = (int8_t)r;
+            }
+            memcpy(out + head_dim, &scale, sizeof scale);
+        }
+}

@@ -3,6 +3,7 @@
     python bench/kv_cache.py fidelity [--tokens 256]        # int8 vs bf16 KV: mean KL, greedy agreement (8 prompts)
     python bench/kv_cache.py decode --contexts 4096 16384   # KV bytes per token; decode TPOT at each context, bf16 and int8 KV
     python bench/kv_cache.py tiers --prefix 16384           # follow-up TTFT on a cached prefix: cold, pool, host tier, disk tier, restart
+    python bench/kv_cache.py long --max-model-len 32768 --budget 448M --kv int8   # one prompt filling the context but 256 tokens, then 256 out
 
 Engine-level (treadle.LLM), the default model unless --model; the CPU is printed with the figures.
 """
@@ -72,6 +73,30 @@ def decode(args) -> None:
         del llm
 
 
+def long(args) -> None:
+    from treadle.config import parse_size
+    from treadle.utils import process_memory
+
+    for kv in args.kv:
+        llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_dtype=kv, kv_cache_memory_bytes=parse_size(args.budget), max_num_seqs=1)
+        prompt = filler(llm.tokenizer, args.max_model_len - 256, seed=7)
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))[0]
+        decode = time.perf_counter() - t
+        m = process_memory()
+        n = len(out.outputs[0].token_ids)
+        print(
+            f"KV {kv}, budget {args.budget}: {len(prompt)}-token prompt + {n} tokens in a {args.max_model_len} context: "
+            f"prefill {prefill:.1f} s, then {n} tokens in {decode:.1f} s (TPOT {decode / n * 1000:.1f} ms, the prompt cached); "
+            f"RSS {m['VmRSS'] >> 20} MB, peak {m['VmHWM'] >> 20} MB",
+            flush=True,
+        )
+        del llm
+
+
 RESTART = """
 import sys, time
 sys.path.insert(0, {root!r})
@@ -135,7 +160,7 @@ def tiers(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["fidelity", "decode", "tiers"])
+    parser.add_argument("what", choices=["fidelity", "decode", "tiers", "long"])
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
@@ -143,10 +168,12 @@ def main() -> int:
     parser.add_argument("--prefix", type=int, default=16384)
     parser.add_argument("--host-bytes", type=int, default=2 << 30)
     parser.add_argument("--kv", nargs="+", default=["auto"])
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--budget", default="448M", help="long: --kv-cache-memory-bytes")
     parser.add_argument("--drop-caches", action="store_true", help="tiers: empty the OS page cache before the restart (root)")
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores", flush=True)
-    {"fidelity": fidelity, "decode": decode, "tiers": tiers}[args.what](args)
+    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long}[args.what](args)
     return 0
 
 

@@ -203,7 +203,7 @@ def test_a_slow_disk_holds_only_the_request_that_reads_it(make_llm, tmp_path, mo
     first.engine.kv.tiers.flush()
     first.engine.close()
 
-    monkeypatch.setenv("TREADLE_KV_DISK_READ_DELAY", "0.05")  # 20 blocks: a second of reads
+    monkeypatch.setenv("TREADLE_KV_DISK_READ_DELAY", "0.15")  # 20 blocks: three seconds of reads
     llm = make_llm(num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_cache_dir=str(tmp_path))
     engine = llm.engine
     engine.add_request("stream", tok.encode("Count from one to a thousand:"), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -220,7 +220,8 @@ def test_a_slow_disk_holds_only_the_request_that_reads_it(make_llm, tmp_path, mo
                 stream_tokens_while_waiting += len(out.outputs[0].token_ids)
     engine.abort_request("stream")
     assert llm.stats()["kv_tiers"]["disk"]["hits"] == (len(prompt) - 1) // BLOCK
-    # the stream kept decoding while the reader's blocks were read (a second at least; a step is ~30 ms)
+    # the stream kept decoding while the reader's blocks were read (3 s at least; a step is ~30 ms,
+    # a few times that on a busy machine)
     assert stream_tokens_while_waiting >= 10
     assert got == cold
     engine.close()
@@ -235,8 +236,7 @@ KILLED_WRITER = textwrap.dedent(
     llm = LLM(dtype="float32", num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_cache_dir={folder!r})
     for i in range(5):  # other prompts: the last ones evict the first ones' blocks, written slowly
         llm.generate([long_prompt(llm.tokenizer, 200 + i, 8)], GREEDY)
-    print("evicting", flush=True)
-    time.sleep(120)
+    time.sleep(120)  # its writer goes on writing (0.3 s per file) until the test kills it
     """
 )
 
@@ -254,10 +254,9 @@ def test_a_server_killed_mid_write_leaves_a_consistent_tier(make_llm, tmp_path):
 
     env = {**os.environ, "TREADLE_KV_DISK_WRITE_DELAY": "0.3"}  # each file stays half-written for a while
     script = KILLED_WRITER.format(tests=os.path.dirname(__file__), folder=folder)
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL)
     try:
-        assert proc.stdout.readline().strip() == "evicting"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill it with some new files whole and one half-written
             names = set(os.listdir(kv_folder))
             if len({n for n in names - before if n.endswith(".kv")}) >= 2 and any(n.endswith(".tmp") for n in names):

@@ -286,3 +286,74 @@ def test_tiers_need_prefix_caching_and_sizes_are_checked():
     with pytest.raises(ValueError, match="kv_offload_bytes"):
         EngineConfig(kv_offload_bytes=-1)
     assert KVTiers(0).host is None
+
+
+def test_served_with_the_tier_flags_a_prefix_comes_back_from_the_host_tier(tmp_path):
+    """`treadle serve` in bf16 with --kv-offload-bytes and --kv-cache-dir: the same completion after
+    the prefix left the pool, its blocks loaded from the host tier, counted in /stats and /metrics."""
+    import httpx
+
+    from treadle.model.loader import load_tokenizer
+
+    from .server_process import running
+
+    tok = load_tokenizer(None)
+    args = (
+        "--dtype",
+        "bfloat16",
+        "--num-kv-blocks",
+        str(POOL_BLOCKS),
+        "--max-model-len",
+        "440",
+        "--kv-offload-bytes",
+        "64M",
+        "--kv-cache-dir",
+        str(tmp_path),
+    )
+    for server in running(*args):
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+
+            def complete(prompt):
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            prompt = long_prompt(tok, 6, 22)
+            first = complete(prompt)
+            for i in range(3):
+                complete(long_prompt(tok, 300 + i, 8))
+            assert complete(prompt) == first
+            tiers = http.get("/stats").json()["kv_tiers"]
+            assert tiers["host"]["hits"] > 0 and tiers["disk"]["stored"] > 0
+            text = http.get("/metrics").text
+            assert 'treadle:kv_tier_hits_total{tier="host"}' in text and 'treadle:kv_tier_blocks{tier="disk"}' in text
+
+
+def test_the_routers_index_counts_a_block_while_any_medium_holds_it():
+    from treadle.engine.kv_events import BlockRemoved, KVEventBatch
+    from treadle.routing.kv_index import KVIndex
+
+    a, b = b"a" * 32, b"b" * 32
+    index = KVIndex()
+
+    def apply(*events):
+        index.apply("w0", KVEventBatch(0.0, list(events)))
+
+    apply(BlockStored([a, b], None, [], BLOCK), BlockStored([a], None, [], BLOCK, medium="HOST"))
+    apply(BlockRemoved([a]))  # evicted from the pool, still in the host tier
+    assert index.match([a, b]) == {"w0": 2}
+    assert index.media("w0") == {"CPU": 1, "HOST": 1}
+    apply(BlockRemoved([a], medium="HOST"))
+    assert index.match([a, b]) == {"w0": 0}
+
+
+def test_the_disk_folder_is_another_for_another_compute_dtype(make_llm, tmp_path):
+    """A bf16 engine's int8 KV is not a float32 engine's (the same pages' shape and type, other
+    values): they never read each other's pages."""
+    folders = {
+        make_llm(
+            kv_cache_dtype="int8", dtype=d, batch_invariant=False, num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_cache_dir=str(tmp_path)
+        ).engine.kv.tiers.disk.folder
+        for d in ("float32", "bfloat16")
+    }
+    assert len(folders) == 2

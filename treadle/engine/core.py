@@ -139,10 +139,11 @@ class EngineCore:
             )
             layout = self.runner.layout
             k = self.runner.kv_pairs[0][0]
-            identity = model_identity(
+            identity = model_identity(  # what makes a page's values: the KV of a bf16 engine is not a float32 one's
                 files,
-                dtype=str(k.dtype),
+                dtype=str(self.dtype),
                 kv_dtype=str(k.dtype),
+                batch_invariant=self.worker.batch_invariant,
                 page_shape=tuple(k.shape[1:]),
                 pairs=len(self.runner.kv_pairs),
                 groups=[(g.window, g.layers) for g in layout.groups],
@@ -161,7 +162,7 @@ class EngineCore:
         if loads:
             started = time.perf_counter()
             self.runner.write_blocks([b for b, _ in loads], [p for _, p in loads])
-            self.kv.tiers.count_host_load(len(loads), time.perf_counter() - started)
+            self.kv.tiers.count_load_seconds(time.perf_counter() - started)
 
     # ------------------------------------------------------------ LoRA adapters
 

@@ -15,8 +15,8 @@ pool asks the tiers:
 
 Keys: a block's chain hash (it covers every token before the block, the cache_salt and so a LoRA
 adapter's digest) and its cache group, 33 bytes. The disk tier's folder is named by the model's
-identity (`model_identity`: the digest of the model's files, the KV dtype and shape, the block size,
-the layout of the page), so a restarted server, or another server on the same model and folder,
+identity (`model_identity`: the digest of the model's files, the compute and KV dtypes, batch
+invariance, the block size, the layout of the page), so a restarted server, or another server on the same model and folder,
 finds the blocks of an earlier one, and a server on another model never looks at them.
 
 One file per block, `<key hex>.kv`, written to `<name>.tmp`, fsynced and renamed, so a reader sees
@@ -50,8 +50,7 @@ log = logging.getLogger("treadle")
 MAGIC = b"TRDLKV01"
 HEADER = struct.Struct("<8s32s33sQI")
 KEY_BYTES = 33
-FORMAT_VERSION = b"treadle-kv-tiers-1"
-DEFAULT_DISK_BYTES = 16 << 30
+FORMAT_VERSION = b"treadle-kv-tiers-1"  # change it when a page's layout or the KV's numerics change
 MAX_PENDING_WRITE_BYTES = 256 << 20  # past this the writer is behind: further writes are dropped, never waited for
 READ_DELAY_ENV = "TREADLE_KV_DISK_READ_DELAY"  # seconds added to every disk read (tests of a slow disk)
 WRITE_DELAY_ENV = "TREADLE_KV_DISK_WRITE_DELAY"  # seconds between writing a file and renaming it (tests)
@@ -116,7 +115,7 @@ class TierStats:
     hits: int = 0  # blocks found here by prefix lookups and loaded into the pool
     stored: int = 0  # blocks written here
     evicted: int = 0  # blocks dropped by the budget
-    load_seconds: float = 0.0  # host: copies into the pool; disk: file reads (on the reader thread)
+    load_seconds: float = 0.0  # host: the step loop's copies into the pool; disk: file reads (on the reader thread)
     loads: int = 0
     dropped: int = 0  # disk: writes given up because the writer was behind
     corrupt: int = 0  # disk: files that failed their checks (deleted, never loaded)
@@ -405,9 +404,9 @@ class KVTiers:
     """The host and disk tiers and the pages staged for waiting requests; used by the KV cache
     manager (lookups, the pages to save and load) on the step loop's thread only."""
 
-    def __init__(
-        self, host_bytes: int, disk_root: str | None = None, disk_bytes: int = DEFAULT_DISK_BYTES, identity: bytes = b"", page_bytes: int = 0
-    ):
+    def __init__(self, host_bytes: int, disk_root: str | None = None, disk_bytes: int = 0, identity: bytes = b"", page_bytes: int = 0):
+        """host_bytes: the host tier's budget (0: none); disk_root: the disk tier's folder (None: none),
+        disk_bytes its budget (EngineConfig holds both defaults)."""
         # (medium, key, stored?) since take_events, once record_events() was called (deque.append is
         # atomic: the disk writer appends from its thread)
         self.events: deque[tuple[str, bytes, bool]] | None = None
@@ -463,6 +462,7 @@ class KVTiers:
             return page
         page = self.host.get(key)
         self.host.stats.hits += 1
+        self.host.stats.loads += 1
         return page
 
     def release(self, owner: str) -> None:
@@ -511,9 +511,9 @@ class KVTiers:
         """Whether some waiting request's pages are still being read."""
         return any(s.reading for s in self.staged.values())
 
-    def count_host_load(self, num_pages: int, seconds: float) -> None:
+    def count_load_seconds(self, seconds: float) -> None:
+        """The step loop's copies of a step's pages into the pool (host pages and staged disk pages)."""
         if self.host is not None:
-            self.host.stats.loads += num_pages
             self.host.stats.load_seconds += seconds
 
     def flush(self) -> None:

@@ -38,6 +38,22 @@ static inline __m512 load16(const uint16_t *p) {
 static inline __m512 load16_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* head_dim 64, a key widened to four vectors (bf16 or int8 alike): q . k in 16 lanes, then the intrinsic's tree */
+static inline float dot64(const float *qg, __m512 k0, __m512 k1, __m512 k2, __m512 k3) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
+    return _mm512_reduce_add_ps(a);
+}
+/* head_dim 64: a += p * v, v widened to four vectors */
+static inline void axpy64(float *a, float p, __m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    const __m512 pv = _mm512_set1_ps(p);
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(pv, v0, _mm512_loadu_ps(a)));
+    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(pv, v1, _mm512_loadu_ps(a + 16)));
+    _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(pv, v2, _mm512_loadu_ps(a + 32)));
+    _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(pv, v3, _mm512_loadu_ps(a + 48)));
+}
 #endif
 
 /* An int8 cache row's scale: the float32 after its head_dim values. */
@@ -126,14 +142,7 @@ static void attend_item(
 #if TREADLE_AVX512
         if (head_dim == 64) {
             const __m512 k0 = load16_i8(k), k1 = load16_i8(k + 16), k2 = load16_i8(k + 32), k3 = load16_i8(k + 48);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + g * 64;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
-                scratch[g * n + j] = _mm512_reduce_add_ps(a) * ks * scale;
-            }
+            for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot64(qf + g * 64, k0, k1, k2, k3) * ks * scale;
             continue;
         }
 #endif
@@ -144,14 +153,7 @@ static void attend_item(
 #if TREADLE_AVX512
         if (head_dim == 64) {
             const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + g * 64;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
-                scratch[g * n + j] = _mm512_reduce_add_ps(a) * scale;
-            }
+            for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot64(qf + g * 64, k0, k1, k2, k3) * scale;
             continue;
         }
 #endif
@@ -184,14 +186,7 @@ static void attend_item(
 #if TREADLE_AVX512
         if (head_dim == 64) {
             const __m512 v0 = load16_i8(v), v1 = load16_i8(v + 16), v2 = load16_i8(v + 32), v3 = load16_i8(v + 48);
-            for (int64_t g = 0; g < group; g++) {
-                const __m512 p = _mm512_set1_ps(scratch[g * n + j] * vs);
-                float *a = acc + g * 64;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v0, _mm512_loadu_ps(a)));
-                _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(p, v1, _mm512_loadu_ps(a + 16)));
-                _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(p, v2, _mm512_loadu_ps(a + 32)));
-                _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(p, v3, _mm512_loadu_ps(a + 48)));
-            }
+            for (int64_t g = 0; g < group; g++) axpy64(acc + g * 64, scratch[g * n + j] * vs, v0, v1, v2, v3);
             continue;
         }
 #endif
@@ -206,14 +201,7 @@ static void attend_item(
 #if TREADLE_AVX512
         if (head_dim == 64) {
             const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-            for (int64_t g = 0; g < group; g++) {
-                const __m512 p = _mm512_set1_ps(scratch[g * n + j]);
-                float *a = acc + g * 64;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v0, _mm512_loadu_ps(a)));
-                _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(p, v1, _mm512_loadu_ps(a + 16)));
-                _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(p, v2, _mm512_loadu_ps(a + 32)));
-                _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(p, v3, _mm512_loadu_ps(a + 48)));
-            }
+            for (int64_t g = 0; g < group; g++) axpy64(acc + g * 64, scratch[g * n + j], v0, v1, v2, v3);
             continue;
         }
 #endif

@@ -70,3 +70,38 @@ def test_tokenizer_and_chat_template_load_from_both_sources(tiny):
     assert end in hf_tok.stop_token_ids and end in gguf_tok.stop_token_ids
     messages = [{"role": "user", "content": "hi"}]
     assert hf_tok.apply_chat_template(messages) == gguf_tok.apply_chat_template(messages)
+
+
+# The families whose own test files do not already force these paths (Mistral and Gemma 3:
+# test_sliding_window; Qwen3-MoE: test_moe; Bamba: test_hybrid).
+FORCED = ["llama", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral", "olmoe", "granitemoehybrid"]
+
+
+@pytest.mark.parametrize("arch", FORCED)
+def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tmp_path, monkeypatch, arch):
+    """Prompts in 8-token chunks, three pairs sharing a 20-token head (the second of each pair
+    hits the first's blocks, or for a hybrid its checkpointed state), and a pool too small for all
+    six at once (requests preempted and recomputed): every greedy token as transformers', and
+    every block back in the pool at the end."""
+    from treadle.engine import state_cache
+
+    from .reference import greedy_continuation, hf_greedy_uncached
+
+    monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)  # a hybrid's checkpoints every 8 tokens
+    model = save_hf_model(str(tmp_path), arch, seed=FORCED.index(arch) + 20)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=40, max_num_batched_tokens=8)
+    g = torch.Generator().manual_seed(11)
+    heads = [torch.randint(0, 260, (20,), generator=g).tolist() for _ in range(3)]
+    batch = [h + torch.randint(0, 260, (n,), generator=g).tolist() for h in heads for n in (5, 11)]
+    llm.generate(batch[::2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # the heads cached
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(batch, params)
+    stats = llm.stats()
+    # at least each pair's second: its head's 16 tokens of whole blocks (a hybrid's checkpoint is there too)
+    assert stats["prefix_cache_hits"] >= 3 * 16 and stats["num_preemptions"] > 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    reference = hf_greedy_uncached if arch == "granitemoehybrid" else hf_greedy
+    cont = greedy_continuation(llm)
+    for ids, out in zip(batch, outs):
+        ref, rows = reference(model, ids, params.max_tokens)
+        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)

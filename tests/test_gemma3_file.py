@@ -163,3 +163,27 @@ def test_chat_uses_gemmas_template_and_stops_at_end_of_turn(gemma_path):
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
     assert list(out.prompt_token_ids) == CHAT_TOKENS_BY_LLAMA_CPP
     assert len(out.outputs[0].token_ids) > 0
+
+
+def test_treadle_serve_chats_with_gemmas_template(gemma_path):
+    """`treadle serve` on the file as a user starts it (bfloat16): a chat completion through the
+    OpenAI client is rendered with Gemma's template (the prompt llama.cpp tokenizes: 21 tokens),
+    and streamed it gives the same greedy text, with no turn markers leaking into it. (The 270M
+    model is a pretrained one that rarely ends a turn: the answers run to max_tokens.)"""
+    import openai
+
+    from .server_process import running
+
+    for server in running("--model", gemma_path, "--dtype", "bfloat16", "--max-model-len", "512"):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        name = client.models.list().data[0].id
+        messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What color is the sky?"}]
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0)
+        assert reply.usage.prompt_tokens == len(CHAT_TOKENS_BY_LLAMA_CPP)
+        assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+        text = reply.choices[0].message.content
+        assert text and "<end_of_turn>" not in text and "<start_of_turn>" not in text
+        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        assert server.internal_errors() == []

@@ -14,8 +14,8 @@ from treadle import LLM, SamplingParams
 from .reference import assert_matches_reference, hf_greedy
 from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
-PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default", "gemma3": "default",
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default", "gemma2": "default", "gemma3": "default",
                  "qwen3_moe": "qwen2", "qwen2_moe": "qwen2", "mixtral": "default", "olmoe": "olmo"}  # fmt: skip
 # llama.cpp writes Mistral and Mixtral models as Llama-architecture files, and its own names for the Qwen MoEs
 GGUF_ARCH = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
@@ -74,7 +74,7 @@ def test_tokenizer_and_chat_template_load_from_both_sources(tiny):
 
 # The families whose own test files do not already force these paths (Mistral and Gemma 3:
 # test_sliding_window; Qwen3-MoE: test_moe; Bamba: test_hybrid).
-FORCED = ["llama", "qwen2", "qwen3", "phi3", "qwen2_moe", "mixtral", "olmoe", "granitemoehybrid"]
+FORCED = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "qwen2_moe", "mixtral", "olmoe", "granitemoehybrid"]
 
 
 @pytest.mark.parametrize("arch", FORCED)

@@ -29,8 +29,9 @@ def request(length: int, seed: int):
     return blocks, q
 
 
-def reference(q, k_cache, v_cache, blocks, window=None):
-    """float32 textbook attention: causal (and windowed) softmax(q k^T / sqrt(d)) v, heads grouped."""
+def reference(q, k_cache, v_cache, blocks, window=None, softcap=None):
+    """float32 textbook attention: causal (and windowed) softmax(q k^T / sqrt(d)) v, heads grouped;
+    softcap: the scores soft-capped first, softcap * tanh(s / softcap) (Gemma 2)."""
     n = q.shape[0]
     if k_cache.dtype == torch.int8:  # the values the int8 rows stand for
         k_cache, v_cache = dequantize_kv(k_cache, torch.float32), dequantize_kv(v_cache, torch.float32)
@@ -41,6 +42,8 @@ def reference(q, k_cache, v_cache, blocks, window=None):
     if window is not None:
         allowed &= pos[None, :] > pos[:, None] - window
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * D**-0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
@@ -60,6 +63,20 @@ def test_matches_textbook_attention(cache, window):
     want = reference(q, k_cache, v_cache, blocks, window)
     # the output is rounded to bf16: within two of its ulps of the float32 answer
     torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
+
+
+@needs_kernel
+def test_soft_capped_scores_match_textbook_attention(cache):
+    k_cache, v_cache = cache
+    blocks, q = request(100, seed=4)
+    q = q * 4  # scores of several units: the cap (1.5) bends them
+    positions = torch.arange(100)
+    out = kernels.paged_attention(
+        q, k_cache, v_cache, blocks[None], torch.zeros(100, dtype=torch.long), torch.zeros(100, dtype=torch.long), positions + 1, D**-0.5, softcap=1.5
+    )
+    want = reference(q, k_cache, v_cache, blocks, softcap=1.5)
+    torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
+    assert (want - reference(q, k_cache, v_cache, blocks)).abs().max() > 0.1  # without the cap: another answer
 
 
 @needs_kernel

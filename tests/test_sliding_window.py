@@ -1,7 +1,9 @@
-"""Sliding-window layers against transformers, and the KV they free (tiny random Mistral and Gemma 3).
+"""Sliding-window layers against transformers, and the KV they free (tiny random Mistral, Gemma 2 and Gemma 3).
 
 Mistral: every layer within a 24-token window (one sliding cache group). Gemma 3: a local layer
-(a 12-token window) and a global one: two cache groups (kv_layout.py). The window is honoured by
+(a 12-token window) and a global one: two cache groups (kv_layout.py). Gemma 2: the same two kinds,
+with its scores soft-capped (treadle's kernel on the bfloat16 path, `softcapped_attention` on
+float32's). The window is honoured by
 freeing the blocks out of it, not only by masking; these tests hold both.
 """
 
@@ -22,7 +24,7 @@ BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+@pytest.fixture(scope="module", params=["mistral", "gemma2", "gemma3"])
 def tiny(request, tmp_path_factory):
     arch = request.param
     folder = str(tmp_path_factory.mktemp(arch))
@@ -47,7 +49,7 @@ def test_windows_under_chunking_prefix_hits_and_preemption_match_transformers(ti
     every greedy token as transformers', and every block back in the pool at the end."""
     arch, folder, path, model = tiny
     # a pool too small for all eight at once: Mistral's requests hold ~8 blocks each, Gemma's ~20
-    blocks = {"mistral": 30, "gemma3": 60}[arch]
+    blocks = {"mistral": 30, "gemma2": 60, "gemma3": 60}[arch]
     llm = LLM(
         folder if source == "hf" else path, dtype="float32", block_size=BLOCK, max_model_len=128, num_kv_blocks=blocks, max_num_batched_tokens=8
     )
@@ -184,7 +186,7 @@ def test_the_decode_compiler_builds_a_model_of_several_cache_groups(tiny):
     arch, folder, _, _ = tiny
     worker = ModelWorker(compiler_config(EngineConfig(model=folder, dtype="float32", compile=True)), position_table=512)
     groups = len(worker.runner.layout.groups)
-    assert groups == (2 if arch == "gemma3" else 1)
+    assert groups == (1 if arch == "mistral" else 2)
     assert worker.num_blocks >= 4 * groups and worker.max_model_len == 4 * EngineConfig().block_size
 
 

@@ -100,6 +100,21 @@ def hf_config(arch: str, vocab_size: int):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
         )
+    if arch == "gemma2":
+        from transformers import Gemma2Config
+
+        # layer 0 local (a 12-token window), layer 1 global, one RoPE base; caps low enough that
+        # this small model's scores and logits reach them (the released models: 50 and 30)
+        return Gemma2Config(
+            **{**common, "bos_token_id": 0, "pad_token_id": 0},
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=12,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=2.5,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        )
     if arch == "bamba":
         import transformers
 
@@ -216,7 +231,7 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in _GGUF_NAMES:
         return _GGUF_NAMES[hf]
     _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{(_GGUF_GEMMA_LAYER if arch == 'gemma3' else _GGUF_LAYER)[rest]}"
+    return f"blk.{layer}.{(_GGUF_GEMMA_LAYER if arch in ('gemma2', 'gemma3') else _GGUF_LAYER)[rest]}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -270,6 +285,9 @@ def write_gguf(
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma3":  # llama.cpp fixes the pattern at 6; this tiny model's is 2 (treadle reads the key)
         w.add_uint32("gemma3.attention.sliding_window_pattern", 2)
+    if arch == "gemma2":  # as llama.cpp's converter writes them
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if num_experts:  # as llama.cpp's converters write mixtures of experts
         w.add_expert_count(num_experts)
@@ -301,7 +319,7 @@ def write_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.float().numpy().copy()
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + np.float32(1.0)  # llama.cpp's converter stores Gemma's norms as 1 + w
         name_in_file = gguf_name(name, arch)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):

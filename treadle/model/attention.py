@@ -12,6 +12,7 @@ to even), 0.53x a bf16 row at head_dim 64. treadle's kernel reads the rows as th
 path (float32, or without the kernel) dequantizes the rows it gathers (`dequantize_kv`).
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -76,8 +77,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. softcap: scores soft-capped before the softmax,
+    softcap * tanh(s / softcap) (Gemma 2)."""
     num_blocks, block_size, kv_heads, row = k_cache.shape
     head_dim = q.shape[-1]
     flat_k = k_cache.view(-1, kv_heads, row)
@@ -97,8 +100,9 @@ def paged_attention(
     if meta.kernel_args is not None:
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
-            return torch.ops.treadle.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale)
-        return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span)
+            return torch.ops.treadle.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0)
+        return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0)
+    attend = F.scaled_dot_product_attention if softcap is None else functools.partial(softcapped_attention, softcap=softcap)
     n = meta.num_decode_tokens
     decode_out = None
     if n:
@@ -111,7 +115,7 @@ def paged_attention(
         keys = _read(k_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         values = _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         group = q.shape[1] // kv_heads
-        decode_out = F.scaled_dot_product_attention(
+        decode_out = attend(
             q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
         ).view(n, q.shape[1], head_dim)
         if not meta.prefills:
@@ -127,7 +131,7 @@ def paged_attention(
         else:
             keys = _read(k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype)
             values = _read(v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype)
-        o = F.scaled_dot_product_attention(
+        o = attend(
             query,
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
@@ -138,6 +142,22 @@ def paged_attention(
         )
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def softcapped_attention(query, key, value, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=False, *, softcap: float):
+    """SDPA's arguments, with the scores soft-capped before the mask and the softmax, in float32 (as
+    transformers' eager Gemma 2 attention computes them; torch's SDPA has no soft-capping)."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        q_len, k_len = scores.shape[-2:]
+        attn_mask = torch.full((q_len, k_len), float("-inf"), device=scores.device).triu(k_len - q_len + 1)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return (torch.softmax(scores, dim=-1) @ value.float()).to(query.dtype)
 
 
 def metadata_by_layer(meta: "AttentionMetadata | list[AttentionMetadata]", layer_groups: list[int]) -> list[AttentionMetadata]:

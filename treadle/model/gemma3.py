@@ -10,7 +10,9 @@
   to the Hugging Face convention, which the model then follows for both sources);
 - GeGLU MLP (tanh-approximated GELU of the gate, times up); embeddings scaled by sqrt(hidden),
   rounded to the model's dtype as transformers does; attention scaled by query_pre_attn_scalar^-1/2;
-- optional final logit soft-capping (Gemma 2's; None in Gemma 3): cap * tanh(logits / cap).
+- optional soft-capping (Gemma 2's; None in Gemma 3) of the attention scores and of the final
+  logits: cap * tanh(x / cap). Gemma 2 (gemma2.py) is this model without the q/k norms, with one
+  RoPE base and every other layer local.
 """
 
 import math
@@ -35,6 +37,7 @@ class Gemma3Config(ModelConfig):
     local_rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=LOCAL_ROPE_THETA))
     query_pre_attn_scalar: float = 256.0
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
 
 def layer_windows(num_layers: int, window: int | None, pattern: int = SLIDING_WINDOW_PATTERN, types=None) -> list[int | None]:
@@ -68,11 +71,7 @@ class Gemma3Model(LlamaModel):
             raise ModelLoadError(
                 f"{hf.where}: a multimodal Gemma 3 checkpoint (text_config): treadle serves the text model (model_type gemma3_text, or a GGUF file)"
             )
-        if hf.get("attn_logit_softcapping") is not None:
-            raise ModelLoadError(f"{hf.where}: attn_logit_softcapping: attention soft-capping (Gemma 2) is not supported")
-        activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
-        if activation != "gelu_pytorch_tanh":
-            raise ModelLoadError(f"{hf.where}: hidden_activation = {activation!r}: expected gelu_pytorch_tanh")
+        cls._check_activation(hf)
         params = hf.section("rope_parameters")
         if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one entry per layer type
             global_rope = hf.rope(params.get("full_attention") or {}, default_theta=1e6)
@@ -80,6 +79,18 @@ class Gemma3Model(LlamaModel):
         else:  # rope_theta, rope_local_base_freq, rope_scaling (global layers only)
             global_rope = hf.rope({"rope_theta": hf.get("rope_theta", 1e6), **hf.section("rope_scaling")})
             local_rope = RopeConfig(theta=hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+        config = cls._gemma_style(hf, SLIDING_WINDOW_PATTERN, rope=global_rope, local_rope=local_rope, qk_norm=True)
+        return cls._checked(hf.where, hf.checked(config))
+
+    @staticmethod
+    def _check_activation(hf) -> None:
+        activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ModelLoadError(f"{hf.where}: hidden_activation = {activation!r}: expected gelu_pytorch_tanh")
+
+    @staticmethod
+    def _gemma_style(hf, default_pattern: int, **fields) -> Gemma3Config:
+        """The fields Gemma 2 and 3 config.json files share (layer kinds, the query scale, soft-capping)."""
         num_layers = hf.int("num_hidden_layers", "num_layers")
         window = hf.get("sliding_window") or None
         types = hf.get("layer_types")
@@ -87,43 +98,52 @@ class Gemma3Model(LlamaModel):
             not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}
         ):
             raise ModelLoadError(f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'")
-        pattern = hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN)
-        config = hf.llama_style(
+        pattern = hf.get("sliding_window_pattern", default_pattern)
+        return hf.llama_style(
             Gemma3Config,
             head_dim=hf.get("head_dim", 256),
-            rope=global_rope,
-            local_rope=local_rope,
-            qk_norm=True,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
             layer_windows=layer_windows(num_layers, window, pattern, types) if window else None,
             sliding_window=None,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            **fields,
         )
-        return cls._checked(hf.where, hf.checked(config))
 
     @classmethod
     def config_from_gguf(cls, gguf) -> Gemma3Config:
+        local_rope = RopeConfig(theta=gguf.get("rope.freq_base_swa", LOCAL_ROPE_THETA))
+        # llama.cpp: the query scale is 1/sqrt(head_dim), except Gemma 3 27B's (62 layers): 1/sqrt(hidden / heads)
+        return cls._gguf_gemma_style(gguf, SLIDING_WINDOW_PATTERN, layers_scaled_by_width=62, local_rope=local_rope)
+
+    @classmethod
+    def _gguf_gemma_style(cls, gguf, default_pattern: int, layers_scaled_by_width: int, **fields) -> Gemma3Config:
         window = gguf.get("attention.sliding_window") or None
         num_layers = gguf.number("block_count", *LIMITS["num_layers"], required=True)
-        pattern = gguf.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+        pattern = gguf.get("attention.sliding_window_pattern", default_pattern)
         config = gguf.llama_style(
             Gemma3Config,
-            local_rope=RopeConfig(theta=gguf.get("rope.freq_base_swa", LOCAL_ROPE_THETA)),
             layer_windows=layer_windows(num_layers, window, pattern) if window and isinstance(num_layers, int) and isinstance(pattern, int) else None,
             sliding_window=None,
             final_logit_softcapping=gguf.get("final_logit_softcapping"),
+            attn_logit_softcapping=gguf.get("attn_logit_softcapping"),
+            **fields,
         )
         config = gguf.checked(config)
-        # llama.cpp: the query scale is 1/sqrt(head_dim), except Gemma 3 27B's (62 layers): 1/sqrt(hidden / heads)
-        config.query_pre_attn_scalar = config.hidden_size / config.num_heads if config.num_layers == 62 else config.head_dim
+        wide = config.num_layers == layers_scaled_by_width
+        config.query_pre_attn_scalar = config.hidden_size / config.num_heads if wide else config.head_dim
         return cls._checked(gguf.path, config)
 
     @staticmethod
     def _checked(where: str, config: Gemma3Config) -> Gemma3Config:
         config.query_pre_attn_scalar = file_float(where, "query_pre_attn_scalar", config.query_pre_attn_scalar)
-        if config.final_logit_softcapping is not None:
-            config.final_logit_softcapping = file_float(where, "final_logit_softcapping", config.final_logit_softcapping)
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, key) is not None:
+                cap = file_float(where, key, getattr(config, key))
+                if not cap > 0:
+                    raise ModelLoadError(f"{where}: {key} = {cap}: expected a positive number")
+                setattr(config, key, cap)
         config.local_rope.theta = file_float(where, "rope local base frequency", config.local_rope.theta)
         if config.layer_windows is not None:
             config.layer_windows = [
@@ -149,7 +169,7 @@ class Gemma3Model(LlamaModel):
 
     def __init__(self, config: Gemma3Config, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
         super().__init__(config, weights, dtype, device, batch_invariant)
-        self.local_rotary = self.rotary_for(config.local_rope)
+        self.local_rotary = self.rotary if config.local_rope == config.rope else self.rotary_for(config.local_rope)
         self.windows = config.windows()
         self.scale = config.query_pre_attn_scalar**-0.5
         # transformers multiplies the embedding by sqrt(hidden) rounded to the weights' dtype
@@ -161,7 +181,8 @@ class Gemma3Model(LlamaModel):
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [n.weight2 for layer in self.layers for n in (layer.pre_feedforward_norm, layer.post_feedforward_norm)]
-        return super().tensors() + [self.local_rotary.cos, self.local_rotary.signed_sin] + extra
+        local = [] if self.local_rotary is self.rotary else [self.local_rotary.cos, self.local_rotary.signed_sin]
+        return super().tensors() + local + extra
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -178,9 +199,11 @@ class Gemma3Model(LlamaModel):
             cos, sin = global_tables if window is None else local_tables
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)
-            qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
+            if layer.q_norm is not None:
+                qk = torch.cat([layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])], dim=1)
             q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)
-            attn = paged_attention(q, k, v.view(t, kv_heads, cfg.head_dim), k_cache, v_cache, layer_meta, self.scale)
+            v = v.view(t, kv_heads, cfg.head_dim)
+            attn = paged_attention(q, k, v, k_cache, v_cache, layer_meta, self.scale, cfg.attn_logit_softcapping)
             h = h + layer.post_attention_norm(layer.o_proj(attn.view(t, self.q_size)))
             gate, up = layer.gate_up(layer.pre_feedforward_norm(h)).chunk(2, dim=-1)
             h = h + layer.post_feedforward_norm(layer.down(F.gelu(gate, approximate="tanh") * up))

@@ -30,7 +30,7 @@ def _build() -> ctypes.CDLL:
     lib = build("paged_attention.c", ["-ffp-contract=fast"])
     fn = lib.treadle_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, i64, i64]
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, i64, i64, i64, i64]
     fn.restype = ctypes.c_int
     store = lib.treadle_store_int8_rows
     store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
@@ -57,13 +57,13 @@ def available() -> bool:
     return _lib is not None
 
 
-def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale: float, span: int | None = None):
+def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale: float, span: int | None = None, softcap: float = 0.0):
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
     kv_heads, head_dim] bf16, or int8 KV's [blocks, block_size, kv_heads, head_dim + 4] int8 rows
     (values, then a float32 scale: attention.quantize_kv); tables: [n, width] int64; row_table, key_begin, key_end: [rows]
-    int64; span: the largest key_end - key_begin (computed when not given). Returns [rows, heads,
-    head_dim] bf16."""
+    int64; span: the largest key_end - key_begin (computed when not given); softcap > 0: scores
+    soft-capped, softcap * tanh(s / softcap). Returns [rows, heads, head_dim] bf16."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     rows, heads, head_dim = q.shape
@@ -74,7 +74,7 @@ def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, 
     code = _lib.treadle_paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
         heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
-        key_end.data_ptr(), scale, out.data_ptr(), out.stride(0), rows, span, int(k_cache.dtype == torch.int8),
+        key_end.data_ptr(), scale, softcap, out.data_ptr(), out.stride(0), rows, span, int(k_cache.dtype == torch.int8),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"paged attention kernel: error {code} (head_dim {head_dim}, group {heads // kv_heads})")
@@ -105,16 +105,17 @@ def paged_attention_op(
     key_begin: torch.Tensor,
     key_end: torch.Tensor,
     scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     """`paged_attention` as a torch operator, for the compiled decode graphs: inductor calls it as
     an opaque kernel (the same C code, so the same bits as the eager path)."""
     if not available():
         raise RuntimeError(f"treadle's attention kernel is unavailable ({_error})")
-    return paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale)
+    return paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap=softcap)
 
 
 @paged_attention_op.register_fake
-def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale):
+def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap):
     return q.new_empty(q.shape)
 
 

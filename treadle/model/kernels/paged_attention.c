@@ -18,6 +18,10 @@
  * a score is (q . k_int8) * k_scale * softmax_scale, with the dot in the same lanes and tree as a
  * bf16 key's; a value row is accumulated as (p * v_scale) * v_int8. No dequantized copy is made,
  * and the order of every sum is the bf16 path's, so int8 is batch-invariant too.
+ *
+ * Soft-capping (Gemma 2's attn_logit_softcapping, softcap > 0): each score s = (q . k) * scale
+ * becomes softcap * tanhf(s / softcap) before the softmax, one scalar libm call per score (never
+ * vectorized: no -ffast-math), so the same bits on every path.
  */
 
 #include <math.h>
@@ -117,8 +121,8 @@ static inline float dot_i8(const float *q, const int8_t *k, int64_t head_dim) {
 static void attend_item(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
-    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
-    int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets, int kv_int8) {
+    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
+    uint16_t *out, int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets, int kv_int8) {
     enum { MAX_GROUP = 16, MAX_DIM = 256 };
     const int64_t row_elems = kv_int8 ? head_dim + 4 : head_dim;  /* one cache row, in cache elements */
     const int64_t slot_stride = kv_heads * row_elems;
@@ -159,6 +163,8 @@ static void attend_item(
 #endif
         for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot(qf + g * head_dim, k, head_dim) * scale;
     }
+    if (softcap > 0.0f)
+        for (int64_t i = 0; i < group * n; i++) scratch[i] = softcap * tanhf(scratch[i] / softcap);
     /* softmax weights, unnormalized, and their sums */
     float inv[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
@@ -229,13 +235,14 @@ static void attend_item(
  * tables:       [num_tables, table_stride] int64 block ids; row_table[row] picks the row's table
  * key_begin/end:[rows] the row attends to keys key_begin .. key_end - 1 (key_end = position + 1)
  * span:         the largest key_end - key_begin
+ * softcap:      > 0: scores soft-capped (see the header); 0: not
  * Returns 0, -1 for an unsupported shape, -2 when out of memory.
  */
 int treadle_paged_attention(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
-    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, uint16_t *out,
-    int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
+    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
+    uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
     if (head_dim % LANES != 0 || head_dim > 256 || group > 16) return -1;
     const int64_t items = rows * kv_heads;
     int failed = 0;
@@ -251,7 +258,7 @@ int treadle_paged_attention(
         for (int64_t item = 0; item < items; item++) {
             if (scratch != NULL && offsets != NULL)
                 attend_item(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
-                            row_table, key_begin, key_end, scale, out, out_stride, item / kv_heads, item % kv_heads,
+                            row_table, key_begin, key_end, scale, softcap, out, out_stride, item / kv_heads, item % kv_heads,
                             scratch, offsets, (int)kv_int8);
         }
         free(scratch);

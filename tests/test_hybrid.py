@@ -174,6 +174,35 @@ def test_granite_hybrid_matches_transformers(tmp_path, overrides):
     assert llm.stats()["prefix_cache_hits"] > 0
 
 
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("bamba", {}),  # rotary attention (half of each head), Bamba's MLP as ffn_gate/up/down
+        ("granitemoehybrid", {}),  # NoPE, experts (ffn_*_exps) beside the shared MLP (ffn_*_shexp), the multipliers
+        ("granitemoehybrid", {"num_local_experts": 0}),  # dense: the shared MLP as ffn_gate/up/down
+    ],
+)
+def test_gguf_files_as_llama_cpps_converter_writes_them_match_transformers(tmp_path, monkeypatch, arch, overrides):
+    """llama.cpp's `granitehybrid` layout (both hybrids): read back into the same model, greedy
+    tokens as transformers', batched, chunked and through prefix hits on checkpointed states."""
+    from treadle.engine import state_cache
+
+    from .tiny_models import tiny_tokenizer, write_hybrid_gguf
+
+    monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
+    model = save_hf_model(str(tmp_path / "hf"), arch, seed=6, **overrides)
+    path = str(tmp_path / "hybrid.gguf")
+    write_hybrid_gguf(path, model, tiny_tokenizer())
+    llm = LLM(path, dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=16)
+    cfg = llm.engine.core.model_config
+    assert cfg.architecture == "granitehybrid" and cfg.layer_types == ["recurrent", "attention", "recurrent"]
+    assert cfg.rope_positions == (arch == "bamba") and (cfg.moe is None) == (arch == "bamba" or "num_local_experts" in overrides)
+    batch = shared_heads(seed=2)
+    check(model, llm, batch[::2])
+    check(model, llm, batch)  # the second of each pair: its head's checkpointed state restored
+    assert llm.stats()["prefix_cache_hits"] > 0
+
+
 def test_transformers_cached_decode_is_not_the_reference(bamba):
     """Why the reference above runs uncached: transformers' own two paths disagree on this model."""
     _, model = bamba

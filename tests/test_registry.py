@@ -225,7 +225,7 @@ def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):
             "gelu_llama.block_count": 2, "gelu_llama.vocab_size": 300}  # fmt: skip
     with pytest.raises(
         ModelLoadError,
-        match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: gemma2, gemma3, llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)",
+        match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: gemma2, gemma3, granitehybrid, llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)",
     ):
         _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())
     register_model("gelu_llama", f"{PLUGIN}:GeluLlamaModel")

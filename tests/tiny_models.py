@@ -298,17 +298,7 @@ def write_gguf(
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
 
-    vocab = tok.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    _write_tokenizer(w, tok, pre, tokenizer_model)
 
     rope_factors = _llama3_rope_factors(cfg, head_dim) if arch == "llama" and rope.get("rope_type") == "llama3" else None
     if rope_factors is not None:
@@ -338,6 +328,20 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _write_tokenizer(w, tok: Tokenizer, pre: str = "default", tokenizer_model: str = "gpt2") -> None:
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
 
 
 _EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -442,3 +446,110 @@ def save_scripted_model(folder: str, script: list[str], template: str = HERMES_T
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "chat_template": template}, f)
+
+
+def write_hybrid_gguf(path: str, model, tok: Tokenizer) -> None:
+    """A Bamba or Granite 4 hybrid (transformers) written as llama.cpp's converter writes both:
+    architecture "granitehybrid", a KV head count per layer (0 for a mixer), the mixers' A as
+    -exp(A_log) and their conv kernel, D and grouped norm reshaped, the shared MLP's gate and up
+    apart, Q and K permuted, float32."""
+    import gguf
+
+    cfg = model.config
+    bamba = "BambaForCausalLM" in cfg.architectures
+    layer_types = ["attention" if i in cfg.attn_layer_indices else "mamba" for i in range(cfg.num_hidden_layers)] if bamba else cfg.layer_types
+    attention = [i for i, t in enumerate(layer_types) if t in ("attention", "full_attention")]
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    heads, d_head = cfg.mamba_n_heads, getattr(cfg, "mamba_d_head", None)
+    inner = cfg.mamba_expand * cfg.hidden_size
+    experts = getattr(cfg, "num_local_experts", 0) or 0
+    w = gguf.GGUFWriter(path, "granitehybrid")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings if bamba else 2**20)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if i in attention else 0 for i in range(cfg.num_hidden_layers)])
+    w.add_rope_dimension_count(head_dim // 2 if bamba else head_dim)  # Bamba: attn_rotary_emb, half of each head
+    w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    w.add_rope_scaling_finetuned(bamba)  # the converter's "use rope": Bamba yes, Granite 4 hybrids no
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+    assert d_head in (None, "auto", inner // heads)
+    if not bamba:  # GraniteModel's multipliers, under llama.cpp's names
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_vocab_size(cfg.vocab_size)
+    _write_tokenizer(w, tok)
+
+    def put(name: str, t) -> None:
+        w.add_tensor(name, np.ascontiguousarray(t.float().numpy() if isinstance(t, torch.Tensor) else t))
+
+    shexp = "_shexp" if experts else ""
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if name in ("model.embed_tokens.weight",):
+            put("token_embd.weight", t)
+        elif name in ("model.norm.weight", "model.final_layernorm.weight"):
+            put("output_norm.weight", t)
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                put("output.weight", t)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            b = f"blk.{layer}."
+            if rest == "input_layernorm.weight":
+                put(b + "attn_norm.weight", t)
+            elif rest in ("pre_ff_layernorm.weight", "post_attention_layernorm.weight"):
+                put(b + "ffn_norm.weight", t)
+            elif rest.startswith("self_attn."):
+                kind = rest.split(".")[1]
+                data = t.float().numpy()
+                if kind in ("q_proj", "k_proj"):
+                    data = llama_cpp_permute(data, cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads)
+                put(b + {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}[kind] + ".weight", data)
+            elif rest.startswith("mamba."):
+                kind = rest.removeprefix("mamba.")
+                if kind == "A_log":
+                    put(b + "ssm_a", (-torch.exp(t.float())).reshape(-1, 1))
+                elif kind == "D":
+                    put(b + "ssm_d", t.reshape(-1, 1))
+                elif kind == "conv1d.weight":
+                    put(b + "ssm_conv1d.weight", t.squeeze(1))
+                elif kind == "norm.weight":
+                    put(b + "ssm_norm.weight", t.reshape(cfg.mamba_n_groups, -1))
+                else:
+                    put(b + {"in_proj.weight": "ssm_in.weight", "out_proj.weight": "ssm_out.weight", "conv1d.bias": "ssm_conv1d.bias",
+                             "dt_bias": "ssm_dt.bias"}[kind], t)  # fmt: skip
+            elif rest.startswith("feed_forward."):  # Bamba's MLP
+                put(b + {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[rest.split(".")[1]] + ".weight", t)
+            elif rest == "shared_mlp.input_linear.weight":
+                gate, up = t.chunk(2, dim=0)
+                put(b + f"ffn_gate{shexp}.weight", gate)
+                put(b + f"ffn_up{shexp}.weight", up)
+            elif rest == "shared_mlp.output_linear.weight":
+                put(b + f"ffn_down{shexp}.weight", t)
+            elif rest == "block_sparse_moe.router.weight":
+                put(b + "ffn_gate_inp.weight", t)
+            elif rest == "block_sparse_moe.experts.gate_up_proj":  # [experts, 2f, hidden]: gate rows, then up
+                gate, up = t.chunk(2, dim=1)
+                put(b + "ffn_gate_exps.weight", gate)
+                put(b + "ffn_up_exps.weight", up)
+            elif rest == "block_sparse_moe.experts.down_proj":
+                put(b + "ffn_down_exps.weight", t)
+            else:
+                raise ValueError(f"write_hybrid_gguf: unhandled tensor {name}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -115,9 +115,9 @@ def paged_attention(
         keys = _read(k_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         values = _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         group = q.shape[1] // kv_heads
-        decode_out = attend(
-            q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
-        ).view(n, q.shape[1], head_dim)
+        decode_out = attend(q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale).view(
+            n, q.shape[1], head_dim
+        )
         if not meta.prefills:
             return decode_out
     out = torch.empty_like(q)

@@ -50,7 +50,7 @@ def mixer_shapes(config) -> dict[str, tuple[int, ...]]:
     """A Mamba-2 mixer's weights (under its layer's prefix) and their shapes."""
     m, h = config.mamba, config.hidden_size
     return {"mamba.in_proj.weight": (m.inner + m.conv_dim + m.heads, h), "mamba.out_proj.weight": (h, m.inner), "mamba.norm.weight": (m.inner,),
-            "mamba.dt_bias": (m.heads,), "mamba.A_log": (m.heads,), "mamba.D": (m.heads,), "mamba.conv1d.bias": (m.conv_dim,)}  # fmt: skip
+            "mamba.dt_bias": (m.heads,), "mamba.A_log": (m.heads,), "mamba.A": (m.heads,), "mamba.D": (m.heads,), "mamba.conv1d.bias": (m.conv_dim,)}  # fmt: skip
 
 
 @dataclass

@@ -74,15 +74,20 @@ class GGUFConfig:
             rope.attention_factor = yarn_mscale(factor) * extra
         return rope
 
-    def llama_style(self, config_class=ModelConfig, partial_rotary: bool = False, **fields) -> ModelConfig:
+    def llama_style(self, config_class=ModelConfig, partial_rotary: bool = False, per_layer_kv_heads: bool = False, **fields) -> ModelConfig:
         """The hyperparameters every Llama-style file gives, `fields` given or overriding; not yet
         checked. `partial_rotary`: the family rotates the first `rope.dimension_count` of each head
-        (NEOX-style, as Phi-3 / Phi-4-mini), where other families refuse a smaller count."""
+        (NEOX-style, as Phi-3 / Phi-4-mini), where other families refuse a smaller count.
+        `per_layer_kv_heads`: a list of KV head counts is taken where its non-zero ones agree (a
+        hybrid's: 0 for a recurrent layer; the family reads the layers' kinds from it)."""
         hidden = self.number("embedding_length", *LIMITS["hidden_size"], required=True)
         heads = self.number("attention.head_count", *LIMITS["num_heads"], required=True)
         kv_heads = self.get("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):
-            raise self.fail("attention.head_count_kv", "per-layer head counts are not supported")
+            counts = {n for n in kv_heads if n}
+            if not per_layer_kv_heads or len(counts) != 1:
+                raise self.fail("attention.head_count_kv", "per-layer head counts are not supported")
+            kv_heads = counts.pop()
         head_dim = self.number("attention.key_length", *LIMITS["head_dim"], default=hidden // heads)
         if self.get("attention.value_length", head_dim) != head_dim:
             raise self.fail("attention.value_length", "differs from key_length, not supported")
@@ -287,7 +292,8 @@ def load_gguf(path: str) -> ModelFiles:
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 3 and quant.available():
             weights[hf] = _quantized_experts(path, reader, tensor)  # [experts, rows, cols], each expert at the file's bits
         else:
-            weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf: _float_weight(path, t, h, n, family), shape)
+            shape = tuple(family.gguf_tensor_shape(hf, shape))  # the HF layout's (a mixer's [heads, 1] A is [heads])
+            weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf, s=shape: _float_weight(path, t, h, n, family).reshape(s), shape)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
     if config.rope.scaling_type == "longrope" and (config.rope.long_factor is None or config.rope.short_factor is None):

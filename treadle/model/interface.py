@@ -49,6 +49,12 @@ class CausalLM:
         """A float tensor of a GGUF file in the Hugging Face convention (`name`: its HF name)."""
         return data
 
+    @staticmethod
+    def gguf_tensor_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A float tensor's shape in the Hugging Face layout, from its shape in the file (the
+        values are reshaped to it: same order, another shape)."""
+        return shape
+
     def forward(
         self,
         input_ids: torch.Tensor,

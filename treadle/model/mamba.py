@@ -99,7 +99,10 @@ class Mamba2Mixer:
         self.conv_weight = conv.reshape(cfg.conv_dim, 1, cfg.d_conv)
         self.conv_bias = lw.take(p + "conv1d.bias") if cfg.conv_bias else None
         self.dt_bias = lw.take_float(p + "dt_bias")
-        self.A = -torch.exp(lw.take_float(p + "A_log"))  # [heads], negative: a decay
+        if lw.prefix + p + "A" in lw.w:  # a GGUF file's ssm_a: the decay itself, as llama.cpp's converter stores it
+            self.A = lw.take_float(p + "A")
+        else:
+            self.A = -torch.exp(lw.take_float(p + "A_log"))  # [heads], negative: a decay
         self.D = lw.take_float(p + "D")
         self.norm_weight = lw.take(p + "norm.weight")
         self.out_proj = lw.linear((p + "out_proj.weight",), lw.take(p + "out_proj.bias") if cfg.proj_bias else None)

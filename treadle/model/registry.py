@@ -38,6 +38,7 @@ BUILTIN = {
     "olmoe": "treadle.model.olmoe:OlmoeModel",
     "bamba": "treadle.model.bamba:BambaModel",
     "granitemoehybrid": "treadle.model.granite_hybrid:GraniteHybridModel",
+    "granitehybrid": "treadle.model.granite_hybrid:GraniteHybridModel",  # llama.cpp's name for both hybrids' files
 }
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
@@ -64,7 +65,7 @@ NOT_GGUF_ARCHITECTURES = (
     "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
-    "bamba",  # their GGUF layout (llama.cpp's granitehybrid) is not read yet
+    "bamba",  # llama.cpp writes both as "granitehybrid"
     "granitemoehybrid",
     *HF_CLASS_NAMES,
 )

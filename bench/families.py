@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "bamba", "granitemoehybrid"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "bamba", "granitemoehybrid", "gemma2"]
 
 
 def fidelity(args) -> None:

@@ -67,10 +67,20 @@ def moe_step(args) -> None:
     from bench.peer_compare import cpu_description
     from tests.tiny_models import tiny_tokenizer
     from treadle import LLM, SamplingParams
+    from treadle.model import moe
 
     torch.set_num_threads(args.threads)
     print("CPU:", cpu_description(), f"threads {args.threads}", flush=True)
-    rows = {}
+    rows, active = {}, {}
+    # the distinct experts each sparse layer's step runs (a hook on the grouped products)
+    distinct: list[int] = []
+    inner = moe.run_experts
+
+    def counted(x, chosen, *rest):
+        distinct.append(int(chosen.unique().numel()))
+        return inner(x, chosen, *rest)
+
+    moe.run_experts = counted
     with tempfile.TemporaryDirectory() as root:
         for n in args.experts:
             folder = os.path.join(root, f"e{n}")
@@ -95,20 +105,21 @@ def moe_step(args) -> None:
                 t0 = time.perf_counter()
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
                 t1 = time.perf_counter()
+                distinct.clear()
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True))
                 t2 = time.perf_counter()
+                active[(n, batch)] = sum(distinct) / max(1, len(distinct))
                 # the warm-up cached the prompts, so both timed runs do the same (cached) prefill
                 rows[(n, batch)] = ((t2 - t1) - (t1 - t0)) / args.tokens * 1000
                 print(f"  experts {n}, batch {batch}: {rows[(n, batch)]:.2f} ms per step", file=sys.stderr, flush=True)
             del llm
     print(f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, experts of {args.expert_size}, top-{args.top_k}, bf16 default:\n")
-    print("| experts | " + " | ".join(f"step ms at {b}" for b in args.batches) + " | " + " | ".join(f"ratio at {b}" for b in args.batches) + " |")
-    print("|---" * (1 + 2 * len(args.batches)) + "|")
+    print("| experts | " + " | ".join(f"step ms at {b} | ratio at {b} | distinct experts per layer-step at {b}" for b in args.batches) + " |")
+    print("|---" * (1 + 3 * len(args.batches)) + "|")
     base = args.experts[0]
     for n in args.experts:
-        steps = " | ".join(f"{rows[(n, b)]:.2f}" for b in args.batches)
-        ratios = " | ".join(f"{rows[(n, b)] / rows[(base, b)]:.2f}" for b in args.batches)
-        print(f"| {n} | {steps} | {ratios} |")
+        cells = " | ".join(f"{rows[(n, b)]:.2f} | {rows[(n, b)] / rows[(base, b)]:.2f} | {active[(n, b)]:.1f}" for b in args.batches)
+        print(f"| {n} | {cells} |")
 
 
 def hybrid_prefix(args) -> None:

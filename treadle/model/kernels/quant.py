@@ -105,7 +105,7 @@ class QuantizedTensor:
     """A [rows, cols] weight of GGUF blocks of type `kind`, held in the kernels' layout.
 
     Built from the file's blocks (uint8 [rows, bytes per row]); `data` is the same bytes moved
-    (quant.c's packed layout: rows of the 32-value types interleaved 16 at a time), the same size,
+    (quant.c's packed layout: rows of every type interleaved 16 at a time), the same size,
     and `blocks()` gives the file's back."""
 
     __slots__ = ("kind", "data", "shape")

@@ -179,3 +179,17 @@ def test_quantized_weights_are_the_files_blocks_and_dequantize_as_gguf_does():
         assert held.nbytes() == raw.nbytes
         expected = gguf.quants.dequantize(raw, tensor.tensor_type)
         assert np.array_equal(held.rows().numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_the_engine_cores_tokenizer_is_built_when_first_used(tmp_path, tiny_llama):
+    """load_gguf (the engine core's load) checks the tokenizer's metadata but builds the vocabulary
+    only when something needs it (a structured-output request): the core of a served 262K-token
+    model does not hold a second copy for nothing. `LLM` builds it at once."""
+    path = write(tmp_path, tiny_llama)
+    tok = load_gguf(path).tokenizer
+    assert tok._backend is None
+    assert tok.encode("the cat in the hat", add_special_tokens=False) == tiny_tokenizer().encode("the cat in the hat").ids
+    assert tok._backend is not None
+    from treadle import LLM
+
+    assert LLM(path, dtype="float32", max_model_len=64).engine.tokenizer._backend is not None

@@ -21,6 +21,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
+        self.tokenizer.backend  # noqa: B018 - built now (the core builds its vocabulary lazily): errors at load, not at the first request
         self.processor = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()

@@ -256,7 +256,7 @@ def load_gguf(path: str) -> ModelFiles:
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
     family = resolve_model_class(config.architecture)
-    tokenizer = tokenizer_from_gguf(path, meta)
+    tokenizer = tokenizer_from_gguf(path, meta, lazy=True)  # the engine core's: built if a request needs the vocabulary
 
     weights: dict[str, torch.Tensor | QuantizedTensor | DeferredWeight] = {}
     for tensor in reader.tensors:

@@ -4,14 +4,18 @@ Both sources end up as one `tokenizers.Tokenizer` plus the few facts the engine 
 BOS/EOS ids, the stop set (eos + eot/eom, + generation_config's eos list) and the chat template.
 """
 
+import functools
 import json
 import logging
 import os
 import re
+import threading
+from collections.abc import Callable
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..utils import release_free_heap
 from .chat_template import render
 from .config import ModelLoadError
 
@@ -110,11 +114,15 @@ def first_surrogate(text: str) -> int | None:
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the special ids, stop set and chat template of one model."""
+    """A `tokenizers.Tokenizer` plus the special ids, stop set and chat template of one model.
+
+    `backend` may be a function that builds it: then it is built on first use (the engine core
+    process, which needs the vocabulary only for a structured-output request, does not hold a
+    262K-token one, ~100 MB, for nothing; the front end and `LLM` build it at once)."""
 
     def __init__(
         self,
-        backend: HFTokenizer,
+        backend: "HFTokenizer | Callable[[], HFTokenizer]",
         *,
         bos_token_id: int | None,
         eos_token_id: int | None,
@@ -122,14 +130,31 @@ class Tokenizer:
         chat_template: str | None,
         source: str,
     ):
-        self.backend = backend
+        self._backend = backend if isinstance(backend, HFTokenizer) else None
+        self._build = None if self._backend is not None else backend
+        self._lock = threading.Lock()
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.stop_token_ids = frozenset(stop_token_ids)
         self.chat_template = chat_template
         self.source = source
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = self._build()
+                    self._build = None
+        return self._backend
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
 
     @property
     def bos_token(self) -> str:
@@ -180,34 +205,27 @@ class Tokenizer:
 # ---------------------------------------------------------------- GGUF
 
 
-def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
-    """Build the tokenizer a GGUF file describes under `tokenizer.ggml.*`."""
+def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
+    """Build the tokenizer a GGUF file describes under `tokenizer.ggml.*` (`lazy`: its vocabulary
+    when first used; the metadata is checked now either way)."""
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise ModelLoadError(f"{path}: tokenizer.ggml.model/tokens: missing, the file carries no tokenizer")
     _check_gguf_tokenizer(path, meta)
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    if kind == "gpt2":
-        backend = _byte_level_bpe(path, meta, tokens)
-    elif kind == "llama":  # its merges take seconds to derive for a large vocabulary: built once per file
-        backend = _cached_backend(path, lambda: _sentencepiece_bpe(path, meta, tokens, token_types))
-    else:
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')")
-
-    specials = [
-        AddedToken(tok, special=(tt == TOKEN_CONTROL), normalized=False)
-        for tok, tt in zip(tokens, token_types)
-        if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-    ]
-    backend.add_special_tokens([t for t in specials if t.special])
-    backend.add_tokens([t for t in specials if not t.special])
-
+    # what a lazy build would find first, found now
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind == "gpt2" and pre not in BPE_PRE_TOKENIZERS:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})")
+    if kind == "gpt2" and meta.get("tokenizer.ggml.merges") is None:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
+    if kind == "llama" and meta.get("tokenizer.ggml.merges") is None and meta.get("tokenizer.ggml.scores") is None:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
-    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
-    _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
 
     stop = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")) if i is not None}
     control = {tok: i for i, (tok, tt) in enumerate(zip(tokens, token_types)) if tt == TOKEN_CONTROL}
@@ -217,7 +235,39 @@ def tokenizer_from_gguf(path: str, meta: dict) -> Tokenizer:
         template = builtin_template(set(control))
         if template is not None:
             log.info("%s has no chat template: using the built-in one its vocabulary's turn markers name", path)
-    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path)
+    if lazy:  # the metadata read again when needed (holding its lists until then would cost as much)
+
+        def build() -> HFTokenizer:
+            from .gguf_file import read_metadata
+
+            return _gguf_backend(path, read_metadata(path))
+
+    return Tokenizer(
+        build if lazy else _gguf_backend(path, meta), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
+    )
+
+
+def _gguf_backend(path: str, meta: dict) -> HFTokenizer:
+    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata."""
+    kind, tokens = meta["tokenizer.ggml.model"], meta["tokenizer.ggml.tokens"]
+    token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_bpe(path, meta, tokens)
+    else:  # its merges take seconds to derive for a large vocabulary: built once per file
+        backend = _cached_backend(path, lambda: _sentencepiece_bpe(path, meta, tokens, token_types))
+    specials = [
+        AddedToken(tok, special=(tt == TOKEN_CONTROL), normalized=False)
+        for tok, tt in zip(tokens, token_types)
+        if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+    ]
+    backend.add_special_tokens([t for t in specials if t.special])
+    backend.add_tokens([t for t in specials if not t.special])
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
+    release_free_heap()  # the vocabulary's parse: hundreds of MB of freed temporaries for a 262K-token one
+    return backend
 
 
 def _cached_backend(path: str, build) -> HFTokenizer:
@@ -292,12 +342,8 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
 
 
 def _byte_level_bpe(path: str, meta: dict, tokens: list[str]) -> HFTokenizer:
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in BPE_PRE_TOKENIZERS:
-        raise ModelLoadError(f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})")
-    merges = meta.get("tokenizer.ggml.merges")
-    if merges is None:
-        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
+    pre = meta.get("tokenizer.ggml.pre", "default")  # checked by tokenizer_from_gguf, as the merges' presence
+    merges = meta["tokenizer.ggml.merges"]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = HFTokenizer(_bpe(path, vocab, _merge_pairs(path, merges), ignore_merges=False))
     backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
@@ -327,9 +373,7 @@ def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: li
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None:
         pairs = _merge_pairs(path, merges)
-    else:
-        if scores is None:
-            raise ModelLoadError(f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges")
+    else:  # scores present: checked by tokenizer_from_gguf
         pairs = _merges_from_scores(tokens, scores, token_types, vocab)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
@@ -430,6 +474,7 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         chat_template = extra.get("chat_template") if isinstance(extra, dict) else None
     if chat_template is not None and not isinstance(chat_template, str):
         raise ModelLoadError(f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: expected a template string")
+    release_free_heap()
     return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder)
 
 

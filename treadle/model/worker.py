@@ -11,7 +11,7 @@ import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from ..kv_layout import kv_layout
-from ..utils import process_memory
+from ..utils import process_memory, release_free_heap
 from . import kernels
 from .compiled import CompiledDecode
 from .config import ModelConfig, ModelLoadError
@@ -121,6 +121,7 @@ class ModelWorker:
             self.compiled.start()
         # a draft has as many KV blocks as the target's: the target's block tables address both
         self.draft_runner = None if draft_files is None else self._make_runner(draft_files, config.seed + 1)
+        release_free_heap()  # the float32 copies the weights were converted from
 
     def _make_runner(self, files, seed: int, **extra) -> ModelRunner:
         """A runner for these model files with the engine's settings (the target's, or a draft's)."""

@@ -77,6 +77,11 @@ def measure_treadle(gguf: str, kv_bytes: int, repetitions: int) -> list[dict]:
         wait_healthy(url, proc)
         first_token_seconds(url, "SmolLM2-135M-Instruct")  # the embedded default, loaded and warm
         for _ in range(repetitions):
+            # the spare engine core (started once `second`'s last load was done) has finished its
+            # start-up: loads on demand come seconds apart or more, not back to back
+            deadline = time.time() + 60
+            while not httpx.get(url + "/stats").json().get("spare_core_ready") and time.time() < deadline:
+                time.sleep(0.2)
             before = tree_rss(proc.pid)
             seconds = first_token_seconds(url, "second")
             stats = httpx.get(url + "/stats", params={"model": "second"}).json()

@@ -127,6 +127,33 @@ def test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic(
     assert httpx.post(multi.url + "/api/generate", json={"model": "tiny", "keep_alive": "soon"}).status_code == 400
 
 
+def children(pid: int) -> set[int]:
+    out = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out.update(int(p) for p in f.read().split())
+    return out
+
+
+def test_a_spare_engine_core_takes_the_next_model_and_another_is_started(multi):
+    """A server of several models keeps one engine core started (torch imported) and waiting:
+    the next model loads into that process, and once it is ready a new spare waits. /stats shows
+    the spare's memory, which the budget counts."""
+
+    def spare_bytes() -> int:
+        return httpx.get(multi.url + "/stats").json()["spare_core_bytes"]
+
+    httpx.post(multi.url + "/api/generate", json={"model": "tiny", "keep_alive": 0})
+    assert wait_for(lambda: TINY not in loaded(multi), 15)
+    assert wait_for(lambda: httpx.get(multi.url + "/stats").json()["spare_core_ready"], 60)
+    assert spare_bytes() > 100 << 20  # torch's import alone is ~200 MB
+    waiting = children(multi.proc.pid)
+    assert complete(multi, "tiny", [1, 2, 3], max_tokens=2).status_code == 200
+    pid = httpx.get(multi.url + "/stats", params={"model": "tiny"}).json()["engine_pid"]
+    assert pid in waiting  # the spare became tiny's engine core
+    assert wait_for(lambda: spare_bytes() > 100 << 20 and children(multi.proc.pid) - waiting - {pid}, 60)  # and a new one waits
+
+
 def test_the_least_recently_used_idle_model_is_evicted_past_max_loaded(multi):
     for name in ("tiny", MODEL, "tiny-limited"):
         r = complete(multi, name, [1, 2, 3], max_tokens=2)

@@ -135,7 +135,10 @@ def serve_models(args):
         budget = int(free * 0.8) if multi and free else None
     if args.max_loaded_models < 1:
         raise ValueError("--max-loaded-models must be at least 1")
-    options = ModelOptions(primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep, parse_lora_modules(args.lora_modules))
+    options = ModelOptions(
+        primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep, parse_lora_modules(args.lora_modules),
+        spare_core=multi and not args.no_spare_core,
+    )  # fmt: skip
     return primary_path, options
 
 
@@ -334,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget",
         default=None,
         help="memory all loaded models may use (every engine core's resident set), e.g. 8G; a load unloads idle models, least recently used first, to fit (default: 80%% of the memory available at start when serving several models)",
+    )
+    srv.add_argument(
+        "--no-spare-core",
+        action="store_true",
+        help="serving several models, do not keep a started engine core (Python and torch loaded, ~250 MB) waiting for the next model to load "
+        "(default: kept, so a model loads in the time its files take; counted in --memory-budget and dropped first when it is short)",
     )
     srv.add_argument(
         "--keep-alive",

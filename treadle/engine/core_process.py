@@ -69,6 +69,29 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
         ctx.term()
 
 
+def run_spare_core(conn) -> None:
+    """A spare engine core (launchers.SpareCore): Python, torch, the model code and treadle's
+    kernels loaded ahead of need, then it waits for `run_engine_core`'s arguments on `conn` and
+    becomes that core, so a model loaded on demand skips their start-up (about a second and a
+    half on two cores). Ends quietly when `conn` closes unused."""
+    end_with_parent(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from ..model import kernels
+    from ..model.kernels import quant
+    from .core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
+
+    kernels.available()  # loaded (built the first time) now rather than in the first step
+    quant.available()
+    try:
+        conn.send("ready")
+        args = conn.recv()
+    except (EOFError, OSError):
+        return
+    conn.close()
+    run_engine_core(*args)
+
+
 def _serve(core, inp, out, codec: Codec) -> None:
     last_stats = None
     while True:

@@ -360,7 +360,9 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         """The engine's numbers of `model` (default: the command line's), and every loaded model's
         memory and expiry under "models"."""
         fleet = {"models": hub.describe(), "max_loaded_models": hub.max_loaded, "memory_budget_bytes": hub.memory_budget,
-                 "model_loads": hub.loads, "model_unloads": hub.unloads}  # fmt: skip
+                 "model_loads": hub.loads, "model_unloads": hub.unloads,
+                 "spare_core_bytes": hub.spare.rss() if hub.spare is not None else 0,
+                 "spare_core_ready": hub.spare is not None and hub.spare.ready}  # fmt: skip
         name = model if model is not None else hub.primary
         if name is None:
             return fleet

@@ -8,7 +8,9 @@ launcher starts a core and returns a handle the client watches:
     handle.watch(loop, on_exit)   on_exit(handle) once the core has ended, however it ended
     handle.is_alive() / kill() / join(timeout) / describe_exit()
 
-`LocalLauncher` spawns a process (multiprocessing, spawn) and watches its sentinel.
+`LocalLauncher` spawns a process (multiprocessing, spawn) and watches its sentinel; given a
+`SpareCore` (a server of several models), it hands the model to the spare process that has
+already started Python and torch, and starts a fresh process only when there is none.
 `RayLauncher` keeps one actor per replica (`RayEngineCore`), placed by Ray by its resources
 (`num_cpus` = the replica's threads, spread over the nodes), and runs the core in it: the
 call's result is how its end is noticed (a return on Shutdown, an error if the actor died). The
@@ -74,11 +76,81 @@ class LocalCore:
         return describe_exit(self.pid, self.proc.exitcode)
 
 
+class SpareCore:
+    """One engine core process started ahead of need (`core_process.run_spare_core`): Python,
+    torch and the model code imported, waiting for a model. A server of several models loads one
+    on demand in the time the model itself takes, not the ~1.5 s of start-up before it (issue 32's
+    switching time). The spare is started once no load is under way (`fill`, which the model hub
+    calls when a model is ready: never beside a loading core on a small machine), costs its
+    resident set (~250 MB: torch), which the hub counts against --memory-budget, and is dropped
+    first when the budget is short."""
+
+    def __init__(self):
+        self._proc = None
+        self._conn = None
+        self._ready = False
+
+    def fill(self) -> None:
+        """Start a spare unless one is there."""
+        if self._proc is not None and self._proc.is_alive():
+            return
+        from ..engine.core_process import run_spare_core
+
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=run_spare_core, args=(child,), name="treadle-engine-core-spare", daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn, self._ready = proc, parent, False
+
+    @property
+    def ready(self) -> bool:
+        """Whether a spare is there with its start-up done (it said so on the pipe)."""
+        if not self._ready and self._conn is not None and self._proc.is_alive():
+            try:
+                if self._conn.poll():
+                    self._ready = self._conn.recv() == "ready"
+            except (EOFError, OSError):
+                pass
+        return self._ready and self._proc is not None and self._proc.is_alive()
+
+    def take(self):
+        """The waiting spare (process, pipe), now the caller's; None if there is none alive."""
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        self._ready = False
+        if proc is None or not proc.is_alive():
+            if conn is not None:
+                conn.close()
+            return None
+        return proc, conn
+
+    def rss(self) -> int:
+        """The spare's resident set in bytes (0: none)."""
+        from ..utils import process_memory
+
+        if self._proc is None or not self._proc.is_alive():
+            return 0
+        return process_memory(self._proc.pid).get("VmRSS", 0)
+
+    def drop(self) -> None:
+        """End the spare (memory is short, or the server stops)."""
+        taken = self.take()
+        if taken is not None:
+            proc, conn = taken
+            conn.close()  # it returns from its wait and exits
+            proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+
+
 class LocalLauncher:
     """Cores as child processes, talking over ipc:// sockets in a private folder."""
 
-    def __init__(self):
+    def __init__(self, spare: SpareCore | None = None):
         self._dir: str | None = None
+        self.spare = spare
 
     def addresses(self) -> tuple[str, str]:
         self.cleanup()
@@ -88,6 +160,17 @@ class LocalLauncher:
     def launch(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> LocalCore:
         from ..engine.core_process import run_engine_core
 
+        taken = self.spare.take() if self.spare is not None and not config.cpu_affinity else None
+        if taken is not None:
+            proc, conn = taken
+            try:
+                conn.send((config, registry, in_addr, out_addr, log_level))
+                conn.close()
+                return LocalCore(proc)
+            except (OSError, ValueError) as e:  # it died meanwhile: a fresh one below
+                log.warning("the spare engine core could not take the model (%s): starting one", e)
+                conn.close()
+                proc.kill()
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config, registry, in_addr, out_addr, log_level), name="treadle-engine-core", daemon=True
         )

@@ -42,6 +42,9 @@ LONGEST_KEEP_ALIVE = 100 * 365 * 86400.0  # a longer keep-alive is forever (and 
 REAP_INTERVAL = 0.25  # seconds between the reaper's looks
 
 
+SPARE_ESTIMATE = 300 << 20  # a spare engine core's resident set (torch and the model code imported), for the budget
+
+
 class ModelNotFound(RequestError):
     def __init__(self, name: str):
         super().__init__(f"The model `{name}` does not exist.", "model", status=404, code="model_not_found")
@@ -169,6 +172,7 @@ class ModelHub:
         keep_alive: float | None = 300.0,
         primary_keep_alive: float | None = FOREVER,
         on_fatal: Callable[[str], None] = lambda message: None,
+        spare=None,
     ):
         self.catalog = catalog
         self.make_engine = make_engine
@@ -180,6 +184,7 @@ class ModelHub:
         self.keep_alive = keep_alive
         self.primary_keep_alive = primary_keep_alive
         self.on_fatal = on_fatal
+        self.spare = spare  # launchers.SpareCore: a started core waiting for the next model, or None
         self.multi_model = catalog.store is not None or len(catalog.named) > 1  # its series and names say which model
         self.loaded: dict[str, Loaded] = {}
         self._lock = asyncio.Lock()  # one load or eviction decision at a time
@@ -205,6 +210,8 @@ class ModelHub:
         if self.primary is not None:
             entry = self.loaded.get(self.primary) or self._spawn(self.catalog.lookup(self.primary), fatal=True)
             await entry.engine.start()  # the server is up meanwhile; /health says "loading" until it is ready
+        else:
+            self._fill_spare()
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def stop(self) -> None:
@@ -212,10 +219,23 @@ class ModelHub:
             self._reaper.cancel()
         await asyncio.gather(*(e.engine.stop() for e in self.loaded.values()), return_exceptions=True)
         self.loaded.clear()
+        if self.spare is not None:
+            self.spare.drop()
 
     def kill_now(self) -> None:
         for e in list(self.loaded.values()):
             e.engine.kill_now()
+        if self.spare is not None:
+            self.spare.drop()
+
+    def _fill_spare(self) -> None:
+        """Start the spare core once nothing is loading (a spare's start-up beside a loading core
+        would slow that load down on a small machine) and where the budget has room for it."""
+        if self.spare is None or not all(e.ready.is_set() for e in self.loaded.values()):
+            return
+        if self.memory_budget is not None and self.spare.rss() == 0 and self.memory_in_use() + SPARE_ESTIMATE > self.memory_budget:
+            return
+        self.spare.fill()
 
     @property
     def primary_entry(self) -> Loaded | None:
@@ -345,6 +365,7 @@ class ModelHub:
             memory = engine.stats().get("memory") or {}
             if memory.get("other_bytes"):
                 self._runtime_seen = max(self._runtime_seen, int(memory["other_bytes"]))
+            self._fill_spare()
 
         def failed(message: str):
             entry.failed = message
@@ -372,27 +393,38 @@ class ModelHub:
         return files + kv + (self._runtime_seen or RUNTIME_ESTIMATE)
 
     def memory_in_use(self) -> int:
-        """Every loaded engine core's resident set; a loading one's estimate until it reports."""
-        return sum(e.rss() or self._estimate(e.spec) for e in self.loaded.values())
+        """Every loaded engine core's resident set (a loading one's estimate until it reports),
+        and the spare core's."""
+        spare = self.spare.rss() if self.spare is not None else 0
+        return spare + sum(e.rss() or self._estimate(e.spec) for e in self.loaded.values())
 
     async def _make_room(self, spec: ModelSpec) -> None:
         """Unload idle models, least recently used first, until one more fits the count and the
-        budget; a 503 when the busy ones alone leave no room."""
-        need = self._estimate(spec) if self.memory_budget is not None else 0
+        budget (the spare core, which becomes the new model's core, counted once; dropped first
+        when the budget is short); a 503 when the busy ones alone leave no room."""
+
+        def need() -> int:
+            if self.memory_budget is None:
+                return 0
+            spare = self.spare.rss() if self.spare is not None else 0  # already in memory_in_use: it becomes this core
+            return max(0, self._estimate(spec) - spare)
 
         def over() -> bool:
             if len(self.loaded) >= self.max_loaded:
                 return True
-            return self.memory_budget is not None and self.memory_in_use() + need > self.memory_budget
+            return self.memory_budget is not None and self.memory_in_use() + need() > self.memory_budget
 
         while over():
             idle = sorted((e for e in self.loaded.values() if not e.busy), key=lambda e: e.last_used)
+            if self.spare is not None and self.spare.rss() and self.memory_budget is not None and len(self.loaded) < self.max_loaded:
+                self.spare.drop()  # memory is what is short: the spare goes before any model
+                continue
             if not idle:
-                if self.memory_budget is not None and not self.loaded and need > self.memory_budget:
+                if self.memory_budget is not None and not self.loaded and need() > self.memory_budget:
                     break  # nothing to unload: try it alone
                 what = f"{len(self.loaded)} models are loaded (--max-loaded-models {self.max_loaded})"
                 if self.memory_budget is not None and len(self.loaded) < self.max_loaded:
-                    what = f"{self.memory_in_use() >> 20} MiB are in use and `{spec.name}` needs about {need >> 20} MiB (--memory-budget {self.memory_budget >> 20} MiB)"
+                    what = f"{self.memory_in_use() >> 20} MiB are in use and `{spec.name}` needs about {need() >> 20} MiB (--memory-budget {self.memory_budget >> 20} MiB)"
                 raise RequestError(
                     f"cannot load `{spec.name}` now: {what}, all busy; retry later",
                     "model",

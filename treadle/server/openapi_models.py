@@ -659,6 +659,8 @@ class Stats(BaseModel):
     memory_budget_bytes: int | None
     model_loads: int
     model_unloads: int
+    spare_core_bytes: int = 0  # the resident set of the started engine core waiting for the next model (counted in the budget)
+    spare_core_ready: bool = False  # whether that core's start-up (Python, torch, the model code) is done
     memory: StatsMemory | None = None
     num_waiting: int | None = None
     engine_pid: int | None = None

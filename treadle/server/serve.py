@@ -17,6 +17,7 @@ import uvicorn
 from ..config import EngineConfig
 from .app import ServerSettings, build_app
 from .engine_client import EngineClient
+from .launchers import LocalLauncher, SpareCore
 from .models import Catalog, ModelHub, ModelSpec
 
 log = logging.getLogger("treadle.server")
@@ -69,6 +70,7 @@ class ModelOptions:
     keep_alive: float | None = 300.0  # seconds a model loaded on demand stays once idle; None: forever
     primary_keep_alive: float | None = None  # the command line's model's; None: forever
     lora_modules: dict = field(default_factory=dict)  # --lora-modules: adapters of the command line's model
+    spare_core: bool = False  # keep a started engine core waiting for the next model (launchers.SpareCore)
 
 
 def serve(
@@ -85,16 +87,18 @@ def serve(
     models: ModelOptions | None = None,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    if models is None:
+        models = ModelOptions(settings.served_model_name, [ModelSpec(settings.served_model_name, settings.model_root, settings.chat_template)])
+    replicas = data_parallel_size > 1 or (routing or {}).get("backend") == "ray"
+    spare = SpareCore() if models.spare_core and not replicas else None
 
     def make_engine(config: EngineConfig):
-        if data_parallel_size > 1 or (routing or {}).get("backend") == "ray":
+        if replicas:
             from .replicas import ReplicaSet
 
             return ReplicaSet(config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
-        return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level)
+        return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level, launcher=LocalLauncher(spare))
 
-    if models is None:
-        models = ModelOptions(settings.served_model_name, [ModelSpec(settings.served_model_name, settings.model_root, settings.chat_template)])
     store = None
     if models.models_dir is not None:
         from ..store import ModelStore
@@ -103,7 +107,7 @@ def serve(
     catalog = Catalog(models.named, store, include_default=store is not None or len(models.named) > 1)
     hub = ModelHub(
         catalog, make_engine, engine_config, primary=models.primary, max_loaded=models.max_loaded_models,
-        memory_budget=models.memory_budget, keep_alive=models.keep_alive, primary_keep_alive=models.primary_keep_alive,
+        memory_budget=models.memory_budget, keep_alive=models.keep_alive, primary_keep_alive=models.primary_keep_alive, spare=spare,
     )  # fmt: skip
     for name, path in models.lora_modules.items():
         hub.add_startup_adapter(name, path)

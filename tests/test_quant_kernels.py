@@ -31,13 +31,17 @@ def reference(kind: str, blocks: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", list(quant.TYPES))
 @pytest.mark.parametrize("rows", [7, 16, 37])
-def test_the_held_layout_gives_back_the_files_blocks(kind, rows):
-    """Held rows are packed 16 at a time (the rest as they are): the same bytes, moved."""
+def test_the_held_layout_gives_back_the_files_blocks(kind, rows, isa, monkeypatch):
+    """Held rows are packed 16 at a time (the rest as they are) where the path is VNNI, as the
+    file has them elsewhere: the same bytes, moved or not."""
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
     cols = 512 if quant.TYPES[kind][1] == 256 else 96
     blocks = random_blocks(kind, rows, cols, seed=rows)
     held = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols)
+    assert held.packed == (isa == "vnni") and bool(held.type_id & quant.PACKED) == held.packed
     assert held.nbytes() == blocks.nbytes
     assert np.array_equal(held.blocks().numpy(), blocks)
     assert np.array_equal(np.sort(held.data.numpy().ravel()), np.sort(blocks.ravel())) or kind == "Q8_0"
@@ -45,8 +49,10 @@ def test_the_held_layout_gives_back_the_files_blocks(kind, rows):
     assert np.array_equal(joined.blocks().numpy(), np.concatenate([blocks, blocks[:5]]))
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", list(quant.TYPES))
-def test_dequantize_is_gguf_bit_for_bit(kind):
+def test_dequantize_is_gguf_bit_for_bit(kind, isa, monkeypatch):
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)  # the layout the process holds: packed for VNNI, the file's else
     cols = 512 if quant.TYPES[kind][1] == 256 else 96
     blocks = random_blocks(kind, 37, cols)
     expected = reference(kind, blocks)
@@ -106,21 +112,28 @@ def test_bfloat16_product_matches_int8_activation_reference(kind, isa, monkeypat
 
 @pytest.mark.parametrize("kind", list(quant.TYPES))
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind, monkeypatch):
+    """Every path on both layouts (a weight held packed, as a VNNI process holds it, and as the file
+    has it, as the others do): the same bits."""
     big = quant.TYPES[kind][1] == 256
     rows, cols = 24, 768 if big else 32 * 7
-    weight = quant.QuantizedTensor(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=5)), cols)
-    data, type_id = weight.data, weight.type_id
+    blocks = random_blocks(kind, rows, cols, seed=5)
+    weights = []
+    for isa in ISAS:
+        monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+        weights.append(quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols))
     x = torch.randn(50, cols, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xs = x.to(dtype)
         results = []
         for isa in ISAS:
             monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
-            whole = quant.matmul(xs, data, type_id)
-            for m in (1, 7, 33):
-                assert torch.equal(quant.matmul(xs[m : m + 1], data, type_id)[0], whole[m])
-                assert torch.equal(quant.matmul(xs[:m], data, type_id), whole[:m])
-            results.append(whole)
+            for weight in weights:
+                data, type_id = weight.data, weight.type_id
+                whole = quant.matmul(xs, data, type_id)
+                for m in (1, 7, 33):
+                    assert torch.equal(quant.matmul(xs[m : m + 1], data, type_id)[0], whole[m])
+                    assert torch.equal(quant.matmul(xs[:m], data, type_id), whole[:m])
+                results.append(whole)
         for other in results[1:]:
             assert torch.equal(other, results[0]), "instruction-set paths disagree"
 

@@ -27,7 +27,10 @@
  * The instruction-set paths compute these same operations in the same order, so they give the same
  * bits; the caller picks one (`isa`). On AVX-512 VNNI, weights are held 16 rows interleaved (the
  * packed layout, below) and a vector holds one output of 16 weight rows; AVX2, portable C and the
- * last N % 16 rows take one weight row at a time. Rows of the weight are split across torch's
+ * last N % 16 rows take one weight row at a time. Which layout a weight is held in is a flag in
+ * the type argument (`| PACKED`): a process whose path is not VNNI holds the file's rows as they
+ * are (unpacking a row out of the packed layout byte by byte cost those paths 90% of their time),
+ * and every path reads either layout (the tests run each path on each). Rows of the weight are split across torch's
  * OpenMP threads; one thread computes each output whole.
  */
 
@@ -47,6 +50,7 @@ enum {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+#define PACKED 0x100 /* in a type argument: the weight is held in the packed layout */
 
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -582,10 +586,10 @@ static inline int packed_pos(const packdesc *p, int r, int j) {
 }
 
 /* Row n of a stored weight in the file's layout: a pointer into w, or `tmp` filled from a group. */
-static const uint8_t *file_row(int type, const qtype *t, const uint8_t *w, int64_t N, int64_t K, int64_t n, uint8_t *tmp) {
+static const uint8_t *file_row(int type, int packed, const qtype *t, const uint8_t *w, int64_t N, int64_t K, int64_t n, uint8_t *tmp) {
     const int64_t rb = K / t->elems * t->bytes;
     packdesc p;
-    if (!pack_desc(type, &p) || n >= N / 16 * 16) return w + n * rb;
+    if (!packed || !pack_desc(type, &p) || n >= N / 16 * 16) return w + n * rb;
     const uint8_t *group = w + (n / 16) * 16 * rb;
     const int r = (int)(n % 16);
     for (int64_t b = 0; b < K / t->elems; b++)
@@ -598,6 +602,7 @@ static const uint8_t *file_row(int type, const qtype *t, const uint8_t *w, int64
 
 /* the file's blocks (N rows of K values) -> the stored layout, or back (to_file) */
 int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst, int to_file) {
+    type &= ~PACKED;
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     const int64_t rb = K / t.elems * t.bytes, nb = K / t.elems;
@@ -959,6 +964,7 @@ int treadle_q_isa_supported(int isa) {
 
 /* bytes of one row of K values of this type, or -1 (unknown type, or K not a whole number of blocks) */
 int64_t treadle_q_row_bytes(int type, int64_t K) {
+    type &= ~PACKED;
     qtype t;
     if (qtype_of(type, &t) || K <= 0 || K % t.elems) return -1;
     return K / t.elems * t.bytes;
@@ -973,6 +979,8 @@ static inline void store(void *y, int y_bf16, int64_t i, float v) {
 
 /* rows ids[i] (or i, ids NULL) of a stored [N, K] weight -> y [n, K] float32 or bf16 */
 int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *y, int y_bf16) {
+    const int packed = (type & PACKED) != 0;
+    type &= ~PACKED;
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     int err = 0;
@@ -986,7 +994,7 @@ int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const
         } else {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) {
-                unpack_row(&t, file_row(type, &t, w, N, K, ids ? ids[i] : i, tmp), K, uq, s4, m4);
+                unpack_row(&t, file_row(type, packed, &t, w, N, K, ids ? ids[i] : i, tmp), K, uq, s4, m4);
                 dequantize_unpacked(&t, K, uq, s4, m4, f);
                 for (int64_t e = 0; e < K; e++) store(y, y_bf16, i * K + e, f[e]);
             }
@@ -998,12 +1006,14 @@ int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const
 
 /* y[m, n] = sum_k x[m, k] w[n, k]: x float32 [M, K] (rows contiguous), w a stored [N, K] weight of `type`, y [M, ldy] float32 or bf16 */
 int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, void *y, int64_t ldy, int y_bf16, int isa) {
+    const int packed = (type & PACKED) != 0;
+    type &= ~PACKED;
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
     float (*dot)(const float *, const float *, int64_t) = isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
     const int64_t rb = K / t.elems * t.bytes;
-    const x16_fn x16 = isa == ISA_AVX512_VNNI ? x16f_for(type) : NULL;
+    const x16_fn x16 = isa == ISA_AVX512_VNNI && packed ? x16f_for(type) : NULL;
     const int64_t groups = x16 ? N / 16 : 0;
     const int parallel = (double)M * (double)N * (double)K >= 2e5;
     int err = 0;
@@ -1023,7 +1033,7 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
             } else {
 #pragma omp for schedule(static)
                 for (int64_t n = groups * 16; n < N; n++) {
-                    unpack_row(&t, file_row(type, &t, w, N, K, n, tmp), K, uq, s4, m4);
+                    unpack_row(&t, file_row(type, packed, &t, w, N, K, n, tmp), K, uq, s4, m4);
                     dequantize_unpacked(&t, K, uq, s4, m4, f);
                     for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * K, f, K));
                 }
@@ -1037,6 +1047,8 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
 /* The same product with x (float32 or bf16) quantized to int8 per 32 values (see the header). */
 int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t ldx, int64_t M, void *y,
                         int64_t ldy, int y_bf16, int isa) {
+    const int packed = (type & PACKED) != 0;
+    type &= ~PACKED;
     qtype t;
     if (qtype_of(type, &t) || K % t.elems || K % 32) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
@@ -1044,7 +1056,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;
     const int64_t rb = K / t.elems * t.bytes;
-    const x16_fn x16 = isa == ISA_AVX512_VNNI ? x16_for(type) : NULL;
+    const x16_fn x16 = isa == ISA_AVX512_VNNI && packed ? x16_for(type) : NULL;
     const int64_t groups = x16 ? N / 16 : 0; /* groups of 16 rows the vector kernel takes; the rest one row at a time */
     const int fast = isa == ISA_AVX512_VNNI && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, arow, int64_t) =
@@ -1074,7 +1086,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
                     const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
 #pragma omp for schedule(static) nowait
                     for (int64_t n = groups * 16; n < N; n++) {
-                        const uint8_t *row = file_row(type, &t, w, N, K, n, tmp);
+                        const uint8_t *row = file_row(type, packed, &t, w, N, K, n, tmp);
                         if (fast)
                             unpack_row_fast(type, row, K, uq, s4, m4);
                         else

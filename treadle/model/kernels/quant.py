@@ -101,14 +101,18 @@ def _choose(forced: str | None) -> str:
     return supported[0]
 
 
+PACKED = 0x100  # quant.c's flag in a type argument: the weight is held in the packed layout
+
+
 class QuantizedTensor:
     """A [rows, cols] weight of GGUF blocks of type `kind`, held in the kernels' layout.
 
-    Built from the file's blocks (uint8 [rows, bytes per row]); `data` is the same bytes moved
-    (quant.c's packed layout: rows of every type interleaved 16 at a time), the same size,
-    and `blocks()` gives the file's back."""
+    Built from the file's blocks (uint8 [rows, bytes per row]); `data` is the same bytes, moved
+    into quant.c's packed layout (rows of every type interleaved 16 at a time) where this process's
+    path is VNNI, whose kernels read 16 rows at once (`packed`), else as the file has them; the
+    same size either way, and `blocks()` gives the file's back. `type_id` carries the layout."""
 
-    __slots__ = ("kind", "data", "shape")
+    __slots__ = ("kind", "data", "shape", "packed")
     KINDS = frozenset(TYPES)
 
     def __init__(self, kind: str, blocks: torch.Tensor, cols: int):
@@ -119,18 +123,20 @@ class QuantizedTensor:
             raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} does not hold rows of {cols} values")
         self.kind = kind
         self.shape = torch.Size((blocks.shape[0], cols))
-        self.data = _pack(blocks.contiguous(), TYPES[kind][0], cols, to_file=False)
+        self.packed = isa() == "vnni"
+        self.data = _pack(blocks.contiguous(), TYPES[kind][0], cols, to_file=False) if self.packed else blocks.contiguous()
 
     @property
     def type_id(self) -> int:
-        return TYPES[self.kind][0]
+        """The kernels' type argument: the GGUF type, `| PACKED` for the packed layout."""
+        return TYPES[self.kind][0] | (PACKED if self.packed else 0)
 
     def nbytes(self) -> int:
         return self.data.numel()
 
     def blocks(self) -> torch.Tensor:
         """The file's blocks, uint8 [rows, bytes per row]."""
-        return _pack(self.data, self.type_id, self.shape[1], to_file=True)
+        return _pack(self.data, self.type_id, self.shape[1], to_file=True) if self.packed else self.data
 
     def rows(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (all when None) dequantized, exactly as gguf.quants.dequantize, in `dtype`."""
@@ -183,7 +189,7 @@ _ROW_BYTES = {type_id: (elems, size) for type_id, elems, size in TYPES.values()}
 
 
 def _row_bytes(type_id: int, cols: int) -> int:
-    elems, size = _ROW_BYTES[type_id]
+    elems, size = _ROW_BYTES[type_id & ~PACKED]
     return cols // elems * size if cols % elems == 0 else -1
 
 

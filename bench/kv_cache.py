@@ -4,6 +4,7 @@
     python bench/kv_cache.py decode --contexts 4096 16384   # KV bytes per token; decode TPOT at each context, bf16 and int8 KV
     python bench/kv_cache.py tiers --prefix 16384           # follow-up TTFT on a cached prefix: cold, pool, host tier, disk tier, restart
     python bench/kv_cache.py long --max-model-len 32768 --budget 448M --kv int8   # one prompt filling the context but 256 tokens, then 256 out
+    python bench/kv_cache.py llama --contexts 32768 [--kv int8]   # llama-server on the same file and prompts as `decode`
 
 Engine-level (treadle.LLM), the default model unless --model; the CPU is printed with the figures.
 """
@@ -51,7 +52,7 @@ def fidelity(args) -> None:
 def decode(args) -> None:
     from treadle.model.runner import ModelRunner
 
-    for kv in ("auto", "int8"):
+    for kv in args.kv or ("auto", "int8"):
         llm = LLM(args.model, max_model_len=max(args.contexts) + 64, kv_cache_dtype=kv, max_num_seqs=1)
         mc, rt = llm.engine.model_config, llm.engine.runner
         per_token = ModelRunner.kv_bytes_per_block(mc, rt.block_size, rt.dtype, kv == "int8") / rt.block_size
@@ -73,11 +74,46 @@ def decode(args) -> None:
         del llm
 
 
+def llama(args) -> None:
+    """llama-server (bench/peer_compare.py's build) on the same GGUF and `decode`'s prompts: one
+    slot, 2 threads, flash attention on, f16 KV (or q8_0 for int8), its context past the file's 8K
+    (--override-kv); one /completion per context, cache_prompt off, 33 tokens: its own timings."""
+    import httpx
+    from peer_compare import find_or_build_llama_server, free_port, wait_healthy
+
+    from treadle.model.default_model import default_model_path
+    from treadle.model.loader import load_tokenizer
+
+    gguf = os.path.abspath(args.model) if args.model else default_model_path()
+    tok = load_tokenizer(gguf)
+    binary = find_or_build_llama_server()
+    for kv in args.kv or ("auto",):
+        cache = ["-ctk", "q8_0", "-ctv", "q8_0"] if kv == "int8" else []
+        for ctx in args.contexts:
+            prompt = filler(tok, ctx, seed=ctx)
+            port = free_port()
+            cmd = [binary, "-m", gguf, "--port", str(port), "-np", "1", "-t", "2", "-fa", "on", "-cram", "0", "-c", str(ctx + 64),
+                   "--override-kv", "llama.context_length=int:65536", *cache]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_healthy(f"http://127.0.0.1:{port}", proc)
+                body = {"prompt": prompt, "n_predict": 33, "cache_prompt": False, "temperature": 0, "ignore_eos": True}
+                timings = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=7200).json()["timings"]
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            print(
+                f"llama-server KV {'q8_0' if kv == 'int8' else 'f16'}, context {ctx} ({timings['prompt_n']} prompt tokens): "
+                f"prefill {timings['prompt_ms'] / 1000:.1f} s, decode TPOT {timings['predicted_per_token_ms']:.1f} ms",
+                flush=True,
+            )
+
+
 def long(args) -> None:
     from treadle.config import parse_size
     from treadle.utils import process_memory
 
-    for kv in args.kv:
+    for kv in args.kv or ("auto",):
         llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_dtype=kv, kv_cache_memory_bytes=parse_size(args.budget), max_num_seqs=1)
         prompt = filler(llm.tokenizer, args.max_model_len - 256, seed=7)
         t = time.perf_counter()
@@ -160,20 +196,20 @@ def tiers(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["fidelity", "decode", "tiers", "long"])
+    parser.add_argument("what", choices=["fidelity", "decode", "tiers", "long", "llama"])
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=16384)
     parser.add_argument("--host-bytes", type=int, default=2 << 30)
-    parser.add_argument("--kv", nargs="+", default=["auto"])
+    parser.add_argument("--kv", nargs="+", default=None, help="KV dtypes (decode: auto and int8; long: auto; llama: auto = f16, int8 = q8_0)")
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--budget", default="448M", help="long: --kv-cache-memory-bytes")
     parser.add_argument("--drop-caches", action="store_true", help="tiers: empty the OS page cache before the restart (root)")
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores", flush=True)
-    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long}[args.what](args)
+    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long, "llama": llama}[args.what](args)
     return 0
 
 

@@ -509,6 +509,118 @@ TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K,
     }
 }
 
+/* The same unpacking with AVX2 (for the AVX2 path's rows): the AVX-512 function above with 256-bit
+ * stores, and the 5th bits of Q5_0 / Q5_1 / Q5_K spread to bytes by a shuffle and a compare
+ * instead of mask registers. The same bytes and floats (the tests run every path). */
+#define TARGET_AVX2F __attribute__((target("avx2,fma,f16c")))
+
+TARGET_AVX2F static inline float f16_avx2(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+TARGET_AVX2F static inline __m256i nibbles32_avx2(const uint8_t *qs) { /* 16 bytes -> low nibbles, then high nibbles */
+    __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+/* 16 in byte j where bit j of `bits` is set, else 0 */
+TARGET_AVX2F static inline __m256i bits32_to_16s(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
+TARGET_AVX2F static inline __m256i block32_avx2(int type, const uint8_t *blk) {
+    switch (type) {
+    case T_Q4_0: return nibbles32_avx2(blk + 2);
+    case T_Q4_1: return nibbles32_avx2(blk + 4);
+    default: {
+        const int with_min = type == T_Q5_1;
+        uint32_t qh;
+        memcpy(&qh, blk + (with_min ? 4 : 2), 4);
+        return _mm256_or_si256(nibbles32_avx2(blk + (with_min ? 8 : 6)), bits32_to_16s(qh));
+    }
+    }
+}
+
+TARGET_AVX2F static void unpack_row_avx2(int type, const uint8_t *row, int64_t K, uint8_t *uq, float *s4, float *m4) {
+    if (type == T_Q8_0) {
+        const __m256i x80 = _mm256_set1_epi8((char)0x80);
+        for (int64_t e = 0; e < K; e += 32) {
+            const uint8_t *b = row + (e / 32) * 34;
+            _mm256_storeu_si256((__m256i *)(uq + e), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), x80));
+            _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_avx2(b)));
+        }
+        return;
+    }
+    if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1) {
+        const int size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int with_min = type == T_Q4_1 || type == T_Q5_1;
+        for (int64_t e = 0; e < K; e += 32) {
+            const uint8_t *b = row + (e / 32) * size;
+            _mm256_storeu_si256((__m256i *)(uq + e), block32_avx2(type, b));
+            _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_avx2(b)));
+            if (with_min) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_avx2(b + 2)));
+        }
+        return;
+    }
+    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
+    for (int64_t e = 0; e < K;) { /* the K-quants */
+        switch (type) {
+        case T_Q4_K: case T_Q5_K: {
+            const int q5 = type == T_Q5_K;
+            const uint8_t *blk = row + (e / 256) * (q5 ? 176 : 144), *qs = blk + (q5 ? 48 : 16);
+            const float d = f16_avx2(blk), dmin = f16_avx2(blk + 2);
+            const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+                if (q5) {
+                    const __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), x10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), x10));
+                }
+                _mm256_storeu_si256((__m256i *)(uq + e + 64 * c), lo);
+                _mm256_storeu_si256((__m256i *)(uq + e + 64 * c + 32), hi);
+            }
+            for (int i = 0; i < 8; i++) {
+                int sc, mn;
+                k_scale_min(blk + 4, i, &sc, &mn);
+                _mm256_storeu_ps(s4 + e / 4 + 8 * i, _mm256_set1_ps(d * (float)sc));
+                _mm256_storeu_ps(m4 + e / 4 + 8 * i, _mm256_set1_ps(dmin * (float)mn));
+            }
+            e += 256;
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *blk = row + (e / 256) * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16_avx2(blk + 208);
+            for (int half = 0; half < 2; half++) {
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+                for (int c = 0; c < 2; c++) {
+                    __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32 * c));
+                    __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+                    /* element half*128 + t*32 + j takes bits 2t of qh[j]: lo covers t = c, hi t = c + 2 */
+                    __m256i hl = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
+                    __m256i hh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 4), _mm256_set1_epi8(3));
+                    _mm256_storeu_si256((__m256i *)(uq + e + 128 * half + 32 * c), _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4)));
+                    _mm256_storeu_si256((__m256i *)(uq + e + 128 * half + 64 + 32 * c), _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4)));
+                }
+            }
+            for (int i = 0; i < 16; i++) _mm_storeu_ps(s4 + e / 4 + 4 * i, _mm_set1_ps(d * (float)sc[i]));
+            e += 256;
+            break;
+        }
+        default: /* only the types has_fast_unpack() names come here */
+            return;
+        }
+    }
+}
+
 static int has_fast_unpack(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K ||
            type == T_Q6_K;
@@ -954,7 +1066,7 @@ int treadle_q_isa_supported(int isa) {
     __builtin_cpu_init();
     switch (isa) {
     case ISA_PORTABLE: return 1;
-    case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case ISA_AVX512_VNNI:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -1058,7 +1170,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     const int64_t rb = K / t.elems * t.bytes;
     const x16_fn x16 = isa == ISA_AVX512_VNNI && packed ? x16_for(type) : NULL;
     const int64_t groups = x16 ? N / 16 : 0; /* groups of 16 rows the vector kernel takes; the rest one row at a time */
-    const int fast = isa == ISA_AVX512_VNNI && has_fast_unpack(type);
+    const int fast = (isa == ISA_AVX512_VNNI || isa == ISA_AVX2) && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, arow, int64_t) =
         isa == ISA_AVX512_VNNI ? dot_q8_vnni : isa == ISA_AVX2 ? dot_q8_avx2 : dot_q8_portable;
     void (*quantize)(const void *, int, int64_t, arow) = isa == ISA_AVX512_VNNI ? quantize_row_avx512 : quantize_row;
@@ -1087,8 +1199,10 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
 #pragma omp for schedule(static) nowait
                     for (int64_t n = groups * 16; n < N; n++) {
                         const uint8_t *row = file_row(type, packed, &t, w, N, K, n, tmp);
-                        if (fast)
+                        if (fast && isa == ISA_AVX512_VNNI)
                             unpack_row_fast(type, row, K, uq, s4, m4);
+                        else if (fast)
+                            unpack_row_avx2(type, row, K, uq, s4, m4);
                         else
                             unpack_row(&t, row, K, uq, s4, m4);
                         for (int64_t m = m0; m < m1; m++) store(y, y_bf16, m * ldy + n, dot(&t, uq, s4, m4, act_row(act, M, K, m), K));

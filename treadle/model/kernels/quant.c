@@ -380,138 +380,12 @@ DOT_RULE(dot_q8_portable, )
 DOT_RULE(dot_q8_avx2, TARGET_AVX2)
 DOT_RULE(dot_q8_vnni, TARGET_VNNI)
 
-/* ---- AVX-512 unpacking of whole rows, for the common types (the same bytes and floats as the
- * block functions above, written with vector instructions) ---- */
+/* ---- the row-at-a-time paths' vector unpacking (AVX2, also run on AVX-512 CPUs) ---- */
 
-#define TARGET_FAST __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-
-TARGET_FAST static inline float f16_fast(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-TARGET_FAST static inline __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> low nibbles, then high nibbles */
-    __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-}
-
-/* the 32 unsigned values of one Q4_0 / Q4_1 / Q5_0 / Q5_1 block */
-TARGET_FAST static inline __m256i block32(int type, const uint8_t *blk) {
-    switch (type) {
-    case T_Q4_0: return nibbles32(blk + 2);
-    case T_Q4_1: return nibbles32(blk + 4);
-    default: {
-        const int with_min = type == T_Q5_1;
-        uint32_t qh;
-        memcpy(&qh, blk + (with_min ? 4 : 2), 4);
-        return _mm256_or_si256(nibbles32(blk + (with_min ? 8 : 6)), _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
-    }
-    }
-}
-
-TARGET_FAST static void unpack_row_fast(int type, const uint8_t *row, int64_t K, uint8_t *uq, float *s4, float *m4) {
-    if (type == T_Q8_0) {
-        const __m512i x80 = _mm512_set1_epi8((char)0x80);
-        int64_t e = 0;
-        for (; e + 32 < K; e += 64) { /* two blocks: one 64-byte store each, which the dot reads back whole */
-            const uint8_t *b0 = row + (e / 32) * 34, *b1 = b0 + 34;
-            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                           _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
-            _mm512_storeu_si512((void *)(uq + e), _mm512_xor_si512(v, x80));
-            _mm512_storeu_ps(s4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(f16_fast(b0)), _mm256_set1_ps(f16_fast(b1)), 1));
-        }
-        if (e < K) {
-            const uint8_t *b0 = row + (e / 32) * 34;
-            _mm256_storeu_si256((__m256i *)(uq + e), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b0 + 2)), _mm512_castsi512_si256(x80)));
-            _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(b0)));
-        }
-        return;
-    }
-    if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1) {
-        const int size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
-        const int with_min = type == T_Q4_1 || type == T_Q5_1;
-        for (int64_t e = 0; e < K; e += 64) {
-            const uint8_t *b0 = row + (e / 32) * size;
-            if (e + 32 < K) { /* two blocks: one 64-byte store each, which the dot reads back whole */
-                const uint8_t *b1 = b0 + size;
-                _mm512_storeu_si512((void *)(uq + e), _mm512_inserti64x4(_mm512_castsi256_si512(block32(type, b0)), block32(type, b1), 1));
-                _mm512_storeu_ps(s4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(f16_fast(b0)), _mm256_set1_ps(f16_fast(b1)), 1));
-                if (with_min) _mm512_storeu_ps(m4 + e / 4, _mm512_insertf32x8(_mm512_set1_ps(-f16_fast(b0 + 2)), _mm256_set1_ps(-f16_fast(b1 + 2)), 1));
-            } else {
-                _mm256_storeu_si256((__m256i *)(uq + e), block32(type, b0));
-                _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_fast(b0)));
-                if (with_min) _mm256_storeu_ps(m4 + e / 4, _mm256_set1_ps(-f16_fast(b0 + 2)));
-            }
-        }
-        return;
-    }
-    const __m256i m15 = _mm256_set1_epi8(15), x10 = _mm256_set1_epi8(16);
-    for (int64_t e = 0; e < K;) { /* the K-quants */
-        switch (type) {
-        case T_Q4_K: case T_Q5_K: {
-            const int q5 = type == T_Q5_K;
-            const uint8_t *blk = row + (e / 256) * (q5 ? 176 : 144), *qs = blk + (q5 ? 48 : 16);
-            const float d = f16_fast(blk), dmin = f16_fast(blk + 2);
-            const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
-                if (q5) {
-                    lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c)))), x10));
-                    hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c + 1)))), x10));
-                }
-                /* one 64-byte store per 64 values: the dot's 64-byte loads are forwarded from it */
-                _mm512_storeu_si512((void *)(uq + e + 64 * c), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-            }
-            for (int i = 0; i < 8; i += 2) {
-                int sc0, mn0, sc1, mn1;
-                k_scale_min(blk + 4, i, &sc0, &mn0);
-                k_scale_min(blk + 4, i + 1, &sc1, &mn1);
-                _mm512_storeu_ps(s4 + e / 4 + 8 * i, _mm512_insertf32x8(_mm512_set1_ps(d * (float)sc0), _mm256_set1_ps(d * (float)sc1), 1));
-                _mm512_storeu_ps(m4 + e / 4 + 8 * i, _mm512_insertf32x8(_mm512_set1_ps(dmin * (float)mn0), _mm256_set1_ps(dmin * (float)mn1), 1));
-            }
-            e += 256;
-            break;
-        }
-        case T_Q6_K: {
-            const uint8_t *blk = row + (e / 256) * 210;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = f16_fast(blk + 208);
-            for (int half = 0; half < 2; half++) {
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)), los[2], his[2];
-                for (int c = 0; c < 2; c++) {
-                    __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32 * c));
-                    __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
-                    /* element half*128 + t*32 + j takes bits 2t of qh[j]: lo covers t = c, hi t = c + 2 */
-                    __m256i hl = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
-                    __m256i hh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 4), _mm256_set1_epi8(3));
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
-                    los[c] = lo, his[c] = hi;
-                }
-                /* one 64-byte store per 64 values: the dot's 64-byte loads are forwarded from it */
-                _mm512_storeu_si512((void *)(uq + e + 128 * half), _mm512_inserti64x4(_mm512_castsi256_si512(los[0]), los[1], 1));
-                _mm512_storeu_si512((void *)(uq + e + 128 * half + 64), _mm512_inserti64x4(_mm512_castsi256_si512(his[0]), his[1], 1));
-            }
-            for (int i = 0; i < 16; i += 4) {
-                __m128 a0 = _mm_set1_ps(d * (float)sc[i]), a1 = _mm_set1_ps(d * (float)sc[i + 1]);
-                __m128 a2 = _mm_set1_ps(d * (float)sc[i + 2]), a3 = _mm_set1_ps(d * (float)sc[i + 3]);
-                __m512 v = _mm512_insertf32x4(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(a0), a1, 1), a2, 2), a3, 3);
-                _mm512_storeu_ps(s4 + e / 4 + 4 * i, v);
-            }
-            e += 256;
-            break;
-        }
-        default: /* only the types has_fast_unpack() names come here */
-            return;
-        }
-    }
-}
-
-/* The same unpacking with AVX2 (for the AVX2 path's rows): the AVX-512 function above with 256-bit
- * stores, and the 5th bits of Q5_0 / Q5_1 / Q5_K spread to bytes by a shuffle and a compare
- * instead of mask registers. The same bytes and floats (the tests run every path). */
+/* A row unpacked with vector instructions, for the row-at-a-time paths of VNNI (a weight's last
+ * N % 16 rows) and AVX2 (every row): the 5th bits of Q5_0 / Q5_1 / Q5_K spread to bytes by a
+ * shuffle and a compare. The same bytes and floats as the block functions above (the tests run
+ * every path on every type). */
 #define TARGET_AVX2F __attribute__((target("avx2,fma,f16c")))
 
 TARGET_AVX2F static inline float f16_avx2(const uint8_t *p) {
@@ -625,6 +499,10 @@ static int has_fast_unpack(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K ||
            type == T_Q6_K;
 }
+
+/* ---- AVX-512 VNNI ---- */
+
+#define TARGET_FAST __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 /* quantize_row with AVX-512: the same operations (max of |x|, one scalar division, products
  * rounded half to even, integer sums), so the same bytes and floats */
@@ -1199,9 +1077,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
 #pragma omp for schedule(static) nowait
                     for (int64_t n = groups * 16; n < N; n++) {
                         const uint8_t *row = file_row(type, packed, &t, w, N, K, n, tmp);
-                        if (fast && isa == ISA_AVX512_VNNI)
-                            unpack_row_fast(type, row, K, uq, s4, m4);
-                        else if (fast)
+                        if (fast)
                             unpack_row_avx2(type, row, K, uq, s4, m4);
                         else
                             unpack_row(&t, row, K, uq, s4, m4);

@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-spare-core",
         action="store_true",
         help="serving several models, do not keep a started engine core (Python and torch loaded, ~250 MB) waiting for the next model to load "
-        "(default: kept, so a model loads in the time its files take; counted in --memory-budget and dropped first when it is short)",
+        "(default: kept, so a model loads in the time its files take; counted in --memory-budget, not started where it has no room)",
     )
     srv.add_argument(
         "--keep-alive",

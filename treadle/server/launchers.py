@@ -82,8 +82,8 @@ class SpareCore:
     on demand in the time the model itself takes, not the ~1.5 s of start-up before it (issue 32's
     switching time). The spare is started once no load is under way (`fill`, which the model hub
     calls when a model is ready: never beside a loading core on a small machine), costs its
-    resident set (~250 MB: torch), which the hub counts against --memory-budget, and is dropped
-    first when the budget is short."""
+    resident set (~250 MB: torch), which the hub counts against --memory-budget (as part of the
+    model it becomes), and is not started where the budget has no room for it."""
 
     def __init__(self):
         self._proc = None

@@ -400,31 +400,24 @@ class ModelHub:
 
     async def _make_room(self, spec: ModelSpec) -> None:
         """Unload idle models, least recently used first, until one more fits the count and the
-        budget (the spare core, which becomes the new model's core, counted once; dropped first
-        when the budget is short); a 503 when the busy ones alone leave no room."""
-
-        def need() -> int:
-            if self.memory_budget is None:
-                return 0
-            spare = self.spare.rss() if self.spare is not None else 0  # already in memory_in_use: it becomes this core
-            return max(0, self._estimate(spec) - spare)
+        budget; a 503 when the busy ones alone leave no room. The spare core, in memory_in_use,
+        becomes the new model's core: it is counted once, in the new model's estimate."""
+        need = self._estimate(spec) if self.memory_budget is not None else 0
 
         def over() -> bool:
             if len(self.loaded) >= self.max_loaded:
                 return True
-            return self.memory_budget is not None and self.memory_in_use() + need() > self.memory_budget
+            spare = self.spare.rss() if self.spare is not None else 0
+            return self.memory_budget is not None and self.memory_in_use() - spare + need > self.memory_budget
 
         while over():
             idle = sorted((e for e in self.loaded.values() if not e.busy), key=lambda e: e.last_used)
-            if self.spare is not None and self.spare.rss() and self.memory_budget is not None and len(self.loaded) < self.max_loaded:
-                self.spare.drop()  # memory is what is short: the spare goes before any model
-                continue
             if not idle:
-                if self.memory_budget is not None and not self.loaded and need() > self.memory_budget:
+                if self.memory_budget is not None and not self.loaded and need > self.memory_budget:
                     break  # nothing to unload: try it alone
                 what = f"{len(self.loaded)} models are loaded (--max-loaded-models {self.max_loaded})"
                 if self.memory_budget is not None and len(self.loaded) < self.max_loaded:
-                    what = f"{self.memory_in_use() >> 20} MiB are in use and `{spec.name}` needs about {need() >> 20} MiB (--memory-budget {self.memory_budget >> 20} MiB)"
+                    what = f"{self.memory_in_use() >> 20} MiB are in use and `{spec.name}` needs about {need >> 20} MiB (--memory-budget {self.memory_budget >> 20} MiB)"
                 raise RequestError(
                     f"cannot load `{spec.name}` now: {what}, all busy; retry later",
                     "model",

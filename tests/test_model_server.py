@@ -226,6 +226,7 @@ def test_the_memory_budget_counts_every_engine_core_and_evicts_by_least_recent_u
     stats = httpx.get(budget_server.url + "/stats").json()
     (default,) = stats["models"]
     assert default["rss_bytes"] > 0 and stats["memory_budget_bytes"] == 580 * 1024 * 1024
+    assert stats["spare_core_bytes"] == 0  # no room beside the default's core for a spare (~300 MB)
     assert complete(budget_server, "tiny", [1, 2, 3], max_tokens=2).status_code == 200
     stats = httpx.get(budget_server.url + "/stats").json()
     assert [m["name"] for m in stats["models"]] == [TINY]  # the default's core would not fit beside it

@@ -1,6 +1,8 @@
 """treadle's paged attention kernel (treadle/model/kernels): the textbook definition, and a row's
 bits independent of the rows, requests and threads it is computed with."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,6 +106,32 @@ def test_a_rows_bits_do_not_depend_on_its_company(cache):
         assert torch.equal(run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90)), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 compiler flag")
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_the_portable_code_gives_the_vector_codes_bits(kv, monkeypatch):
+    """The kernel built without AVX-512 (the portable C that states the arithmetic) against the one
+    this machine runs (AVX-512 where it has it): the same bits, for head sizes with and without a
+    64-wide tail, groups up to 16, soft-capping, keys that do not fill 16 and prompts of many rows."""
+    portable = kernels._build(("-mno-avx512f",))
+    g = torch.Generator().manual_seed(7)
+    for head_dim, kv_heads, group, softcap in ((64, 3, 3, 0.0), (80, 2, 7, 0.0), (256, 1, 4, 30.0), (128, 1, 16, 0.0)):
+        shape = (40, BLOCK, kv_heads, head_dim)
+        k, v = (torch.randn(shape, generator=g) * 2).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+        if kv == "int8":
+            k, v = quantize_kv(k), quantize_kv(v)
+        tables = torch.randperm(40, generator=g).view(2, 20)
+        rows = torch.cat([torch.zeros(5, dtype=torch.long), torch.ones(40, dtype=torch.long)])
+        key_end = torch.cat([torch.tensor([1, 2, 17, 33, 300]), torch.arange(100, 140)])
+        key_begin = torch.cat([torch.zeros(5, dtype=torch.long), (key_end[5:] - 37).clamp(min=0)])
+        q = (torch.randn(45, kv_heads * group, head_dim, generator=g) * 3).bfloat16()
+        args = (q, k, v, tables, rows, key_begin, key_end, head_dim**-0.5)
+        native = kernels.paged_attention(*args, softcap=softcap)
+        monkeypatch.setattr(kernels, "_lib", portable)
+        assert torch.equal(kernels.paged_attention(*args, softcap=softcap).view(torch.int16), native.view(torch.int16)), (head_dim, group)
+        monkeypatch.undo()
 
 
 def test_int8_rows_round_trip_within_half_a_step():

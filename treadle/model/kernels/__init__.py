@@ -26,8 +26,9 @@ _lib = None
 _error: str | None = None
 
 
-def _build() -> ctypes.CDLL:
-    lib = build("paged_attention.c", ["-ffp-contract=fast"])
+def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel library (extra_flags: a test builds the portable path with -mno-avx512f)."""
+    lib = build("paged_attention.c", ["-ffp-contract=off", *extra_flags])
     fn = lib.treadle_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, i64, i64, i64, i64]

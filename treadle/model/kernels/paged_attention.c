@@ -7,11 +7,14 @@
  * a prompt token or a generated one, how the prompt was chunked or which thread runs it. So a
  * request's numbers are the same whatever its batch (see docs/architecture.md, "Numerics").
  *
- * Every reduction has a fixed order: 16 explicit lanes and a fixed tree at the end (with AVX-512
- * and head_dim 64, the same lanes and the intrinsic's reduction), and the build does not allow
- * the compiler to reassociate (no -ffast-math). One binary, one order: whichever path computes a
- * row, the bits are the same. Keys and values are bf16 (widened exactly), the math is float32,
- * the output is rounded to bf16 (round to nearest even), as torch rounds.
+ * Every reduction has a fixed order: 16 explicit lanes and a fixed tree at the end, every multiply-add
+ * a written fma, and the build lets the compiler neither reassociate (no -ffast-math) nor fuse
+ * (-ffp-contract=off). The portable C code states the arithmetic (see "The arithmetic of one item"
+ * below); with AVX-512 the same operations run 16 keys or 16 dimensions at a time: 16 keys' dot
+ * products reduced together by one transposing tree that adds the same pairs, the exponentials 16 at
+ * a time, the value sums held in registers across keys. The two give the same bits (a test builds
+ * both). Keys and values are bf16 (widened exactly), the math is float32, the output is rounded to
+ * bf16 (round to nearest even), as torch rounds.
  *
  * int8 KV caches (--kv-cache-dtype int8): each cache row (one token, one KV head) is head_dim int8
  * values and then their float32 scale (4 bytes), x = scale * q. The kernel reads them as they are:
@@ -25,6 +28,7 @@
  */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,22 +46,6 @@ static inline __m512 load16(const uint16_t *p) {
 static inline __m512 load16_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* head_dim 64, a key widened to four vectors (bf16 or int8 alike): q . k in 16 lanes, then the intrinsic's tree */
-static inline float dot64(const float *qg, __m512 k0, __m512 k1, __m512 k2, __m512 k3) {
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a);
-    return _mm512_reduce_add_ps(a);
-}
-/* head_dim 64: a += p * v, v widened to four vectors */
-static inline void axpy64(float *a, float p, __m512 v0, __m512 v1, __m512 v2, __m512 v3) {
-    const __m512 pv = _mm512_set1_ps(p);
-    _mm512_storeu_ps(a, _mm512_fmadd_ps(pv, v0, _mm512_loadu_ps(a)));
-    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(pv, v1, _mm512_loadu_ps(a + 16)));
-    _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(pv, v2, _mm512_loadu_ps(a + 32)));
-    _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(pv, v3, _mm512_loadu_ps(a + 48)));
-}
 #endif
 
 /* An int8 cache row's scale: the float32 after its head_dim values. */
@@ -68,27 +56,25 @@ static inline float row_scale(const int8_t *row, int64_t head_dim) {
 }
 
 
-/* exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction, degree-6 polynomial.
- * Written without libm so that it vectorizes and gives the same bits on every path. */
+/* exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction, degree-6 polynomial, every
+ * multiply-add a written fma (the file is built with -ffp-contract=off, so the compiler adds none).
+ * Written without libm so that the vector version below gives the same bits. */
 static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float n = floorf(x * log2e + 0.5f);
-    float r = x - n * ln2_hi;
-    r = r - n * ln2_lo;
+    const float xc = x < -87.0f ? -87.0f : x; /* branch-free, so that the loops below vectorize */
+    const float n = floorf(fmaf(xc, 1.44269504088896341f, 0.5f));
+    float r = fmaf(-n, 0.693359375f, xc);
+    r = fmaf(-n, -2.12194440e-4f, r);
     float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t e = (int32_t)n + 127;
-    uint32_t bits = (uint32_t)e << 23;
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return x < -87.0f ? 0.0f : p * scale;
 }
 
 static inline float lane_sum(const float *acc) {
@@ -99,20 +85,252 @@ static inline float lane_sum(const float *acc) {
     return t2[0] + t2[1];
 }
 
-/* q . k over head_dim, 16 lanes then the fixed tree; head_dim a multiple of 16. */
-static inline float dot(const float *q, const uint16_t *k, int64_t head_dim) {
-    float acc[LANES] = {0};
-    for (int64_t d = 0; d < head_dim; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += q[d + l] * bf16_to_f32(k[d + l]);
+/* a cache row that will be read soon: its cache lines asked for now (a step's KV comes from memory, not
+ * the caches; 32 keys ahead) */
+static inline void prefetch_row(const void *cache, int64_t offset, int64_t head_dim, int kv_int8) {
+    const char *row = kv_int8 ? (const char *)cache + offset : (const char *)cache + 2 * offset;
+    const int64_t bytes = kv_int8 ? head_dim + 4 : 2 * head_dim;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+}
+
+/* One cache row's values, widened exactly. */
+static inline void widen_row(const void *row, int64_t head_dim, int kv_int8, float *out) {
+    if (kv_int8)
+        for (int64_t d = 0; d < head_dim; d++) out[d] = (float)((const int8_t *)row)[d];
+    else
+        for (int64_t d = 0; d < head_dim; d++) out[d] = bf16_to_f32(((const uint16_t *)row)[d]);
+}
+
+/* q . k over head_dim: lane l sums q[d] * k[d] for d = l, l + 16, ... (a product, then fmas), then
+ * lane_sum's tree; head_dim a multiple of 16. */
+static inline float dot(const float *q, const float *k, int64_t head_dim) {
+    float acc[LANES];
+#pragma omp simd
+    for (int l = 0; l < LANES; l++) acc[l] = q[l] * k[l];
+    for (int64_t d = LANES; d < head_dim; d += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(q[d + l], k[d + l], acc[l]);
     return lane_sum(acc);
 }
 
-static inline float dot_i8(const float *q, const int8_t *k, int64_t head_dim) {
-    float acc[LANES] = {0};
-    for (int64_t d = 0; d < head_dim; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += q[d + l] * (float)k[d + l];
-    return lane_sum(acc);
+/*
+ * The arithmetic of one item (row `row`, KV head h, its `group` query heads), which every path
+ * follows to the bit:
+ *   score s[g][j] = dot(q[g], k[j]) * scale (int8: (dot * k_scale[j]) * scale); soft-capped where asked;
+ *   m = max_j s; e = exp_nonpositive(s - m); sum = lane_sum of 16 lanes, lane l adding e[j] for
+ *   j = l, l + 16, ... in order; out[g][d] = bf16((sum_j e[g][j] * v[j][d], an fma chain in j order
+ *   from 0; int8: the weight is e * v_scale[j]) * (1 / sum)).
+ * The portable code below is that, written out; the AVX-512 code computes the same operations 16
+ * keys or 16 dimensions at a time.
+ */
+static void scores_portable(const float *qf, const void *k_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
+                            int64_t group, float scale, int kv_int8, float *s) {
+    float kf[256];
+    for (int64_t j = 0; j < n; j++) {
+        const void *k = kv_int8 ? (const void *)((const int8_t *)k_cache + offsets[j]) : (const void *)((const uint16_t *)k_cache + offsets[j]);
+        if (j + 32 < n) prefetch_row(k_cache, offsets[j + 32], head_dim, kv_int8);
+        widen_row(k, head_dim, kv_int8, kf);
+        const float ks = kv_int8 ? row_scale((const int8_t *)k, head_dim) : 1.0f;
+        for (int64_t g = 0; g < group; g++) {
+            const float d = dot(qf + g * head_dim, kf, head_dim);
+            s[g * n + j] = kv_int8 ? d * ks * scale : d * scale;
+        }
+    }
 }
+
+static float softmax_portable(float *s, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    float part[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            s[j + l] = exp_nonpositive(s[j + l] - m);
+            part[l] += s[j + l];
+        }
+    for (int l = 0; j + l < n; l++) {
+        s[j + l] = exp_nonpositive(s[j + l] - m);
+        part[l] += s[j + l];
+    }
+    return 1.0f / lane_sum(part);
+}
+
+static void values_portable(const float *p, const void *v_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
+                            int64_t group, int kv_int8, float *acc) {
+    float vf[256];
+    for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const void *v = kv_int8 ? (const void *)((const int8_t *)v_cache + offsets[j]) : (const void *)((const uint16_t *)v_cache + offsets[j]);
+        if (j + 32 < n) prefetch_row(v_cache, offsets[j + 32], head_dim, kv_int8);
+        widen_row(v, head_dim, kv_int8, vf);
+        const float vs = kv_int8 ? row_scale((const int8_t *)v, head_dim) : 1.0f;
+        for (int64_t g = 0; g < group; g++) {
+            const float w = kv_int8 ? p[g * n + j] * vs : p[g * n + j];
+            float *a = acc + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) a[d] = fmaf(w, vf[d], a[d]);
+        }
+    }
+}
+
+#if TREADLE_AVX512
+static inline __m512 widen16(const void *row, int64_t d, int kv_int8) {
+    return kv_int8 ? load16_i8((const int8_t *)row + d) : load16((const uint16_t *)row + d);
+}
+
+/* lane_sum of each of 16 vectors (the same pairs, in the same order), as one vector in a's order */
+static inline __m512 lane_sums16(const __m512 *a) {
+    __m512 t8[8], t4[4], t2[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: a[2i]'s l + (l + 8); lanes 8-15: a[2i + 1]'s */
+        t8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* quarter c: vector 4i + c's l + (l + 4) */
+        t4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t8[2 * i], t8[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(t8[2 * i], t8[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* quarter c: vector 8i + c's two, then 8i + 4 + c's two */
+        t2[i] = _mm512_add_ps(_mm512_shuffle_ps(t4[2 * i], t4[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(t4[2 * i], t4[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter c: the sums of vectors c, 4 + c, 8 + c, 12 + c */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(t2[0], t2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(t2[0], t2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+/* The 16-lane partial dots of heads g0 .. g0 + G - 1 with one key: lanes[(g0 + g) * 16] (G a constant where inlined) */
+static inline __attribute__((always_inline)) void key_dots(const float *qf, const void *k, int64_t head_dim, int kv_int8,
+                                                             int G, __m512 *lanes) {
+    __m512 a[8];
+    const __m512 k0 = widen16(k, 0, kv_int8);
+    for (int g = 0; g < G; g++) a[g] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * head_dim), k0);
+    for (int64_t d = LANES; d < head_dim; d += LANES) {
+        const __m512 kd = widen16(k, d, kv_int8);
+        for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + d), kd, a[g]);
+    }
+    for (int g = 0; g < G; g++) lanes[g * 16] = a[g];
+}
+
+static void scores_avx512(const float *qf, const void *k_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
+                          int64_t group, float scale, int kv_int8, float *s) {
+    __m512 lanes[16 * 16];
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int c = n - j0 < 16 ? (int)(n - j0) : 16;
+        float ks[16];
+        for (int jj = 0; jj < 16; jj++) {
+            if (jj >= c) {
+                for (int64_t g = 0; g < group; g++) lanes[g * 16 + jj] = _mm512_setzero_ps();
+                ks[jj] = 1.0f;
+                continue;
+            }
+            const void *k = kv_int8 ? (const void *)((const int8_t *)k_cache + offsets[j0 + jj]) : (const void *)((const uint16_t *)k_cache + offsets[j0 + jj]);
+            if (j0 + 32 + jj < n) prefetch_row(k_cache, offsets[j0 + 32 + jj], head_dim, kv_int8);
+            ks[jj] = kv_int8 ? row_scale((const int8_t *)k, head_dim) : 1.0f;
+            for (int64_t g0 = 0; g0 < group; g0 += 8) {
+                const float *q = qf + g0 * head_dim;
+                __m512 *out = lanes + g0 * 16 + jj;
+                switch (group - g0 < 8 ? group - g0 : 8) {
+                    case 1: key_dots(q, k, head_dim, kv_int8, 1, out); break;
+                    case 2: key_dots(q, k, head_dim, kv_int8, 2, out); break;
+                    case 3: key_dots(q, k, head_dim, kv_int8, 3, out); break;
+                    case 4: key_dots(q, k, head_dim, kv_int8, 4, out); break;
+                    case 5: key_dots(q, k, head_dim, kv_int8, 5, out); break;
+                    case 6: key_dots(q, k, head_dim, kv_int8, 6, out); break;
+                    case 7: key_dots(q, k, head_dim, kv_int8, 7, out); break;
+                    default: key_dots(q, k, head_dim, kv_int8, 8, out); break;
+                }
+            }
+        }
+        const __mmask16 valid = (__mmask16)((1u << c) - 1u);
+        const __m512 kscale = _mm512_loadu_ps(ks), vscale = _mm512_set1_ps(scale);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 d = lane_sums16(lanes + g * 16);
+            d = kv_int8 ? _mm512_mul_ps(_mm512_mul_ps(d, kscale), vscale) : _mm512_mul_ps(d, vscale);
+            _mm512_mask_storeu_ps(s + g * n + j0, valid, d);
+        }
+    }
+}
+
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+static float softmax_avx512(float *s, int64_t n) {
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(s + j));
+    float m = _mm512_reduce_max_ps(m16);
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 part = _mm512_setzero_ps();
+    for (j = 0; j < n; j += 16) {
+        const __mmask16 valid = n - j < 16 ? (__mmask16)((1u << (n - j)) - 1u) : (__mmask16)0xffff;
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + j), mv)));
+        _mm512_mask_storeu_ps(s + j, valid, e);
+        part = _mm512_add_ps(part, e);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, part);
+    return 1.0f / lane_sum(lanes);
+}
+
+/* acc[g0 + g][d0 .. d0 + 16 NV) over every key (G, NV constants where inlined) */
+static inline __attribute__((always_inline)) void value_block(const float *p, const void *v_cache, const int64_t *offsets,
+                                                                int64_t n, int64_t head_dim, int kv_int8, int64_t g0, int G,
+                                                                int64_t d0, int NV, float *acc) {
+    __m512 a[4][4];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) a[g][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const void *v = kv_int8 ? (const void *)((const int8_t *)v_cache + offsets[j]) : (const void *)((const uint16_t *)v_cache + offsets[j]);
+        if (j + 32 < n) prefetch_row(v_cache, offsets[j + 32], head_dim, kv_int8);
+        __m512 x[4];
+        for (int i = 0; i < NV; i++) x[i] = widen16(v, d0 + 16 * i, kv_int8);
+        const float vs = kv_int8 ? row_scale((const int8_t *)v, head_dim) : 1.0f;
+        for (int g = 0; g < G; g++) {
+            const float pj = p[(g0 + g) * n + j];
+            const __m512 w = _mm512_set1_ps(kv_int8 ? pj * vs : pj);
+            for (int i = 0; i < NV; i++) a[g][i] = _mm512_fmadd_ps(w, x[i], a[g][i]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + (g0 + g) * head_dim + d0 + 16 * i, a[g][i]);
+}
+
+#define TREADLE_VALUE_BLOCK(G) \
+    switch (nv) { \
+        case 1: value_block(p, v_cache, offsets, n, head_dim, kv_int8, g0, G, d0, 1, acc); break; \
+        case 2: value_block(p, v_cache, offsets, n, head_dim, kv_int8, g0, G, d0, 2, acc); break; \
+        case 3: value_block(p, v_cache, offsets, n, head_dim, kv_int8, g0, G, d0, 3, acc); break; \
+        default: value_block(p, v_cache, offsets, n, head_dim, kv_int8, g0, G, d0, 4, acc); break; \
+    }
+
+static void values_avx512(const float *p, const void *v_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
+                          int64_t group, int kv_int8, float *acc) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        const int nv = head_dim - d0 < 64 ? (int)((head_dim - d0) / 16) : 4;
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            switch (group - g0 < 4 ? group - g0 : 4) {
+                case 1: TREADLE_VALUE_BLOCK(1) break;
+                case 2: TREADLE_VALUE_BLOCK(2) break;
+                case 3: TREADLE_VALUE_BLOCK(3) break;
+                default: TREADLE_VALUE_BLOCK(4) break;
+            }
+        }
+    }
+}
+#undef TREADLE_VALUE_BLOCK
+#endif
 
 /*
  * One item: row `row`, KV head `h`. scratch holds group * span floats, offsets span slots.
@@ -139,95 +357,46 @@ static void attend_item(
         for (int64_t slot = first; slot < stop; slot++) offsets[j++] = (block * block_size + slot) * slot_stride + h * row_elems;
         pos += stop - first;
     }
-    /* scores: scratch[g * n + j] */
-    for (int64_t j = 0; j < n && kv_int8; j++) {
-        const int8_t *k = (const int8_t *)k_cache + offsets[j];
-        const float ks = row_scale(k, head_dim);
+    float inv[MAX_GROUP];
 #if TREADLE_AVX512
-        if (head_dim == 64) {
-            const __m512 k0 = load16_i8(k), k1 = load16_i8(k + 16), k2 = load16_i8(k + 32), k3 = load16_i8(k + 48);
-            for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot64(qf + g * 64, k0, k1, k2, k3) * ks * scale;
-            continue;
-        }
+    scores_avx512(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
+#else
+    scores_portable(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
 #endif
-        for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot_i8(qf + g * head_dim, k, head_dim) * ks * scale;
-    }
-    for (int64_t j = 0; j < n && !kv_int8; j++) {
-        const uint16_t *k = (const uint16_t *)k_cache + offsets[j];
-#if TREADLE_AVX512
-        if (head_dim == 64) {
-            const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-            for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot64(qf + g * 64, k0, k1, k2, k3) * scale;
-            continue;
-        }
-#endif
-        for (int64_t g = 0; g < group; g++) scratch[g * n + j] = dot(qf + g * head_dim, k, head_dim) * scale;
-    }
     if (softcap > 0.0f)
         for (int64_t i = 0; i < group * n; i++) scratch[i] = softcap * tanhf(scratch[i] / softcap);
-    /* softmax weights, unnormalized, and their sums */
-    float inv[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scratch + g * n;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-        float part[LANES] = {0};
-        int64_t j = 0;
-        for (; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) {
-                s[j + l] = exp_nonpositive(s[j + l] - m);
-                part[l] += s[j + l];
-            }
-        for (int l = 0; j + l < n; l++) {
-            s[j + l] = exp_nonpositive(s[j + l] - m);
-            part[l] += s[j + l];
-        }
-        inv[g] = 1.0f / lane_sum(part);
-    }
-    /* values: sequential over keys, lanes over head_dim, every head of the group per key */
-    for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-    for (int64_t j = 0; j < n && kv_int8; j++) {
-        const int8_t *v = (const int8_t *)v_cache + offsets[j];
-        const float vs = row_scale(v, head_dim);
+    for (int64_t g = 0; g < group; g++)
 #if TREADLE_AVX512
-        if (head_dim == 64) {
-            const __m512 v0 = load16_i8(v), v1 = load16_i8(v + 16), v2 = load16_i8(v + 32), v3 = load16_i8(v + 48);
-            for (int64_t g = 0; g < group; g++) axpy64(acc + g * 64, scratch[g * n + j] * vs, v0, v1, v2, v3);
-            continue;
-        }
+        inv[g] = softmax_avx512(scratch + g * n, n);
+    values_avx512(scratch, v_cache, offsets, n, head_dim, group, kv_int8, acc);
+#else
+        inv[g] = softmax_portable(scratch + g * n, n);
+    values_portable(scratch, v_cache, offsets, n, head_dim, group, kv_int8, acc);
 #endif
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scratch[g * n + j] * vs;
-            float *a = acc + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) a[d] += p * (float)v[d];
-        }
-    }
-    for (int64_t j = 0; j < n && !kv_int8; j++) {
-        const uint16_t *v = (const uint16_t *)v_cache + offsets[j];
-#if TREADLE_AVX512
-        if (head_dim == 64) {
-            const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-            for (int64_t g = 0; g < group; g++) axpy64(acc + g * 64, scratch[g * n + j], v0, v1, v2, v3);
-            continue;
-        }
-#endif
-        float vf[MAX_DIM];
-        for (int64_t d = 0; d < head_dim; d++) vf[d] = bf16_to_f32(v[d]);
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scratch[g * n + j];
-            float *a = acc + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) a[d] += p * vf[d];
-        }
-    }
     for (int64_t g = 0; g < group; g++) {
         uint16_t *o = out + row * out_stride + (h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g * head_dim + d] * inv[g]);
     }
 }
 
+/* The first item whose cost starts at or after `cost` (ends[r]: the cost of rows before r, whose
+ * kv_heads items cost the same each); items run row by row, heads within a row. */
+static int64_t first_item(const int64_t *ends, int64_t rows, int64_t kv_heads, int64_t cost) {
+    int64_t lo = 0, hi = rows; /* the row holding `cost`: ends[lo] <= cost < ends[lo + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (ends[mid] <= cost) lo = mid;
+        else hi = mid;
+    }
+    if (cost >= ends[rows]) return rows * kv_heads;
+    const int64_t each = (ends[lo + 1] - ends[lo]) / kv_heads;
+    return lo * kv_heads + (cost - ends[lo] + each - 1) / each;
+}
+
 /*
- * All rows x kv_heads items, split over the OpenMP threads (torch's own pool: the library is
- * linked against the libgomp torch has already loaded). Which thread runs an item does not
+ * All rows x kv_heads items, split over the OpenMP threads (torch's own pool: the library is linked
+ * against the libgomp torch has already loaded) in contiguous runs of about equal cost, so that a
+ * prompt's later rows, which have more keys, are shared out too. Which thread runs an item does not
  * change its arithmetic.
  * q, out:       [rows, kv_heads * group, head_dim] bf16, row strides q_stride / out_stride (elements)
  * k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] bf16, or with kv_int8
@@ -244,7 +413,11 @@ int treadle_paged_attention(
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
     uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
     if (head_dim % LANES != 0 || head_dim > 256 || group > 16) return -1;
-    const int64_t items = rows * kv_heads;
+    /* each thread takes one contiguous run of items of about equal cost (keys, plus a fixed share) */
+    int64_t *ends = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+    if (ends == NULL) return -2;
+    ends[0] = 0;
+    for (int64_t r = 0; r < rows; r++) ends[r + 1] = ends[r] + (key_end[r] - key_begin[r] + 16) * kv_heads;
     int failed = 0;
 #pragma omp parallel
     {
@@ -253,10 +426,11 @@ int treadle_paged_attention(
         if (scratch == NULL || offsets == NULL) {
 #pragma omp atomic write
             failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            if (scratch != NULL && offsets != NULL)
+        } else {
+            const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+            const int64_t first = first_item(ends, rows, kv_heads, ends[rows] * t / threads);
+            const int64_t last = first_item(ends, rows, kv_heads, ends[rows] * (t + 1) / threads);
+            for (int64_t item = first; item < last; item++)
                 attend_item(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
                             row_table, key_begin, key_end, scale, softcap, out, out_stride, item / kv_heads, item % kv_heads,
                             scratch, offsets, (int)kv_int8);
@@ -264,6 +438,7 @@ int treadle_paged_attention(
         free(scratch);
         free(offsets);
     }
+    free(ends);
     return failed ? -2 : 0;
 }
 

@@ -145,6 +145,25 @@ def serve_models(args):
 def cmd_serve(args) -> int:
     import json
 
+    # The engine core's start-up (Python, torch, the model code: about a second) runs beside the
+    # front end's own imports and set-up rather than after them: a core started now waits for the
+    # model (launchers.SpareCore). Not for replicas, whose cores start elsewhere.
+    early = None
+    if args.data_parallel_size <= 1 and args.data_parallel_backend != "ray":
+        from .server.launchers import SpareCore
+
+        early = SpareCore()
+        early.fill()
+    try:
+        return _serve(args, early)
+    finally:
+        if early is not None:
+            early.drop()  # a core never taken (the server did not start); a no-op once one was
+
+
+def _serve(args, early_core) -> int:
+    import json
+
     from .server.app import ServerSettings
     from .server.serve import serve
 
@@ -197,6 +216,7 @@ def cmd_serve(args) -> int:
             "ray_address": args.ray_address,
         },
         models=models,
+        early_core=early_core,
     )
 
 

@@ -85,6 +85,9 @@ def run_spare_core(conn) -> None:
     quant.available()
     try:
         conn.send("ready")
+    except OSError:  # the model was handed over before the spare was ready, and the pipe closed: it is read below
+        pass
+    try:
         args = conn.recv()
     except (EOFError, OSError):
         return

@@ -73,6 +73,9 @@ class GGUFTensor:
     offset: int = 0  # of the data in the file
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf):
         self.buf = buf
@@ -91,6 +94,20 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        """An array of `count` strings (a vocabulary: 262,144 of them for Gemma), read in one loop."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = [""] * count
+        for i in range(count):
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise GGUFFormatError("string runs past the end of the file")
+            out[i] = str(buf[pos : pos + n], "utf-8", "replace")
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, depth: int = 0):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -107,6 +124,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
                 self.pos += count * width
                 return arr.tolist()
+            if etype == _STRING:
+                return self.strings(count)
             return [self.value(etype, depth + 1) for _ in range(count)]
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 

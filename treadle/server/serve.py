@@ -85,19 +85,26 @@ def serve(
     data_parallel_size: int = 1,
     routing: dict | None = None,
     models: ModelOptions | None = None,
+    early_core: SpareCore | None = None,
 ) -> int:
+    """early_core: a core started as the command began (cli.cmd_serve), which the first model
+    loaded takes; with --models the hub's spare (refilled once a model is ready), else used once."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     if models is None:
         models = ModelOptions(settings.served_model_name, [ModelSpec(settings.served_model_name, settings.model_root, settings.chat_template)])
     replicas = data_parallel_size > 1 or (routing or {}).get("backend") == "ray"
-    spare = SpareCore() if models.spare_core and not replicas else None
+    if early_core is not None and (replicas or engine_config.cpu_affinity):  # cores it cannot become
+        early_core.drop()
+        early_core = None
+    spare = (early_core or SpareCore()) if models.spare_core and not replicas else None
+    first = spare or early_core
 
     def make_engine(config: EngineConfig):
         if replicas:
             from .replicas import ReplicaSet
 
             return ReplicaSet(config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
-        return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level, launcher=LocalLauncher(spare))
+        return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level, launcher=LocalLauncher(first))
 
     store = None
     if models.models_dir is not None:

@@ -602,19 +602,27 @@ int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *
         return 0;
     }
     const int64_t grouped = N / 16 * 16;
-    for (int64_t n = 0; n < grouped; n++) {
-        const int64_t base = (n / 16) * 16 * rb;
-        const int r = (int)(n % 16);
-        for (int64_t b = 0; b < nb; b++)
-            for (int j = 0; j < t.bytes; j++) {
-                const int64_t at = base + b * 16 * t.bytes + packed_pos(&p, r, j), row = n * rb + b * t.bytes + j;
-                const uint8_t flip = p.xor80 && j >= p.p0 ? 0x80 : 0;
-                if (to_file)
-                    dst[row] = src[at] ^ flip;
-                else
-                    dst[at] = src[row] ^ flip;
-            }
+    /* where byte j of a block of row r goes inside its 16-row block group, and its bit flip */
+    int16_t pos[16 * 256];
+    uint8_t flip[256];
+    for (int j = 0; j < t.bytes; j++) {
+        flip[j] = p.xor80 && j >= p.p0 ? 0x80 : 0;
+        for (int r = 0; r < 16; r++) pos[r * 256 + j] = (int16_t)packed_pos(&p, r, j);
     }
+    /* 16-row groups over the threads (loading a model: the pass over its bytes is the load's largest) */
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < grouped / 16; g++)
+        for (int r = 0; r < 16; r++) {
+            const int16_t *pr = pos + r * 256;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t *packed = (to_file ? (uint8_t *)src : dst) + g * 16 * rb + b * 16 * t.bytes;
+                uint8_t *row = (to_file ? dst : (uint8_t *)src) + (g * 16 + r) * rb + b * t.bytes;
+                if (to_file)
+                    for (int j = 0; j < t.bytes; j++) row[j] = packed[pr[j]] ^ flip[j];
+                else
+                    for (int j = 0; j < t.bytes; j++) packed[pr[j]] = row[j] ^ flip[j];
+            }
+        }
     memcpy(dst + grouped * rb, src + grouped * rb, (size_t)((N - grouped) * rb));
     return 0;
 }

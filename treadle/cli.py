@@ -143,8 +143,6 @@ def serve_models(args):
 
 
 def cmd_serve(args) -> int:
-    import json
-
     # The engine core's start-up (Python, torch, the model code: about a second) runs beside the
     # front end's own imports and set-up rather than after them: a core started now waits for the
     # model (launchers.SpareCore). Not for replicas, whose cores start elsewhere.

@@ -5,6 +5,7 @@
     python bench/kv_cache.py tiers --prefix 16384           # follow-up TTFT on a cached prefix: cold, pool, host tier, disk tier, restart
     python bench/kv_cache.py long --max-model-len 32768 --budget 448M --kv int8   # one prompt filling the context but 256 tokens, then 256 out
     python bench/kv_cache.py llama --contexts 32768 [--kv int8]   # llama-server on the same file and prompts as `decode`
+    python bench/kv_cache.py flat --requests 20 --tokens 30000 --budget 448M --kv int8   # sequential long requests: RSS after each
 
 Engine-level (treadle.LLM), the default model unless --model; the CPU is printed with the figures.
 """
@@ -133,6 +134,32 @@ def long(args) -> None:
         del llm
 
 
+def flat(args) -> None:
+    """`--requests` different prompts of `--tokens` tokens one after another, each to a few output
+    tokens, in a `--budget` KV pool: the engine's resident set after each (the issue's memory check;
+    tests/test_long_context.py is its CI-sized form)."""
+    from treadle.config import parse_size
+    from treadle.utils import process_memory
+
+    kv = (args.kv or ["auto"])[0]
+    llm = LLM(args.model, max_model_len=args.tokens + 64, kv_cache_dtype=kv, kv_cache_memory_bytes=parse_size(args.budget), max_num_seqs=1)
+    rss = []
+    for i in range(args.requests):
+        prompt = filler(llm.tokenizer, args.tokens, seed=100 + i)  # a different document each time: no prefix hits
+        t = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        m = process_memory()
+        rss.append(m["VmRSS"])
+        stats = llm.stats()
+        print(
+            f"request {i + 1}: {len(prompt)} tokens + {len(out.outputs[0].token_ids)} out in {time.perf_counter() - t:.1f} s; "
+            f"RSS {m['VmRSS'] >> 20} MB (peak {m['VmHWM'] >> 20} MB); KV blocks free {stats['kv_blocks_free']}/{stats['kv_blocks_total']}",
+            flush=True,
+        )
+    print(f"KV {kv}, budget {args.budget}: RSS after request 5 {rss[min(4, len(rss) - 1)] >> 20} MB, after the last {rss[-1] >> 20} MB, "
+          f"growth {(rss[-1] - rss[min(4, len(rss) - 1)]) / 2**20:+.1f} MB")  # fmt: skip
+
+
 RESTART = """
 import sys, time
 sys.path.insert(0, {root!r})
@@ -196,7 +223,8 @@ def tiers(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["fidelity", "decode", "tiers", "long", "llama"])
+    parser.add_argument("what", choices=["fidelity", "decode", "tiers", "long", "llama", "flat"])
+    parser.add_argument("--requests", type=int, default=20, help="flat: sequential requests")
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
@@ -209,7 +237,7 @@ def main() -> int:
     parser.add_argument("--drop-caches", action="store_true", help="tiers: empty the OS page cache before the restart (root)")
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores", flush=True)
-    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long, "llama": llama}[args.what](args)
+    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long, "llama": llama, "flat": flat}[args.what](args)
     return 0
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from treadle.model.attention import AttentionMetadata, paged_attention
 from treadle.model.config import RopeConfig
+from treadle.model.kernels import rowops
 from treadle.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -149,3 +150,50 @@ def test_dynamic_ntk_rescales_its_base_once_for_an_engine_past_the_context():
     assert torch.allclose(rope_inverse_frequencies(rope, 16, 64), rope_inverse_frequencies(RopeConfig(), 16, 64))
     theta = 10000.0 * ((2.0 * 256 / 64) - 1.0) ** (16 / 14)
     assert torch.allclose(rope_inverse_frequencies(rope, 16, 256), rope_inverse_frequencies(RopeConfig(theta=theta), 16))
+
+
+needs_rowops = pytest.mark.skipif(not rowops.available(), reason="no C compiler: the torch operations run")
+
+
+@needs_rowops
+@pytest.mark.parametrize("rot, head_dim", [(64, 64), (256, 256), (32, 80)])
+def test_bf16_rotary_in_c_is_the_torch_formulas_bits_for_every_row_count(rot, head_dim):
+    """The C rotation (bf16 rows) against apply_rotary's torch formula, each product and the sum
+    rounded to float32 apart, for one row and 37 rows, from a strided q/k view; partial rotary
+    passes the rest of the head through. A row's bits are the same alone and among others (torch's
+    addcmul fuses the multiply-add on some shapes and not on others)."""
+    g = torch.Generator().manual_seed(1)
+    heads, t = 5, 37
+    qkv = (torch.randn(t, heads + 2, head_dim, generator=g) * 3).bfloat16()
+    x = qkv[:, :heads]  # the q/k part of a projection's output: rows strided
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    emb = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=rot if rot < head_dim else None), head_dim, 4096)
+    cos, signed_sin = emb.tables(positions)
+    x32 = x[..., :rot].float()
+    turned = ((x32 * cos) + (x32.roll(rot // 2, dims=-1) * signed_sin)).bfloat16()  # two products, then the sum
+    expected = torch.cat([turned, x[..., rot:]], dim=-1)
+    whole = apply_rotary(x, cos, signed_sin)
+    assert torch.equal(whole.view(torch.int16), expected.view(torch.int16))
+    for row in (0, 17, 36):
+        alone = apply_rotary(x[row : row + 1], cos[row : row + 1], signed_sin[row : row + 1])
+        assert torch.equal(alone.view(torch.int16), whole[row : row + 1].view(torch.int16))
+
+
+@needs_rowops
+def test_bf16_rms_norm_in_c_rounds_once_and_keeps_a_rows_bits():
+    """The C RMSNorm (bf16 rows): within one bf16 rounding of the float64 definition, the same bits
+    for a row alone, in a batch and as a strided slice of per-head rows."""
+    g = torch.Generator().manual_seed(2)
+    for d in (576, 64, 100):
+        x = (torch.randn(9, d, generator=g) * 5).bfloat16()
+        w = torch.randn(d, generator=g).bfloat16()
+        norm = RMSNorm(w, 1e-6)
+        got = norm(x)
+        x64 = x.double()
+        exact = w.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()  # half a bf16 step, and float32's own error
+        for row in (0, 4, 8):
+            assert torch.equal(norm(x[row : row + 1]).view(torch.int16), got[row : row + 1].view(torch.int16))
+    heads = (torch.randn(4, 7, 64, generator=g) * 2).bfloat16()
+    k_norm = RMSNorm(torch.randn(64, generator=g).bfloat16(), 1e-6)
+    assert torch.equal(k_norm(heads[:, 5:]).view(torch.int16), k_norm(heads[:, 5:].contiguous()).view(torch.int16))

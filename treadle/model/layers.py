@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import RopeConfig
+from .kernels import rowops
 from .kernels.quant import QuantizedTensor, quant_matmul_op
 from .kernels.quant import matmul as quant_matmul
 
@@ -16,6 +17,9 @@ class RMSNorm:
     torch has no fused RMSNorm on CPU (F.rms_norm runs ~8 kernels), but layer_norm is one: the
     row [x, -x] has mean 0 and variance mean(x²), so layer_norm of it, with the weight repeated,
     is RMSNorm(x) in its first half. It normalizes in float32 and rounds once to x's dtype.
+
+    bfloat16 rows on the CPU take treadle's C kernel instead (kernels/rowops.c: the sum of squares
+    in a fixed order, one rounding; one call where the trick is four operations).
     """
 
     def __init__(self, weight: torch.Tensor, eps: float):
@@ -24,6 +28,10 @@ class RMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
+        if rowops.usable(x):
+            out = rowops.rms_norm(x, self.weight2[:d], self.eps)
+            if out is not None:
+                return out
         return F.layer_norm(torch.cat((x, x.neg()), dim=-1), (2 * d,), self.weight2, None, self.eps)[..., :d]
 
 
@@ -112,6 +120,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     narrower than the head (partial rotary embeddings) rotate its first part; the rest passes.
     """
     d = cos.shape[-1]
+    if x.dim() == 3 and rowops.usable(x):  # one C call, the same bits (kernels/rowops.c)
+        out = rowops.rotary(x, cos, signed_sin)
+        if out is not None:
+            return out
     if d < x.shape[-1]:
         return torch.cat([apply_rotary(x[..., :d], cos, signed_sin), x[..., d:]], dim=-1)
     x32 = x.float()

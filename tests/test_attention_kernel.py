@@ -129,7 +129,7 @@ def test_the_portable_code_gives_the_vector_codes_bits(kv, monkeypatch):
         q = (torch.randn(45, kv_heads * group, head_dim, generator=g) * 3).bfloat16()
         args = (q, k, v, tables, rows, key_begin, key_end, head_dim**-0.5)
         native = kernels.paged_attention(*args, softcap=softcap)
-        monkeypatch.setattr(kernels, "_lib", portable)
+        monkeypatch.setattr(kernels._kernel, "lib", portable)
         assert torch.equal(kernels.paged_attention(*args, softcap=softcap).view(torch.int16), native.view(torch.int16)), (head_dim, group)
         monkeypatch.undo()
 

@@ -11,19 +11,11 @@ quant.c's header for what they compute).
 """
 
 import ctypes
-import logging
 import os
-import threading
 
 import torch
 
-from .build import build
-
-log = logging.getLogger("treadle")
-
-_lock = threading.Lock()
-_lib = None
-_error: str | None = None
+from .build import Library, build
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -39,23 +31,14 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return lib
 
 
+_kernel = Library(
+    _build,
+    "treadle's attention kernel is unavailable (%s): torch's SDPA instead, and bfloat16 answers may depend on the batch (not batch-invariant)",
+)
+
+
 def available() -> bool:
-    global _lib, _error
-    if _lib is not None:
-        return True
-    if _error is not None:
-        return False
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except Exception as e:  # noqa: BLE001 - any failure leaves torch's attention, which is correct
-                _error = f"{type(e).__name__}: {e}"
-                log.warning(
-                    "treadle's attention kernel is unavailable (%s): torch's SDPA instead, and bfloat16 answers may depend on the batch (not batch-invariant)",
-                    _error,
-                )
-    return _lib is not None
+    return _kernel.available()
 
 
 def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale: float, span: int | None = None, softcap: float = 0.0):
@@ -72,7 +55,7 @@ def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, 
     out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
     if span is None:
         span = int((key_end - key_begin).max())
-    code = _lib.treadle_paged_attention(
+    code = _kernel.lib.treadle_paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
         heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
         key_end.data_ptr(), scale, softcap, out.data_ptr(), out.stride(0), rows, span, int(k_cache.dtype == torch.int8),
@@ -91,7 +74,7 @@ def store_int8_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -
         x = x.contiguous()
     if head_dim > 256:
         raise ValueError(f"int8 KV rows: head_dim {head_dim} > 256")
-    _lib.treadle_store_int8_rows(
+    _kernel.lib.treadle_store_int8_rows(
         x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), tokens, heads, head_dim, slots.data_ptr(), cache.data_ptr()
     )
 
@@ -111,7 +94,7 @@ def paged_attention_op(
     """`paged_attention` as a torch operator, for the compiled decode graphs: inductor calls it as
     an opaque kernel (the same C code, so the same bits as the eager path)."""
     if not available():
-        raise RuntimeError(f"treadle's attention kernel is unavailable ({_error})")
+        raise RuntimeError(f"treadle's attention kernel is unavailable ({_kernel.error})")
     return paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap=softcap)
 
 
@@ -132,7 +115,7 @@ def unusable_reason(dtype: torch.dtype, device: torch.device, heads: int, kv_hea
     if os.environ.get("TREADLE_ATTENTION", "kernel") != "kernel":
         return "TREADLE_ATTENTION is not 'kernel'"
     if not available():
-        return f"it could not be built ({_error})"
+        return f"it could not be built ({_kernel.error})"
     return None
 
 

@@ -9,14 +9,17 @@ soname, already loaded), so no second set of threads competes with torch's for t
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import threading
 
 from ...utils import cache_root
 
 HERE = os.path.dirname(__file__)
+log = logging.getLogger("treadle.kernels")
 BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fopenmp"]
 
 
@@ -46,3 +49,26 @@ def build(source_name: str, flags: list[str]) -> ctypes.CDLL:
             raise RuntimeError(f"{cc} failed on {source_name}: {result.stderr.strip()[:500]}")
         os.replace(tmp, path)
     return ctypes.CDLL(path)
+
+
+class Library:
+    """A kernel library made by `make()` (build() and its ctypes signatures) on first use, once;
+    where it cannot be, `warning` (with %s for the reason) is logged once and `available()` is
+    False, so the caller keeps its torch path. `lib` is the loaded library."""
+
+    def __init__(self, make, warning: str):
+        self._make, self._warning = make, warning
+        self._lock = threading.Lock()
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+
+    def available(self) -> bool:
+        if self.lib is None and self.error is None:
+            with self._lock:
+                if self.lib is None and self.error is None:
+                    try:
+                        self.lib = self._make()
+                    except Exception as e:  # noqa: BLE001 - any failure leaves the caller's torch path, which is correct
+                        self.error = f"{type(e).__name__}: {e}"
+                        log.warning(self._warning, self.error)
+        return self.lib is not None

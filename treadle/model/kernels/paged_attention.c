@@ -85,10 +85,15 @@ static inline float lane_sum(const float *acc) {
     return t2[0] + t2[1];
 }
 
+/* The cache row `offset` elements in (int8 or bf16 elements). */
+static inline const void *cache_row(const void *cache, int64_t offset, int kv_int8) {
+    return kv_int8 ? (const void *)((const int8_t *)cache + offset) : (const void *)((const uint16_t *)cache + offset);
+}
+
 /* a cache row that will be read soon: its cache lines asked for now (a step's KV comes from memory, not
  * the caches; 32 keys ahead) */
 static inline void prefetch_row(const void *cache, int64_t offset, int64_t head_dim, int kv_int8) {
-    const char *row = kv_int8 ? (const char *)cache + offset : (const char *)cache + 2 * offset;
+    const char *row = cache_row(cache, offset, kv_int8);
     const int64_t bytes = kv_int8 ? head_dim + 4 : 2 * head_dim;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
 }
@@ -127,7 +132,7 @@ static void scores_portable(const float *qf, const void *k_cache, const int64_t 
                             int64_t group, float scale, int kv_int8, float *s) {
     float kf[256];
     for (int64_t j = 0; j < n; j++) {
-        const void *k = kv_int8 ? (const void *)((const int8_t *)k_cache + offsets[j]) : (const void *)((const uint16_t *)k_cache + offsets[j]);
+        const void *k = cache_row(k_cache, offsets[j], kv_int8);
         if (j + 32 < n) prefetch_row(k_cache, offsets[j + 32], head_dim, kv_int8);
         widen_row(k, head_dim, kv_int8, kf);
         const float ks = kv_int8 ? row_scale((const int8_t *)k, head_dim) : 1.0f;
@@ -160,7 +165,7 @@ static void values_portable(const float *p, const void *v_cache, const int64_t *
     float vf[256];
     for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        const void *v = kv_int8 ? (const void *)((const int8_t *)v_cache + offsets[j]) : (const void *)((const uint16_t *)v_cache + offsets[j]);
+        const void *v = cache_row(v_cache, offsets[j], kv_int8);
         if (j + 32 < n) prefetch_row(v_cache, offsets[j + 32], head_dim, kv_int8);
         widen_row(v, head_dim, kv_int8, vf);
         const float vs = kv_int8 ? row_scale((const int8_t *)v, head_dim) : 1.0f;
@@ -220,7 +225,7 @@ static void scores_avx512(const float *qf, const void *k_cache, const int64_t *o
                 ks[jj] = 1.0f;
                 continue;
             }
-            const void *k = kv_int8 ? (const void *)((const int8_t *)k_cache + offsets[j0 + jj]) : (const void *)((const uint16_t *)k_cache + offsets[j0 + jj]);
+            const void *k = cache_row(k_cache, offsets[j0 + jj], kv_int8);
             if (j0 + 32 + jj < n) prefetch_row(k_cache, offsets[j0 + 32 + jj], head_dim, kv_int8);
             ks[jj] = kv_int8 ? row_scale((const int8_t *)k, head_dim) : 1.0f;
             for (int64_t g0 = 0; g0 < group; g0 += 8) {
@@ -292,7 +297,7 @@ static inline __attribute__((always_inline)) void value_block(const float *p, co
     for (int g = 0; g < G; g++)
         for (int i = 0; i < NV; i++) a[g][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        const void *v = kv_int8 ? (const void *)((const int8_t *)v_cache + offsets[j]) : (const void *)((const uint16_t *)v_cache + offsets[j]);
+        const void *v = cache_row(v_cache, offsets[j], kv_int8);
         if (j + 32 < n) prefetch_row(v_cache, offsets[j + 32], head_dim, kv_int8);
         __m512 x[4];
         for (int i = 0; i < NV; i++) x[i] = widen16(v, d0 + 16 * i, kv_int8);
@@ -330,6 +335,13 @@ static void values_avx512(const float *p, const void *v_cache, const int64_t *of
     }
 }
 #undef TREADLE_VALUE_BLOCK
+#define SCORES scores_avx512
+#define SOFTMAX softmax_avx512
+#define VALUES values_avx512
+#else
+#define SCORES scores_portable
+#define SOFTMAX softmax_portable
+#define VALUES values_portable
 #endif
 
 /*
@@ -358,21 +370,11 @@ static void attend_item(
         pos += stop - first;
     }
     float inv[MAX_GROUP];
-#if TREADLE_AVX512
-    scores_avx512(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
-#else
-    scores_portable(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
-#endif
+    SCORES(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
     if (softcap > 0.0f)
         for (int64_t i = 0; i < group * n; i++) scratch[i] = softcap * tanhf(scratch[i] / softcap);
-    for (int64_t g = 0; g < group; g++)
-#if TREADLE_AVX512
-        inv[g] = softmax_avx512(scratch + g * n, n);
-    values_avx512(scratch, v_cache, offsets, n, head_dim, group, kv_int8, acc);
-#else
-        inv[g] = softmax_portable(scratch + g * n, n);
-    values_portable(scratch, v_cache, offsets, n, head_dim, group, kv_int8, acc);
-#endif
+    for (int64_t g = 0; g < group; g++) inv[g] = SOFTMAX(scratch + g * n, n);
+    VALUES(scratch, v_cache, offsets, n, head_dim, group, kv_int8, acc);
     for (int64_t g = 0; g < group; g++) {
         uint16_t *o = out + row * out_stride + (h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g * head_dim + d] * inv[g]);

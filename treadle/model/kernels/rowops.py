@@ -4,40 +4,24 @@ layers.py where the rows are bfloat16 on the CPU and no graph is being compiled;
 torch operations run."""
 
 import ctypes
-import logging
-import threading
 
 import torch
 
-from .build import build
-
-log = logging.getLogger("treadle.kernels")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+from .build import Library, build
 
 
-def available() -> bool:
-    """Whether rowops.c is built and loaded (once; the reason is logged if it cannot be)."""
-    global _lib, _error
-    if _lib is not None:
-        return True
-    if _error is not None:
-        return False
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                lib = build("rowops.c", ["-ffp-contract=off"])
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.treadle_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr]
-                lib.treadle_rotary_bf16.restype = None
-                lib.treadle_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr]
-                lib.treadle_rms_norm_bf16.restype = None
-                _lib = lib
-            except Exception as e:  # noqa: BLE001 - the torch operations instead, which are correct
-                _error = f"{type(e).__name__}: {e}"
-                log.warning("treadle's row kernels are unavailable (%s): torch's operations instead", _error)
-    return _lib is not None
+def _build() -> ctypes.CDLL:
+    lib = build("rowops.c", ["-ffp-contract=off"])
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.treadle_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.treadle_rotary_bf16.restype = None
+    lib.treadle_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.treadle_rms_norm_bf16.restype = None
+    return lib
+
+
+_kernel = Library(_build, "treadle's row kernels are unavailable (%s): torch's operations instead")
+available = _kernel.available
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -54,7 +38,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
         return None
     cos, signed_sin = cos.reshape(t, rot).contiguous(), signed_sin.reshape(t, rot).contiguous()
     out = torch.empty((t, heads, head_dim), dtype=x.dtype)
-    _lib.treadle_rotary_bf16(x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr())
+    _kernel.lib.treadle_rotary_bf16(x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr())
     return out
 
 
@@ -73,5 +57,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     else:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    _lib.treadle_rms_norm_bf16(x.data_ptr(), a, b, d, sa, sb, weight.data_ptr(), eps, out.data_ptr())
+    _kernel.lib.treadle_rms_norm_bf16(x.data_ptr(), a, b, d, sa, sb, weight.data_ptr(), eps, out.data_ptr())
     return out

@@ -30,13 +30,14 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
-    """x [T, H, D] rotated by cos / signed_sin [T, 1, rot] (float32), or None where the shapes are
-    not the kernel's (the caller's torch path then)."""
+    """x [T, H, D] rotated by cos / signed_sin [T, 1, rot] (float32, contiguous), or None where the
+    shapes are not the kernel's (the caller's torch path then)."""
     t, heads, head_dim = x.shape
     rot = cos.shape[-1]
     if x.stride(2) != 1 or x.stride(1) != head_dim or rot > 512 or rot % 2 or cos.dtype != torch.float32:
         return None
-    cos, signed_sin = cos.reshape(t, rot).contiguous(), signed_sin.reshape(t, rot).contiguous()
+    if not (cos.is_contiguous() and signed_sin.is_contiguous()):  # the step's tables are: gathered once per step
+        return None
     out = torch.empty((t, heads, head_dim), dtype=x.dtype)
     _kernel.lib.treadle_rotary_bf16(x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr())
     return out

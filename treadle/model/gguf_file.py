@@ -87,12 +87,7 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.unpack("<Q")
-        if self.pos + n > len(self.buf):
-            raise GGUFFormatError("string runs past the end of the file")
-        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
-        self.pos += n
-        return s
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
         """An array of `count` strings (a vocabulary: 262,144 of them for Gemma), read in one loop."""

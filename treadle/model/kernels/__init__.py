@@ -8,6 +8,9 @@ its loop runs on torch's OpenMP threads. Without a compiler the engine keeps tor
 
 `quant.c` / `quant.py`: products and row lookups of weights held as GGUF's quantized blocks (see
 quant.c's header for what they compute).
+
+`rowops.c` / `rowops.py`: the rotary embedding and RMSNorm of bfloat16 rows, one call each.
+`build.Library` loads each on first use, once.
 """
 
 import ctypes

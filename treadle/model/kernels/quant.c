@@ -77,6 +77,17 @@ static inline float f16_to_f32(const uint8_t *p) {
 }
 
 
+/* A thread reads its share of a weight as one stream, but from memory (not cache) the hardware
+ * prefetcher alone left the products at a third of the machine's bandwidth: a single thread ran
+ * a 9 MB Q4_K product at 16 GB/s where a plain pass over the bytes reaches 40, and Q6_K at 13.
+ * So each block (each row, on the row-at-a-time paths) asks for the bytes PREFETCH_AHEAD further
+ * on; that took both to 45 GB/s. A prefetch past the end of the weight is harmless (it never
+ * faults), and a prefetch changes no result. */
+#define PREFETCH_AHEAD 8192
+static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + PREFETCH_AHEAD + i, 0, 3);
+}
+
 /* ---- unpacking: block -> uq (elems bytes), s4 (elems/4 floats), m4 (elems/4 floats, if any) ---- */
 
 static inline void fill(float *dst, float v, int n) {
@@ -703,6 +714,7 @@ TARGET_FAST static inline __m512i iq4_table(void) { /* IQ4_VALUES + 128, in each
 
 #define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
 
+
 /* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
  * operations, lane r for weight row n0 + r */
 X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, void *y,
@@ -720,6 +732,7 @@ X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const ui
     tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
+        prefetch_ahead(gb, 16 * bytes);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
         const __m512 mn = with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32))) : _mm512_setzero_ps();
         __m512i u[8];
@@ -760,6 +773,7 @@ X16_INLINE void x16k_tile(const int type, const int MT, const int EXACT, const u
     tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
+        prefetch_ahead(gb, 16 * bytes);
         if (type == T_Q6_K) {
             const uint8_t *P = gb; /* ql pieces 0..31, qh 32..47, scales 48..51; d after */
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * 208)));
@@ -828,6 +842,7 @@ X16_INLINE void x16s_tile(const int type, const int MT, const int EXACT, const u
 #define BYTE_OF(v, k) _mm512_and_si512(_mm512_srli_epi32((v), 8 * ((k) % 4)), _mm512_set1_epi32(255))
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
+        prefetch_ahead(gb, 16 * bytes);
         if (type == T_IQ4_XS) { /* d at 0, the high scale bits (2 bytes) at 32, pieces from 64: low scale bits, then codes */
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
             const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gb + 32)));
@@ -1031,6 +1046,7 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
             } else {
 #pragma omp for schedule(static)
                 for (int64_t n = groups * 16; n < N; n++) {
+                    prefetch_ahead(w + n * rb, rb);
                     unpack_row(&t, file_row(type, packed, &t, w, N, K, n, tmp), K, uq, s4, m4);
                     dequantize_unpacked(&t, K, uq, s4, m4, f);
                     for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * K, f, K));
@@ -1084,6 +1100,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
                     const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
 #pragma omp for schedule(static) nowait
                     for (int64_t n = groups * 16; n < N; n++) {
+                        prefetch_ahead(w + n * rb, rb);
                         const uint8_t *row = file_row(type, packed, &t, w, N, K, n, tmp);
                         if (fast)
                             unpack_row_avx2(type, row, K, uq, s4, m4);

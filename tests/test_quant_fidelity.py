@@ -145,3 +145,40 @@ def test_quantization_is_refused_where_it_cannot_apply():
         from treadle.model.quantize import quantize_weights
 
         quantize_weights({}, "q3_x")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_long_steps_mlp_in_row_slices_gives_the_same_bits(monkeypatch, dtype):
+    """llama.FFN_ROWS bounds a prompt step's MLP transients by running it over slices of rows; a
+    quantized weight's kernels compute each row alone, so the logprobs are the same to the bit."""
+    from treadle.model import llama
+
+    llm = LLM(os.path.join(FOLDER, "Q4_K.gguf"), dtype=dtype, max_model_len=256, block_size=8, enable_prefix_caching=False)
+    ids = prompts()[0]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+
+    def run():
+        out = llm.generate([ids], params)[0].outputs[0]
+        return out.token_ids, [sorted(step.items()) for step in out.logprobs]
+
+    whole = run()
+    rows_seen = []
+    mlp = llama.LlamaModel.mlp
+
+    def spy(self, layer, x):
+        rows_seen.append(x.shape[0])
+        return mlp(self, layer, x)
+
+    monkeypatch.setattr(llama, "FFN_ROWS", 8)
+    monkeypatch.setattr(llama.LlamaModel, "mlp", spy)
+    assert run() == whole
+    assert max(rows_seen) == 8 and rows_seen.count(8) >= 4, "the prompt's step ran in slices of 8 rows"
+
+
+def test_only_weights_that_compute_rows_alone_are_sliced():
+    from treadle.model.layers import Linear
+
+    dense = Linear(torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not dense.rows_apart(512)
+    dense.row_chunk = Linear.INVARIANT_ROWS  # batch-invariant mode: already in 32-row products
+    assert dense.rows_apart(512) and not dense.rows_apart(500)

@@ -15,6 +15,7 @@
   RoPE base and every other layer local.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from .attention import metadata_by_layer, paged_attention
 from .config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
 from .gguf_file import LLAMA_LAYER_TENSORS
 from .layers import RMSNorm, apply_rotary
-from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
+from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
 
 SLIDING_WINDOW_PATTERN = 6  # transformers' default and llama.cpp's fixed value for gemma3 files
 LOCAL_ROPE_THETA = 10000.0
@@ -56,6 +57,7 @@ class Gemma3Layer(DecoderLayer):
 class Gemma3Model(LlamaModel):
     layer_class = Gemma3Layer
     gguf_permuted_qk = False
+    mlp_activation = staticmethod(functools.partial(F.gelu, approximate="tanh"))
     gguf_layer_tensors = {
         **LLAMA_LAYER_TENSORS,
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -205,6 +207,6 @@ class Gemma3Model(LlamaModel):
             v = v.view(t, kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, layer_meta, self.scale, cfg.attn_logit_softcapping)
             h = h + layer.post_attention_norm(layer.o_proj(attn.view(t, self.q_size)))
-            gate, up = layer.gate_up(layer.pre_feedforward_norm(h)).chunk(2, dim=-1)
-            h = h + layer.post_feedforward_norm(layer.down(F.gelu(gate, approximate="tanh") * up))
+            mlp = functools.partial(self.mlp, layer)
+            h = h + layer.post_feedforward_norm(in_row_slices(mlp, layer.pre_feedforward_norm(h), (layer.gate_up, layer.down)))
         return h

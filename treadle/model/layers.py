@@ -185,6 +185,13 @@ class Linear:
             forms.append((self.bias, str(self.bias.dtype).removeprefix("torch.")))
         return forms
 
+    def rows_apart(self, rows: int) -> bool:
+        """Whether x in slices of `rows` rows gives the bits x whole does: quantized parts compute
+        each row alone; a dense part does where its products are already cut into row chunks that
+        `rows` is a multiple of (batch-invariant mode)."""
+        dense = any(not isinstance(p, QuantizedTensor) for p in self.parts)
+        return not dense or (self.row_chunk is not None and rows % self.row_chunk == 0)
+
     def _dense(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_chunk is not None and x.shape[0] > self.row_chunk:
             return torch.cat([F.linear(part, weight, bias) for part in x.split(self.row_chunk)])

@@ -12,7 +12,7 @@ from .attention import AttentionMetadata, metadata_by_layer, paged_attention
 from .config import ModelConfig, ModelLoadError
 from .interface import CausalLM
 from .kernels.quant import QuantizedTensor, quant_rows_op
-from .layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import LORA_ROWS, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from .moe import MoE, moe_shapes
 
 
@@ -90,6 +90,27 @@ def weight_part(w: dict, key: str, dtype: torch.dtype, device):
     if isinstance(weight, QuantizedTensor) and torch.device(device).type == "cpu":
         return weight
     return weight.to(device=device, dtype=dtype)
+
+
+# A prompt step's MLP runs over at most this many rows at a time where that changes no bit
+# (Linear.rows_apart), so its [rows, 2 x intermediate] product stays small: a 2,048-token step of a
+# 1B model held 64 MB there, and the step's other transients as much again.
+FFN_ROWS = 512
+
+
+def in_row_slices(fn, x: torch.Tensor, linears) -> torch.Tensor:
+    """fn(x) for a row-wise fn using these Linears, computed FFN_ROWS rows at a time where each
+    Linear gives the same bits that way (not under torch.compile, nor with LoRA rows in the step)."""
+    n = x.shape[0]
+    if n <= FFN_ROWS or torch.compiler.is_compiling() or LORA_ROWS.groups or not all(lin.rows_apart(FFN_ROWS) for lin in linears):
+        return fn(x)
+    out = None
+    for start in range(0, n, FFN_ROWS):
+        part = fn(x[start : start + FFN_ROWS])
+        if out is None:
+            out = part.new_empty((n, *part.shape[1:]))
+        out[start : start + FFN_ROWS] = part
+    return out
 
 
 ROPE_TABLE_CAP = 1 << 17  # positions, when no engine says how many it uses
@@ -250,6 +271,9 @@ class LlamaModel(CausalLM):
         """One layer's MLP, or its experts, over the normed stream `x`."""
         if layer.moe is not None:
             return layer.moe(x)
+        return in_row_slices(lambda rows: self.mlp(layer, rows), x, (layer.gate_up, layer.down))
+
+    def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
         return layer.down(self.mlp_activation(gate) * up)
 

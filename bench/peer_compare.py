@@ -116,7 +116,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
                     return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.05)  # the load time's resolution
     raise SystemExit(f"{url} did not become healthy")
 
 

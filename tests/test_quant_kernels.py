@@ -47,6 +47,12 @@ def test_the_held_layout_gives_back_the_files_blocks(kind, rows, isa, monkeypatc
     assert np.array_equal(np.sort(held.data.numpy().ravel()), np.sort(blocks.ravel())) or kind == "Q8_0"
     joined = quant.QuantizedTensor.cat([held, held.index_rows(slice(0, 5))])
     assert np.array_equal(joined.blocks().numpy(), np.concatenate([blocks, blocks[:5]]))
+    three = quant.QuantizedTensor.cat([held, held, held.index_rows(slice(0, 5))])  # whole groups side by side where rows % 16 == 0
+    assert np.array_equal(three.blocks().numpy(), np.concatenate([blocks, blocks, blocks[:5]]))
+    mapped = blocks.copy()
+    mapped.setflags(write=False)  # as a file's memory map gives them
+    from_map = quant.QuantizedTensor(kind, mapped, cols)
+    assert torch.equal(from_map.data, held.data) and np.array_equal(from_map.blocks().numpy(), blocks)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -7,10 +7,6 @@ import sys
 from dataclasses import fields
 
 from .config import ENGINE_HELP, add_engine_args, engine_config_from_args
-from .routing.policy import POLICIES
-from .server.reasoning import PARSERS as REASONING_PARSERS
-from .server.tools import PARSERS as TOOL_PARSERS
-from .store.store import default_models_dir
 
 
 def cmd_run(args) -> int:
@@ -143,20 +139,12 @@ def serve_models(args):
 
 
 def cmd_serve(args) -> int:
-    # The engine core's start-up (Python, torch, the model code: about a second) runs beside the
-    # front end's own imports and set-up rather than after them: a core started now waits for the
-    # model (launchers.SpareCore). Not for replicas, whose cores start elsewhere.
-    early = None
-    if args.data_parallel_size <= 1 and args.data_parallel_backend != "ray":
-        from .server.launchers import SpareCore
-
-        early = SpareCore()
-        early.fill()
-    try:
-        return _serve(args, early)
-    finally:
-        if early is not None:
-            early.drop()  # a core never taken (the server did not start); a no-op once one was
+    # main() started an engine core (`_start_core_early`); replicas start theirs elsewhere
+    early = getattr(args, "early_core", None)
+    if early is not None and (args.data_parallel_size > 1 or args.data_parallel_backend == "ray"):
+        early.drop()
+        early = None
+    return _serve(args, early)
 
 
 def _serve(args, early_core) -> int:
@@ -220,6 +208,8 @@ def _serve(args, early_core) -> int:
 
 def add_routing_args(parser, what: str) -> None:
     """The routing policy's flags, the same for replicas inside a server and workers behind a router."""
+    from .routing.policy import POLICIES  # (the parser's imports wait: see build_parser)
+
     parser.add_argument(
         "--routing-policy",
         choices=POLICIES,
@@ -275,6 +265,8 @@ def cmd_router(args) -> int:
 
 def add_router_parser(sub) -> None:
     from .server.prepare import ServerSettings
+    from .server.reasoning import PARSERS as REASONING_PARSERS
+    from .server.tools import PARSERS as TOOL_PARSERS
 
     r = sub.add_parser("router", help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached")
     r.add_argument(
@@ -326,6 +318,11 @@ def add_router_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # here rather than at the top: `treadle serve` starts its engine core before these (0.2 s)
+    from .server.reasoning import PARSERS as REASONING_PARSERS
+    from .server.tools import PARSERS as TOOL_PARSERS
+    from .store.store import default_models_dir
+
     parser = argparse.ArgumentParser(prog="treadle", description="An LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -512,15 +509,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    early = _start_core_early(argv)
     try:
+        args = build_parser().parse_args(argv)
+        args.early_core = early
         return args.func(args)
     except KeyboardInterrupt:
         return 130
     except ValueError as e:  # bad settings or an unloadable model: one line, no traceback
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if early is not None:
+            early.drop()  # a core never taken (bad arguments, replicas, a server that did not start); a no-op once one was
+
+
+def _start_core_early(argv: list[str]):
+    """For `treadle serve`: an engine core started first, before the parser's imports and the
+    front end's, so that its own start-up (Python, torch, the model code: about a second) runs
+    beside them; it waits for the model (launchers.SpareCore). Dropped where the arguments turn
+    out not to want it (replicas, whose cores start elsewhere; --help)."""
+    if argv[:1] != ["serve"] or {"-h", "--help"} & set(argv):
+        return None
+    from .server.launchers import SpareCore
+
+    early = SpareCore()
+    early.fill()
+    return early
 
 
 if __name__ == "__main__":

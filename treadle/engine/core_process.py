@@ -10,6 +10,7 @@ It ends on Shutdown, on the front end's death (PR_SET_PDEATHSIG) or when killed;
 notices the last through the process sentinel and starts a fresh one.
 """
 
+import gc
 import logging
 import os
 import signal
@@ -54,6 +55,9 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
     try:
         from .core import EngineCore
 
+        # the modules' objects (torch's alone are hundreds of thousands) out of the collector's
+        # reach: the load's full collection spent 64 ms walking them, as would any later one
+        gc.freeze()
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which exits with it
         out.send(codec.encode(LoadFailed(f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
@@ -78,7 +82,7 @@ def run_spare_core(conn) -> None:
     end_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from ..model import kernels
+    from ..model import gguf_loader, kernels  # noqa: F401 - gguf_loader for its import of gguf-py (0.1 s)
     from ..model.kernels import quant
     from .core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
 

@@ -223,14 +223,14 @@ def _float_weight(path: str, tensor, heads: int | None, hf_name: str, family) ->
 
 
 def _quantized_weight(path: str, reader, tensor, heads: int | None) -> QuantizedTensor:
-    """A 2-D quantized tensor as its blocks, copied off the memory map (rows reordered whole where
-    llama.cpp permuted them), the mapped pages then released."""
+    """A 2-D quantized tensor as its blocks, read off the memory map into the kernels' own memory
+    (rows reordered whole where llama.cpp permuted them), the mapped pages then released."""
     cols = int(tensor.shape[0])
     try:
-        data = np.array(tensor.data, dtype=np.uint8)  # [rows, bytes per row], a copy
+        data = tensor.data  # [rows, bytes per row] on the map: read once, into the kernels' layout
         if heads is not None:
-            data = np.ascontiguousarray(_undo_qk_permutation(data, heads))
-        weight = QuantizedTensor(tensor.tensor_type.name, torch.from_numpy(data), cols)
+            data = _undo_qk_permutation(data, heads)
+        weight = QuantizedTensor(tensor.tensor_type.name, data, cols)
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
     reader.release(tensor)
@@ -239,11 +239,11 @@ def _quantized_weight(path: str, reader, tensor, heads: int | None) -> Quantized
 
 def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
     """A stacked [experts, rows, cols] quantized tensor (llama.cpp's `*_exps`) as one QuantizedTensor
-    per expert, copied off the memory map."""
+    per expert, read off the memory map."""
     cols = int(tensor.shape[0])
     try:
-        data = np.array(tensor.data, dtype=np.uint8)  # [experts, rows, bytes per row], a copy
-        parts = [QuantizedTensor(tensor.tensor_type.name, torch.from_numpy(data[e]), cols) for e in range(data.shape[0])]
+        data = tensor.data  # [experts, rows, bytes per row] on the map
+        parts = [QuantizedTensor(tensor.tensor_type.name, data[e], cols) for e in range(data.shape[0])]
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
     reader.release(tensor)

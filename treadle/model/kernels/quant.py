@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 
+import numpy as np
 import torch
 
 from .build import build
@@ -115,16 +116,23 @@ class QuantizedTensor:
     __slots__ = ("kind", "data", "shape", "packed")
     KINDS = frozenset(TYPES)
 
-    def __init__(self, kind: str, blocks: torch.Tensor, cols: int):
+    def __init__(self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int):
+        """`blocks`: uint8 [rows, bytes per row], a tensor (kept where no repacking is needed) or a
+        numpy array, read-only allowed (a file's memory map: read once, into the kernels' layout)."""
         if kind not in TYPES:
             raise ValueError(f"quantized type {kind} is not supported (supported: {', '.join(TYPES)})")
         _, elems, size = TYPES[kind]
-        if cols % elems or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != cols // elems * size:
+        if cols % elems or blocks.dtype not in (torch.uint8, np.uint8) or blocks.ndim != 2 or blocks.shape[1] != cols // elems * size:
             raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} does not hold rows of {cols} values")
         self.kind = kind
         self.shape = torch.Size((blocks.shape[0], cols))
         self.packed = isa() == "vnni"
-        self.data = _pack(blocks.contiguous(), TYPES[kind][0], cols, to_file=False) if self.packed else blocks.contiguous()
+        if isinstance(blocks, np.ndarray):
+            blocks = np.ascontiguousarray(blocks)
+            self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else torch.from_numpy(blocks.copy())
+        else:
+            blocks = blocks.contiguous()
+            self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else blocks
 
     @property
     def type_id(self) -> int:
@@ -159,12 +167,22 @@ class QuantizedTensor:
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
         """Parts of one kind and width, their rows one after another."""
-        return QuantizedTensor(parts[0].kind, torch.cat([p.blocks() for p in parts]), parts[0].shape[1])
+        first = parts[0]
+        if all(p.packed == first.packed for p in parts) and (not first.packed or all(p.shape[0] % 16 == 0 for p in parts[:-1])):
+            # the stored bytes one after another are the whole's layout: the file's rows as they
+            # are, or whole 16-row groups with the last part's N % 16 rows at the end
+            out = QuantizedTensor.__new__(QuantizedTensor)
+            out.kind, out.packed = first.kind, first.packed
+            out.shape = torch.Size((sum(p.shape[0] for p in parts), first.shape[1]))
+            out.data = torch.cat([p.data for p in parts])
+            return out
+        return QuantizedTensor(first.kind, torch.cat([p.blocks() for p in parts]), first.shape[1])
 
 
-def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool) -> torch.Tensor:
-    out = torch.empty_like(data)
-    if library().treadle_q_pack(type_id, data.data_ptr(), data.shape[0], cols, out.data_ptr(), int(to_file)):
+def _pack(data: torch.Tensor | np.ndarray, type_id: int, cols: int, to_file: bool) -> torch.Tensor:
+    out = torch.empty(tuple(data.shape), dtype=torch.uint8)
+    source = data.ctypes.data if isinstance(data, np.ndarray) else data.data_ptr()
+    if library().treadle_q_pack(type_id, source, data.shape[0], cols, out.data_ptr(), int(to_file)):
         raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
     return out
 

@@ -95,7 +95,7 @@ def weight_part(w: dict, key: str, dtype: torch.dtype, device):
 # A prompt step's MLP runs over at most this many rows at a time where that changes no bit
 # (Linear.rows_apart), so its [rows, 2 x intermediate] product stays small: a 2,048-token step of a
 # 1B model held 64 MB there, and the step's other transients as much again.
-FFN_ROWS = 512
+FFN_ROWS = 256
 
 
 def in_row_slices(fn, x: torch.Tensor, linears) -> torch.Tensor:

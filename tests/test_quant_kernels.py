@@ -41,7 +41,7 @@ def test_the_held_layout_gives_back_the_files_blocks(kind, rows, isa, monkeypatc
     cols = 512 if quant.TYPES[kind][1] == 256 else 96
     blocks = random_blocks(kind, rows, cols, seed=rows)
     held = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols)
-    assert held.packed == (isa == "vnni") and bool(held.type_id & quant.PACKED) == held.packed
+    assert held.packed == (isa in quant.PACKED_ISAS) and bool(held.type_id & quant.PACKED) == held.packed
     assert held.nbytes() == blocks.nbytes
     assert np.array_equal(held.blocks().numpy(), blocks)
     assert np.array_equal(np.sort(held.data.numpy().ravel()), np.sort(blocks.ravel())) or kind == "Q8_0"

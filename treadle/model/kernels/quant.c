@@ -25,13 +25,14 @@
  *       acc  = fma(-m, sum(xq) * dx, acc)            (types with a minimum)
  *
  * The instruction-set paths compute these same operations in the same order, so they give the same
- * bits; the caller picks one (`isa`). On AVX-512 VNNI, weights are held 16 rows interleaved (the
- * packed layout, below) and a vector holds one output of 16 weight rows; AVX2, portable C and the
- * last N % 16 rows take one weight row at a time. Which layout a weight is held in is a flag in
- * the type argument (`| PACKED`): a process whose path is not VNNI holds the file's rows as they
- * are (unpacking a row out of the packed layout byte by byte cost those paths 90% of their time),
- * and every path reads either layout (the tests run each path on each). Rows of the weight are split across torch's
- * OpenMP threads; one thread computes each output whole.
+ * bits; the caller picks one (`isa`). On AVX-512 VNNI and AVX2, weights are held 16 rows
+ * interleaved (the packed layout, below) and a vector holds one output of 16 weight rows (8 on
+ * AVX2: a group in two halves); the kernels are written once for both widths (quant_tiles.h).
+ * Portable C and the last N % 16 rows take one weight row at a time. Which layout a weight is held
+ * in is a flag in the type argument (`| PACKED`): a process on the portable path holds the file's
+ * rows as they are (unpacking a row out of the packed layout byte by byte cost that path 90% of
+ * its time), and every path reads either layout (the tests run each path on each). Rows of the
+ * weight are split across torch's OpenMP threads; one thread computes each output whole.
  */
 
 #include <math.h>
@@ -638,7 +639,9 @@ int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *
     return 0;
 }
 
-/* ---- the packed 32-value types on AVX-512 VNNI: 16 weight rows per vector ---- */
+/* ---- the packed layout's kernels (quant_tiles.h), for AVX-512 VNNI and for AVX2 ---- */
+
+typedef void (*group_fn)(const uint8_t *, int64_t, char *, int64_t, int64_t, int64_t, int64_t, void *, int64_t, int, int64_t);
 
 TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v) {
     if (!y_bf16) {
@@ -653,315 +656,153 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
     _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(r));
 }
 
-#define X16_INLINE TARGET_FAST static inline __attribute__((always_inline))
+#define TW TARGET_FAST
+#define SFX(name) name##_512
+#define LANES 16
+#define VI __m512i
+#define VF __m512
+#define I_SET1_32 _mm512_set1_epi32
+#define I_SET1_8 _mm512_set1_epi8
+#define I_ZERO _mm512_setzero_si512()
+#define I_AND _mm512_and_si512
+#define I_OR _mm512_or_si512
+#define I_SRLI32 _mm512_srli_epi32
+#define I_SLLI32 _mm512_slli_epi32
+#define I_SRAI32 _mm512_srai_epi32
+#define I_SRLI16 _mm512_srli_epi16
+#define I_SLLI16 _mm512_slli_epi16
+#define I_SUB32 _mm512_sub_epi32
+#define I_ADD32 _mm512_add_epi32
+#define I_ADD8 _mm512_add_epi8
+#define I_SHUF8 _mm512_shuffle_epi8
+#define I_BCAST128 _mm512_broadcast_i32x4
+#define F_ZERO _mm512_setzero_ps()
+#define F_SET1 _mm512_set1_ps
+#define F_CVT32 _mm512_cvtepi32_ps
+#define F_MUL _mm512_mul_ps
+#define F_ADD _mm512_add_ps
+#define F_SUB _mm512_sub_ps
+#define F_FMA _mm512_fmadd_ps
+#define F_FNMA _mm512_fnmadd_ps
+#define LOADV(p) _mm512_loadu_si512((const void *)(p))
+#define F16V(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define U16V(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p)))
+#define ADD_WHERE(u, bits, mask, addend) _mm512_mask_add_epi8((u), _mm512_test_epi8_mask((bits), (mask)), (u), (addend))
+#define DOT4(acc, u, x4, wide) _mm512_dpbusd_epi32((acc), (u), _mm512_set1_epi32(x4))
+#define DOT4_SHIFT(wide) 0
+#define STOREV store16
+#include "quant_tiles.h"
+#undef TW
+#undef SFX
+#undef LANES
+#undef VI
+#undef VF
+#undef I_SET1_32
+#undef I_SET1_8
+#undef I_ZERO
+#undef I_AND
+#undef I_OR
+#undef I_SRLI32
+#undef I_SLLI32
+#undef I_SRAI32
+#undef I_SRLI16
+#undef I_SLLI16
+#undef I_SUB32
+#undef I_ADD32
+#undef I_ADD8
+#undef I_SHUF8
+#undef I_BCAST128
+#undef F_ZERO
+#undef F_SET1
+#undef F_CVT32
+#undef F_MUL
+#undef F_ADD
+#undef F_SUB
+#undef F_FMA
+#undef F_FNMA
+#undef LOADV
+#undef F16V
+#undef U16V
+#undef ADD_WHERE
+#undef DOT4
+#undef DOT4_SHIFT
+#undef STOREV
 
-/* float32 x, the exact weights (the float32 product's rule): for quads q0 .. q0 + nq of 32-value group
- * g, w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2), as gguf-py computes it, and
- * acc = fma(x, w, acc) for each value in order */
-X16_INLINE void exact_quads(const __m512i *u, int q0, int nq, __m512 dw, __m512 add, const int MODE, int off, const float *const *xr, const int MT,
-                            int64_t e0, __m512 *acc) {
-    const __m512i offv = _mm512_set1_epi32(off), byte = _mm512_set1_epi32(255);
-    for (int q = q0; q < q0 + nq; q++)
-        for (int i = 0; i < 4; i++) {
-            const __m512i c = _mm512_and_si512(_mm512_srli_epi32(u[q], 8 * i), byte);
-            __m512 w = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_sub_epi32(c, offv)));
-            if (MODE == 1) w = _mm512_add_ps(w, add);
-            if (MODE == 2) w = _mm512_sub_ps(w, add);
-            for (int m = 0; m < MT; m++) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xr[m][e0 + 4 * q + i]), w, acc[m]);
-        }
+/* AVX2 (8 lanes: half a group at a time). No 4-byte dot product instruction: maddubs multiplies
+ * unsigned by signed bytes and adds pairs into 16 bits, saturating, then madd adds the pairs into
+ * 32 bits. Codes below 64 go in unsigned as they are (63 * 127 * 2 < 32767). Codes up to 255 (Q8_0,
+ * IQ4) as w = code - 128, signed: |w| * (x * sign(w)), at most 128 * 127 * 2 = 32512, so the sum is
+ * sum((code - 128) * x), from which the rule's integer follows exactly (DOT4_SHIFT). */
+TARGET_AVX2F static inline __m256i dot4_avx2(__m256i acc, __m256i u, int32_t x4, int wide) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    __m256i p;
+    if (wide) {
+        const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+        p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    } else {
+        p = _mm256_maddubs_epi16(u, x);
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-/* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;
- * nq = 4: its 16-value half h16), scale dw and, MODE 1 / 2, a value added / subtracted (the
- * minimum): the int8 rule's operations for rows of quantized activations, or (EXACT) the float32
- * rule's on x itself. */
-X16_INLINE void consume(const __m512i *u, int q0, int nq, __m512 dw, __m512 add, const int MODE, int off, const int EXACT, const arow *a,
-                        const float *const *xr, const int MT, int64_t a32, int h16, __m512 *acc) {
-    if (EXACT) {
-        exact_quads(u, q0, nq, dw, add, MODE, off, xr, MT, 32 * a32, acc);
+TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v) {
+    if (!y_bf16) {
+        _mm256_storeu_ps((float *)y + i, v);
         return;
     }
-    for (int i = 0; i < MT; i++) {
-        const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
-        const int32_t xs = nq == 8 ? a[i].xs32[a32] : a[i].xs16[2 * a32 + h16];
-        __m512i s0 = _mm512_set1_epi32(-off * xs), s1 = _mm512_setzero_si512();
-        for (int q = q0; q < q0 + nq; q += 2) {
-            s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xq4[q]));
-            s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xq4[q + 1]));
-        }
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(dw, _mm512_set1_ps(a[i].dx[a32])), acc[i]);
-        const __m512 sdx = _mm512_set1_ps(nq == 8 ? a[i].sdx32[a32] : a[i].sdx16[2 * a32 + h16]);
-        if (MODE == 1) acc[i] = _mm512_fmadd_ps(add, sdx, acc[i]);
-        if (MODE == 2) acc[i] = _mm512_fnmadd_ps(add, sdx, acc[i]);
-    }
+    const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), _mm256_and_si256(hi, _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    /* the low 16 bits of each lane, in order */
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)y + i), packed);
 }
 
-/* a tile's rows of x (quantized rows, or EXACT: x itself, float32 [M, K]) and zeroed outputs */
-X16_INLINE void tile_start(char *act, int64_t M, int64_t K, int64_t m0, const int MT, const int EXACT, arow *a, const float **xr, __m512 *acc) {
-    for (int i = 0; i < MT; i++) {
-        if (EXACT)
-            xr[i] = (const float *)act + (m0 + i) * K;
-        else
-            a[i] = act_row(act, M, K, m0 + i);
-        acc[i] = _mm512_setzero_ps();
-    }
-}
-
-TARGET_FAST static inline __m512i iq4_table(void) { /* IQ4_VALUES + 128, in each 128-bit lane */
-    return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
-                                                (char)197, (char)217, (char)241));
-}
-
-#define PIECE(base, k) _mm512_loadu_si512((const void *)((base) + 64 * (k)))
-
-
-/* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
- * operations, lane r for weight row n0 + r */
-X16_INLINE void x16_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, void *y,
-                         int64_t ldy, int y_bf16, int64_t n0) {
-    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
-    const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
-    const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : 2, qhoff = with_min ? 4 : 2;
-    const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
-    const __m512i m15 = _mm512_set1_epi8(15);
-    const __m512i table = iq4_table();
-    const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
-    arow a[8];
-    const float *xr[8];
-    __m512 acc[8];
-    tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
-        prefetch_ahead(gb, 16 * bytes);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
-        const __m512 mn = with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32))) : _mm512_setzero_ps();
-        __m512i u[8];
-        if (type == T_Q8_0) {
-            for (int q = 0; q < 8; q++) u[q] = _mm512_loadu_si512((const void *)(qs + 64 * q));
-        } else {
-            for (int q = 0; q < 4; q++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * q));
-                u[q] = _mm512_and_si512(v, m15);
-                u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-            }
-            if (type == T_IQ4_NL)
-                for (int q = 0; q < 8; q++) u[q] = _mm512_shuffle_epi8(table, u[q]);
-            if (five) { /* value 4q + i of a row takes bit 4q + i of its qh */
-                const __m512i qh = _mm512_loadu_si512((const void *)(gb + 16 * qhoff)), x10 = _mm512_set1_epi8(16);
-                for (int q = 0; q < 8; q++) {
-                    const __m512i byte = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)(q / 2))));
-                    const __mmask64 k = _mm512_test_epi8_mask(byte, _mm512_set1_epi32(q % 2 ? (int)0x80402010 : 0x08040201));
-                    u[q] = _mm512_mask_add_epi8(u[q], k, u[q], x10);
-                }
-            }
-        }
-        consume(u, 0, 8, d, mn, with_min ? 1 : 0, off, EXACT, a, xr, MT, b, 0, acc);
-    }
-    for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
-}
-
-/* The K-quants (256 values a block): Q4_K and Q5_K (32-value groups with 6-bit scales and minimums)
- * and Q6_K (16-value groups with int8 scales), 16 weight rows per vector, the rule's operations. */
-X16_INLINE void x16k_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
-                          void *y, int64_t ldy, int y_bf16, int64_t n0) {
-    const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
-    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), m63 = _mm512_set1_epi32(63), m30 = _mm512_set1_epi32(0x30);
-    const __m512i x10 = _mm512_set1_epi8(16);
-    arow a[8];
-    const float *xr[8];
-    __m512 acc[8];
-    tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *gb = group + b * 16 * bytes;
-        prefetch_ahead(gb, 16 * bytes);
-        if (type == T_Q6_K) {
-            const uint8_t *P = gb; /* ql pieces 0..31, qh 32..47, scales 48..51; d after */
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * 208)));
-            for (int g = 0; g < 8; g++) {
-                const int h = g / 4, t = g % 4;
-                __m512i u[8];
-                for (int q = 0; q < 8; q++) {
-                    const __m512i ql = PIECE(P, 16 * h + 8 * (t % 2) + q), qh = PIECE(P, 32 + 8 * h + q);
-                    const __m512i lo = _mm512_and_si512(t >= 2 ? _mm512_srli_epi16(ql, 4) : ql, m15);
-                    u[q] = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * t), m3), 4));
-                }
-                __m512 dw[2];
-                for (int k = 0; k < 2; k++) { /* sub-block 2g + k: int8 scale, byte (2g + k) % 4 of piece 48 + (2g + k) / 4 */
-                    const int sb = 2 * g + k;
-                    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(PIECE(P, 48 + sb / 4), 24 - 8 * (sb % 4)), 24);
-                    dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                }
-                const int64_t a32 = b * 8 + g;
-                consume(u, 0, 4, dw[0], dw[0], 0, 32, EXACT, a, xr, MT, a32, 0, acc);
-                consume(u, 4, 4, dw[1], dw[1], 0, 32, EXACT, a, xr, MT, a32, 1, acc);
-            }
-            continue;
-        }
-        const int q5 = type == T_Q5_K;
-        const uint8_t *P = gb + 64; /* pieces: scales 0..2, (Q5_K: qh 3..10), qs after */
-        const int qs0 = q5 ? 11 : 3;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
-        const __m512i v0 = PIECE(P, 0), v1 = PIECE(P, 1), v2 = PIECE(P, 2);
-        for (int s = 0; s < 8; s++) {
-            __m512i sc, mn;
-            if (s < 4) {
-                sc = _mm512_and_si512(_mm512_srli_epi32(v0, 8 * s), m63);
-                mn = _mm512_and_si512(_mm512_srli_epi32(v1, 8 * s), m63);
-            } else {
-                const int k = s - 4;
-                sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v2, 8 * k), _mm512_set1_epi32(15)),
-                                     _mm512_and_si512(_mm512_srli_epi32(v0, 8 * k + 2), m30));
-                mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v2, 8 * k + 4), _mm512_set1_epi32(15)),
-                                     _mm512_and_si512(_mm512_srli_epi32(v1, 8 * k + 2), m30));
-            }
-            const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), mw = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
-            __m512i u[8];
-            for (int q = 0; q < 8; q++) {
-                const __m512i v = PIECE(P, qs0 + 8 * (s / 2) + q);
-                u[q] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, m15);
-                if (q5) u[q] = _mm512_mask_add_epi8(u[q], _mm512_test_epi8_mask(PIECE(P, 3 + q), _mm512_set1_epi8((char)(1 << s))), u[q], x10);
-            }
-            const int64_t a32 = b * 8 + s;
-            consume(u, 0, 8, dw, mw, 2, 0, EXACT, a, xr, MT, a32, 0, acc);
-        }
-    }
-    for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
-}
-
-/* Q2_K and Q3_K (16-value groups, 2- and 3-bit codes) and IQ4_XS (32-value groups of IQ4_NL's
- * codebook with 6-bit scales), 16 weight rows per vector, the rule's operations. */
-X16_INLINE void x16s_tile(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0,
-                          void *y, int64_t ldy, int y_bf16, int64_t n0) {
-    const int bytes = type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : 136;
-    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), x4 = _mm512_set1_epi8(4);
-    const __m512i table = iq4_table();
-    arow a[8];
-    const float *xr[8];
-    __m512 acc[8];
-    tile_start(act, M, K, m0, MT, EXACT, a, xr, acc);
-#define BYTE_OF(v, k) _mm512_and_si512(_mm512_srli_epi32((v), 8 * ((k) % 4)), _mm512_set1_epi32(255))
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *gb = group + b * 16 * bytes;
-        prefetch_ahead(gb, 16 * bytes);
-        if (type == T_IQ4_XS) { /* d at 0, the high scale bits (2 bytes) at 32, pieces from 64: low scale bits, then codes */
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
-            const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gb + 32)));
-            const uint8_t *P = gb + 64;
-            const __m512i sl = PIECE(P, 0);
-            for (int ib = 0; ib < 8; ib++) {
-                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sl, 4 * ib), _mm512_set1_epi32(15)); /* byte ib/2, nibble ib%2 */
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(sh, 2 * ib), _mm512_set1_epi32(3));
-                const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
-                const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(ls));
-                __m512i u[8];
-                for (int q = 0; q < 4; q++) {
-                    const __m512i v = PIECE(P, 1 + 4 * ib + q);
-                    u[q] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m15));
-                    u[q + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
-                }
-                const int64_t a32 = b * 8 + ib;
-                consume(u, 0, 8, dw, dw, 0, 128, EXACT, a, xr, MT, a32, 0, acc);
-            }
-            continue;
-        }
-        const int q3 = type == T_Q3_K;
-        const uint8_t *P = gb; /* pieces from 0; Q2_K: scales 0..3, codes 4..19, d, dmin after; Q3_K: high bits 0..7, codes 8..23, scales 24..26, d after */
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * (q3 ? 108 : 80))));
-        const __m512 dmin = q3 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 16 * 82)));
-        for (int g = 0; g < 8; g++) {
-            const int h = g / 4, s = g % 4;
-            __m512i u[8];
-            for (int q = 0; q < 8; q++) {
-                const __m512i v = PIECE(P, (q3 ? 8 : 4) + 8 * h + q);
-                u[q] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), m3);
-                if (q3) u[q] = _mm512_mask_add_epi8(u[q], _mm512_test_epi8_mask(PIECE(P, q), _mm512_set1_epi8((char)(1 << g))), u[q], x4);
-            }
-            __m512 dw[2], mw[2];
-            for (int k = 0; k < 2; k++) {
-                const int i16 = 2 * g + k;
-                if (q3) { /* 6-bit signed scale: low nibble of byte i16 % 8, 2 high bits of byte 8 + i16 % 4 */
-                    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(BYTE_OF(PIECE(P, 24 + (i16 & 7) / 4), i16 & 7), 4 * (i16 >> 3)), _mm512_set1_epi32(15));
-                    const __m512i high = _mm512_and_si512(_mm512_srli_epi32(BYTE_OF(PIECE(P, 26), i16 & 3), 2 * (i16 >> 2)), _mm512_set1_epi32(3));
-                    const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
-                    dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                } else { /* scale in the low nibble of byte i16, minimum in the high */
-                    const __m512i byte = BYTE_OF(PIECE(P, i16 / 4), i16);
-                    dw[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(byte, _mm512_set1_epi32(15))));
-                    mw[k] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4)));
-                }
-            }
-            const int64_t a32 = b * 8 + g;
-            for (int k = 0; k < 2; k++) consume(u, 4 * k, 4, dw[k], q3 ? dw[k] : mw[k], q3 ? 0 : 2, q3 ? 4 : 0, EXACT, a, xr, MT, a32, k, acc);
-        }
-    }
-#undef BYTE_OF
-    for (int i = 0; i < MT; i++) store16(y, y_bf16, (m0 + i) * ldy + n0, acc[i]);
-}
-
-#define X16_TYPE(TYPE, TILE)  X16_VARIANT(TYPE, TILE, 0, x16_##TYPE) X16_VARIANT(TYPE, TILE, 1, x16f_##TYPE)
-#define X16_VARIANT(TYPE, TILE, EXACT, NAME)                                                                                            \
-    TARGET_FAST static void NAME(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, \
-                                       int64_t ldy, int y_bf16, int64_t n0) {                                          \
-        while (m0 < m1) {                                                                                               \
-            const int64_t left = m1 - m0;                                                                               \
-            if (left >= 8) TILE(TYPE, 8, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 8;                    \
-            else if (left >= 4) TILE(TYPE, 4, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 4;               \
-            else if (left >= 2) TILE(TYPE, 2, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 2;               \
-            else TILE(TYPE, 1, EXACT, group, nb, act, M, K, m0, y, ldy, y_bf16, n0), m0 += 1;                              \
-        }                                                                                                               \
-    }
-X16_TYPE(T_Q4_0, x16_tile)
-X16_TYPE(T_Q4_1, x16_tile)
-X16_TYPE(T_Q5_0, x16_tile)
-X16_TYPE(T_Q5_1, x16_tile)
-X16_TYPE(T_Q8_0, x16_tile)
-X16_TYPE(T_IQ4_NL, x16_tile)
-X16_TYPE(T_Q4_K, x16k_tile)
-X16_TYPE(T_Q5_K, x16k_tile)
-X16_TYPE(T_Q6_K, x16k_tile)
-X16_TYPE(T_Q2_K, x16s_tile)
-X16_TYPE(T_Q3_K, x16s_tile)
-X16_TYPE(T_IQ4_XS, x16s_tile)
-
-typedef void (*x16_fn)(const uint8_t *, int64_t, char *, int64_t, int64_t, int64_t, int64_t, void *, int64_t, int, int64_t);
-
-static x16_fn x16_for(int type) {
-    switch (type) {
-    case T_Q4_0: return x16_T_Q4_0;
-    case T_Q4_1: return x16_T_Q4_1;
-    case T_Q5_0: return x16_T_Q5_0;
-    case T_Q5_1: return x16_T_Q5_1;
-    case T_Q8_0: return x16_T_Q8_0;
-    case T_IQ4_NL: return x16_T_IQ4_NL;
-    case T_Q4_K: return x16_T_Q4_K;
-    case T_Q5_K: return x16_T_Q5_K;
-    case T_Q6_K: return x16_T_Q6_K;
-    case T_Q2_K: return x16_T_Q2_K;
-    case T_Q3_K: return x16_T_Q3_K;
-    case T_IQ4_XS: return x16_T_IQ4_XS;
-    default: return NULL;
-    }
-}
-
-static x16_fn x16f_for(int type) {
-    switch (type) {
-    case T_Q4_0: return x16f_T_Q4_0;
-    case T_Q4_1: return x16f_T_Q4_1;
-    case T_Q5_0: return x16f_T_Q5_0;
-    case T_Q5_1: return x16f_T_Q5_1;
-    case T_Q8_0: return x16f_T_Q8_0;
-    case T_IQ4_NL: return x16f_T_IQ4_NL;
-    case T_Q4_K: return x16f_T_Q4_K;
-    case T_Q5_K: return x16f_T_Q5_K;
-    case T_Q6_K: return x16f_T_Q6_K;
-    case T_Q2_K: return x16f_T_Q2_K;
-    case T_Q3_K: return x16f_T_Q3_K;
-    case T_IQ4_XS: return x16f_T_IQ4_XS;
-    default: return NULL;
-    }
-}
+#define TW TARGET_AVX2F
+#define SFX(name) name##_256
+#define LANES 8
+#define VI __m256i
+#define VF __m256
+#define I_SET1_32 _mm256_set1_epi32
+#define I_SET1_8 _mm256_set1_epi8
+#define I_ZERO _mm256_setzero_si256()
+#define I_AND _mm256_and_si256
+#define I_OR _mm256_or_si256
+#define I_SRLI32 _mm256_srli_epi32
+#define I_SLLI32 _mm256_slli_epi32
+#define I_SRAI32 _mm256_srai_epi32
+#define I_SRLI16 _mm256_srli_epi16
+#define I_SLLI16 _mm256_slli_epi16
+#define I_SUB32 _mm256_sub_epi32
+#define I_ADD32 _mm256_add_epi32
+#define I_ADD8 _mm256_add_epi8
+#define I_SHUF8 _mm256_shuffle_epi8
+#define I_BCAST128 _mm256_broadcastsi128_si256
+#define F_ZERO _mm256_setzero_ps()
+#define F_SET1 _mm256_set1_ps
+#define F_CVT32 _mm256_cvtepi32_ps
+#define F_MUL _mm256_mul_ps
+#define F_ADD _mm256_add_ps
+#define F_SUB _mm256_sub_ps
+#define F_FMA _mm256_fmadd_ps
+#define F_FNMA _mm256_fnmadd_ps
+#define LOADV(p) _mm256_loadu_si256((const __m256i *)(p))
+#define F16V(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define U16V(p) _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define ADD_WHERE(u, bits, mask, addend) \
+    _mm256_add_epi8((u), _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256((bits), (mask)), _mm256_setzero_si256()), (addend)))
+#define DOT4(acc, u, x4, wide) dot4_avx2((acc), (u), (x4), (wide))
+#define DOT4_SHIFT(wide) ((wide) ? 128 : 0)
+#define STOREV store8
+#include "quant_tiles.h"
 
 /* ---- entry points ---- */
+
+/* the packed layout's kernel for this path and type (NULL: the row-at-a-time path's) */
+static group_fn group_kernel(int isa, int type, int exact) {
+    return isa == ISA_AVX512_VNNI ? group_kernel_512(type, exact) : isa == ISA_AVX2 ? group_kernel_256(type, exact) : NULL;
+}
 
 int treadle_q_isa_supported(int isa) {
     __builtin_cpu_init();
@@ -1026,7 +867,7 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
     if (!treadle_q_isa_supported(isa)) return 3;
     float (*dot)(const float *, const float *, int64_t) = isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
     const int64_t rb = K / t.elems * t.bytes;
-    const x16_fn x16 = isa == ISA_AVX512_VNNI && packed ? x16f_for(type) : NULL;
+    const group_fn x16 = packed ? group_kernel(isa, type, 1) : NULL;
     const int64_t groups = x16 ? N / 16 : 0;
     const int parallel = (double)M * (double)N * (double)K >= 2e5;
     int err = 0;
@@ -1070,7 +911,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;
     const int64_t rb = K / t.elems * t.bytes;
-    const x16_fn x16 = isa == ISA_AVX512_VNNI && packed ? x16_for(type) : NULL;
+    const group_fn x16 = packed ? group_kernel(isa, type, 0) : NULL;
     const int64_t groups = x16 ? N / 16 : 0; /* groups of 16 rows the vector kernel takes; the rest one row at a time */
     const int fast = (isa == ISA_AVX512_VNNI || isa == ISA_AVX2) && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, arow, int64_t) =

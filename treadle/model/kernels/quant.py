@@ -103,6 +103,7 @@ def _choose(forced: str | None) -> str:
 
 
 PACKED = 0x100  # quant.c's flag in a type argument: the weight is held in the packed layout
+PACKED_ISAS = ("vnni", "avx2")  # the paths whose kernels read 16 interleaved rows (quant_tiles.h)
 
 
 class QuantizedTensor:
@@ -110,7 +111,7 @@ class QuantizedTensor:
 
     Built from the file's blocks (uint8 [rows, bytes per row]); `data` is the same bytes, moved
     into quant.c's packed layout (rows of every type interleaved 16 at a time) where this process's
-    path is VNNI, whose kernels read 16 rows at once (`packed`), else as the file has them; the
+    path is VNNI or AVX2, whose kernels read 16 rows at once (`packed`), else as the file has them; the
     same size either way, and `blocks()` gives the file's back. `type_id` carries the layout."""
 
     __slots__ = ("kind", "data", "shape", "packed")
@@ -126,7 +127,7 @@ class QuantizedTensor:
             raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} does not hold rows of {cols} values")
         self.kind = kind
         self.shape = torch.Size((blocks.shape[0], cols))
-        self.packed = isa() == "vnni"
+        self.packed = isa() in PACKED_ISAS
         if isinstance(blocks, np.ndarray):
             blocks = np.ascontiguousarray(blocks)
             self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else torch.from_numpy(blocks.copy())

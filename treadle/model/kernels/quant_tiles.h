@@ -1,0 +1,310 @@
+/* The packed-layout kernels of quant.c, written once for two vector widths. quant.c includes this
+ * file twice: for AVX-512 VNNI (a vector is 16 lanes: one output of each of a group's 16 weight
+ * rows) and for AVX2 (8 lanes: the group's rows 0-7, then 8-15, `half`). Every lane computes the
+ * rule of quant.c's header for its own weight row, with the same float operations in the same
+ * order on both widths, so they give the same bits; the integer sums are exact either way.
+ *
+ * Before including, quant.c defines:
+ *   TW                   the functions' target attribute
+ *   SFX(name)            the names of this width's functions
+ *   LANES                16 or 8
+ *   VI, VF               the integer and float vector types
+ *   and the operations below (I_*, F_*, LOADV, F16V, U16V, DOT4, ADD_WHERE, STOREV).
+ *
+ * `half` selects a group's rows 8 * half .. 8 * half + 7 on AVX2 and is 0 on AVX-512: a 64-byte
+ * piece of the layout holds 16 rows' 4 bytes, of which this width reads bytes 32 * half on;
+ * a float16 field holds 16 rows' 2 bytes, of which it reads bytes 16 * half on. */
+
+#define P_OFF(half) ((half) * LANES * 4)  /* into a piece */
+#define H_OFF(half) ((half) * LANES * 2)  /* into a float16 field */
+#define PIECE(base, k, half) LOADV((base) + 64 * (k) + P_OFF(half))
+
+/* float32 x, the exact weights (the float32 product's rule): for quads q0 .. q0 + nq of 32-value group
+ * g, w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2), as gguf-py computes it, and
+ * acc = fma(x, w, acc) for each value in order */
+TW static inline __attribute__((always_inline)) void SFX(exact_quads)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off,
+                                                                     const float *const *xr, const int MT, int64_t e0, VF *acc) {
+    const VI offv = I_SET1_32(off), byte = I_SET1_32(255);
+    for (int q = q0; q < q0 + nq; q++)
+        for (int i = 0; i < 4; i++) {
+            const VI c = I_AND(I_SRLI32(u[q], 8 * i), byte);
+            VF w = F_MUL(dw, F_CVT32(I_SUB32(c, offv)));
+            if (MODE == 1) w = F_ADD(w, add);
+            if (MODE == 2) w = F_SUB(w, add);
+            for (int m = 0; m < MT; m++) acc[m] = F_FMA(F_SET1(xr[m][e0 + 4 * q + i]), w, acc[m]);
+        }
+}
+
+/* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;
+ * nq = 4: its 16-value half h16), scale dw and, MODE 1 / 2, a value added / subtracted (the
+ * minimum): the int8 rule's operations for rows of quantized activations, or (EXACT) the float32
+ * rule's on x itself. DOT4 adds sum(code * x) over a quad's 4 values to each 32-bit lane, or
+ * sum((code - 128) * x) where the codes reach 255 (`off` 128, AVX2's signed products): the sum
+ * starts from the rule's -off * sum(xq) less what DOT4 already took away. */
+TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off, const int EXACT,
+                                                                 const arow *a, const float *const *xr, const int MT, int64_t a32, int h16, VF *acc) {
+    if (EXACT) {
+        SFX(exact_quads)(u, q0, nq, dw, add, MODE, off, xr, MT, 32 * a32, acc);
+        return;
+    }
+    const int wide = off >= 128; /* codes up to 255 */
+    for (int i = 0; i < MT; i++) {
+        const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+        const int32_t xs = nq == 8 ? a[i].xs32[a32] : a[i].xs16[2 * a32 + h16];
+        VI s0 = I_SET1_32((DOT4_SHIFT(wide) - off) * xs), s1 = I_ZERO;
+        for (int q = q0; q < q0 + nq; q += 2) {
+            s0 = DOT4(s0, u[q], xq4[q], wide);
+            s1 = DOT4(s1, u[q + 1], xq4[q + 1], wide);
+        }
+        acc[i] = F_FMA(F_CVT32(I_ADD32(s0, s1)), F_MUL(dw, F_SET1(a[i].dx[a32])), acc[i]);
+        const VF sdx = F_SET1(nq == 8 ? a[i].sdx32[a32] : a[i].sdx16[2 * a32 + h16]);
+        if (MODE == 1) acc[i] = F_FMA(add, sdx, acc[i]);
+        if (MODE == 2) acc[i] = F_FNMA(add, sdx, acc[i]);
+    }
+}
+
+/* a tile's rows of x (quantized rows, or EXACT: x itself, float32 [M, K]) and zeroed outputs */
+TW static inline __attribute__((always_inline)) void SFX(tile_start)(char *act, int64_t M, int64_t K, int64_t m0, const int MT, const int EXACT,
+                                                                    arow *a, const float **xr, VF *acc) {
+    for (int i = 0; i < MT; i++) {
+        if (EXACT)
+            xr[i] = (const float *)act + (m0 + i) * K;
+        else
+            a[i] = act_row(act, M, K, m0 + i);
+        acc[i] = F_ZERO;
+    }
+}
+
+TW static inline VI SFX(iq4_table)(void) { /* IQ4_VALUES + 128, in each 128-bit lane */
+    return I_BCAST128(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181, (char)197, (char)217,
+                                    (char)241));
+}
+
+/* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
+ * operations, lane r for weight row n0 + r (the 32-value types) */
+TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
+                                                                char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
+                                                                int half) {
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : 2, qhoff = with_min ? 4 : 2;
+    const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
+    const VI m15 = I_SET1_8(15);
+    const VI table = SFX(iq4_table)();
+    const VI spread = I_BCAST128(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
+    arow a[8];
+    const float *xr[8];
+    VF acc[8];
+    SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
+        prefetch_ahead(gb, 16 * bytes);
+        const VF d = F16V(gb + H_OFF(half));
+        const VF mn = with_min ? F16V(gb + 32 + H_OFF(half)) : F_ZERO;
+        VI u[8];
+        if (type == T_Q8_0) {
+            for (int q = 0; q < 8; q++) u[q] = PIECE(qs, q, half);
+        } else {
+            for (int q = 0; q < 4; q++) {
+                const VI v = PIECE(qs, q, half);
+                u[q] = I_AND(v, m15);
+                u[q + 4] = I_AND(I_SRLI16(v, 4), m15);
+            }
+            if (type == T_IQ4_NL)
+                for (int q = 0; q < 8; q++) u[q] = I_SHUF8(table, u[q]);
+            if (five) { /* value 4q + i of a row takes bit 4q + i of its qh */
+                const VI qh = PIECE(gb + 16 * qhoff, 0, half);
+                for (int q = 0; q < 8; q++) {
+                    const VI byte = I_SHUF8(qh, I_ADD8(spread, I_SET1_8((char)(q / 2))));
+                    u[q] = ADD_WHERE(u[q], byte, I_SET1_32(q % 2 ? (int)0x80402010 : 0x08040201), I_SET1_8(16));
+                }
+            }
+        }
+        SFX(consume)(u, 0, 8, d, mn, with_min ? 1 : 0, off, EXACT, a, xr, MT, b, 0, acc);
+    }
+    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+}
+
+/* The K-quants (256 values a block): Q4_K and Q5_K (32-value groups with 6-bit scales and minimums)
+ * and Q6_K (16-value groups with int8 scales), the rule's operations. */
+TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
+                                                               char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
+                                                               int half) {
+    const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+    const VI m15 = I_SET1_8(15), m3 = I_SET1_8(3), m63 = I_SET1_32(63), m30 = I_SET1_32(0x30);
+    const VI x10 = I_SET1_8(16);
+    arow a[8];
+    const float *xr[8];
+    VF acc[8];
+    SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = group + b * 16 * bytes;
+        prefetch_ahead(gb, 16 * bytes);
+        if (type == T_Q6_K) {
+            const uint8_t *P = gb; /* ql pieces 0..31, qh 32..47, scales 48..51; d after */
+            const VF d = F16V(gb + 16 * 208 + H_OFF(half));
+            for (int g = 0; g < 8; g++) {
+                const int h = g / 4, t = g % 4;
+                VI u[8];
+                for (int q = 0; q < 8; q++) {
+                    const VI ql = PIECE(P, 16 * h + 8 * (t % 2) + q, half), qh = PIECE(P, 32 + 8 * h + q, half);
+                    const VI lo = I_AND(t >= 2 ? I_SRLI16(ql, 4) : ql, m15);
+                    u[q] = I_OR(lo, I_SLLI16(I_AND(I_SRLI16(qh, 2 * t), m3), 4));
+                }
+                VF dw[2];
+                for (int k = 0; k < 2; k++) { /* sub-block 2g + k: int8 scale, byte (2g + k) % 4 of piece 48 + (2g + k) / 4 */
+                    const int sb = 2 * g + k;
+                    const VI sc = I_SRAI32(I_SLLI32(PIECE(P, 48 + sb / 4, half), 24 - 8 * (sb % 4)), 24);
+                    dw[k] = F_MUL(d, F_CVT32(sc));
+                }
+                const int64_t a32 = b * 8 + g;
+                SFX(consume)(u, 0, 4, dw[0], dw[0], 0, 32, EXACT, a, xr, MT, a32, 0, acc);
+                SFX(consume)(u, 4, 4, dw[1], dw[1], 0, 32, EXACT, a, xr, MT, a32, 1, acc);
+            }
+            continue;
+        }
+        const int q5 = type == T_Q5_K;
+        const uint8_t *P = gb + 64; /* pieces: scales 0..2, (Q5_K: qh 3..10), qs after */
+        const int qs0 = q5 ? 11 : 3;
+        const VF d = F16V(gb + H_OFF(half)), dmin = F16V(gb + 32 + H_OFF(half));
+        const VI v0 = PIECE(P, 0, half), v1 = PIECE(P, 1, half), v2 = PIECE(P, 2, half);
+        for (int s = 0; s < 8; s++) {
+            VI sc, mn;
+            if (s < 4) {
+                sc = I_AND(I_SRLI32(v0, 8 * s), m63);
+                mn = I_AND(I_SRLI32(v1, 8 * s), m63);
+            } else {
+                const int k = s - 4;
+                sc = I_OR(I_AND(I_SRLI32(v2, 8 * k), I_SET1_32(15)), I_AND(I_SRLI32(v0, 8 * k + 2), m30));
+                mn = I_OR(I_AND(I_SRLI32(v2, 8 * k + 4), I_SET1_32(15)), I_AND(I_SRLI32(v1, 8 * k + 2), m30));
+            }
+            const VF dw = F_MUL(d, F_CVT32(sc)), mw = F_MUL(dmin, F_CVT32(mn));
+            VI u[8];
+            for (int q = 0; q < 8; q++) {
+                const VI v = PIECE(P, qs0 + 8 * (s / 2) + q, half);
+                u[q] = I_AND(s % 2 ? I_SRLI16(v, 4) : v, m15);
+                if (q5) u[q] = ADD_WHERE(u[q], PIECE(P, 3 + q, half), I_SET1_8((char)(1 << s)), x10);
+            }
+            const int64_t a32 = b * 8 + s;
+            SFX(consume)(u, 0, 8, dw, mw, 2, 0, EXACT, a, xr, MT, a32, 0, acc);
+        }
+    }
+    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+}
+
+/* Q2_K and Q3_K (16-value groups, 2- and 3-bit codes) and IQ4_XS (32-value groups of IQ4_NL's
+ * codebook with 6-bit scales), the rule's operations. */
+TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
+                                                               char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
+                                                               int half) {
+    const int bytes = type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : 136;
+    const VI m15 = I_SET1_8(15), m3 = I_SET1_8(3), x4 = I_SET1_8(4);
+    const VI table = SFX(iq4_table)();
+    arow a[8];
+    const float *xr[8];
+    VF acc[8];
+    SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
+#define BYTE_OF(v, k) I_AND(I_SRLI32((v), 8 * ((k) % 4)), I_SET1_32(255))
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = group + b * 16 * bytes;
+        prefetch_ahead(gb, 16 * bytes);
+        if (type == T_IQ4_XS) { /* d at 0, the high scale bits (2 bytes) at 32, pieces from 64: low scale bits, then codes */
+            const VF d = F16V(gb + H_OFF(half));
+            const VI sh = U16V(gb + 32 + H_OFF(half));
+            const uint8_t *P = gb + 64;
+            const VI sl = PIECE(P, 0, half);
+            for (int ib = 0; ib < 8; ib++) {
+                const VI lo = I_AND(I_SRLI32(sl, 4 * ib), I_SET1_32(15)); /* byte ib/2, nibble ib%2 */
+                const VI hi = I_AND(I_SRLI32(sh, 2 * ib), I_SET1_32(3));
+                const VI ls = I_SUB32(I_OR(lo, I_SLLI32(hi, 4)), I_SET1_32(32));
+                const VF dw = F_MUL(d, F_CVT32(ls));
+                VI u[8];
+                for (int q = 0; q < 4; q++) {
+                    const VI v = PIECE(P, 1 + 4 * ib + q, half);
+                    u[q] = I_SHUF8(table, I_AND(v, m15));
+                    u[q + 4] = I_SHUF8(table, I_AND(I_SRLI16(v, 4), m15));
+                }
+                const int64_t a32 = b * 8 + ib;
+                SFX(consume)(u, 0, 8, dw, dw, 0, 128, EXACT, a, xr, MT, a32, 0, acc);
+            }
+            continue;
+        }
+        const int q3 = type == T_Q3_K;
+        const uint8_t *P = gb; /* pieces from 0; Q2_K: scales 0..3, codes 4..19, d, dmin after; Q3_K: high bits 0..7, codes 8..23, scales 24..26, d after */
+        const VF d = F16V(gb + 16 * (q3 ? 108 : 80) + H_OFF(half));
+        const VF dmin = q3 ? F_ZERO : F16V(gb + 16 * 82 + H_OFF(half));
+        for (int g = 0; g < 8; g++) {
+            const int h = g / 4, s = g % 4;
+            VI u[8];
+            for (int q = 0; q < 8; q++) {
+                const VI v = PIECE(P, (q3 ? 8 : 4) + 8 * h + q, half);
+                u[q] = I_AND(I_SRLI16(v, 2 * s), m3);
+                if (q3) u[q] = ADD_WHERE(u[q], PIECE(P, q, half), I_SET1_8((char)(1 << g)), x4);
+            }
+            VF dw[2], mw[2];
+            for (int k = 0; k < 2; k++) {
+                const int i16 = 2 * g + k;
+                if (q3) { /* 6-bit signed scale: low nibble of byte i16 % 8, 2 high bits of byte 8 + i16 % 4 */
+                    const VI low = I_AND(I_SRLI32(BYTE_OF(PIECE(P, 24 + (i16 & 7) / 4, half), i16 & 7), 4 * (i16 >> 3)), I_SET1_32(15));
+                    const VI high = I_AND(I_SRLI32(BYTE_OF(PIECE(P, 26, half), i16 & 3), 2 * (i16 >> 2)), I_SET1_32(3));
+                    const VI sc = I_SUB32(I_OR(low, I_SLLI32(high, 4)), I_SET1_32(32));
+                    dw[k] = F_MUL(d, F_CVT32(sc));
+                } else { /* scale in the low nibble of byte i16, minimum in the high */
+                    const VI byte = BYTE_OF(PIECE(P, i16 / 4, half), i16);
+                    dw[k] = F_MUL(d, F_CVT32(I_AND(byte, I_SET1_32(15))));
+                    mw[k] = F_MUL(dmin, F_CVT32(I_SRLI32(byte, 4)));
+                }
+            }
+            const int64_t a32 = b * 8 + g;
+            for (int k = 0; k < 2; k++) SFX(consume)(u, 4 * k, 4, dw[k], q3 ? dw[k] : mw[k], q3 ? 0 : 2, q3 ? 4 : 0, EXACT, a, xr, MT, a32, k, acc);
+        }
+    }
+#undef BYTE_OF
+    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+}
+
+/* One group of 16 weight rows against rows m0 .. m1 of x: tiles of 8, 4, 2, 1 rows of x, each
+ * over the group's 16 rows (both halves, on AVX2). */
+#define TILE_VARIANT(TYPE, TILE, EXACT, NAME)                                                                                              \
+    TW static void NAME(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y, int64_t ldy, \
+                        int y_bf16, int64_t n0) {                                                                                          \
+        for (int half = 0; half < 16 / LANES; half++)                                                                                      \
+            for (int64_t m = m0; m < m1;) {                                                                                                \
+                const int64_t left = m1 - m;                                                                                               \
+                if (left >= 8) SFX(TILE)(TYPE, 8, EXACT, group, nb, act, M, K, m, y, ldy, y_bf16, n0, half), m += 8;                       \
+                else if (left >= 4) SFX(TILE)(TYPE, 4, EXACT, group, nb, act, M, K, m, y, ldy, y_bf16, n0, half), m += 4;                  \
+                else if (left >= 2) SFX(TILE)(TYPE, 2, EXACT, group, nb, act, M, K, m, y, ldy, y_bf16, n0, half), m += 2;                  \
+                else SFX(TILE)(TYPE, 1, EXACT, group, nb, act, M, K, m, y, ldy, y_bf16, n0, half), m += 1;                                 \
+            }                                                                                                                              \
+    }
+#define TILE_TYPE(TYPE, TILE) TILE_VARIANT(TYPE, TILE, 0, SFX(q8_##TYPE)) TILE_VARIANT(TYPE, TILE, 1, SFX(f32_##TYPE))
+TILE_TYPE(T_Q4_0, tile32)
+TILE_TYPE(T_Q4_1, tile32)
+TILE_TYPE(T_Q5_0, tile32)
+TILE_TYPE(T_Q5_1, tile32)
+TILE_TYPE(T_Q8_0, tile32)
+TILE_TYPE(T_IQ4_NL, tile32)
+TILE_TYPE(T_Q4_K, tilek)
+TILE_TYPE(T_Q5_K, tilek)
+TILE_TYPE(T_Q6_K, tilek)
+TILE_TYPE(T_Q2_K, tiles)
+TILE_TYPE(T_Q3_K, tiles)
+TILE_TYPE(T_IQ4_XS, tiles)
+#undef TILE_TYPE
+#undef TILE_VARIANT
+
+/* this width's function for a type: int8 activations, or (exact) float32 x */
+static group_fn SFX(group_kernel)(int type, int exact) {
+#define CASE(TYPE) \
+    case TYPE: return exact ? SFX(f32_##TYPE) : SFX(q8_##TYPE);
+    switch (type) {
+        CASE(T_Q4_0) CASE(T_Q4_1) CASE(T_Q5_0) CASE(T_Q5_1) CASE(T_Q8_0) CASE(T_IQ4_NL)
+        CASE(T_Q4_K) CASE(T_Q5_K) CASE(T_Q6_K) CASE(T_Q2_K) CASE(T_Q3_K) CASE(T_IQ4_XS)
+    default: return NULL;
+    }
+#undef CASE
+}
+
+#undef P_OFF
+#undef H_OFF
+#undef PIECE

@@ -19,7 +19,7 @@ import sys
 import zmq
 
 from ..config import EngineConfig
-from ..utils import end_with_parent, map_large_allocations
+from ..utils import end_with_parent
 from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
 
 log = logging.getLogger("treadle")
@@ -39,7 +39,6 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[core]: %(message)s")
-    map_large_allocations()  # before the weights: each its own mapping, and no step's transients kept
     if config.cpu_affinity:  # a data-parallel replica's share of the machine (before torch starts its threads)
         os.sched_setaffinity(0, config.cpu_affinity)
     from ..model.registry import restore_registry

@@ -101,8 +101,10 @@ FFN_ROWS = 256
 def in_row_slices(fn, x: torch.Tensor, linears) -> torch.Tensor:
     """fn(x) for a row-wise fn using these Linears, computed FFN_ROWS rows at a time where each
     Linear gives the same bits that way (not under torch.compile, nor with LoRA rows in the step)."""
+    if torch.compiler.is_compiling():  # first: a test of the row count would guard a dynamic-shape graph on it
+        return fn(x)
     n = x.shape[0]
-    if n <= FFN_ROWS or torch.compiler.is_compiling() or LORA_ROWS.groups or not all(lin.rows_apart(FFN_ROWS) for lin in linears):
+    if n <= FFN_ROWS or LORA_ROWS.groups or not all(lin.rows_apart(FFN_ROWS) for lin in linears):
         return fn(x)
     out = None
     for start in range(0, n, FFN_ROWS):

@@ -214,6 +214,18 @@ def _row_bytes(type_id: int, cols: int) -> int:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W a QuantizedTensor's `data` [N, bytes per row]."""
+    # a step's rows, bf16 [M, K]: the short way (a decode step makes ~100 of these calls, and the
+    # Python around one was most of a small product's time: 8.2 -> 5.9 us for a 192 x 576 Q8_0)
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[0]:
+        M, K = x.shape
+        N = data.shape[0]
+        if data.shape[1] != _row_bytes(type_id, K):
+            raise ValueError(f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}")
+        y = torch.empty((M, N), dtype=torch.bfloat16)
+        code = library().treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, x.data_ptr(), 1, x.stride(0), M, y.data_ptr(), N, 1, ISAS[isa()])
+        if code:
+            raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
+        return y
     dtype, lead = x.dtype, x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:

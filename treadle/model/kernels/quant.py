@@ -214,46 +214,30 @@ def _row_bytes(type_id: int, cols: int) -> int:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W a QuantizedTensor's `data` [N, bytes per row]."""
-    # a step's rows, bf16 [M, K]: the short way (a decode step makes ~100 of these calls, and the
-    # Python around one was most of a small product's time: 8.2 -> 5.9 us for a 192 x 576 Q8_0)
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[0]:
-        M, K = x.shape
-        N = data.shape[0]
-        if data.shape[1] != _row_bytes(type_id, K):
-            raise ValueError(f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}")
-        y = torch.empty((M, N), dtype=torch.bfloat16)
-        code = library().treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, x.data_ptr(), 1, x.stride(0), M, y.data_ptr(), N, 1, ISAS[isa()])
-        if code:
-            raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
-        return y
-    dtype, lead = x.dtype, x.shape[:-1]
-    x = x.reshape(-1, x.shape[-1])
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    M, K = x.shape
     N = data.shape[0]
+    if x.dim() != 2 or x.stride(-1) != 1:  # [..., K], or strided columns: as rows
+        lead = x.shape[:-1]
+        return matmul(x.reshape(-1, x.shape[-1]).contiguous(), data, type_id).view(*lead, N)
+    # A step's bf16 rows go straight through the checks below to one C call: a decode step makes
+    # ~120 of these calls, and the Python around one was most of a small product's time.
+    M, K = x.shape
     if data.shape[1] != _row_bytes(type_id, K):
         raise ValueError(f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}")
     if M == 0:
-        return x.new_empty((*lead, N))
-    lib = library()
-    path = ISAS[isa()]
+        return x.new_empty((0, N))
+    lib, path = library(), ISAS[isa()]
     if x.dtype == torch.float32:
-        x = x if x.stride(0) == K else x.contiguous()
+        x32 = x if x.stride(0) == K else x.contiguous()
         y = torch.empty((M, N), dtype=torch.float32)
-        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), N, K, x.data_ptr(), M, y.data_ptr(), N, 0, path)
+        code = lib.treadle_q_matmul_f32(type_id, data.data_ptr(), N, K, x32.data_ptr(), M, y.data_ptr(), N, 0, path)
     else:
-        if x.dtype != torch.bfloat16:
-            x = x.float()
-        out_bf16 = x.dtype == torch.bfloat16
-        y = torch.empty((M, N), dtype=torch.bfloat16 if out_bf16 else torch.float32)
-        code = lib.treadle_q_matmul_q8(
-            type_id, data.data_ptr(), N, K, x.data_ptr(), int(out_bf16), x.stride(0), M, y.data_ptr(), N, int(out_bf16), path
-        )
+        xq = x if x.dtype == torch.bfloat16 else x.float()  # the activations the kernel quantizes
+        bf16 = int(xq.dtype == torch.bfloat16)
+        y = torch.empty((M, N), dtype=xq.dtype)
+        code = lib.treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, xq.data_ptr(), bf16, xq.stride(0), M, y.data_ptr(), N, bf16, path)
     if code:
         raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
-    y = y.view(*lead, N)
-    return y if y.dtype == dtype else y.to(dtype)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 @torch.library.custom_op("treadle::quant_matmul", mutates_args=())

@@ -144,6 +144,21 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind,
             assert torch.equal(other, results[0]), "instruction-set paths disagree"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_any_input_layout_is_its_rows(dtype):
+    """Leading dimensions, strided columns and no rows at all: the product of the same rows, in x's
+    dtype (the kernels take contiguous [M, K] rows; everything else is made into them)."""
+    cols = 96
+    weight = quant.QuantizedTensor("Q8_0", torch.from_numpy(random_blocks("Q8_0", 20, cols, seed=3)), cols)
+    x = torch.randn(6, 2 * cols, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rows = x[:, ::2].contiguous()
+    expected = weight.matmul(rows)
+    assert expected.dtype == dtype and expected.shape == (6, 20)
+    assert torch.equal(weight.matmul(x[:, ::2]), expected)  # strided columns
+    assert torch.equal(weight.matmul(rows.view(2, 3, cols)), expected.view(2, 3, 20))  # leading dimensions
+    assert weight.matmul(rows[:0]).shape == (0, 20)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="not supported"):
         quant.QuantizedTensor("Q7_X", torch.zeros((1, 18), dtype=torch.uint8), 32)

@@ -127,3 +127,51 @@ def test_the_built_vocabulary_is_cached_per_file_and_a_bad_cache_is_rebuilt(spm_
     rebuilt = tokenizer_from_gguf(path, read_metadata(path))
     assert rebuilt.encode(text) == first.encode(text)
     assert cached.read_text().startswith("{") and "not json" not in cached.read_text()
+
+
+def _plain_merges_from_scores(tokens, scores, types):
+    """The rule written out: every split of a normal piece into two pieces of the vocabulary,
+    ordered by the merged piece's score, then the longer left piece, then the longer right one,
+    then the pieces' ids; no merge of a piece with a space (a space never reaches the model)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = [
+        (-score, -len(tok[:i]), -len(tok[i:]), vocab[tok[:i]], vocab[tok[i:]], n)
+        for n, (tok, score, tt) in enumerate(zip(tokens, scores, types))
+        if tt in (1, 4) and " " not in tok
+        for i in range(1, len(tok))
+        if tok[:i] in vocab and tok[i:] in vocab
+    ]
+    # ties on score and lengths keep the pieces' order in the file, then the ids
+    found.sort(key=lambda m: (m[0], m[1], m[2], m[5], m[3], m[4]))
+    return [f"{tokens[m[3]]} {tokens[m[4]]}" for m in found]
+
+
+def test_merges_from_scores_follow_the_rule_ties_included():
+    from treadle.model.tokenizer import _merges_from_scores
+
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "ca", "cab", "abca", "a b", "<s>", "aa", "aaa", "a ", " b"]
+    scores = [0.0, 0.0, 0.0, -1.0, -1.0, -2.0, -1.0, -2.0, -2.0, -0.5, 0.0, -3.0, -3.0, -0.1, -0.1]
+    types = [1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 3, 1, 1, 1, 1]
+    expected = _plain_merges_from_scores(tokens, scores, types)
+    assert expected[:3] == ["a b", "b c", "c a"] and all(m.count(" ") == 1 for m in expected)
+    assert _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)}) == expected
+
+
+def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
+    """GGUF's merges are "a b" strings; one whose piece holds a space ("x y z") can never apply to
+    byte-level text (a space is "Ġ" there), so it does not stop the file from loading."""
+    tokens = ["a", "b", "c", "Ġ", "ab", "abc", "y z"]
+    path = str(tmp_path / "bytes.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(["a b", "ab c", "x y z"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = tokenizer_from_gguf(path, read_metadata(path))
+    assert tok.encode("abc ab", add_special_tokens=False) == [5, 3, 4]
+    assert tok.decode([5, 3, 4]) == "abc ab"

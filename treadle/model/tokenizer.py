@@ -10,9 +10,10 @@ import logging
 import os
 import re
 import threading
+from array import array
 from collections.abc import Callable
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..utils import release_free_heap
@@ -248,30 +249,29 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
 
 
 def _gguf_backend(path: str, meta: dict) -> HFTokenizer:
-    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata."""
-    kind, tokens = meta["tokenizer.ggml.model"], meta["tokenizer.ggml.tokens"]
-    token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    if kind == "gpt2":
-        backend = _byte_level_bpe(path, meta, tokens)
-    else:  # its merges take seconds to derive for a large vocabulary: built once per file
-        backend = _cached_backend(path, lambda: _sentencepiece_bpe(path, meta, tokens, token_types))
-    specials = [
-        AddedToken(tok, special=(tt == TOKEN_CONTROL), normalized=False)
-        for tok, tt in zip(tokens, token_types)
-        if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-    ]
-    backend.add_special_tokens([t for t in specials if t.special])
-    backend.add_tokens([t for t in specials if not t.special])
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
-    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
-    _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
-    release_free_heap()  # the vocabulary's parse: hundreds of MB of freed temporaries for a 262K-token one
+    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata.
+
+    It is written as a tokenizer JSON and parsed once by `tokenizers` (not built from Python
+    dicts and pair lists, nor saved in its own form): merges in the one-string form, which
+    `tokenizers` parses at about a third of the transient memory of pairs (Gemma 3's 515K merges:
+    ~155 MB against ~390)."""
+    if meta["tokenizer.ggml.model"] == "gpt2" or meta.get("tokenizer.ggml.merges") is not None:
+        backend = _parse(path, _gguf_json(path, meta))
+    else:  # merges derived from the scores take a second for a large vocabulary: once per file
+        backend = _cached_backend(path, lambda: _gguf_json(path, meta))
+    release_free_heap()  # the parse's freed temporaries
     return backend
 
 
-def _cached_backend(path: str, build) -> HFTokenizer:
-    """`build()`'s tokenizer, kept as its JSON under ~/.cache/treadle/tokenizers keyed by the file
+def _parse(path: str, text: str) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
+
+
+def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
+    """The tokenizer of `build()`'s JSON, kept under ~/.cache/treadle/tokenizers keyed by the file
     (path, size, modification time), this module's source and the tokenizers version; any
     failure to read or write the cache only costs the build."""
     import hashlib
@@ -291,12 +291,14 @@ def _cached_backend(path: str, build) -> HFTokenizer:
             return HFTokenizer.from_file(cached)
     except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
         log.debug("tokenizer cache unreadable (%s): building", e)
-    backend = build()
+    text = build()
+    backend = _parse(path, text)
     if cached is not None:
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)
             tmp = f"{cached}.{os.getpid()}.tmp"
-            backend.save(tmp, pretty=False)  # compact: the indented JSON was 2.4x the bytes and 80 MB more peak to parse
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
             os.replace(tmp, cached)
         except OSError as e:
             log.debug("tokenizer cache not written (%s)", e)
@@ -341,44 +343,68 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
         raise ModelLoadError(f"{path}: tokenizer.chat_template: expected a template string")
 
 
-def _byte_level_bpe(path: str, meta: dict, tokens: list[str]) -> HFTokenizer:
-    pre = meta.get("tokenizer.ggml.pre", "default")  # checked by tokenizer_from_gguf, as the merges' presence
-    merges = meta["tokenizer.ggml.merges"]
+def _gguf_json(path: str, meta: dict) -> str:
+    """The tokenizer JSON of GGUF metadata: the BPE model, the pipeline around it for the
+    vocabulary's kind, its control and user-defined tokens, and BOS/EOS as the file asks."""
+    kind, tokens = meta["tokenizer.ggml.model"], meta["tokenizer.ggml.tokens"]
+    token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = HFTokenizer(_bpe(path, vocab, _merge_pairs(path, merges), ignore_merges=False))
-    backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
-    backend.decoder = decoders.ByteLevel()
-    return backend
+    shell = HFTokenizer(models.BPE())  # the pipeline's parts, serialized by tokenizers itself
+    if kind == "gpt2":
+        pre = meta.get("tokenizer.ggml.pre", "default")  # checked by tokenizer_from_gguf, as the merges' presence
+        model = {"ignore_merges": False, "merges": _merge_strings(path, meta["tokenizer.ggml.merges"])}
+        shell.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
+        shell.decoder = decoders.ByteLevel()
+    else:
+        model = _sentencepiece_model(path, meta, tokens, token_types, vocab)
+        _sentencepiece_pipeline(shell, meta.get("tokenizer.ggml.add_space_prefix", True))
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    _set_post_processor(shell, tokens, bos if add_bos else None, eos if add_eos else None)
+    out = json.loads(shell.to_str())
+    out["model"].update(model, vocab=vocab)
+    # control tokens as special ones, then user-defined ones, each matched in the raw text
+    added = {}
+    for special in (True, False):
+        for tok, tt in zip(tokens, token_types):
+            if tt == (TOKEN_CONTROL if special else TOKEN_USER_DEFINED) and tok not in added:
+                added[tok] = {
+                    "id": vocab[tok],
+                    "content": tok,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": special,
+                }
+    out["added_tokens"] = list(added.values())
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
 
 
-def _merge_pairs(path: str, merges: list[str]) -> list[tuple[str, str]]:
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    for m, pair in zip(merges, pairs):
-        if len(pair) != 2:
+def _merge_strings(path: str, merges: list[str]) -> list[str]:
+    """GGUF's merges ("a b") as tokenizers' one-string form, which splits at every space. A merge
+    with a piece that holds a space is left out: no vocabulary kind here lets a space reach the
+    model (byte-level BPE maps it to "Ġ", SentencePiece to "▁"), so it can never apply."""
+    for m in merges:
+        if " " not in m:
             raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {m!r}: expected two pieces separated by a space")
-    return pairs
+    return [m for m in merges if m.count(" ") == 1]
 
 
-def _bpe(path: str, vocab: dict, pairs: list, **kwargs) -> models.BPE:
-    try:
-        return models.BPE(vocab, pairs, **kwargs)
-    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown pieces
-        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
-
-
-def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: list[int]) -> HFTokenizer:
+def _sentencepiece_model(path: str, meta: dict, tokens: list[str], token_types: list[int], vocab: dict) -> dict:
     """llama.cpp's SPM vocabulary: BPE whose merge order is the merged piece's score, with byte fallback."""
-    scores = meta.get("tokenizer.ggml.scores")
-    vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None:
-        pairs = _merge_pairs(path, merges)
+        merges = _merge_strings(path, merges)
     else:  # scores present: checked by tokenizer_from_gguf
-        pairs = _merges_from_scores(tokens, scores, token_types, vocab)
+        merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"], token_types, vocab)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
-    backend = HFTokenizer(_bpe(path, vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    return {"unk_token": unk, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False, "merges": merges}
+
+
+def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
     # As SentencePiece and llama.cpp: a space is prepended to every text fragment (the start, and
     # after each special token) even when it already starts with spaces. (tokenizers' Metaspace
     # skips the prefix on text that starts with a space, so it is not used here.)
@@ -389,20 +415,27 @@ def _sentencepiece_bpe(path: str, meta: dict, tokens: list[str], token_types: li
     if add_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
-    return backend
 
 
-def _merges_from_scores(tokens, scores, token_types, vocab) -> list[tuple[str, str]]:
-    """Every split of a normal piece into two pieces of the vocabulary, best merged score first."""
-    merges = []
-    for tok, score, tt in zip(tokens, scores, token_types):
-        if tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED):
+def _merges_from_scores(tokens, scores, token_types, vocab) -> list[str]:
+    """Every split of a normal piece into two pieces of the vocabulary, best merged score first
+    (then the longer left piece, the longer right one, then the ids): one-string merges. The
+    candidates are kept as numbers until sorted (Gemma 3: 515K of them, ~40 MB, not ~140 as
+    tuples of strings)."""
+    import numpy as np
+
+    left, right, score = array("l"), array("l"), array("d")
+    for tok, s, tt in zip(tokens, scores, token_types):
+        if tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_strings)
             continue
-        local = [(tok[:i], tok[i:], score) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
+        for a, b in sorted((vocab[tok[:i]], vocab[tok[i:]]) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab):
+            left.append(a)
+            right.append(b)
+            score.append(s)
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    left, right = np.frombuffer(left, dtype=np.int64), np.frombuffer(right, dtype=np.int64)
+    order = np.lexsort((-lengths[right], -lengths[left], -np.frombuffer(score, dtype=np.float64)))  # stable
+    return [f"{tokens[a]} {tokens[b]}" for a, b in zip(left[order].tolist(), right[order].tolist())]
 
 
 def _set_post_processor(backend: HFTokenizer, tokens, bos: int | None, eos: int | None) -> None:

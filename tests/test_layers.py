@@ -51,6 +51,21 @@ def test_rotary_matches_rotate_half():
     torch.testing.assert_close(apply_rotary(x, cos, signed_sin).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_rotary_tables_hold_each_frequency_once():
+    """The tables keep dim/2 frequencies per position (the two halves' values are the same numbers)
+    and widen only a step's rows: half the memory of full-width tables, the same values."""
+    rope = RopeConfig(theta=500000.0, attention_factor=1.25)
+    emb = RotaryEmbedding(rope, 64, 1000)
+    assert emb.cos.shape == emb.sin.shape == (1000, 32) and emb.cos.dtype == torch.float32
+    positions = torch.tensor([0, 3, 999, 3])
+    cos, signed_sin = emb.tables(positions)
+    freqs = torch.outer(torch.arange(1000, dtype=torch.float32), (1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float())
+    full = torch.cat((freqs, freqs), -1)  # the full-width table, computed whole as before
+    assert cos.shape == signed_sin.shape == (4, 1, 64)
+    torch.testing.assert_close(cos[:, 0], (full.cos() * 1.25)[positions], rtol=0, atol=0)
+    torch.testing.assert_close(signed_sin[:, 0], (torch.cat((-freqs.sin(), freqs.sin()), -1) * 1.25)[positions], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (6, 2)])
 def test_decode_attention_matches_dense_attention(heads, kv_heads):
     """Decode queries over scattered blocks, different lengths, one with a sliding window."""

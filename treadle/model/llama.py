@@ -4,6 +4,8 @@ It runs a flattened batch: every token of every scheduled request in one [T, hid
 attention alone looks at request boundaries, through `AttentionMetadata`.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -243,10 +245,26 @@ class LlamaModel(CausalLM):
         """Every decoder layer over the step's T tokens: the residual stream before the final norm."""
         h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
         tables = self.rotary.tables(positions)  # once per step, shared by every layer
-        for layer, kv, layer_meta in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups)):
+        metas = metadata_by_layer(meta, self.layer_groups)
+        if not torch.compiler.is_compiling():
+            stepper = self.layer_stepper()  # every layer in two C calls, the same bits, where the step allows
+            if stepper is not None and stepper.run(h, tables, kv_caches, metas, FFN_ROWS):
+                return h
+        for layer, kv, layer_meta in zip(self.layers, kv_caches, metas):
             h += self.attention(layer, layer.input_norm(h), tables, kv, layer_meta)
             h += self.feed_forward(layer, layer.post_attention_norm(h))
         return h
+
+    _stepper = False  # not yet decided
+
+    def layer_stepper(self):
+        """The C path of this model's layers (kernels/decoder.py), or None where the model does not
+        qualify or TREADLE_DECODER_KERNEL=0; decided on the first step."""
+        if self._stepper is False:
+            from .kernels.decoder import LayerStepper
+
+            self._stepper = LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
+        return self._stepper
 
     def attention(self, layer, x: torch.Tensor, tables, kv, layer_meta: AttentionMetadata) -> torch.Tensor:
         """One layer's attention over the normed stream `x` [T, hidden]: q, k, v, their norms,

@@ -41,8 +41,7 @@ def load_tokenizer(model: str | None):
 
         return tokenizer_from_hf_folder(path, read_config(path))
     if os.path.isfile(path):
-        from .gguf_file import read_metadata
-        from .tokenizer import tokenizer_from_gguf
+        from .tokenizer import tokenizer_from_gguf_file
 
-        return tokenizer_from_gguf(path, read_metadata(path))
+        return tokenizer_from_gguf_file(path)
     raise _missing(path)

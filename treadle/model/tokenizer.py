@@ -236,29 +236,40 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
         template = builtin_template(set(control))
         if template is not None:
             log.info("%s has no chat template: using the built-in one its vocabulary's turn markers name", path)
+    derived = kind == "llama" and meta.get("tokenizer.ggml.merges") is None  # merges from the scores
     if lazy:  # the metadata read again when needed (holding its lists until then would cost as much)
-
-        def build() -> HFTokenizer:
-            from .gguf_file import read_metadata
-
-            return _gguf_backend(path, read_metadata(path))
-
-    return Tokenizer(
-        build if lazy else _gguf_backend(path, meta), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
-    )
+        return Tokenizer(
+            lambda: _gguf_backend(path, None, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
+        )
+    return Tokenizer(_gguf_backend(path, meta, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path)
 
 
-def _gguf_backend(path: str, meta: dict) -> HFTokenizer:
-    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata.
+def tokenizer_from_gguf_file(path: str) -> Tokenizer:
+    """tokenizer_from_gguf of a file's own metadata, its vocabulary parsed once the metadata's
+    lists are gone (a front end's peak: Gemma 3's are ~36 MB, beside the parse's own)."""
+    from .gguf_file import read_metadata
+
+    tokenizer = tokenizer_from_gguf(path, read_metadata(path), lazy=True)
+    tokenizer.backend  # noqa: B018 - built now, not on the first request
+    return tokenizer
+
+
+def _gguf_backend(path: str, meta: dict | None, derived: bool) -> HFTokenizer:
+    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata (None:
+    read from the file where it is needed, and let go before the parse).
 
     It is written as a tokenizer JSON and parsed once by `tokenizers` (not built from Python
     dicts and pair lists, nor saved in its own form): merges in the one-string form, which
     `tokenizers` parses at about a third of the transient memory of pairs (Gemma 3's 515K merges:
-    ~155 MB against ~390)."""
-    if meta["tokenizer.ggml.model"] == "gpt2" or meta.get("tokenizer.ggml.merges") is not None:
-        backend = _parse(path, _gguf_json(path, meta))
-    else:  # merges derived from the scores take a second for a large vocabulary: once per file
-        backend = _cached_backend(path, lambda: _gguf_json(path, meta))
+    ~155 MB against ~390). `derived`: the merges come from the scores, which takes a second for a
+    large vocabulary: the JSON is kept per file."""
+
+    def text() -> str:
+        from .gguf_file import read_metadata
+
+        return _gguf_json(path, meta if meta is not None else read_metadata(path))
+
+    backend = _cached_backend(path, text) if derived else _parse(path, text())
     release_free_heap()  # the parse's freed temporaries
     return backend
 

@@ -1,0 +1,177 @@
+"""A Llama-style decoder layer's step in two C calls (`decoder.c`) where every weight of the model is
+held quantized and the rows are bfloat16 on the CPU: the same kernels, in the same order, as the
+layer's Python (llama.py's `attention` and `mlp`), so the same bits; the Python around ~13 calls
+per layer, which on a small model took longer than the kernels, is gone. The MLP's activation stays
+torch's, between the two calls.
+
+`LayerStepper.for_model` says once whether a model qualifies (the weights, the norms, the family's
+methods); `run` says per step (no torch.compile, no LoRA rows, bf16 KV through treadle's attention
+kernel, at most FFN_ROWS rows) and otherwise leaves the step to the Python path.
+"""
+
+import ctypes
+
+import torch
+
+from . import quant, rowops
+from .build import Library, build
+
+MAX_PARTS = 4
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Model(ctypes.Structure):
+    _fields_ = (
+        [("matmul", _ptr), ("norm", _ptr), ("rotary", _ptr), ("attention", _ptr)]
+        + [(n, _i64) for n in ("isa", "hidden", "heads", "kv_heads", "head_dim", "rot", "intermediate")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    )
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("n_parts", _i64),
+        ("width", _i64),
+        ("data", _ptr * MAX_PARTS),
+        ("type", _i64 * MAX_PARTS),
+        ("rows", _i64 * MAX_PARTS),
+        ("bias", _ptr),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("input_norm", _ptr), ("post_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("block_size", _i64)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("h", _ptr), ("cos", _ptr), ("signed_sin", _ptr), ("slots", _ptr), ("tables", _ptr), ("row_table", _ptr),
+                ("key_begin", _ptr), ("key_end", _ptr), ("table_stride", _i64), ("span", _i64)] + [
+        (n, _ptr) for n in ("x", "qkv", "qk", "attn", "out", "gate_up")
+    ]  # fmt: skip
+
+
+def _build() -> ctypes.CDLL:
+    lib = build("decoder.c", ["-ffp-contract=off"])
+    lib.treadle_decoder_attention.argtypes = [_ptr, _ptr, _ptr]
+    lib.treadle_decoder_down.argtypes = [_ptr, _ptr, _ptr, _ptr]
+    return lib
+
+
+_kernel = Library(_build, "treadle's decoder-layer kernel is unavailable (%s): a layer's kernels are called one by one")
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _linear(lin) -> _Linear | None:
+    parts = lin.parts
+    if not 1 <= len(parts) <= MAX_PARTS or not all(isinstance(p, quant.QuantizedTensor) for p in parts):
+        return None
+    if lin.bias is not None and (lin.bias.dtype != torch.bfloat16 or not lin.bias.is_contiguous()):
+        return None
+    out = _Linear(n_parts=len(parts), width=sum(p.shape[0] for p in parts), bias=None if lin.bias is None else lin.bias.data_ptr())
+    for i, p in enumerate(parts):
+        out.data[i], out.type[i], out.rows[i] = p.data.data_ptr(), p.type_id, p.shape[0]
+    return out
+
+
+class LayerStepper:
+    """The C path of a LlamaModel's decoder layers (see the module's docstring)."""
+
+    def __init__(self, model, layers: list[_Layer], args: _Model):
+        self.model, self.layers, self.args = model, layers, args
+        self.intermediate = args.intermediate
+        self._caches: list[tuple[int, int]] = [(0, 0)] * len(layers)
+
+    @classmethod
+    def for_model(cls, model) -> "LayerStepper | None":
+        from ..llama import LlamaModel
+
+        cfg = model.config
+        kind = type(model)
+        if model.dtype != torch.bfloat16 or torch.device(model.device).type != "cpu" or cfg.clip_qkv is not None:
+            return None
+        if any(getattr(kind, m) is not getattr(LlamaModel, m) for m in ("residual_stream", "attention", "feed_forward", "mlp")):
+            return None  # a family that changes the layer's computation keeps its own Python
+        rot = model.rotary.cos.shape[-1] * 2
+        if rot > 512 or cfg.num_heads % cfg.num_kv_heads or not (quant.available() and rowops.available() and _kernel.available()):
+            return None
+        from . import _kernel as attention_kernel
+
+        if not attention_kernel.available():
+            return None
+        layers = []
+        widths = set()
+        for layer in model.layers:
+            if layer.moe is not None or layer.q_norm is not None:
+                return None
+            linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            norms = (layer.input_norm.weight, layer.post_attention_norm.weight)
+            if any(lin is None for lin in linears) or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+                return None
+            if {layer.input_norm.eps, layer.post_attention_norm.eps} != {cfg.rms_norm_eps}:
+                return None
+            widths.add(linears[2].width)
+            layers.append(_Layer(*linears, norms[0].data_ptr(), norms[1].data_ptr(), None, None, 0))
+        if len(widths) != 1:
+            return None
+        args = _Model(
+            matmul=_address(quant.library().treadle_q_matmul_q8), norm=_address(rowops._kernel.lib.treadle_rms_norm_bf16),
+            rotary=_address(rowops._kernel.lib.treadle_rotary_bf16), attention=_address(attention_kernel.lib.treadle_paged_attention),
+            isa=quant.ISAS[quant.isa()], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            rot=rot, intermediate=widths.pop() // 2, eps=cfg.rms_norm_eps, scale=model.scale,
+        )  # fmt: skip
+        return cls(model, layers, args)
+
+    def run(self, h: torch.Tensor, tables, kv_caches, metas, limit: int) -> bool:
+        """Every layer of a step over the residual stream `h` (in place); False, having done
+        nothing, where this step is not the C path's."""
+        from ..layers import LORA_ROWS
+
+        rows = h.shape[0]
+        if rows > limit or rows == 0 or LORA_ROWS.groups or torch.compiler.is_compiling() or tables is None:
+            return False
+        if h.dtype != torch.bfloat16 or not h.is_contiguous():
+            return False
+        cos, signed_sin = tables
+        if not (cos.is_contiguous() and signed_sin.is_contiguous()) or cos.dtype != torch.float32:
+            return False
+        groups = {}  # the step's attention metadata, one per cache group
+        for meta, kv in zip(metas, kv_caches):
+            if meta.kernel_args is None or kv[0].dtype != torch.bfloat16:
+                return False
+            groups[id(meta)] = meta
+        m = self.args
+        width = self.layers[0].qkv.width
+        new = lambda n: torch.empty((rows, n), dtype=torch.bfloat16)  # noqa: E731
+        buffers = dict(x=new(m.hidden), qkv=new(width), qk=new((m.heads + m.kv_heads) * m.head_dim), attn=new(m.heads * m.head_dim),
+                       out=new(m.hidden), gate_up=new(2 * self.intermediate))  # fmt: skip
+        steps = {}
+        for key, meta in groups.items():
+            tables_, row_table, key_begin, key_end, span = meta.kernel_args
+            if span is None:
+                span = int((key_end - key_begin).max())
+            step = _Step(rows=rows, h=h.data_ptr(), cos=cos.data_ptr(), signed_sin=signed_sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
+                         tables=tables_.data_ptr(), row_table=row_table.data_ptr(), key_begin=key_begin.data_ptr(), key_end=key_end.data_ptr(),
+                         table_stride=tables_.stride(0), span=span, **{k: v.data_ptr() for k, v in buffers.items()})  # fmt: skip
+            steps[key] = step
+        lib, model = _kernel.lib, ctypes.addressof(m)
+        gate_up = buffers["gate_up"]
+        gate, up = gate_up.chunk(2, dim=-1)
+        activation = self.model.mlp_activation
+        for i, (layer, kv, meta) in enumerate(zip(self.layers, kv_caches, metas)):
+            caches = (kv[0].data_ptr(), kv[1].data_ptr())
+            if caches != self._caches[i]:
+                layer.k_cache, layer.v_cache, layer.block_size = caches[0], caches[1], kv[0].shape[1]
+                self._caches[i] = caches
+            step = ctypes.addressof(steps[id(meta)])
+            if lib.treadle_decoder_attention(model, ctypes.addressof(layer), step):
+                raise RuntimeError("decoder layer kernel: a product or the attention failed")
+            act = activation(gate) * up
+            if not act.is_contiguous():
+                act = act.contiguous()
+            if lib.treadle_decoder_down(model, ctypes.addressof(layer), step, act.data_ptr()):
+                raise RuntimeError("decoder layer kernel: the down product failed")
+        return True

@@ -9,8 +9,6 @@ is one `SampledToken` per sampling request id.
 
 import ctypes
 import gc
-import math
-import mmap
 from dataclasses import replace
 
 import torch
@@ -44,18 +42,6 @@ def _padded(tables: list[torch.Tensor]) -> torch.Tensor:
     for j, t in enumerate(tables):
         out[j, : len(t)] = t
     return out
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU its pages are the kernel's zero pages until written (an anonymous
-    mapping): the KV pool costs neither the time to clear it at start (60 ms for 512 MB) nor
-    resident memory for blocks no request has used yet."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    n = math.prod(shape) * dtype.itemsize
-    if n == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps the mapping
 
 
 class InjectedFault(RuntimeError):
@@ -107,7 +93,10 @@ class ModelRunner:
         # int8 KV: each row is head_dim int8 values and their float32 scale (attention.quantize_kv)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim + (SCALE_BYTES if kv_int8 else 0))
         kv_dtype = torch.int8 if kv_int8 else dtype
-        self.kv_pairs = [(zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device)) for _ in range(self.layout.group_size)]
+        self.kv_pairs = [
+            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            for _ in range(self.layout.group_size)
+        ]
         self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch

@@ -34,9 +34,10 @@ def _both_paths(llm):
     return c_path, python
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
-    """Llama (llama3 rope), Qwen2 (q/k/v bias, tied embeddings) and Mistral (a sliding window),
+    """Llama (llama3 rope), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (each head of q and k normed)
+    and Mistral (a sliding window),
     quantized at load to Q8_0, bfloat16 rows: batch of four, prompts of 2 to 120 tokens."""
     save_hf_model(str(tmp_path), arch)
     llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=256, block_size=8, max_num_seqs=4)
@@ -46,6 +47,13 @@ def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
         for layer in model.layers:
             layer.qkv.bias = (torch.randn(layer.qkv.bias.shape, generator=g) * 0.5).to(layer.qkv.bias.dtype)
         model._stepper = False
+    if arch == "qwen3":  # and norm weights at one: give q's and k's their own
+        model = llm.engine.core.worker.runner.model
+        g = torch.Generator().manual_seed(1)
+        for layer in model.layers:
+            for norm in (layer.q_norm, layer.k_norm):
+                w = (1 + torch.randn(norm.weight.shape, generator=g) * 0.3).to(norm.weight.dtype)
+                norm.weight2.copy_(torch.cat((w, w)))
     c_path, python = _both_paths(llm)
     assert c_path == python
 

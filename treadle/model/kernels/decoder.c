@@ -48,6 +48,7 @@ typedef struct {
 typedef struct {
     linear_args qkv, o, gate_up, down;
     const uint16_t *input_norm, *post_norm; /* [hidden] bf16 */
+    const uint16_t *q_norm, *k_norm;        /* [head_dim] bf16: each head of q and k normed (Qwen3), or NULL */
     uint16_t *k_cache, *v_cache;            /* [blocks, block_size, kv_heads, head_dim] bf16 */
     int64_t block_size;
 } layer_args;
@@ -60,6 +61,7 @@ typedef struct {
     const int64_t *tables, *row_table, *key_begin, *key_end;
     int64_t table_stride, span;
     uint16_t *x, *qkv, *qk, *attn, *out, *gate_up; /* buffers: [rows, hidden], [rows, qkv width], ... */
+    uint16_t *qn, *kn, *qkn;                       /* with q/k norms: [rows, heads * head_dim], [rows, kv_heads * head_dim], [rows, (heads + kv_heads) * head_dim] */
 } step_args;
 
 static int linear(const model_args *m, const linear_args *l, const uint16_t *x, int64_t K, int64_t rows, uint16_t *y) {
@@ -90,8 +92,21 @@ int treadle_decoder_attention(const model_args *m, const layer_args *l, const st
     m->norm(s->h, T, 1, m->hidden, m->hidden, m->hidden, l->input_norm, m->eps, s->x);
     int code = linear(m, &l->qkv, s->x, m->hidden, T, s->qkv);
     if (code) return code;
-    /* q and k rotated together, out of the product's rows ([T, H + KVH, D], row stride `width`) */
-    m->rotary(s->qkv, T, H + KVH, D, width, s->cos, s->signed_sin, m->rot, s->qk);
+    /* q and k rotated together, out of the product's rows ([T, H + KVH, D], row stride `width`),
+     * or out of their per-head norms, each part normed on its own and the two joined per row */
+    const uint16_t *qk_rows = s->qkv;
+    int64_t qk_stride = width;
+    if (l->q_norm) {
+        m->norm(s->qkv, T, H, D, width, D, l->q_norm, m->eps, s->qn);
+        m->norm(s->qkv + H * D, T, KVH, D, width, D, l->k_norm, m->eps, s->kn);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(s->qkn + t * (H + KVH) * D, s->qn + t * H * D, (size_t)(H * D) * 2);
+            memcpy(s->qkn + t * (H + KVH) * D + H * D, s->kn + t * KVH * D, (size_t)(KVH * D) * 2);
+        }
+        qk_rows = s->qkn;
+        qk_stride = (H + KVH) * D;
+    }
+    m->rotary(qk_rows, T, H + KVH, D, qk_stride, s->cos, s->signed_sin, m->rot, s->qk);
     /* this step's K and V rows into their cache slots (index_copy_) */
     const int64_t kv_row = KVH * D;
     for (int64_t t = 0; t < T; t++) {

@@ -41,13 +41,13 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("input_norm", _ptr), ("post_norm", _ptr),
-                ("k_cache", _ptr), ("v_cache", _ptr), ("block_size", _i64)]  # fmt: skip
+                ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("block_size", _i64)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("h", _ptr), ("cos", _ptr), ("signed_sin", _ptr), ("slots", _ptr), ("tables", _ptr), ("row_table", _ptr),
                 ("key_begin", _ptr), ("key_end", _ptr), ("table_stride", _i64), ("span", _i64)] + [
-        (n, _ptr) for n in ("x", "qkv", "qk", "attn", "out", "gate_up")
+        (n, _ptr) for n in ("x", "qkv", "qk", "attn", "out", "gate_up", "qn", "kn", "qkn")
     ]  # fmt: skip
 
 
@@ -83,6 +83,7 @@ class LayerStepper:
     def __init__(self, model, layers: list[_Layer], args: _Model):
         self.model, self.layers, self.args = model, layers, args
         self.intermediate = args.intermediate
+        self.qk_norms = bool(layers[0].q_norm) if layers else False
         self._caches: list[tuple[int, int]] = [(0, 0)] * len(layers)
 
     @classmethod
@@ -104,17 +105,21 @@ class LayerStepper:
             return None
         layers = []
         widths = set()
+        qk_norms = any(layer.q_norm is not None for layer in model.layers)
+        if qk_norms and not cfg.qk_norm_per_head:  # OLMoE's norms over all heads at once: its own Python
+            return None
         for layer in model.layers:
-            if layer.moe is not None or layer.q_norm is not None:
+            if layer.moe is not None or (layer.q_norm is not None) != qk_norms or (layer.k_norm is not None) != qk_norms:
                 return None
             linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-            norms = (layer.input_norm.weight, layer.post_attention_norm.weight)
-            if any(lin is None for lin in linears) or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+            norms = [layer.input_norm, layer.post_attention_norm] + ([layer.q_norm, layer.k_norm] if qk_norms else [])
+            if any(lin is None for lin in linears) or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
                 return None
-            if {layer.input_norm.eps, layer.post_attention_norm.eps} != {cfg.rms_norm_eps}:
+            if {n.eps for n in norms} != {cfg.rms_norm_eps}:
                 return None
             widths.add(linears[2].width)
-            layers.append(_Layer(*linears, norms[0].data_ptr(), norms[1].data_ptr(), None, None, 0))
+            pointers = [n.weight.data_ptr() for n in norms] + ([None, None] if not qk_norms else [])
+            layers.append(_Layer(*linears, *pointers, None, None, 0))
         if len(widths) != 1:
             return None
         args = _Model(
@@ -148,6 +153,9 @@ class LayerStepper:
         new = lambda n: torch.empty((rows, n), dtype=torch.bfloat16)  # noqa: E731
         buffers = dict(x=new(m.hidden), qkv=new(width), qk=new((m.heads + m.kv_heads) * m.head_dim), attn=new(m.heads * m.head_dim),
                        out=new(m.hidden), gate_up=new(2 * self.intermediate))  # fmt: skip
+        if self.qk_norms:
+            q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+            buffers.update(qn=new(q), kn=new(kv), qkn=new(q + kv))
         steps = {}
         for key, meta in groups.items():
             tables_, row_table, key_begin, key_end, span = meta.kernel_args

@@ -263,7 +263,7 @@ class LlamaModel(CausalLM):
         if self._stepper is False:
             from .kernels.decoder import LayerStepper
 
-            self._stepper = LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
+            self._stepper = LayerStepper.for_model(self, LlamaModel) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
         return self._stepper
 
     def attention(self, layer, x: torch.Tensor, tables, kv, layer_meta: AttentionMetadata) -> torch.Tensor:

@@ -87,14 +87,13 @@ class LayerStepper:
         self._caches: list[tuple[int, int]] = [(0, 0)] * len(layers)
 
     @classmethod
-    def for_model(cls, model) -> "LayerStepper | None":
-        from ..llama import LlamaModel
-
+    def for_model(cls, model, base: type) -> "LayerStepper | None":
+        """`base`: the family class whose layer computation this path runs (llama.LlamaModel)."""
         cfg = model.config
         kind = type(model)
         if model.dtype != torch.bfloat16 or torch.device(model.device).type != "cpu" or cfg.clip_qkv is not None:
             return None
-        if any(getattr(kind, m) is not getattr(LlamaModel, m) for m in ("residual_stream", "attention", "feed_forward", "mlp")):
+        if any(getattr(kind, m) is not getattr(base, m) for m in ("residual_stream", "attention", "feed_forward", "mlp")):
             return None  # a family that changes the layer's computation keeps its own Python
         rot = model.rotary.cos.shape[-1] * 2
         if rot > 512 or cfg.num_heads % cfg.num_kv_heads or not (quant.available() and rowops.available() and _kernel.available()):

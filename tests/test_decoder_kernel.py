@@ -34,10 +34,10 @@ def _both_paths(llm):
     return c_path, python
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
-    """Llama (llama3 rope), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (each head of q and k normed)
-    and Mistral (a sliding window),
+    """Llama (llama3 rope), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (each head of q and k normed),
+    Mistral (a sliding window) and Phi-3 (half of each head rotates, longrope),
     quantized at load to Q8_0, bfloat16 rows: batch of four, prompts of 2 to 120 tokens."""
     save_hf_model(str(tmp_path), arch)
     llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=256, block_size=8, max_num_seqs=4)

@@ -175,3 +175,22 @@ def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
     tok = tokenizer_from_gguf(path, read_metadata(path))
     assert tok.encode("abc ab", add_special_tokens=False) == [5, 3, 4]
     assert tok.decode([5, 3, 4]) == "abc ab"
+
+
+def test_a_byte_level_vocabulary_with_a_newline_piece_still_loads(tmp_path):
+    """A merges file has one merge per line, so a piece holding a newline goes through the JSON
+    form instead; the tokens are the same either way."""
+    tokens = ["a", "b", "Ġ", "ab", "\n", "a\n"]
+    path = str(tmp_path / "newline.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(["a b", "a \n"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = tokenizer_from_gguf(path, read_metadata(path))
+    assert tok.encode("ab ab", add_special_tokens=False) == [3, 2, 3]

@@ -13,7 +13,7 @@ import threading
 from array import array
 from collections.abc import Callable
 
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..utils import release_free_heap
@@ -264,13 +264,57 @@ def _gguf_backend(path: str, meta: dict | None, derived: bool) -> HFTokenizer:
     ~155 MB against ~390). `derived`: the merges come from the scores, which takes a second for a
     large vocabulary: the JSON is kept per file."""
 
-    def text() -> str:
-        from .gguf_file import read_metadata
+    from .gguf_file import read_metadata
 
+    def text() -> str:
         return _gguf_json(path, meta if meta is not None else read_metadata(path))
 
-    backend = _cached_backend(path, text) if derived else _parse(path, text())
+    if derived:
+        backend = _cached_backend(path, text)
+    elif (meta if meta is not None else {"tokenizer.ggml.model": "gpt2"})["tokenizer.ggml.model"] == "gpt2":
+        backend = _byte_level_from_files(path, meta if meta is not None else read_metadata(path))
+    else:
+        backend = _parse(path, text())
     release_free_heap()  # the parse's freed temporaries
+    return backend
+
+
+def _byte_level_from_files(path: str, meta: dict) -> HFTokenizer:
+    """A byte-level vocabulary through tokenizers' own file readers (vocab.json, merges.txt, which
+    parse without the JSON model's transient copies: a 128K-token vocabulary's build peaked 123 MB
+    through the JSON, 94 MB so), the pipeline and special tokens set on it. Its pieces hold no space
+    or newline (bytes are mapped to visible characters), which the merges file needs."""
+    import tempfile
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    merges = _merge_strings(path, meta["tokenizer.ggml.merges"])
+    if any("\n" in m for m in merges):  # not a byte-level vocabulary after all: the JSON's form
+        return _parse(path, _gguf_json(path, meta))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    specials = [(tok, tt == TOKEN_CONTROL) for tok, tt in zip(tokens, token_types) if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    bos = bos if meta.get("tokenizer.ggml.add_bos_token", False) else None
+    eos = eos if meta.get("tokenizer.ggml.add_eos_token", False) else None
+    ends = {i: tokens[i] for i in (bos, eos) if i is not None}
+    with tempfile.TemporaryDirectory(prefix="treadle-vocab-") as folder:
+        vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+        with open(vocab_file, "w", encoding="utf-8") as f:
+            json.dump({tok: i for i, tok in enumerate(tokens)}, f, ensure_ascii=False)
+        with open(merges_file, "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n")
+            f.write("\n".join(merges))
+            f.write("\n")
+        del tokens, token_types, merges, meta  # the lists gone before tokenizers reads the files
+        try:
+            backend = HFTokenizer(models.BPE.from_file(vocab_file, merges_file))
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
+            raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
+    backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok, special in specials if special])
+    backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, special in specials if not special])
+    _set_post_processor(backend, ends, bos, eos)
     return backend
 
 

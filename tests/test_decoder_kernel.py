@@ -8,7 +8,12 @@ from treadle import LLM, SamplingParams
 
 from .tiny_models import save_hf_model
 
-PROMPTS = [list(range(3, 40)), [5, 9], list(range(20, 140)), list(range(7, 71))]  # 37, 2, 120, 64 rows
+PROMPTS = [
+    list(range(3, 40)),
+    [5, 9],
+    [(i * 7) % 250 + 3 for i in range(300)],
+    list(range(7, 71)),
+]  # 37, 2, 300, 64 rows: a first step of 403 rows, in two slices
 
 
 def _generate(llm, params):
@@ -27,7 +32,7 @@ def _both_paths(llm):
     stepper.run = lambda *a: taken.append(run(*a)) or taken[-1]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     c_path = _generate(llm, params)
-    assert sum(taken) >= 19  # the decode steps (and the short prompts) went through C
+    assert sum(taken) >= 20 and all(taken)  # every step went through C, the 403-row one in slices
     model._stepper = None
     python = _generate(llm, params)
     model._stepper = stepper
@@ -38,9 +43,9 @@ def _both_paths(llm):
 def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
     """Llama (llama3 rope), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (each head of q and k normed),
     Mistral (a sliding window) and Phi-3 (half of each head rotates, longrope),
-    quantized at load to Q8_0, bfloat16 rows: batch of four, prompts of 2 to 120 tokens."""
+    quantized at load to Q8_0, bfloat16 rows: batch of four, prompts of 2 to 300 tokens."""
     save_hf_model(str(tmp_path), arch)
-    llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=256, block_size=8, max_num_seqs=4)
+    llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=400, block_size=8, max_num_seqs=4)
     if arch == "qwen2":  # transformers starts biases at zero: give them values, so that they count
         model = llm.engine.core.worker.runner.model
         g = torch.Generator().manual_seed(0)

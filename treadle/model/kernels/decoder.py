@@ -6,7 +6,8 @@ torch's, between the two calls.
 
 `LayerStepper.for_model` says once whether a model qualifies (the weights, the norms, the family's
 methods); `run` says per step (no torch.compile, no LoRA rows, bf16 KV through treadle's attention
-kernel, at most FFN_ROWS rows) and otherwise leaves the step to the Python path.
+kernel) and otherwise leaves the step to the Python path. A long step runs each layer over slices of
+FFN_ROWS rows, so its buffers are a slice's.
 """
 
 import ctypes
@@ -129,13 +130,16 @@ class LayerStepper:
         )  # fmt: skip
         return cls(model, layers, args)
 
-    def run(self, h: torch.Tensor, tables, kv_caches, metas, limit: int) -> bool:
+    def run(self, h: torch.Tensor, tables, kv_caches, metas, slice_rows: int) -> bool:
         """Every layer of a step over the residual stream `h` (in place); False, having done
-        nothing, where this step is not the C path's."""
+        nothing, where this step is not the C path's. A step of more than `slice_rows` rows runs
+        each layer over slices of that many rows in order (each slice's K/V is in the cache before
+        the next attends to it; every row's result is its own), so a long prompt's transient
+        buffers are a slice's."""
         from ..layers import LORA_ROWS
 
         rows = h.shape[0]
-        if rows > limit or rows == 0 or LORA_ROWS.groups or torch.compiler.is_compiling() or tables is None:
+        if rows == 0 or LORA_ROWS.groups or torch.compiler.is_compiling() or tables is None:
             return False
         if h.dtype != torch.bfloat16 or not h.is_contiguous():
             return False
@@ -148,37 +152,44 @@ class LayerStepper:
                 return False
             groups[id(meta)] = meta
         m = self.args
-        width = self.layers[0].qkv.width
-        new = lambda n: torch.empty((rows, n), dtype=torch.bfloat16)  # noqa: E731
-        buffers = dict(x=new(m.hidden), qkv=new(width), qk=new((m.heads + m.kv_heads) * m.head_dim), attn=new(m.heads * m.head_dim),
-                       out=new(m.hidden), gate_up=new(2 * self.intermediate))  # fmt: skip
+        n = min(rows, slice_rows)
+        new = lambda width: torch.empty((n, width), dtype=torch.bfloat16)  # noqa: E731
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        buffers = dict(x=new(m.hidden), qkv=new(self.layers[0].qkv.width), qk=new(q + kv), attn=new(q), out=new(m.hidden),
+                       gate_up=new(2 * self.intermediate))  # fmt: skip
         if self.qk_norms:
-            q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
             buffers.update(qn=new(q), kn=new(kv), qkn=new(q + kv))
-        steps = {}
+        pointers = {k: v.data_ptr() for k, v in buffers.items()}
+        rot = cos.shape[-1]
+        slices = [(start, min(rows, start + n)) for start in range(0, rows, n)]
+        steps = {}  # (group, slice) -> its _Step
         for key, meta in groups.items():
             tables_, row_table, key_begin, key_end, span = meta.kernel_args
             if span is None:
                 span = int((key_end - key_begin).max())
-            step = _Step(rows=rows, h=h.data_ptr(), cos=cos.data_ptr(), signed_sin=signed_sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
-                         tables=tables_.data_ptr(), row_table=row_table.data_ptr(), key_begin=key_begin.data_ptr(), key_end=key_end.data_ptr(),
-                         table_stride=tables_.stride(0), span=span, **{k: v.data_ptr() for k, v in buffers.items()})  # fmt: skip
-            steps[key] = step
+            for start, end in slices:  # int64 row arrays, float32 tables, bf16 rows: 8, 4 and 2 bytes
+                steps[key, start] = _Step(
+                    rows=end - start, h=h.data_ptr() + start * m.hidden * 2, cos=cos.data_ptr() + start * rot * 4,
+                    signed_sin=signed_sin.data_ptr() + start * rot * 4, slots=meta.slot_mapping.data_ptr() + start * 8,
+                    tables=tables_.data_ptr(), row_table=row_table.data_ptr() + start * 8, key_begin=key_begin.data_ptr() + start * 8,
+                    key_end=key_end.data_ptr() + start * 8, table_stride=tables_.stride(0), span=span, **pointers,
+                )  # fmt: skip
         lib, model = _kernel.lib, ctypes.addressof(m)
-        gate_up = buffers["gate_up"]
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = buffers["gate_up"].chunk(2, dim=-1)
         activation = self.model.mlp_activation
         for i, (layer, kv, meta) in enumerate(zip(self.layers, kv_caches, metas)):
             caches = (kv[0].data_ptr(), kv[1].data_ptr())
             if caches != self._caches[i]:
                 layer.k_cache, layer.v_cache, layer.block_size = caches[0], caches[1], kv[0].shape[1]
                 self._caches[i] = caches
-            step = ctypes.addressof(steps[id(meta)])
-            if lib.treadle_decoder_attention(model, ctypes.addressof(layer), step):
-                raise RuntimeError("decoder layer kernel: a product or the attention failed")
-            act = activation(gate) * up
-            if not act.is_contiguous():
-                act = act.contiguous()
-            if lib.treadle_decoder_down(model, ctypes.addressof(layer), step, act.data_ptr()):
-                raise RuntimeError("decoder layer kernel: the down product failed")
+            for start, end in slices:
+                step = ctypes.addressof(steps[id(meta), start])
+                if lib.treadle_decoder_attention(model, ctypes.addressof(layer), step):
+                    raise RuntimeError("decoder layer kernel: a product or the attention failed")
+                count = end - start
+                act = activation(gate[:count]) * up[:count]
+                if not act.is_contiguous():
+                    act = act.contiguous()
+                if lib.treadle_decoder_down(model, ctypes.addressof(layer), step, act.data_ptr()):
+                    raise RuntimeError("decoder layer kernel: the down product failed")
         return True

@@ -51,18 +51,31 @@ def spm_gguf(tmp_path_factory):
         minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    path = str(folder / "spm.gguf")
+    _write_spm_gguf(path, sp)
+    return path, sp
+
+
+def _vocabulary(sp):
     tokens, scores, types = [], [], []
     for i in range(sp.get_piece_size()):
         tokens.append(sp.id_to_piece(i))
         scores.append(sp.get_score(i))
         # llama.cpp's token types: 1 normal, 2 unknown, 3 control, 6 byte
         types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1)
-    path = str(folder / "spm.gguf")
+    return tokens, scores, types
+
+
+def _write_spm_gguf(path: str, sp, merges: list[str] | None = None) -> None:
+    """sp's vocabulary as llama.cpp writes it (`merges`: also tokenizer.ggml.merges, as some files carry)."""
+    tokens, scores, types = _vocabulary(sp)
     w = gguf.GGUFWriter(path, "llama")
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
+    if merges is not None:
+        w.add_token_merges(merges)
     w.add_bos_token_id(sp.bos_id())
     w.add_eos_token_id(sp.eos_id())
     w.add_unk_token_id(sp.unk_id())
@@ -71,7 +84,19 @@ def spm_gguf(tmp_path_factory):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path, sp
+
+
+def _write_byte_level_gguf(path: str, tokens: list[str], merges: list[str]) -> None:
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 @pytest.fixture(scope="module")
@@ -160,18 +185,8 @@ def test_merges_from_scores_follow_the_rule_ties_included():
 def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
     """GGUF's merges are "a b" strings; one whose piece holds a space ("x y z") can never apply to
     byte-level text (a space is "Ġ" there), so it does not stop the file from loading."""
-    tokens = ["a", "b", "c", "Ġ", "ab", "abc", "y z"]
     path = str(tmp_path / "bytes.gguf")
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges(["a b", "ab c", "x y z"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_byte_level_gguf(path, ["a", "b", "c", "Ġ", "ab", "abc", "y z"], ["a b", "ab c", "x y z"])
     tok = tokenizer_from_gguf(path, read_metadata(path))
     assert tok.encode("abc ab", add_special_tokens=False) == [5, 3, 4]
     assert tok.decode([5, 3, 4]) == "abc ab"
@@ -180,17 +195,21 @@ def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
 def test_a_byte_level_vocabulary_with_a_newline_piece_still_loads(tmp_path):
     """A merges file has one merge per line, so a piece holding a newline goes through the JSON
     form instead; the tokens are the same either way."""
-    tokens = ["a", "b", "Ġ", "ab", "\n", "a\n"]
     path = str(tmp_path / "newline.gguf")
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges(["a b", "a \n"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_byte_level_gguf(path, ["a", "b", "Ġ", "ab", "\n", "a\n"], ["a b", "a \n"])
     tok = tokenizer_from_gguf(path, read_metadata(path))
     assert tok.encode("ab ab", add_special_tokens=False) == [3, 2, 3]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_sentencepiece_file_with_its_own_merges_tokenizes_as_sentencepiece_in_the_front_end(spm_gguf, tmp_path, text):
+    """Some SentencePiece GGUFs carry tokenizer.ggml.merges beside the scores: the front end's
+    tokenizer (load_tokenizer, built after the metadata is let go) is still SentencePiece's."""
+    from treadle.model.loader import load_tokenizer
+    from treadle.model.tokenizer import _merges_from_scores
+
+    _, sp = spm_gguf
+    tokens, scores, types = _vocabulary(sp)
+    path = str(tmp_path / "spm-merges.gguf")
+    _write_spm_gguf(path, sp, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)}))
+    assert load_tokenizer(path).encode(text) == [sp.bos_id()] + sp.encode(text)

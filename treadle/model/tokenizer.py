@@ -239,9 +239,16 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
     derived = kind == "llama" and meta.get("tokenizer.ggml.merges") is None  # merges from the scores
     if lazy:  # the metadata read again when needed (holding its lists until then would cost as much)
         return Tokenizer(
-            lambda: _gguf_backend(path, None, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
+            lambda: _gguf_backend(path, None, kind, derived),
+            bos_token_id=bos,
+            eos_token_id=eos,
+            stop_token_ids=stop,
+            chat_template=template,
+            source=path,
         )
-    return Tokenizer(_gguf_backend(path, meta, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path)
+    return Tokenizer(
+        _gguf_backend(path, meta, kind, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
+    )
 
 
 def tokenizer_from_gguf_file(path: str) -> Tokenizer:
@@ -254,27 +261,26 @@ def tokenizer_from_gguf_file(path: str) -> Tokenizer:
     return tokenizer
 
 
-def _gguf_backend(path: str, meta: dict | None, derived: bool) -> HFTokenizer:
+def _gguf_backend(path: str, meta: dict | None, kind: str, derived: bool) -> HFTokenizer:
     """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata (None:
-    read from the file where it is needed, and let go before the parse).
+    read from the file where it is needed, and let go before the parse) of vocabulary `kind`.
 
-    It is written as a tokenizer JSON and parsed once by `tokenizers` (not built from Python
-    dicts and pair lists, nor saved in its own form): merges in the one-string form, which
-    `tokenizers` parses at about a third of the transient memory of pairs (Gemma 3's 515K merges:
-    ~155 MB against ~390). `derived`: the merges come from the scores, which takes a second for a
-    large vocabulary: the JSON is kept per file."""
-
+    A byte-level vocabulary goes through tokenizers' file readers (`_byte_level_from_files`);
+    otherwise it is written as a tokenizer JSON and parsed once: merges in the one-string form,
+    which `tokenizers` parses at about a third of the transient memory of pairs (Gemma 3's 515K
+    merges: ~155 MB against ~390). `derived`: the merges come from the scores, which takes a
+    second for a large vocabulary: the JSON is kept per file."""
     from .gguf_file import read_metadata
 
-    def text() -> str:
-        return _gguf_json(path, meta if meta is not None else read_metadata(path))
+    def metadata() -> dict:  # passed straight on, so that the callee's `del` lets it go
+        return meta if meta is not None else read_metadata(path)
 
     if derived:
-        backend = _cached_backend(path, text)
-    elif (meta if meta is not None else {"tokenizer.ggml.model": "gpt2"})["tokenizer.ggml.model"] == "gpt2":
-        backend = _byte_level_from_files(path, meta if meta is not None else read_metadata(path))
+        backend = _cached_backend(path, lambda: _gguf_json(path, metadata()))
+    elif kind == "gpt2":
+        backend = _byte_level_from_files(path, metadata())
     else:
-        backend = _parse(path, text())
+        backend = _parse(path, _gguf_json(path, metadata()))
     release_free_heap()  # the parse's freed temporaries
     return backend
 
@@ -479,7 +485,7 @@ def _merges_from_scores(tokens, scores, token_types, vocab) -> list[str]:
     tuples of strings)."""
     import numpy as np
 
-    left, right, score = array("l"), array("l"), array("d")
+    left, right, score = array("q"), array("q"), array("d")
     for tok, s, tt in zip(tokens, scores, token_types):
         if tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_strings)
             continue

@@ -14,7 +14,9 @@ import ctypes
 
 import torch
 
-from . import quant, rowops
+from ..layers import LORA_ROWS
+from . import _kernel as attention_kernel
+from . import quant, rowops, usable
 from .build import Library, build
 
 MAX_PARTS = 4
@@ -83,7 +85,6 @@ class LayerStepper:
 
     def __init__(self, model, layers: list[_Layer], args: _Model):
         self.model, self.layers, self.args = model, layers, args
-        self.intermediate = args.intermediate
         self.qk_norms = bool(layers[0].q_norm) if layers else False
         self._caches: list[tuple[int, int]] = [(0, 0)] * len(layers)
 
@@ -92,16 +93,12 @@ class LayerStepper:
         """`base`: the family class whose layer computation this path runs (llama.LlamaModel)."""
         cfg = model.config
         kind = type(model)
-        if model.dtype != torch.bfloat16 or torch.device(model.device).type != "cpu" or cfg.clip_qkv is not None:
-            return None
+        if cfg.clip_qkv is not None or not usable(model.dtype, torch.device(model.device), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            return None  # usable: treadle's attention kernel serves this model (bf16 on the CPU, its head shapes)
         if any(getattr(kind, m) is not getattr(base, m) for m in ("residual_stream", "attention", "feed_forward", "mlp")):
             return None  # a family that changes the layer's computation keeps its own Python
         rot = model.rotary.cos.shape[-1] * 2
         if rot > 512 or cfg.num_heads % cfg.num_kv_heads or not (quant.available() and rowops.available() and _kernel.available()):
-            return None
-        from . import _kernel as attention_kernel
-
-        if not attention_kernel.available():
             return None
         layers = []
         widths = set()
@@ -136,10 +133,8 @@ class LayerStepper:
         each layer over slices of that many rows in order (each slice's K/V is in the cache before
         the next attends to it; every row's result is its own), so a long prompt's transient
         buffers are a slice's."""
-        from ..layers import LORA_ROWS
-
         rows = h.shape[0]
-        if rows == 0 or LORA_ROWS.groups or torch.compiler.is_compiling() or tables is None:
+        if rows == 0 or LORA_ROWS.groups:  # (the caller is outside a compiled graph)
             return False
         if h.dtype != torch.bfloat16 or not h.is_contiguous():
             return False
@@ -156,7 +151,7 @@ class LayerStepper:
         new = lambda width: torch.empty((n, width), dtype=torch.bfloat16)  # noqa: E731
         q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
         buffers = dict(x=new(m.hidden), qkv=new(self.layers[0].qkv.width), qk=new(q + kv), attn=new(q), out=new(m.hidden),
-                       gate_up=new(2 * self.intermediate))  # fmt: skip
+                       gate_up=new(2 * m.intermediate))  # fmt: skip
         if self.qk_norms:
             buffers.update(qn=new(q), kn=new(kv), qkn=new(q + kv))
         pointers = {k: v.data_ptr() for k, v in buffers.items()}

@@ -284,3 +284,21 @@ def test_a_model_the_core_cannot_load_ends_the_server_with_its_message(tmp_path)
         assert "Traceback" not in output
     finally:
         s.stop()
+
+
+def test_the_core_shortens_openmps_spin_unless_the_user_chose_a_wait_policy(monkeypatch):
+    """The engine core's OpenMP threads stop spinning soon after a step (the front end needs the
+    core), set before torch loads; a user's GOMP_SPINCOUNT or OMP_WAIT_POLICY is left as it is."""
+    from treadle.engine.core_process import OMP_SPIN_COUNT, quiet_openmp_waits
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    quiet_openmp_waits()
+    assert os.environ["GOMP_SPINCOUNT"] == OMP_SPIN_COUNT
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    quiet_openmp_waits()
+    assert os.environ["GOMP_SPINCOUNT"] == "123"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    quiet_openmp_waits()
+    assert "GOMP_SPINCOUNT" not in os.environ

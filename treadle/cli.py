@@ -317,7 +317,10 @@ def add_router_parser(sub) -> None:
     r.set_defaults(func=cmd_router)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; `command` (the subcommand about to run, if known): the benchmarks'
+    subcommands are built only for `bench` (their modules load httpx and numpy, ~30 MB a server
+    would carry for nothing)."""
     # here rather than at the top: `treadle serve` starts its engine core before these (0.2 s)
     from .server.reasoning import PARSERS as REASONING_PARSERS
     from .server.tools import PARSERS as TOOL_PARSERS
@@ -472,22 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from .bench.serve import add_serve_args, cmd_bench_serve
-    from .bench.sweep import add_sweep_args, cmd_bench_sweep
-    from .bench.throughput import add_throughput_args, cmd_bench_throughput
-
-    b_serve = bench_sub.add_parser("serve", help="drive an OpenAI-compatible server; vllm bench serve's flags and report")
-    add_serve_args(b_serve)
-    b_serve.set_defaults(func=cmd_bench_serve)
-    b_sweep = bench_sub.add_parser("sweep", help="bench serve over concurrency levels for named servers; CSV, JSON, plots")
-    add_serve_args(b_sweep)
-    add_sweep_args(b_sweep)
-    b_sweep.set_defaults(func=cmd_bench_sweep, num_prompts=None, save_result=True, result_dir="bench-results")
-    b_tp = bench_sub.add_parser("throughput", help="the engine alone, no HTTP")
-    b_tp.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
-    add_throughput_args(b_tp)
-    add_engine_args(b_tp)
-    b_tp.set_defaults(func=cmd_bench_throughput)
+    if command in (None, "bench"):
+        add_bench_parsers(bench_sub)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (no server needed)")
     chat.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
@@ -508,11 +497,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_bench_parsers(bench_sub) -> None:
+    from .bench.serve import add_serve_args, cmd_bench_serve
+    from .bench.sweep import add_sweep_args, cmd_bench_sweep
+    from .bench.throughput import add_throughput_args, cmd_bench_throughput
+
+    b_serve = bench_sub.add_parser("serve", help="drive an OpenAI-compatible server; vllm bench serve's flags and report")
+    add_serve_args(b_serve)
+    b_serve.set_defaults(func=cmd_bench_serve)
+    b_sweep = bench_sub.add_parser("sweep", help="bench serve over concurrency levels for named servers; CSV, JSON, plots")
+    add_serve_args(b_sweep)
+    add_sweep_args(b_sweep)
+    b_sweep.set_defaults(func=cmd_bench_sweep, num_prompts=None, save_result=True, result_dir="bench-results")
+    b_tp = bench_sub.add_parser("throughput", help="the engine alone, no HTTP")
+    b_tp.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
+    add_throughput_args(b_tp)
+    add_engine_args(b_tp)
+    b_tp.set_defaults(func=cmd_bench_throughput)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     early = _start_core_early(argv)
     try:
-        args = build_parser().parse_args(argv)
+        command = next((a for a in argv if not a.startswith("-")), None)
+        args = build_parser(command).parse_args(argv)
         args.early_core = early
         return args.func(args)
     except KeyboardInterrupt:

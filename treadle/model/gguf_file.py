@@ -9,15 +9,21 @@ Layout (v2/v3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 kv co
 u64 offset); tensor data at the next multiple of general.alignment (default 32).
 """
 
+from __future__ import annotations
+
 import math
 import mmap
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
-
-import gguf
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .config import ModelLoadError
+
+if TYPE_CHECKING:
+    import gguf
+    import numpy as np
 
 # llama.cpp's names of a Llama-style layer's tensors -> the Hugging Face ones (a family's
 # `gguf_layer_tensors`, which may extend or change them).
@@ -49,12 +55,14 @@ LLAMA_LAYER_TENSORS = {
 }
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
-          10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+# arrays of numbers, read whole with the `array` module (the front end reads metadata without
+# numpy, ~15 MB it need not load): GGUF type -> array typecode of that width
+_ARRAYS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+_BOOL = 7
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 4  # arrays of arrays
-_FLOAT_ARRAYS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+_FLOAT_TYPES = {0: "float32", 1: "float16"}  # ggml type id -> the numpy dtype its data is read as
 
 
 class GGUFFormatError(ValueError):
@@ -112,13 +120,16 @@ class _Cursor:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if depth >= MAX_NESTING:
                 raise GGUFFormatError(f"arrays nested more than {MAX_NESTING} deep")
-            width = np.dtype(_NUMPY[etype]).itemsize if etype in _NUMPY else 8  # a string's length at least
+            width = array(_ARRAYS[etype]).itemsize if etype in _ARRAYS else 8  # a string's length at least
             if count * width > len(self.buf) - self.pos:
                 raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
-            if etype in _NUMPY:
-                arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
+            if etype in _ARRAYS:
+                arr = array(_ARRAYS[etype])
+                arr.frombytes(self.buf[self.pos : self.pos + count * width])
+                if sys.byteorder == "big":
+                    arr.byteswap()
                 self.pos += count * width
-                return arr.tolist()
+                return [v != 0 for v in arr] if etype == _BOOL else arr.tolist()
             if etype == _STRING:
                 return self.strings(count)
             return [self.value(etype, depth + 1) for _ in range(count)]
@@ -126,7 +137,9 @@ class _Cursor:
 
 
 class GGUFFile:
-    def __init__(self, path: str):
+    def __init__(self, path: str, tensors: bool = True):
+        """`infos`: each tensor's (name, dims, ggml type id, offset); `tensors` (tensors=True) their
+        data on the map, typed by gguf-py (which loads numpy: a front end reads without them)."""
         with open(path, "rb") as f:
             try:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -169,9 +182,13 @@ class GGUFFile:
         if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
             raise GGUFFormatError(f"general.alignment = {align!r}: expected an integer from 1 to {1 << 20}")
         start = -(-c.pos // align) * align
-        self.tensors = [self._tensor(buf, start, *info) for info in infos]
+        self.infos = infos
+        self.tensors = [self._tensor(buf, start, *info) for info in infos] if tensors else []
 
     def _tensor(self, buf, start: int, name: str, dims: list[int], type_id: int, offset: int) -> GGUFTensor:
+        import gguf
+        import numpy as np
+
         try:
             qtype = gguf.GGMLQuantizationType(type_id)
         except ValueError:
@@ -187,8 +204,8 @@ class GGUFFile:
         if begin + n_bytes > len(buf):
             raise GGUFFormatError(f"tensor {name}: data runs past the end of the file ({len(buf)} bytes): truncated")
         shape = tuple(reversed(dims))
-        if qtype in _FLOAT_ARRAYS:
-            data = np.frombuffer(buf, dtype=_FLOAT_ARRAYS[qtype], count=n, offset=begin).reshape(shape)
+        if type_id in _FLOAT_TYPES:
+            data = np.frombuffer(buf, dtype=_FLOAT_TYPES[type_id], count=n, offset=begin).reshape(shape)
         else:
             raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=begin)
             data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,)) if shape else raw
@@ -204,10 +221,31 @@ class GGUFFile:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def open_gguf(path: str) -> GGUFFile:
-    """GGUFFile(path), its failures as a ModelLoadError that names the file."""
+def gguf_constants():
+    """gguf-py's `constants` module (the format's type tables) without the package, whose import
+    loads numpy and its writers (~22 MB): a front end names a file's types and loads no tensor."""
+    if "gguf" in sys.modules:
+        return sys.modules["gguf"]
+    global _constants
+    if _constants is None:
+        import importlib.util
+        import os
+
+        origin = importlib.util.find_spec("gguf").origin  # the package's __init__.py, not run
+        spec = importlib.util.spec_from_file_location("treadle._gguf_constants", os.path.join(os.path.dirname(origin), "constants.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _constants = module
+    return _constants
+
+
+_constants = None
+
+
+def open_gguf(path: str, tensors: bool = True) -> GGUFFile:
+    """GGUFFile(path, tensors), its failures as a ModelLoadError that names the file."""
     try:
-        return GGUFFile(path)
+        return GGUFFile(path, tensors)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot open: {e}") from e
     except GGUFFormatError as e:
@@ -216,4 +254,4 @@ def open_gguf(path: str) -> GGUFFile:
 
 def read_metadata(path: str) -> dict:
     """The metadata key/values of a GGUF file (the tokenizer needs no tensors)."""
-    return open_gguf(path).metadata
+    return open_gguf(path, tensors=False).metadata

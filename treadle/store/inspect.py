@@ -150,13 +150,12 @@ def describe_cached(path: str) -> ModelInfo:
 
 
 def _describe_gguf(path: str) -> ModelInfo:
-    import gguf
-
     from ..model.config import ModelLoadError
-    from ..model.gguf_file import open_gguf
+    from ..model.gguf_file import gguf_constants, open_gguf
 
+    gguf = gguf_constants()  # the type tables: a server's front end describes its models without numpy
     try:
-        f = open_gguf(path)
+        f = open_gguf(path, tensors=False)
     except ModelLoadError as e:
         raise InspectError(str(e)) from None
     meta = f.metadata
@@ -170,16 +169,21 @@ def _describe_gguf(path: str) -> ModelInfo:
             quant = ""
     if not quant:  # no file type written: the most common type among the layers' matrices (llama.cpp's meaning)
         counts: dict[str, int] = {}
-        for t in f.tensors:
-            if len(t.shape) >= 2 and t.name.startswith("blk."):
-                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + t.n_bytes
+        for name, dims, type_id, _ in f.infos:
+            if len(dims) >= 2 and name.startswith("blk."):
+                try:
+                    kind = gguf.GGMLQuantizationType(type_id)
+                except ValueError:
+                    continue
+                block, size = gguf.GGML_QUANT_SIZES[kind]
+                counts[kind.name] = counts.get(kind.name, 0) + math.prod(dims) // block * size
         quant = max(counts, key=counts.get) if counts else ""
     defaults = {GGUF_SAMPLING_FIELDS[k]: v for k, v in meta.items() if k in GGUF_SAMPLING_FIELDS}
     ctx = meta.get(f"{arch}.context_length")
     return ModelInfo(
         format="gguf",
         architecture=arch,
-        parameters=sum(math.prod(int(d) for d in t.shape) for t in f.tensors),
+        parameters=sum(math.prod(dims) for _, dims, _, _ in f.infos),
         quantization=quant,
         context_length=int(ctx) if isinstance(ctx, int) else None,
         size=os.path.getsize(path),

@@ -11,7 +11,6 @@ import json
 import os
 import time
 
-import numpy as np
 from fastapi import Request
 from pydantic import StrictInt, StrictStr
 
@@ -40,6 +39,8 @@ def register(app, server: ServerState) -> None:
             inp = [inp]
         async with serving(server, body.model) as state:
             vectors, prompt_tokens = await embed_texts(state, inp, body.dimensions, "input", request=request)
+        import numpy as np  # here: the front end loads numpy only if it serves embeddings
+
         data = []
         for i, v in enumerate(vectors):
             value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v
@@ -113,6 +114,8 @@ async def embed_texts(
         raise e.as_request_error() from None
     finally:
         generation.close()
+    import numpy as np
+
     vectors = []
     for c in choices:
         if c.embedding is None:  # aborted: the server is shutting down

@@ -1,0 +1,37 @@
+"""The HTTP front end carries what it uses: its start-up path (the command line, the app, the
+model's tokenizer and description) loads neither torch nor numpy, gguf-py or httpx (tens of MB of
+resident memory each in a process that serves no tensor and downloads nothing)."""
+
+import json
+import subprocess
+import sys
+
+from treadle.model.default_model import default_model_path
+
+HEAVY = ("torch", "numpy", "gguf", "httpx")
+
+SCRIPT = """
+import json, sys
+from treadle.cli import build_parser
+args = build_parser("serve").parse_args(["serve", "--model", sys.argv[1]])
+import treadle.server.app, treadle.server.serve
+from treadle.model.loader import load_tokenizer
+from treadle.store.inspect import describe
+tok = load_tokenizer(sys.argv[1])
+info = describe(sys.argv[1])
+assert tok.encode("Hello there") and info.quantization, info
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[2:])))
+"""
+
+
+def test_the_front_ends_start_loads_no_tensor_library():
+    out = subprocess.run([sys.executable, "-c", SCRIPT, default_model_path(), *HEAVY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_bench_commands_are_still_there():
+    """Built only for `treadle bench` (their modules load numpy and httpx)."""
+    out = subprocess.run([sys.executable, "-m", "treadle", "bench", "sweep", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--concurrency" in out.stdout

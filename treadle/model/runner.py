@@ -232,7 +232,8 @@ class ModelRunner:
             first += 1 + s.num_drafts
         if not ids:
             return results
-        logits = logits[torch.tensor(rows, device=self.device)]
+        if rows != list(range(logits.shape[0])):  # only where some rows do not sample (a copy of [rows, vocab])
+            logits = logits[torch.tensor(rows, device=self.device)]
         masks = step.grammar_masks
         constrained = None
         if masks:  # a request's masks: one per row it samples, back to back

@@ -34,28 +34,38 @@ class Sampler:
             owner.sampler_state = g
         return owner.sampler_state
 
-    def _adjust(self, logits: torch.Tensor, reqs: list) -> None:
-        """In place: logit bias, min_tokens, repetition / presence / frequency penalties."""
+    def _adjusted(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """Logit bias, min_tokens, repetition / presence / frequency penalties applied: on a copy
+        where any row has one, else `logits` itself (a step of plain rows copies no [R, V] array)."""
         vocab = logits.shape[1]
+        out = None
+
+        def row(i: int) -> torch.Tensor:
+            nonlocal out
+            if out is None:
+                out = logits.clone()
+            return out[i]
+
         for i, req in enumerate(reqs):
             p = req.params
-            row = logits[i]
             if p.logit_bias:
                 ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
-                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab], dtype=row.dtype)
-                row.index_add_(0, ids.to(row.device), vals.to(row.device))
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab], dtype=logits.dtype)
+                row(i).index_add_(0, ids.to(logits.device), vals.to(logits.device))
             if p.min_tokens and req.num_output_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 if stops:
-                    row[torch.tensor(sorted(stops), device=row.device)] = -float("inf")
+                    row(i)[torch.tensor(sorted(stops), device=logits.device)] = -float("inf")
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device)
+                vals = row(i)[seen]
+                row(i)[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and req.num_output_tokens:
-                out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+                out_ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+                r = row(i)
+                r -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits if out is None else out
 
     @staticmethod
     def _constrain(logits: torch.Tensor, raw: torch.Tensor, constrained) -> None:
@@ -75,9 +85,9 @@ class Sampler:
         top-k/top-p/min-p; a greedy row's is its argmax's point mass. A draft model's proposals are
         drawn from these (speculative decoding)."""
         raw = logits
-        logits = logits.clone()
-        self._adjust(logits, reqs)
+        logits = self._adjusted(logits, reqs)
         if constrained is not None:
+            logits = logits.clone() if logits is raw else logits
             self._constrain(logits, raw, constrained)
         probs = torch.zeros_like(logits)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
@@ -91,8 +101,8 @@ class Sampler:
 
     def _probs(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> torch.Tensor:
         """The sampling rows' distributions: temperature, then top-k/top-p/min-p, then softmax."""
-        idx = torch.tensor(rows, device=logits.device)
-        sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device).unsqueeze(1)
+        sub = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]  # rows ascend: all is all
+        sub = sub / torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device).unsqueeze(1)
         return torch.softmax(self._filter(sub, [reqs[i].params for i in rows]), dim=-1)
 
     def sample(self, logits: torch.Tensor, reqs: list, constrained=None, verification=None) -> list[SampledToken]:
@@ -106,9 +116,9 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         raw = logits
-        logits = logits.clone()
-        self._adjust(logits, reqs)
+        logits = self._adjusted(logits, reqs)
         if constrained is not None:
+            logits = logits.clone() if logits is raw else logits
             self._constrain(logits, raw, constrained)
 
         # max(dim).indices: the first maximal index, like argmax, but ~1.6x faster on CPU
@@ -126,8 +136,11 @@ class Sampler:
                     unseeded = [j for j in unseeded if random_rows[j] not in proposals]
                     verification.rejection_sample(self, probs, chosen, [(j, *proposals[random_rows[j]]) for j in verifying])
             if unseeded:  # the engine's generator, all rows at once: inverse CDF, one uniform per row
-                u = torch.tensor(unseeded, device=logits.device)
-                chosen[u] = self.inverse_cdf(probs[u])
+                if len(unseeded) == len(random_rows):  # every row: probs is not read again, its sums go in place
+                    chosen[:] = self.inverse_cdf(probs, in_place=True)
+                else:
+                    u = torch.tensor(unseeded, device=logits.device)
+                    chosen[u] = self.inverse_cdf(probs[u])
             if seeded:  # each from its own generator, row by row
                 race = torch.empty((len(seeded), probs.shape[1]), dtype=probs.dtype, device=logits.device)
                 for r, j in enumerate(seeded):
@@ -157,9 +170,10 @@ class Sampler:
             results.append(SampledToken(token, top))
         return results
 
-    def inverse_cdf(self, probs: torch.Tensor) -> torch.Tensor:
-        """One draw per row of (unnormalized) probabilities, from the engine's generator."""
-        cdf = probs.cumsum(dim=-1)
+    def inverse_cdf(self, probs: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """One draw per row of (unnormalized) probabilities, from the engine's generator
+        (`in_place`: `probs` becomes the running sums, sparing a [rows, vocab] array)."""
+        cdf = probs.cumsum_(dim=-1) if in_place else probs.cumsum(dim=-1)
         point = torch.rand((probs.shape[0], 1), generator=self.generator, device=probs.device) * cdf[:, -1:]
         return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 

@@ -134,10 +134,12 @@ def wait_compiled(url: str, timeout: float = 1200) -> None:
 
 
 def peak_rss_mb(pid: int) -> float:
+    """Peak resident set in MB (10^6 bytes, the unit of the file size and the KV pool it is
+    compared with; /proc counts kB of 1024 bytes)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):  # peak resident set size
-                return int(line.split()[1]) / 1024
+                return int(line.split()[1]) * 1024 / 1e6
     return 0.0
 
 

@@ -19,7 +19,7 @@ import time
 def memory() -> str:
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f)
-    return f"rss {int(status['VmRSS'].split()[0]) // 1024} MB, peak {int(status['VmHWM'].split()[0]) // 1024} MB"
+    return f"rss {int(status['VmRSS'].split()[0]) // 1024} MiB, peak {int(status['VmHWM'].split()[0]) // 1024} MiB"
 
 
 def main() -> int:

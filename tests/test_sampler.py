@@ -62,3 +62,17 @@ def test_sampled_rows_draw_the_same_with_or_without_the_sums_in_place():
         draws.append([sampler.inverse_cdf(probs.clone(), in_place=in_place).tolist() for _ in range(20)])
     assert draws[0] == draws[1]
     assert len({tuple(d) for d in draws[0]}) > 1  # the draws differ from call to call: a real generator
+
+
+def test_a_consumed_step_samples_what_a_kept_one_does():
+    """`consume=True` (the runner's own logits) divides in place; the draws are the same."""
+    logits = torch.randn((6, VOCAB), generator=torch.Generator().manual_seed(2))
+    draws = []
+    for consume in (False, True):
+        reqs = [request(temperature=t, seed=s) for t, s in ((0.7, None), (1.3, None), (0.3, None), (0.9, 4), (1.0, None), (0.5, None))]
+        sampler = Sampler(frozenset({EOS}), seed=9)
+        given = logits.clone()
+        draws.append([s.token_id for s in sampler.sample(given, reqs, consume=consume)])
+        if not consume:
+            assert torch.equal(given, logits)
+    assert draws[0] == draws[1]

@@ -355,7 +355,7 @@ def test_unseeded_sampling_keeps_the_target_distribution(engines, reference_cont
 
     real_sample = runner_module.Sampler.sample
 
-    def lenient(self, logits, reqs, constrained=None, verification=None):
+    def lenient(self, logits, reqs, constrained=None, verification=None, consume=False):  # reads the logits after: kept
         out = real_sample(self, logits, reqs, constrained, verification)
         for i in range(len(reqs) - 1):
             nxt = reqs[i + 1]

@@ -246,7 +246,7 @@ class ModelRunner:
             data = b"".join(parts)
             constrained = (rows_c, allowed_from_bitmask(data, len(rows_c), logits.shape[1]).to(self.device))
         verification = Verification(ids, positions, verified, draft_probs) if verified else None
-        sampled = self.sampler.sample(logits, reqs, constrained, verification)
+        sampled = self.sampler.sample(logits, reqs, constrained, verification, consume=True)  # the step's own logits
         if verification is not None:
             results.update(verification.accept(sampled, self.requests))
             for req_id, drafts in verified.items():  # a hybrid: back to the state after the last accepted row

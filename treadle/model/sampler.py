@@ -99,19 +99,24 @@ class Sampler:
             probs[torch.tensor(random_rows, device=logits.device)] = self._probs(logits, reqs, random_rows)
         return probs
 
-    def _probs(self, logits: torch.Tensor, reqs: list, rows: list[int]) -> torch.Tensor:
-        """The sampling rows' distributions: temperature, then top-k/top-p/min-p, then softmax."""
-        sub = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]  # rows ascend: all is all
-        sub = sub / torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device).unsqueeze(1)
+    def _probs(self, logits: torch.Tensor, reqs: list, rows: list[int], consume: bool = False) -> torch.Tensor:
+        """The sampling rows' distributions: temperature, then top-k/top-p/min-p, then softmax
+        (`consume`: `logits` is not read again, and is divided in place)."""
+        temperature = torch.tensor([reqs[i].params.temperature for i in rows], device=logits.device).unsqueeze(1)
+        if len(rows) != logits.shape[0]:
+            sub = logits[torch.tensor(rows, device=logits.device)].div_(temperature)  # a copy of the rows, ours
+        else:  # rows ascend: all is all
+            sub = logits.div_(temperature) if consume else logits / temperature
         return torch.softmax(self._filter(sub, [reqs[i].params for i in rows]), dim=-1)
 
-    def sample(self, logits: torch.Tensor, reqs: list, constrained=None, verification=None) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, reqs: list, constrained=None, verification=None, consume: bool = False) -> list[SampledToken]:
         """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
         constrained: (rows, allowed [len(rows), V] bool), the tokens a grammar allows those rows.
         Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k
         (of the raw model distribution, before penalties, bias and grammar). `verification`: the
         step's `Verification`, if rows verify proposals (seeded states kept, draft-model proposals
-        of unseeded rows checked by rejection sampling)."""
+        of unseeded rows checked by rejection sampling). `consume`: the caller does not read
+        `logits` again, which may then be overwritten (a [rows, vocab] array fewer at once)."""
         proposals = verification.proposals if verification is not None else None
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -126,7 +131,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            probs = self._probs(logits, reqs, random_rows)
+            probs = self._probs(logits, reqs, random_rows, consume=consume or logits is not raw)
             chosen = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
             seeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is not None]
             unseeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is None]

@@ -216,12 +216,16 @@ def test_metadata_arrays_of_every_number_type_read_as_gguf_py_reads_them(tmp_pat
     w = gguf.GGUFWriter(path, "llama")
     for vtype, vals in values.items():
         w.add_key_value(f"test.{vtype.name}", vals, gguf.GGUFValueType.ARRAY, sub_type=vtype)
+    w.add_array("test.strings", ["a", "bc", "", "dé"])
     w.add_tensor("token_embd.weight", np.ones((2, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     theirs = gguf.GGUFReader(path)
+    skipped = {"test.UINT64", "test.BOOL", "test.strings", "general.architecture"}
+    without = GGUFFile(path, tensors=False, skip=skipped).metadata  # read past: the rest as read whole
+    assert without == {k: v for k, v in GGUFFile(path).metadata.items() if k not in skipped}
     for meta in (GGUFFile(path).metadata, GGUFFile(path, tensors=False).metadata):
         for vtype in values:
             key = f"test.{vtype.name}"

@@ -519,6 +519,8 @@ def add_bench_parsers(bench_sub) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     early = _start_core_early(argv)
+    if early is not None:
+        _prebuild_tokenizer(argv)
     try:
         command = next((a for a in argv if not a.startswith("-")), None)
         args = build_parser(command).parse_args(argv)
@@ -532,6 +534,25 @@ def main(argv=None) -> int:
     finally:
         if early is not None:
             early.drop()  # a core never taken (bad arguments, replicas, a server that did not start); a no-op once one was
+
+
+def _prebuild_tokenizer(argv: list[str]) -> None:
+    """`treadle serve` of one model file or folder: its tokenizer built before the parser's and the
+    front end's imports (loader.prebuild_tokenizer: the build's transient peak then adds to ~15 MB
+    rather than ~60). The model is found as the parser will find it where that is unambiguous (one
+    --model/-m, or one argument naming an existing path, and no --models-dir); else nothing is done."""
+    rest = argv[1:]
+    if any(a == "--models-dir" or a.startswith("--models-dir=") for a in rest):
+        return
+    given = [v for a, v in zip(rest, rest[1:]) if a in ("--model", "-m")]
+    given += [a.split("=", 1)[1] for a in rest if a.startswith("--model=")]
+    if not given:
+        given = [a for a in rest if not a.startswith("-") and os.path.exists(os.path.expanduser(a))][:1]
+    if len(given) != 1 or not os.path.exists(os.path.expanduser(given[0])):  # NAME=PATH, several, or the default model
+        return
+    from .model.loader import prebuild_tokenizer
+
+    prebuild_tokenizer(given[0])
 
 
 def _start_core_early(argv: list[str]):

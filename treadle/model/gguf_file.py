@@ -16,6 +16,7 @@ import mmap
 import struct
 import sys
 from array import array
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -111,6 +112,28 @@ class _Cursor:
         self.pos = pos
         return out
 
+    def skip(self, vtype: int, depth: int = 0) -> None:
+        """Past a value without building it (a vocabulary's strings: their lengths are read)."""
+        if vtype == _ARRAY:
+            etype, count = self.unpack("<I"), self.unpack("<Q")
+            if depth >= MAX_NESTING:
+                raise GGUFFormatError(f"arrays nested more than {MAX_NESTING} deep")
+            if etype in _ARRAYS:
+                width = array(_ARRAYS[etype]).itemsize
+                if count * width > len(self.buf) - self.pos:
+                    raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
+                self.pos += count * width
+                return
+            for _ in range(count):
+                self.skip(etype, depth + 1)
+        elif vtype == _STRING:
+            (n,) = _U64.unpack_from(self.buf, self.pos)
+            if self.pos + 8 + n > len(self.buf):
+                raise GGUFFormatError("string runs past the end of the file")
+            self.pos += 8 + n
+        else:
+            self.value(vtype, depth)
+
     def value(self, vtype: int, depth: int = 0):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -137,9 +160,10 @@ class _Cursor:
 
 
 class GGUFFile:
-    def __init__(self, path: str, tensors: bool = True):
+    def __init__(self, path: str, tensors: bool = True, skip: Collection[str] = ()):
         """`infos`: each tensor's (name, dims, ggml type id, offset); `tensors` (tensors=True) their
-        data on the map, typed by gguf-py (which loads numpy: a front end reads without them)."""
+        data on the map, typed by gguf-py (which loads numpy: a front end reads without them).
+        `skip`: metadata keys read past and left out (a description needs no vocabulary)."""
         with open(path, "rb") as f:
             try:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -163,7 +187,10 @@ class GGUFFile:
                 where = f"metadata entry {i}"
                 key = c.string()
                 where = f"metadata {key!r}"
-                self.metadata[key] = c.value(c.unpack("<I"))
+                if key in skip:
+                    c.skip(c.unpack("<I"))
+                else:
+                    self.metadata[key] = c.value(c.unpack("<I"))
             infos = []
             for i in range(n_tensors):
                 where = f"tensor info {i}"
@@ -242,10 +269,10 @@ def gguf_constants():
 _constants = None
 
 
-def open_gguf(path: str, tensors: bool = True) -> GGUFFile:
-    """GGUFFile(path, tensors), its failures as a ModelLoadError that names the file."""
+def open_gguf(path: str, tensors: bool = True, skip: Collection[str] = ()) -> GGUFFile:
+    """GGUFFile(path, tensors, skip), its failures as a ModelLoadError that names the file."""
     try:
-        return GGUFFile(path, tensors)
+        return GGUFFile(path, tensors, skip)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot open: {e}") from e
     except GGUFFormatError as e:

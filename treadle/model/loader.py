@@ -32,9 +32,38 @@ def load_model_files(model: str | None) -> ModelFiles:
     raise _missing(path)
 
 
+_prebuilt: dict = {}  # (path, size, mtime) -> a Tokenizer built ahead of its first use (prebuild_tokenizer)
+
+
+def _file_key(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def prebuild_tokenizer(model: str | None) -> None:
+    """Build the model's tokenizer now, for the next `load_tokenizer` of it to take. A server's
+    front end does this before its own imports: a large vocabulary's build has a transient peak
+    (Gemma 3's: ~190 MB above its result), which then rises from the process's smallest size
+    rather than from its full one. Any failure is left for that `load_tokenizer` to report."""
+    key = _file_key(resolve_model_path(model))
+    if key is None:
+        return
+    try:
+        _prebuilt[key] = load_tokenizer(model)
+    except Exception:  # noqa: BLE001 - reported where the server loads the model
+        pass
+
+
 def load_tokenizer(model: str | None):
     """The model's Tokenizer alone: metadata and tokenizer files are read, tensors are not."""
     path = resolve_model_path(model)
+    if _prebuilt:
+        ready = _prebuilt.pop(_file_key(path), None)
+        if ready is not None:
+            return ready
     if os.path.isdir(path):
         from .hf_loader import read_config
         from .tokenizer import tokenizer_from_hf_folder

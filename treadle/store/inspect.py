@@ -149,13 +149,17 @@ def describe_cached(path: str) -> ModelInfo:
     return found or ModelInfo("gguf" if path.endswith(".gguf") else "safetensors", "unknown", None, "", None, 0)
 
 
+# read past by a description (a 150K-token vocabulary's strings are tens of MB for a moment)
+VOCABULARY_KEYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "scores", "token_type"))
+
+
 def _describe_gguf(path: str) -> ModelInfo:
     from ..model.config import ModelLoadError
     from ..model.gguf_file import gguf_constants, open_gguf
 
     gguf = gguf_constants()  # the type tables: a server's front end describes its models without numpy
     try:
-        f = open_gguf(path, tensors=False)
+        f = open_gguf(path, tensors=False, skip=VOCABULARY_KEYS)
     except ModelLoadError as e:
         raise InspectError(str(e)) from None
     meta = f.metadata

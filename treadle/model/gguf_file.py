@@ -59,6 +59,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 # arrays of numbers, read whole with the `array` module (the front end reads metadata without
 # numpy, ~15 MB it need not load): GGUF type -> array typecode of that width
 _ARRAYS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+_WIDTHS = {etype: array(code).itemsize for etype, code in _ARRAYS.items()}
 _BOOL = 7
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -112,17 +113,23 @@ class _Cursor:
         self.pos = pos
         return out
 
+    def _array_bytes(self, etype: int, count: int) -> int:
+        """The bytes of `count` numbers of type `etype` (for other types, a lower bound: 8 each, a
+        string's length), checked against what is left of the file."""
+        n = count * _WIDTHS.get(etype, 8)
+        if n > len(self.buf) - self.pos:
+            raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
+        return n
+
     def skip(self, vtype: int, depth: int = 0) -> None:
         """Past a value without building it (a vocabulary's strings: their lengths are read)."""
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if depth >= MAX_NESTING:
                 raise GGUFFormatError(f"arrays nested more than {MAX_NESTING} deep")
+            n = self._array_bytes(etype, count)  # checked first: a corrupt count is not walked
             if etype in _ARRAYS:
-                width = array(_ARRAYS[etype]).itemsize
-                if count * width > len(self.buf) - self.pos:
-                    raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
-                self.pos += count * width
+                self.pos += n
                 return
             for _ in range(count):
                 self.skip(etype, depth + 1)
@@ -143,15 +150,13 @@ class _Cursor:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if depth >= MAX_NESTING:
                 raise GGUFFormatError(f"arrays nested more than {MAX_NESTING} deep")
-            width = array(_ARRAYS[etype]).itemsize if etype in _ARRAYS else 8  # a string's length at least
-            if count * width > len(self.buf) - self.pos:
-                raise GGUFFormatError(f"array of {count} elements runs past the end of the file")
+            n = self._array_bytes(etype, count)
             if etype in _ARRAYS:
                 arr = array(_ARRAYS[etype])
-                arr.frombytes(self.buf[self.pos : self.pos + count * width])
+                arr.frombytes(self.buf[self.pos : self.pos + n])
                 if sys.byteorder == "big":
                     arr.byteswap()
-                self.pos += count * width
+                self.pos += n
                 return [v != 0 for v in arr] if etype == _BOOL else arr.tolist()
             if etype == _STRING:
                 return self.strings(count)

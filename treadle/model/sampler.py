@@ -96,7 +96,7 @@ class Sampler:
             probs[g, logits[g].max(dim=-1).indices] = 1.0
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
-            probs[torch.tensor(random_rows, device=logits.device)] = self._probs(logits, reqs, random_rows)
+            probs[torch.tensor(random_rows, device=logits.device)] = self._probs(logits, reqs, random_rows, consume=logits is not raw)
         return probs
 
     def _probs(self, logits: torch.Tensor, reqs: list, rows: list[int], consume: bool = False) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
+from treadle.model.layers import RMSNorm
 
 from .tiny_models import save_hf_model
 
@@ -39,11 +40,13 @@ def _both_paths(llm):
     return c_path, python
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
 def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
     """Llama (llama3 rope), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (each head of q and k normed),
-    Mistral (a sliding window) and Phi-3 (half of each head rotates, longrope),
-    quantized at load to Q8_0, bfloat16 rows: batch of four, prompts of 2 to 300 tokens."""
+    Mistral (a sliding window), Phi-3 (half of each head rotates, longrope), Gemma 2 (norms on the
+    attention's and the MLP's outputs, soft-capped scores, a local layer) and Gemma 3 (those norms,
+    q/k norms, a local layer with its own RoPE base), quantized at load to Q8_0, bfloat16 rows:
+    batch of four, prompts of 2 to 300 tokens."""
     save_hf_model(str(tmp_path), arch)
     llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=400, block_size=8, max_num_seqs=4)
     if arch == "qwen2":  # transformers starts biases at zero: give them values, so that they count
@@ -52,11 +55,11 @@ def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
         for layer in model.layers:
             layer.qkv.bias = (torch.randn(layer.qkv.bias.shape, generator=g) * 0.5).to(layer.qkv.bias.dtype)
         model._stepper = False
-    if arch == "qwen3":  # and norm weights at one: give q's and k's their own
+    if arch in ("qwen3", "gemma2", "gemma3"):  # and norm weights at one: give each norm its own
         model = llm.engine.core.worker.runner.model
         g = torch.Generator().manual_seed(1)
         for layer in model.layers:
-            for norm in (layer.q_norm, layer.k_norm):
+            for norm in {id(n): n for n in vars(layer).values() if isinstance(n, RMSNorm)}.values():
                 w = (1 + torch.randn(norm.weight.shape, generator=g) * 0.3).to(norm.weight.dtype)
                 norm.weight2.copy_(torch.cat((w, w)))
     c_path, python = _both_paths(llm)

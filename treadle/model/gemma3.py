@@ -27,7 +27,7 @@ from .attention import metadata_by_layer, paged_attention
 from .config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
 from .gguf_file import LLAMA_LAYER_TENSORS
 from .layers import RMSNorm, apply_rotary
-from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
+from .llama import FFN_ROWS, DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
 
 SLIDING_WINDOW_PATTERN = 6  # transformers' default and llama.cpp's fixed value for gemma3 files
 LOCAL_ROPE_THETA = 10000.0
@@ -191,13 +191,25 @@ class Gemma3Model(LlamaModel):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    decoder_kernel = True  # the C path (kernels/decoder.py) takes these layers too, with the norms below
+
+    @staticmethod
+    def stepper_norms(layer) -> tuple:
+        return layer.input_norm, layer.pre_feedforward_norm, layer.post_attention_norm, layer.post_feedforward_norm
+
     def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
         h = self.embedding(input_ids) * self.embed_scale
-        global_tables, local_tables = self.rotary.tables(positions), self.local_rotary.tables(positions)
-        for layer, (k_cache, v_cache), layer_meta, window in zip(self.layers, kv_caches, metadata_by_layer(meta, self.layer_groups), self.windows):
+        global_tables = self.rotary.tables(positions)
+        local_tables = global_tables if self.local_rotary is self.rotary else self.local_rotary.tables(positions)
+        metas = metadata_by_layer(meta, self.layer_groups)
+        if not torch.compiler.is_compiling():
+            stepper = self.layer_stepper()  # every layer in two C calls, the same bits, where the step allows
+            if stepper is not None and stepper.run(h, global_tables, kv_caches, metas, FFN_ROWS, local_tables):
+                return h
+        for layer, (k_cache, v_cache), layer_meta, window in zip(self.layers, kv_caches, metas, self.windows):
             cos, sin = global_tables if window is None else local_tables
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(t, heads + kv_heads, cfg.head_dim)

@@ -256,6 +256,7 @@ class LlamaModel(CausalLM):
         return h
 
     _stepper = False  # not yet decided
+    decoder_kernel = True  # residual_stream's layers are kernels/decoder.py's (where the model qualifies)
 
     def layer_stepper(self):
         """The C path of this model's layers (kernels/decoder.py), or None where the model does not
@@ -263,8 +264,14 @@ class LlamaModel(CausalLM):
         if self._stepper is False:
             from .kernels.decoder import LayerStepper
 
-            self._stepper = LayerStepper.for_model(self, LlamaModel) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
+            self._stepper = LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
         return self._stepper
+
+    @staticmethod
+    def stepper_norms(layer) -> tuple:
+        """A layer's norms as the C path takes them: before the attention, before the MLP, and on
+        the attention's and the MLP's outputs before each is added (None: not normed)."""
+        return layer.input_norm, layer.post_attention_norm, None, None
 
     def attention(self, layer, x: torch.Tensor, tables, kv, layer_meta: AttentionMetadata) -> torch.Tensor:
         """One layer's attention over the normed stream `x` [T, hidden]: q, k, v, their norms,

@@ -1,5 +1,6 @@
 /* A Llama-style decoder layer's step in two calls, for bfloat16 rows whose weights are all held
- * quantized: the same kernels the layer's Python calls one by one (quant.c's products, rowops.c's
+ * quantized (Gemma 2 / 3's too: a norm on the attention's and the MLP's outputs before each is
+ * added, per-layer rotary tables, soft-capped scores): the same kernels the layer's Python calls one by one (quant.c's products, rowops.c's
  * RMSNorm and rotary, paged_attention.c), in the same order, on the same buffers' layouts, and the
  * torch operations between them (a bias add, the K/V rows' copy into the cache, the residual adds)
  * written out with torch's rounding: the same bits. A decode step of a small model spent more time
@@ -34,7 +35,7 @@ typedef struct {
     rotary_fn rotary;
     attention_fn attention;
     int64_t isa, hidden, heads, kv_heads, head_dim, rot, intermediate;
-    float eps, scale;
+    float eps, scale, softcap; /* softcap: the attention scores' (Gemma 2), or 0 */
 } model_args;
 
 /* a Linear: its parts' rows one after another (each part's product fills its columns) */
@@ -49,14 +50,18 @@ typedef struct {
     linear_args qkv, o, gate_up, down;
     const uint16_t *input_norm, *post_norm; /* [hidden] bf16 */
     const uint16_t *q_norm, *k_norm;        /* [head_dim] bf16: each head of q and k normed (Qwen3), or NULL */
+    const uint16_t *attn_out_norm;          /* [hidden] bf16: the attention's output normed before it is added (Gemma), or NULL */
+    const uint16_t *mlp_out_norm;           /* [hidden] bf16: the MLP's output normed before it is added (Gemma), or NULL */
     uint16_t *k_cache, *v_cache;            /* [blocks, block_size, kv_heads, head_dim] bf16 */
     int64_t block_size;
+    int64_t local;                          /* 1: rotated by the step's second tables (Gemma 3's local layers) */
 } layer_args;
 
 typedef struct {
     int64_t rows;
     uint16_t *h;                            /* [rows, hidden]: the residual stream, added to in place */
     const float *cos, *signed_sin;          /* [rows, rot] */
+    const float *local_cos, *local_signed_sin; /* [rows, rot]: the local layers' tables (= cos, signed_sin where one base) */
     const int64_t *slots;                   /* [rows]: each row's K/V slot in the cache */
     const int64_t *tables, *row_table, *key_begin, *key_end;
     int64_t table_stride, span;
@@ -85,8 +90,19 @@ static void add_into(uint16_t *h, const uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(y[i]));
 }
 
+/* h += y [rows, hidden], or h += norm(y) where the layer norms its blocks' outputs (into `spare`) */
+static void add_output(const model_args *m, const uint16_t *out_norm, const step_args *s, const uint16_t *y, uint16_t *spare) {
+    const int64_t T = s->rows;
+    if (out_norm) {
+        m->norm(y, T, 1, m->hidden, m->hidden, m->hidden, out_norm, m->eps, spare);
+        y = spare;
+    }
+    add_into(s->h, y, T * m->hidden);
+}
+
 /* The layer from its input norm to its MLP's gate/up product (left in s->gate_up): the attention
- * block added to s->h, the post-attention norm, gate_up. */
+ * block added to s->h, the MLP's input norm (`post_norm`: Llama's post-attention norm, Gemma's
+ * pre-feedforward norm), gate_up. */
 int treadle_decoder_attention(const model_args *m, const layer_args *l, const step_args *s) {
     const int64_t T = s->rows, H = m->heads, KVH = m->kv_heads, D = m->head_dim, width = l->qkv.width;
     m->norm(s->h, T, 1, m->hidden, m->hidden, m->hidden, l->input_norm, m->eps, s->x);
@@ -106,7 +122,8 @@ int treadle_decoder_attention(const model_args *m, const layer_args *l, const st
         qk_rows = s->qkn;
         qk_stride = (H + KVH) * D;
     }
-    m->rotary(qk_rows, T, H + KVH, D, qk_stride, s->cos, s->signed_sin, m->rot, s->qk);
+    m->rotary(qk_rows, T, H + KVH, D, qk_stride, l->local ? s->local_cos : s->cos, l->local ? s->local_signed_sin : s->signed_sin, m->rot,
+              s->qk);
     /* this step's K and V rows into their cache slots (index_copy_) */
     const int64_t kv_row = KVH * D;
     for (int64_t t = 0; t < T; t++) {
@@ -114,19 +131,20 @@ int treadle_decoder_attention(const model_args *m, const layer_args *l, const st
         memcpy(l->v_cache + s->slots[t] * kv_row, s->qkv + t * width + (H + KVH) * D, (size_t)kv_row * 2);
     }
     code = m->attention(s->qk, (H + KVH) * D, l->k_cache, l->v_cache, l->block_size, KVH, D, H / KVH, s->tables, s->table_stride,
-                        s->row_table, s->key_begin, s->key_end, m->scale, 0.0f, s->attn, H * D, T, s->span, 0);
+                        s->row_table, s->key_begin, s->key_end, m->scale, m->softcap, s->attn, H * D, T, s->span, 0);
     if (code) return code;
     code = linear(m, &l->o, s->attn, H * D, T, s->out);
     if (code) return code;
-    add_into(s->h, s->out, T * m->hidden);
+    add_output(m, l->attn_out_norm, s, s->out, s->x); /* x: the input norm's rows, read by qkv alone */
     m->norm(s->h, T, 1, m->hidden, m->hidden, m->hidden, l->post_norm, m->eps, s->x);
     return linear(m, &l->gate_up, s->x, m->hidden, T, s->gate_up);
 }
 
-/* The MLP's down product of the activation `act` [rows, intermediate], added to s->h. */
+/* The MLP's down product of the activation `act` [rows, intermediate], added to s->h (normed first
+ * where the layer says). */
 int treadle_decoder_down(const model_args *m, const layer_args *l, const step_args *s, const uint16_t *act) {
     int code = linear(m, &l->down, act, m->intermediate, s->rows, s->out);
     if (code) return code;
-    add_into(s->h, s->out, s->rows * m->hidden);
+    add_output(m, l->mlp_out_norm, s, s->out, s->x); /* x: the MLP's input rows, read by gate_up alone */
     return 0;
 }

@@ -4,8 +4,11 @@ layer's Python (llama.py's `attention` and `mlp`), so the same bits; the Python 
 per layer, which on a small model took longer than the kernels, is gone. The MLP's activation stays
 torch's, between the two calls.
 
-`LayerStepper.for_model` says once whether a model qualifies (the weights, the norms, the family's
-methods); `run` says per step (no torch.compile, no LoRA rows, bf16 KV through treadle's attention
+Families: the class that defines a model's `residual_stream` says `decoder_kernel = True` where this
+path computes its layers (llama.LlamaModel; gemma3.Gemma3Model, whose norms on the attention's and
+the MLP's outputs, local layers' rotary tables and soft-capped scores the kernel takes too) and
+names the norms in `stepper_norms`. `LayerStepper.for_model` says once whether a model qualifies
+(the weights, the norms, the family's methods); `run` says per step (no torch.compile, no LoRA rows, bf16 KV through treadle's attention
 kernel) and otherwise leaves the step to the Python path. A long step runs each layer over slices of
 FFN_ROWS rows, so its buffers are a slice's.
 """
@@ -27,7 +30,7 @@ class _Model(ctypes.Structure):
     _fields_ = (
         [("matmul", _ptr), ("norm", _ptr), ("rotary", _ptr), ("attention", _ptr)]
         + [(n, _i64) for n in ("isa", "hidden", "heads", "kv_heads", "head_dim", "rot", "intermediate")]
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
     )
 
 
@@ -44,11 +47,13 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("input_norm", _ptr), ("post_norm", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("block_size", _i64)]  # fmt: skip
+                ("q_norm", _ptr), ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("block_size", _i64), ("local", _i64)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("h", _ptr), ("cos", _ptr), ("signed_sin", _ptr), ("slots", _ptr), ("tables", _ptr), ("row_table", _ptr),
+    _fields_ = [("rows", _i64), ("h", _ptr), ("cos", _ptr), ("signed_sin", _ptr), ("local_cos", _ptr), ("local_signed_sin", _ptr),
+                ("slots", _ptr), ("tables", _ptr), ("row_table", _ptr),
                 ("key_begin", _ptr), ("key_end", _ptr), ("table_stride", _i64), ("span", _i64)] + [
         (n, _ptr) for n in ("x", "qkv", "qk", "attn", "out", "gate_up", "qn", "kn", "qkn")
     ]  # fmt: skip
@@ -89,15 +94,20 @@ class LayerStepper:
         self._caches: list[tuple[int, int]] = [(0, 0)] * len(layers)
 
     @classmethod
-    def for_model(cls, model, base: type) -> "LayerStepper | None":
-        """`base`: the family class whose layer computation this path runs (llama.LlamaModel)."""
+    def for_model(cls, model) -> "LayerStepper | None":
         cfg = model.config
         kind = type(model)
+        base = next(c for c in kind.__mro__ if "residual_stream" in vars(c))  # the family whose layers this path would run
+        if not vars(base).get("decoder_kernel") or any(
+            getattr(kind, m) is not getattr(base, m) for m in ("attention", "feed_forward", "mlp", "stepper_norms")
+        ):
+            return None  # a family that changes the layer's computation keeps its own Python
         if cfg.clip_qkv is not None or not usable(model.dtype, torch.device(model.device), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
             return None  # usable: treadle's attention kernel serves this model (bf16 on the CPU, its head shapes)
-        if any(getattr(kind, m) is not getattr(base, m) for m in ("residual_stream", "attention", "feed_forward", "mlp")):
-            return None  # a family that changes the layer's computation keeps its own Python
         rot = model.rotary.cos.shape[-1] * 2
+        local_rotary = getattr(model, "local_rotary", model.rotary)
+        if local_rotary.cos.shape[-1] * 2 != rot:
+            return None
         if rot > 512 or cfg.num_heads % cfg.num_kv_heads or not (quant.available() and rowops.available() and _kernel.available()):
             return None
         layers = []
@@ -105,18 +115,22 @@ class LayerStepper:
         qk_norms = any(layer.q_norm is not None for layer in model.layers)
         if qk_norms and not cfg.qk_norm_per_head:  # OLMoE's norms over all heads at once: its own Python
             return None
-        for layer in model.layers:
+        windows = getattr(model, "windows", [None] * len(model.layers))
+        for layer, window in zip(model.layers, windows, strict=True):
             if layer.moe is not None or (layer.q_norm is not None) != qk_norms or (layer.k_norm is not None) != qk_norms:
                 return None
             linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-            norms = [layer.input_norm, layer.post_attention_norm] + ([layer.q_norm, layer.k_norm] if qk_norms else [])
+            input_norm, mlp_norm, attn_out_norm, mlp_out_norm = model.stepper_norms(layer)
+            norms = [n for n in (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm) if n is not None]
             if any(lin is None for lin in linears) or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
                 return None
             if {n.eps for n in norms} != {cfg.rms_norm_eps}:
                 return None
             widths.add(linears[2].width)
-            pointers = [n.weight.data_ptr() for n in norms] + ([None, None] if not qk_norms else [])
-            layers.append(_Layer(*linears, *pointers, None, None, 0))
+            pointer = lambda n: None if n is None else n.weight.data_ptr()  # noqa: E731
+            local = window is not None and local_rotary is not model.rotary
+            layers.append(_Layer(*linears, *map(pointer, (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm)),
+                                 None, None, 0, local))  # fmt: skip
         if len(widths) != 1:
             return None
         args = _Model(
@@ -124,12 +138,14 @@ class LayerStepper:
             rotary=_address(rowops._kernel.lib.treadle_rotary_bf16), attention=_address(attention_kernel.lib.treadle_paged_attention),
             isa=quant.ISAS[quant.isa()], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             rot=rot, intermediate=widths.pop() // 2, eps=cfg.rms_norm_eps, scale=model.scale,
+            softcap=getattr(cfg, "attn_logit_softcapping", None) or 0.0,
         )  # fmt: skip
         return cls(model, layers, args)
 
-    def run(self, h: torch.Tensor, tables, kv_caches, metas, slice_rows: int) -> bool:
+    def run(self, h: torch.Tensor, tables, kv_caches, metas, slice_rows: int, local_tables=None) -> bool:
         """Every layer of a step over the residual stream `h` (in place); False, having done
-        nothing, where this step is not the C path's. A step of more than `slice_rows` rows runs
+        nothing, where this step is not the C path's. `local_tables`: the rotary tables of the
+        layers marked local (Gemma 3's), where they differ from `tables`. A step of more than `slice_rows` rows runs
         each layer over slices of that many rows in order (each slice's K/V is in the cache before
         the next attends to it; every row's result is its own), so a long prompt's transient
         buffers are a slice's."""
@@ -139,7 +155,8 @@ class LayerStepper:
         if h.dtype != torch.bfloat16 or not h.is_contiguous():
             return False
         cos, signed_sin = tables
-        if not (cos.is_contiguous() and signed_sin.is_contiguous()) or cos.dtype != torch.float32:
+        local_cos, local_signed_sin = local_tables or tables
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (cos, signed_sin, local_cos, local_signed_sin)):
             return False
         groups = {}  # the step's attention metadata, one per cache group
         for meta, kv in zip(metas, kv_caches):
@@ -165,7 +182,8 @@ class LayerStepper:
             for start, end in slices:  # int64 row arrays, float32 tables, bf16 rows: 8, 4 and 2 bytes
                 steps[key, start] = _Step(
                     rows=end - start, h=h.data_ptr() + start * m.hidden * 2, cos=cos.data_ptr() + start * rot * 4,
-                    signed_sin=signed_sin.data_ptr() + start * rot * 4, slots=meta.slot_mapping.data_ptr() + start * 8,
+                    signed_sin=signed_sin.data_ptr() + start * rot * 4, local_cos=local_cos.data_ptr() + start * rot * 4,
+                    local_signed_sin=local_signed_sin.data_ptr() + start * rot * 4, slots=meta.slot_mapping.data_ptr() + start * 8,
                     tables=tables_.data_ptr(), row_table=row_table.data_ptr() + start * 8, key_begin=key_begin.data_ptr() + start * 8,
                     key_end=key_end.data_ptr() + start * 8, table_stride=tables_.stride(0), span=span, **pointers,
                 )  # fmt: skip

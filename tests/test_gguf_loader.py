@@ -232,3 +232,53 @@ def test_metadata_arrays_of_every_number_type_read_as_gguf_py_reads_them(tmp_pat
             expected = theirs.fields[key].contents()
             assert meta[key] == expected, key
             assert [type(v) for v in meta[key]] == [type(v) for v in expected], key
+
+
+def test_the_engine_cores_load_reads_past_merges_and_scores_and_checks_them_when_built(tmp_path):
+    """load_gguf reads past the vocabulary's merges and scores (the core's tokenizer is lazy; a
+    151K-token vocabulary's merges took ~0.06 s of its start): their presence still counts at
+    load, and the build that reads them checks them as a full read does."""
+    from .fuzz_model_files import write_seed_gguf
+
+    good = str(tmp_path / "good.gguf")
+    write_seed_gguf(good)
+    reader = GGUFFile(good, tensors=False, skip={"tokenizer.ggml.merges", "tokenizer.ggml.scores"})
+    assert reader.skipped == {"tokenizer.ggml.merges"} and "tokenizer.ggml.merges" not in reader.metadata  # no scores in this file
+    tok = load_gguf(good).tokenizer
+    assert tok._backend is None and tok.encode("the cat", add_special_tokens=False) == tiny_tokenizer().encode("the cat").ids
+
+    missing = str(tmp_path / "no-merges.gguf")
+    write_seed_gguf(missing, ("tokenizer.ggml.merges", None, None, None))
+    with pytest.raises(ModelLoadError, match="merges: missing"):
+        load_gguf(missing)
+
+    numbers = str(tmp_path / "number-merges.gguf")
+    write_seed_gguf(numbers, ("tokenizer.ggml.merges", gguf.GGUFValueType.ARRAY, [1, 2, 3], gguf.GGUFValueType.INT32))
+    tok = load_gguf(numbers).tokenizer  # not read at load
+    with pytest.raises(ModelLoadError, match=r"merges = a list of 3: expected a list of strings"):
+        tok.encode("the cat")
+    with pytest.raises(ModelLoadError, match="merges"):
+        from treadle import LLM
+
+        LLM(numbers, dtype="float32", max_model_len=64)
+
+
+def test_a_skipped_string_array_that_runs_past_the_end_is_reported(tmp_path):
+    """Reading past a string array walks its lengths: one that claims more than the file holds is
+    a format error, as reading it is."""
+    path = str(tmp_path / "s.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("test.strings", ["abc", "de", "f" * 50])
+    w.add_tensor("token_embd.weight", np.ones((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b"f" * 50) - 8  # the last string's length
+    data[at : at + 8] = (1 << 40).to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    for skip in ((), {"test.strings"}):
+        with pytest.raises(Exception, match="runs past the end"):
+            GGUFFile(str(bad), tensors=False, skip=skip)

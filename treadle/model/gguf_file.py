@@ -131,6 +131,14 @@ class _Cursor:
             if etype in _ARRAYS:
                 self.pos += n
                 return
+            if etype == _STRING:  # one tight loop over the lengths, as `strings` reads them
+                buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
+                    if pos > end:
+                        raise GGUFFormatError("string runs past the end of the file")
+                self.pos = pos
+                return
             for _ in range(count):
                 self.skip(etype, depth + 1)
         elif vtype == _STRING:
@@ -188,12 +196,14 @@ class GGUFFile:
             if n_kv * 13 > len(buf) or n_tensors * 24 > len(buf):  # the smallest key/value and tensor info
                 raise GGUFFormatError(f"header claims {n_tensors} tensors and {n_kv} metadata entries; the file ({len(buf)} bytes) cannot hold them")
             self.metadata: dict = {}
+            self.skipped: set[str] = set()  # keys of `skip` the file has: present, not read
             for i in range(n_kv):
                 where = f"metadata entry {i}"
                 key = c.string()
                 where = f"metadata {key!r}"
                 if key in skip:
                     c.skip(c.unpack("<I"))
+                    self.skipped.add(key)
                 else:
                     self.metadata[key] = c.value(c.unpack("<I"))
             infos = []
@@ -218,8 +228,9 @@ class GGUFFile:
         self.tensors = [self._tensor(buf, start, *info) for info in infos] if tensors else []
 
     def _tensor(self, buf, start: int, name: str, dims: list[int], type_id: int, offset: int) -> GGUFTensor:
-        import gguf
         import numpy as np
+
+        gguf = gguf_constants()  # the type tables (gguf.quants takes its enum values: an IntEnum)
 
         try:
             qtype = gguf.GGMLQuantizationType(type_id)

@@ -4,7 +4,8 @@ Quantized matrices stay as the file's blocks (`QuantizedTensor`, copied off the 
 tensor); float tensors are converted when the model takes them.
 
 treadle's own reader (`gguf_file.py`, one memory map parsed with `struct`) parses the container;
-the `gguf` package's `gguf.quants` dequantizes blocks (and its enums name the tensor types). This
+gguf-py's `constants` module names the tensor types, and its `gguf.quants` dequantizes the blocks
+of types treadle's kernels do not hold (the package is imported only then: ~25 ms). This
 module maps llama.cpp's names and layouts onto the Hugging Face ones the model code uses, and turns
 every failure into a `ModelLoadError` that names the file, the item and the reason.
 """
@@ -12,7 +13,6 @@ every failure into a `ModelLoadError` that names the file, the item and the reas
 import os
 from collections.abc import Callable
 
-import gguf
 import numpy as np
 import torch
 
@@ -22,7 +22,7 @@ from .kernels import quant
 from .kernels.quant import QuantizedTensor
 from .moe import ExpertWeights
 from .registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
-from .tokenizer import tokenizer_from_gguf
+from .tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -188,7 +188,9 @@ def _dequantize(path: str, tensor) -> np.ndarray:
         elif type_name == "F16":
             data = np.asarray(tensor.data).astype(np.float32)
         else:
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            from gguf import quants  # the package (~25 ms to import): only types the kernels do not hold
+
+            data = quants.dequantize(tensor.data, tensor.tensor_type)
         return data.reshape(shape)
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot decode {type_name} data: {e}") from e
@@ -251,12 +253,13 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
 
 
 def load_gguf(path: str) -> ModelFiles:
-    reader = open_gguf(path)
+    reader = open_gguf(path, skip=UNREAD_AT_LOAD)  # (a 151K-token vocabulary's merges: ~0.06 s)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
     family = resolve_model_class(config.architecture)
-    tokenizer = tokenizer_from_gguf(path, meta, lazy=True)  # the engine core's: built if a request needs the vocabulary
+    # the engine core's: built if a request needs the vocabulary, reading the lists skipped above
+    tokenizer = tokenizer_from_gguf(path, meta, lazy=True, unread=reader.skipped)
 
     weights: dict[str, torch.Tensor | QuantizedTensor | DeferredWeight] = {}
     for tensor in reader.tensors:

@@ -11,7 +11,7 @@ import os
 import re
 import threading
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -206,9 +206,20 @@ class Tokenizer:
 # ---------------------------------------------------------------- GGUF
 
 
-def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
+# the lists an engine's load reads past (its tokenizer is lazy): the vocabulary's build reads them
+UNREAD_AT_LOAD = frozenset({"tokenizer.ggml.merges", "tokenizer.ggml.scores"})
+
+
+def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Collection[str] = ()) -> Tokenizer:
     """Build the tokenizer a GGUF file describes under `tokenizer.ggml.*` (`lazy`: its vocabulary
-    when first used; the metadata is checked now either way)."""
+    when first used; the metadata is checked now either way). `unread`: keys the file has but
+    `meta` was read without (UNREAD_AT_LOAD, lazy only): checked when the vocabulary is built."""
+    if unread and not lazy:
+        raise ValueError("a tokenizer of metadata read in part is built lazily")
+
+    def has(key: str) -> bool:
+        return meta.get(key) is not None or key in unread
+
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
@@ -221,9 +232,9 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if kind == "gpt2" and pre not in BPE_PRE_TOKENIZERS:
         raise ModelLoadError(f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})")
-    if kind == "gpt2" and meta.get("tokenizer.ggml.merges") is None:
+    if kind == "gpt2" and not has("tokenizer.ggml.merges"):
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
-    if kind == "llama" and meta.get("tokenizer.ggml.merges") is None and meta.get("tokenizer.ggml.scores") is None:
+    if kind == "llama" and not has("tokenizer.ggml.merges") and not has("tokenizer.ggml.scores"):
         raise ModelLoadError(f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -236,7 +247,7 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False) -> Tokenizer:
         template = builtin_template(set(control))
         if template is not None:
             log.info("%s has no chat template: using the built-in one its vocabulary's turn markers name", path)
-    derived = kind == "llama" and meta.get("tokenizer.ggml.merges") is None  # merges from the scores
+    derived = kind == "llama" and not has("tokenizer.ggml.merges")  # merges from the scores
     if lazy:  # the metadata read again when needed (holding its lists until then would cost as much)
         return Tokenizer(
             lambda: _gguf_backend(path, None, kind, derived),
@@ -273,7 +284,11 @@ def _gguf_backend(path: str, meta: dict | None, kind: str, derived: bool) -> HFT
     from .gguf_file import read_metadata
 
     def metadata() -> dict:  # passed straight on, so that the callee's `del` lets it go
-        return meta if meta is not None else read_metadata(path)
+        if meta is not None:
+            return meta
+        read = read_metadata(path)
+        _check_gguf_tokenizer(path, read)  # (the lists the engine's load left unread)
+        return read
 
     if derived:
         backend = _cached_backend(path, lambda: _gguf_json(path, metadata()))
@@ -374,15 +389,17 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
         shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:80]
         raise ModelLoadError(f"{path}: tokenizer.ggml.{key.rsplit('.', 1)[1]} = {shown}: expected {expected}")
 
+    # the lists' element types taken as a set (a 151K-token vocabulary's checks: ~0.1 s one by
+    # one); the reader makes plain str / int / float / bool values, so exact types suffice
     tokens = meta["tokenizer.ggml.tokens"]
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, list) or not tokens or not set(map(type, tokens)) <= {str}:
         fail("tokenizer.ggml.tokens", "a non-empty list of strings")
     n = len(tokens)
-    lists = {"tokenizer.ggml.token_type": int, "tokenizer.ggml.scores": (int, float), "tokenizer.ggml.merges": str}
-    for key, kind in lists.items():
+    lists = {"tokenizer.ggml.token_type": {int}, "tokenizer.ggml.scores": {int, float}, "tokenizer.ggml.merges": {str}}
+    for key, kinds in lists.items():
         value = meta.get(key)
-        if value is not None and (not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
-            fail(key, f"a list of {'strings' if kind is str else 'numbers'}")
+        if value is not None and (not isinstance(value, list) or not set(map(type, value)) <= kinds):
+            fail(key, f"a list of {'strings' if kinds == {str} else 'numbers'}")
         if value is not None and key != "tokenizer.ggml.merges" and len(value) != n:
             fail(key, f"one entry per token ({n})")
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):

@@ -170,3 +170,27 @@ def test_bad_input_is_refused():
     assert t.matmul(torch.zeros((0, 32), dtype=torch.bfloat16)).shape == (0, 2)
     with pytest.raises(IndexError):
         t.rows(torch.tensor([2]))
+
+
+@pytest.mark.parametrize("kind", list(quant.TYPES))
+def test_widened_output_is_the_bfloat16_products_values_in_float32(kind, monkeypatch):
+    """`widened` (the logits' path) writes each bf16-rounded value as float32 at once: the same
+    values as the bf16 product widened, on every instruction-set path and both layouts, for the
+    16-row groups and the rows after them (24 rows: 16 + 8)."""
+    from treadle.model.layers import Linear
+
+    big = quant.TYPES[kind][1] == 256
+    rows, cols = 24, 768 if big else 32 * 7
+    blocks = random_blocks(kind, rows, cols, seed=11)
+    x = (torch.randn(17, cols, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    for isa in ISAS:
+        monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+        weight = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols)
+        for m in (1, 5, 17):
+            widened = quant.matmul(x[:m], weight.data, weight.type_id, widened=True)
+            assert widened.dtype == torch.float32
+            assert torch.equal(widened, quant.matmul(x[:m], weight.data, weight.type_id).float()), (isa, m)
+        linear = Linear(weight)
+        assert torch.equal(linear.float_output(x), linear(x).float())
+        with_bias = Linear(weight, bias=torch.randn(rows).bfloat16())  # not the kernel's alone: self(x).float()
+        assert torch.equal(with_bias.float_output(x), with_bias(x).float())

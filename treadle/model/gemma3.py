@@ -187,7 +187,7 @@ class Gemma3Model(LlamaModel):
         return super().tensors() + local + extra
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head.float_output(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -193,7 +193,7 @@ class GraniteHybridModel(BambaModel):
         return super().linears() + [x for layer in self.layers if layer.moe is not None for x in layer.moe.linears()]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float() / self.config.logits_scaling
+        return self.lm_head.float_output(hidden) / self.config.logits_scaling
 
     def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         cfg = self.config

@@ -232,7 +232,7 @@ class LlamaModel(CausalLM):
         return self.norm(self.residual_stream(input_ids, positions, kv_caches, meta))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.float_output(hidden)
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):

@@ -42,6 +42,11 @@
 
 #include "bf16.h"
 
+/* y_bf16 of the products: 0 float32 rows, 1 bfloat16 rows, BF16_IN_F32 float32 rows holding the
+ * bfloat16-rounded values (the logits in float32 without a bf16 array beside them; the same bits
+ * as a bf16 product widened) */
+#define BF16_IN_F32 2
+
 #include <immintrin.h>
 
 #define M_TILE 32 /* rows of x per pass over an unpacked weight row */
@@ -653,6 +658,10 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    if (y_bf16 == BF16_IN_F32) {
+        _mm512_storeu_ps((float *)y + i, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+        return;
+    }
     _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(r));
 }
 
@@ -754,6 +763,10 @@ TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v)
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), _mm256_and_si256(hi, _mm256_set1_epi32(1))), 16);
     const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    if (y_bf16 == BF16_IN_F32) {
+        _mm256_storeu_ps((float *)y + i, _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)));
+        return;
+    }
     /* the low 16 bits of each lane, in order */
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128((__m128i *)((uint16_t *)y + i), packed);
@@ -825,7 +838,9 @@ int64_t treadle_q_row_bytes(int type, int64_t K) {
 }
 
 static inline void store(void *y, int y_bf16, int64_t i, float v) {
-    if (y_bf16)
+    if (y_bf16 == BF16_IN_F32)
+        ((float *)y)[i] = bf16_to_f32(f32_to_bf16(v));
+    else if (y_bf16)
         ((uint16_t *)y)[i] = f32_to_bf16(v);
     else
         ((float *)y)[i] = v;

@@ -212,12 +212,16 @@ def _row_bytes(type_id: int, cols: int) -> int:
     return cols // elems * size if cols % elems == 0 else -1
 
 
-def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, W a QuantizedTensor's `data` [N, bytes per row]."""
+BF16_IN_F32 = 2  # quant.c's output mode: float32 rows of bf16-rounded values
+
+
+def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = False) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W a QuantizedTensor's `data` [N, bytes per row].
+    `widened` (bf16 x): the bf16 result's values in a float32 array, written at once (logits)."""
     N = data.shape[0]
     if x.dim() != 2 or x.stride(-1) != 1:  # [..., K], or strided columns: as rows
         lead = x.shape[:-1]
-        return matmul(x.reshape(-1, x.shape[-1]).contiguous(), data, type_id).view(*lead, N)
+        return matmul(x.reshape(-1, x.shape[-1]).contiguous(), data, type_id, widened).view(*lead, N)
     # A step's bf16 rows go straight through the checks below to one C call: a decode step makes
     # ~120 of these calls, and the Python around one was most of a small product's time.
     M, K = x.shape
@@ -233,8 +237,12 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int) -> torch.Tensor:
     else:
         xq = x if x.dtype == torch.bfloat16 else x.float()  # the activations the kernel quantizes
         bf16 = int(xq.dtype == torch.bfloat16)
-        y = torch.empty((M, N), dtype=xq.dtype)
-        code = lib.treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, xq.data_ptr(), bf16, xq.stride(0), M, y.data_ptr(), N, bf16, path)
+        widened = widened and bf16
+        y = torch.empty((M, N), dtype=torch.float32 if widened else xq.dtype)
+        out = BF16_IN_F32 if widened else bf16
+        code = lib.treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, xq.data_ptr(), bf16, xq.stride(0), M, y.data_ptr(), N, out, path)
+        if widened:
+            return y
     if code:
         raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
     return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -17,7 +17,6 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..utils import release_free_heap
-from .chat_template import render
 from .config import ModelLoadError
 
 log = logging.getLogger("treadle")
@@ -200,6 +199,8 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+        from .chat_template import render  # jinja2 (~90 ms to import): not on an engine core's path
+
         return render(template, context)  # sandboxed and bounded; ValueError if it fails
 
 

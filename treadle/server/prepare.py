@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from ..engine.request import validate_prompt
+from ..model import chat_template as _templates  # noqa: F401 - jinja2 loaded with the front end, not by its first chat request
 from .chat_output import ChatOutput
 from .engine_client import EngineClient
 from .generation import Generation

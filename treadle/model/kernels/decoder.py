@@ -8,9 +8,9 @@ Families: the class that defines a model's `residual_stream` says `decoder_kerne
 path computes its layers (llama.LlamaModel; gemma3.Gemma3Model, whose norms on the attention's and
 the MLP's outputs, local layers' rotary tables and soft-capped scores the kernel takes too) and
 names the norms in `stepper_norms`. `LayerStepper.for_model` says once whether a model qualifies
-(the weights, the norms, the family's methods); `run` says per step (no torch.compile, no LoRA rows, bf16 KV through treadle's attention
-kernel) and otherwise leaves the step to the Python path. A long step runs each layer over slices of
-FFN_ROWS rows, so its buffers are a slice's.
+(the weights, the norms, the family's methods); `run` says per step (no torch.compile, no LoRA
+rows, bf16 KV through treadle's attention kernel) and otherwise leaves the step to the Python path.
+A long step runs each layer over slices of FFN_ROWS rows, so its buffers are a slice's.
 """
 
 import ctypes
@@ -145,10 +145,10 @@ class LayerStepper:
     def run(self, h: torch.Tensor, tables, kv_caches, metas, slice_rows: int, local_tables=None) -> bool:
         """Every layer of a step over the residual stream `h` (in place); False, having done
         nothing, where this step is not the C path's. `local_tables`: the rotary tables of the
-        layers marked local (Gemma 3's), where they differ from `tables`. A step of more than `slice_rows` rows runs
-        each layer over slices of that many rows in order (each slice's K/V is in the cache before
-        the next attends to it; every row's result is its own), so a long prompt's transient
-        buffers are a slice's."""
+        layers marked local (Gemma 3's), where they differ from `tables`. A step of more than
+        `slice_rows` rows runs each layer over slices of that many rows in order (each slice's K/V
+        is in the cache before the next attends to it; every row's result is its own), so a long
+        prompt's transient buffers are a slice's."""
         rows = h.shape[0]
         if rows == 0 or LORA_ROWS.groups:  # (the caller is outside a compiled graph)
             return False

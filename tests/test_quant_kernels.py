@@ -192,5 +192,7 @@ def test_widened_output_is_the_bfloat16_products_values_in_float32(kind, monkeyp
             assert torch.equal(widened, quant.matmul(x[:m], weight.data, weight.type_id).float()), (isa, m)
         linear = Linear(weight)
         assert torch.equal(linear.float_output(x), linear(x).float())
+        none = linear.float_output(x[:0])  # a step whose rows all sample nothing
+        assert none.shape == (0, rows) and none.dtype == torch.float32
         with_bias = Linear(weight, bias=torch.randn(rows).bfloat16())  # not the kernel's alone: self(x).float()
         assert torch.equal(with_bias.float_output(x), with_bias(x).float())

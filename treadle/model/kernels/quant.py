@@ -228,7 +228,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
     if data.shape[1] != _row_bytes(type_id, K):
         raise ValueError(f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}")
     if M == 0:
-        return x.new_empty((0, N))
+        return x.new_empty((0, N), dtype=torch.float32 if widened and x.dtype == torch.bfloat16 else x.dtype)
     lib, path = library(), ISAS[isa()]
     if x.dtype == torch.float32:
         x32 = x if x.stride(0) == K else x.contiguous()
@@ -241,11 +241,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
         y = torch.empty((M, N), dtype=torch.float32 if widened else xq.dtype)
         out = BF16_IN_F32 if widened else bf16
         code = lib.treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, xq.data_ptr(), bf16, xq.stride(0), M, y.data_ptr(), N, out, path)
-        if widened:
-            return y
     if code:
         raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if y.dtype == x.dtype or widened else y.to(x.dtype)
 
 
 @torch.library.custom_op("treadle::quant_matmul", mutates_args=())

@@ -81,3 +81,36 @@ def test_the_default_model_with_linears_in_parts_gives_the_same_bits():
     model._stepper = False  # decided again, over the parts
     c_path, python = _both_paths(llm)
     assert c_path == python
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "mixtral", "bamba"])
+def test_families_the_kernel_does_not_compute_keep_their_python(tmp_path, arch):
+    """Mixtures of experts (OLMoE's q/k norms over all heads too) and a hybrid with recurrent
+    layers (its own residual stream) are not the kernel's layers: their steps stay in Python."""
+    save_hf_model(str(tmp_path), arch)
+    llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=64, max_num_seqs=2)
+    assert llm.engine.core.worker.runner.model.layer_stepper() is None
+
+
+def test_a_family_that_changes_the_layer_or_opts_out_keeps_its_python():
+    """A subclass that overrides a method of the layer's computation, or its norms, or says
+    `decoder_kernel = False`, does not qualify; the unchanged class does."""
+    from treadle.model.kernels.decoder import LayerStepper
+
+    llm = LLM(max_model_len=64, max_num_seqs=2)
+    model = llm.engine.core.worker.runner.model
+    base = type(model)
+    assert LayerStepper.for_model(model) is not None
+    changes = {
+        "mlp": lambda self, layer, x: base.mlp(self, layer, x),
+        "attention": lambda self, *a: base.attention(self, *a),
+        "residual_stream": lambda self, *a: base.residual_stream(self, *a),
+        "stepper_norms": staticmethod(lambda layer: base.stepper_norms(layer)),
+        "decoder_kernel": False,
+    }
+    try:
+        for name, value in changes.items():
+            model.__class__ = type("Changed", (base,), {name: value})
+            assert LayerStepper.for_model(model) is None, name
+    finally:
+        model.__class__ = base

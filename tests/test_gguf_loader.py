@@ -262,6 +262,12 @@ def test_the_engine_cores_load_reads_past_merges_and_scores_and_checks_them_when
 
         LLM(numbers, dtype="float32", max_model_len=64)
 
+    short = str(tmp_path / "short-scores.gguf")  # scores, read past too: one per token, checked when built
+    write_seed_gguf(short, ("tokenizer.ggml.scores", gguf.GGUFValueType.ARRAY, [0.5, 1.0], gguf.GGUFValueType.FLOAT32))
+    tok = load_gguf(short).tokenizer
+    with pytest.raises(ModelLoadError, match=r"scores = a list of 2: expected one entry per token"):
+        tok.encode("the cat")
+
 
 def test_a_skipped_string_array_that_runs_past_the_end_is_reported(tmp_path):
     """Reading past a string array walks its lengths: one that claims more than the file holds is

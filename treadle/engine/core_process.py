@@ -95,10 +95,12 @@ def run_spare_core(conn) -> None:
     end_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from ..model import gguf_loader, kernels  # noqa: F401 - gguf_loader for its import of gguf-py (0.1 s)
+    from ..model import gguf_loader, kernels  # noqa: F401 - the GGUF loader's modules
+    from ..model.gguf_file import gguf_constants
     from ..model.kernels import quant
     from .core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
 
+    gguf_constants()  # gguf-py's type tables, which a GGUF load reads
     kernels.available()  # loaded (built the first time) now rather than in the first step
     quant.available()
     try:

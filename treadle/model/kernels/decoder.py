@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from ..layers import LORA_ROWS
+from ..layers import LORA_ROWS, RMSNorm
 from . import _kernel as attention_kernel
 from . import quant, rowops, usable
 from .build import Library, build
@@ -98,7 +98,7 @@ class LayerStepper:
         cfg = model.config
         kind = type(model)
         base = next(c for c in kind.__mro__ if "residual_stream" in vars(c))  # the family whose layers this path would run
-        if not vars(base).get("decoder_kernel") or any(
+        if not (vars(base).get("decoder_kernel") and getattr(kind, "decoder_kernel", False)) or any(
             getattr(kind, m) is not getattr(base, m) for m in ("attention", "feed_forward", "mlp", "stepper_norms")
         ):
             return None  # a family that changes the layer's computation keeps its own Python
@@ -116,13 +116,17 @@ class LayerStepper:
         if qk_norms and not cfg.qk_norm_per_head:  # OLMoE's norms over all heads at once: its own Python
             return None
         windows = getattr(model, "windows", [None] * len(model.layers))
-        for layer, window in zip(model.layers, windows, strict=True):
+        if len(windows) != len(model.layers):
+            return None
+        for layer, window in zip(model.layers, windows):
             if layer.moe is not None or (layer.q_norm is not None) != qk_norms or (layer.k_norm is not None) != qk_norms:
                 return None
             linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             input_norm, mlp_norm, attn_out_norm, mlp_out_norm = model.stepper_norms(layer)
             norms = [n for n in (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm) if n is not None]
             if any(lin is None for lin in linears) or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
+                return None
+            if any(type(n) is not RMSNorm for n in norms):  # the kernel's norm: RMSNorm's, weight only
                 return None
             if {n.eps for n in norms} != {cfg.rms_norm_eps}:
                 return None

@@ -698,6 +698,7 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #define U16V(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p)))
 #define ADD_WHERE(u, bits, mask, addend) _mm512_mask_add_epi8((u), _mm512_test_epi8_mask((bits), (mask)), (u), (addend))
 #define DOT4(acc, u, x4, wide) _mm512_dpbusd_epi32((acc), (u), _mm512_set1_epi32(x4))
+#define DOT8(acc, u0, u1, x0, x1, wide) DOT4(DOT4((acc), (u0), (x0), (wide)), (u1), (x1), (wide))
 #define DOT4_SHIFT(wide) 0
 #define STOREV store16
 #include "quant_tiles.h"
@@ -734,6 +735,7 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #undef U16V
 #undef ADD_WHERE
 #undef DOT4
+#undef DOT8
 #undef DOT4_SHIFT
 #undef STOREV
 
@@ -751,6 +753,15 @@ TARGET_AVX2F static inline __m256i dot4_avx2(__m256i acc, __m256i u, int32_t x4,
     } else {
         p = _mm256_maddubs_epi16(u, x);
     }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+/* Two quads at once: codes below 64 (not `wide`) give maddubs pair sums of at most 63 * 128 * 2 =
+ * 16128 in magnitude, so two such products add in 16 bits (at most 32256) before one madd: the
+ * same integer as two dot4_avx2, in five operations where those took six. */
+TARGET_AVX2F static inline __m256i dot8_avx2(__m256i acc, __m256i u0, __m256i u1, int32_t x0, int32_t x1, int wide) {
+    if (wide) return dot4_avx2(dot4_avx2(acc, u0, x0, 1), u1, x1, 1);
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, _mm256_set1_epi32(x0)), _mm256_maddubs_epi16(u1, _mm256_set1_epi32(x1)));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
@@ -806,6 +817,7 @@ TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v)
 #define ADD_WHERE(u, bits, mask, addend) \
     _mm256_add_epi8((u), _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256((bits), (mask)), _mm256_setzero_si256()), (addend)))
 #define DOT4(acc, u, x4, wide) dot4_avx2((acc), (u), (x4), (wide))
+#define DOT8(acc, u0, u1, x0, x1, wide) dot8_avx2((acc), (u0), (u1), (x0), (x1), (wide))
 #define DOT4_SHIFT(wide) ((wide) ? 128 : 0)
 #define STOREV store8
 #include "quant_tiles.h"

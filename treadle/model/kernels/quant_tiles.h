@@ -9,7 +9,7 @@
  *   SFX(name)            the names of this width's functions
  *   LANES                16 or 8
  *   VI, VF               the integer and float vector types
- *   and the operations below (I_*, F_*, LOADV, F16V, U16V, DOT4, ADD_WHERE, STOREV).
+ *   and the operations below (I_*, F_*, LOADV, F16V, U16V, DOT4, DOT8, ADD_WHERE, STOREV).
  *
  * `half` selects a group's rows 8 * half .. 8 * half + 7 on AVX2 and is 0 on AVX-512: a 64-byte
  * piece of the layout holds 16 rows' 4 bytes, of which this width reads bytes 32 * half on;
@@ -52,9 +52,9 @@ TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, i
         const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
         const int32_t xs = nq == 8 ? a[i].xs32[a32] : a[i].xs16[2 * a32 + h16];
         VI s0 = I_SET1_32((DOT4_SHIFT(wide) - off) * xs), s1 = I_ZERO;
-        for (int q = q0; q < q0 + nq; q += 2) {
-            s0 = DOT4(s0, u[q], xq4[q], wide);
-            s1 = DOT4(s1, u[q + 1], xq4[q + 1], wide);
+        for (int q = q0; q < q0 + nq; q += 4) { /* two accumulators, each a pair of quads a time (exact integers: any order) */
+            s0 = DOT8(s0, u[q], u[q + 1], xq4[q], xq4[q + 1], wide);
+            s1 = DOT8(s1, u[q + 2], u[q + 3], xq4[q + 2], xq4[q + 3], wide);
         }
         acc[i] = F_FMA(F_CVT32(I_ADD32(s0, s1)), F_MUL(dw, F_SET1(a[i].dx[a32])), acc[i]);
         const VF sdx = F_SET1(nq == 8 ? a[i].sdx32[a32] : a[i].sdx16[2 * a32 + h16]);

@@ -9,6 +9,7 @@ is one `SampledToken` per sampling request id.
 
 import ctypes
 import gc
+import math
 from dataclasses import replace
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ..kv_layout import kv_layout
 from ..sampling_params import SamplingParams
 from ..step import SampledToken, StepInput, TokenHistory
+from ..utils import zeroed_pages
 from . import kernels
 from .attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from .config import ModelConfig
@@ -34,6 +36,16 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed KV tensor: on the CPU, on fresh anonymous pages, resident only once its blocks
+    are written (utils.zeroed_pages; the pool's resident share is what /stats counts as held)."""
+    if torch.device(device).type == "cpu":
+        pages = zeroed_pages(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        if pages is not None:
+            return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _padded(tables: list[torch.Tensor]) -> torch.Tensor:
@@ -93,10 +105,7 @@ class ModelRunner:
         # int8 KV: each row is head_dim int8 values and their float32 scale (attention.quantize_kv)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim + (SCALE_BYTES if kv_int8 else 0))
         kv_dtype = torch.int8 if kv_int8 else dtype
-        self.kv_pairs = [
-            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
-            for _ in range(self.layout.group_size)
-        ]
+        self.kv_pairs = [(_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device)) for _ in range(self.layout.group_size)]
         self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch

@@ -11,7 +11,7 @@ import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from ..kv_layout import kv_layout
-from ..utils import process_memory, release_free_heap
+from ..utils import process_memory, release_free_heap, resident_bytes
 from . import kernels
 from .compiled import CompiledDecode
 from .config import ModelConfig, ModelLoadError
@@ -19,6 +19,15 @@ from .loader import load_model_files, resolve_model_path
 from .runner import ModelRunner
 
 log = logging.getLogger("treadle")
+
+
+def _resident(t: torch.Tensor) -> int:
+    """A tensor's resident bytes (a CPU tensor's pages, as mincore tells; a device's: all)."""
+    n = t.numel() * t.element_size()
+    if t.device.type != "cpu" or n == 0:
+        return n
+    resident = resident_bytes(t.data_ptr(), n)
+    return n if resident is None else resident
 
 
 def cpu_has_native_bf16() -> bool:
@@ -207,15 +216,18 @@ class ModelWorker:
 
     def memory(self) -> dict:
         """What the model side holds, in bytes: weights (every stored form, and by type), the KV
-        pool, compiled decode graphs (resident growth while they loaded), and the background
+        pool (and how much of it is resident: its pages are the kernel's until a block is written),
+        compiled decode graphs (resident growth while they loaded), and the background
         compiler's resident set while it runs (another process)."""
-        kv = sum(t.numel() * t.element_size() for pair in self.runner.kv_pairs for t in pair)
+        tensors = [t for pair in self.runner.kv_pairs for t in pair]
+        kv = sum(t.numel() * t.element_size() for t in tensors)
         compiled = self.compiled
         compiler = compiled.compiler if compiled is not None else None
         return {
             "weights_bytes": sum(self._weight_bytes.values()),
             "weights_by_type": dict(self._weight_bytes),
             "kv_cache_bytes": kv,
+            "kv_cache_resident_bytes": sum(_resident(t) for t in tensors),
             "compiled_graphs_bytes": compiled.loaded_bytes if compiled is not None else 0,
             "compiler_process_rss_bytes": process_memory(compiler.pid).get("VmRSS", 0) if compiler is not None and compiler.poll() is None else 0,
         }

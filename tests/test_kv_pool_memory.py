@@ -22,3 +22,14 @@ def test_the_kv_pool_is_resident_where_its_blocks_are_written():
 
     k = core.worker.runner.kv_pairs[0][0]
     assert int(k[-8:].float().abs().sum()) == 0  # blocks never written read as zeros
+
+
+def test_a_pool_larger_than_the_memory_available_is_warned_of(monkeypatch, caplog):
+    """Its pages are taken as it fills, so a pool the machine cannot hold no longer fails at the
+    start: the start says so."""
+    import treadle.model.worker as worker
+
+    monkeypatch.setattr(worker, "available_memory", lambda: 16 << 20)
+    with caplog.at_level("WARNING", logger="treadle"):
+        LLM(max_model_len=256, max_num_seqs=1, kv_cache_memory_bytes=32 << 20)
+    assert any("more than the memory available now" in r.getMessage() for r in caplog.records), caplog.text

@@ -100,7 +100,8 @@ def serve_models(args):
     from .model.loader import resolve_model_path
     from .server.models import ModelSpec, parse_keep_alive
     from .server.protocol import RequestError
-    from .server.serve import ModelOptions, available_memory, read_chat_template
+    from .server.serve import ModelOptions, read_chat_template
+    from .utils import available_memory
 
     given = ([args.model_pos] if args.model_pos else []) + list(args.model or [])
     plain = [g for g in given if "=" not in g or os.path.exists(os.path.expanduser(g))]

@@ -40,6 +40,18 @@ def release_free_heap() -> None:
         pass
 
 
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def zeroed_pages(nbytes: int) -> memoryview | None:
     """`nbytes` of fresh anonymous memory (private): the kernel's zero pages, made resident only
     where written (a KV pool's explicit zeroing cost a 537 MB pool ~60 ms of its engine's start,

@@ -11,7 +11,7 @@ import torch
 
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from ..kv_layout import kv_layout
-from ..utils import process_memory, release_free_heap, resident_bytes
+from ..utils import available_memory, process_memory, release_free_heap, resident_bytes
 from . import kernels
 from .compiled import CompiledDecode
 from .config import ModelConfig, ModelLoadError
@@ -110,6 +110,10 @@ class ModelWorker:
             self.model_config, config.block_size, self.dtype, self.kv_int8
         )
         self.num_state_checkpoints = self._checkpoints(self.model_config, pool_bytes)
+        available = available_memory()
+        if available is not None and pool_bytes > available:  # the pool's pages are taken as it fills, not now
+            log.warning("the KV pool (%.1f GB) is more than the memory available now (%.1f GB): it fills as requests run, "
+                        "and this process may be killed for memory before it is full", pool_bytes / 1e9, available / 1e9)  # fmt: skip
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
         files.config.position_table = position_table or self.max_model_len

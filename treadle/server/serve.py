@@ -137,18 +137,6 @@ def serve(
     return 1 if fatal_errors else 0
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template takes a file path or the template text itself."""
     if value is None:

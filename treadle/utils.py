@@ -66,6 +66,9 @@ def zeroed_pages(nbytes: int) -> memoryview | None:
         return None
 
 
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
 def resident_bytes(address: int, nbytes: int) -> int | None:
     """How many bytes of [address, address + nbytes) are resident (mincore, Linux), counted in
     whole pages; None where it cannot be told."""
@@ -79,7 +82,7 @@ def resident_bytes(address: int, nbytes: int) -> int | None:
             return None
     except (OSError, AttributeError):
         return None
-    return min(nbytes, sum(b & 1 for b in vec) * page)
+    return min(nbytes, bytes(vec).translate(_LOW_BIT).count(1) * page)  # bit 0: resident
 
 
 def map_large_allocations(threshold: int = 1 << 20) -> None:

@@ -6,6 +6,7 @@ a draft model's runner. The engine core (`engine/core.py`) and the decode compil
 
 import logging
 import os
+import time
 
 import torch
 
@@ -19,6 +20,9 @@ from .loader import load_model_files, resolve_model_path
 from .runner import ModelRunner
 
 log = logging.getLogger("treadle")
+
+
+KV_RESIDENT_MAX_AGE = 1.0  # seconds a count of the KV pool's resident pages is reported for
 
 
 def _resident(t: torch.Tensor) -> int:
@@ -122,6 +126,7 @@ class ModelWorker:
         self.runner = self._make_runner(files, config.seed, fail_at_steps=fail_at_steps)
         del files
         self._weight_bytes = self.runner.model.weight_bytes()
+        self._kv_resident = (-KV_RESIDENT_MAX_AGE, 0)  # (when counted, bytes)
         self.compiled: CompiledDecode | None = None
         if config.compile and self.model_config.recurrent:
             log.info("recurrent layers: decode steps run eagerly (no compiled graphs for them yet)")
@@ -225,13 +230,16 @@ class ModelWorker:
         compiler's resident set while it runs (another process)."""
         tensors = [t for pair in self.runner.kv_pairs for t in pair]
         kv = sum(t.numel() * t.element_size() for t in tensors)
+        now = time.monotonic()
+        if now - self._kv_resident[0] >= KV_RESIDENT_MAX_AGE:  # the snapshot goes out with every step: counted at most once a second
+            self._kv_resident = (now, sum(_resident(t) for t in tensors))
         compiled = self.compiled
         compiler = compiled.compiler if compiled is not None else None
         return {
             "weights_bytes": sum(self._weight_bytes.values()),
             "weights_by_type": dict(self._weight_bytes),
             "kv_cache_bytes": kv,
-            "kv_cache_resident_bytes": sum(_resident(t) for t in tensors),
+            "kv_cache_resident_bytes": self._kv_resident[1],
             "compiled_graphs_bytes": compiled.loaded_bytes if compiled is not None else 0,
             "compiler_process_rss_bytes": process_memory(compiler.pid).get("VmRSS", 0) if compiler is not None and compiler.poll() is None else 0,
         }

@@ -14,8 +14,9 @@ def memory(worker, tiers=None) -> dict:
     parts["lora_bytes"] = worker.runner.lora_bytes()
     parts["kv_offload_bytes"] = tiers.host.nbytes if tiers is not None and tiers.host is not None else 0  # the host tier's pages
     # the pool's resident pages, not its size: its blocks become resident as they are first written
-    kv = parts.get("kv_cache_resident_bytes", parts["kv_cache_bytes"])
-    held = parts["weights_bytes"] + kv + parts["compiled_graphs_bytes"] + parts["lora_bytes"] + parts["kv_offload_bytes"]
+    held = (
+        parts["weights_bytes"] + parts["kv_cache_resident_bytes"] + parts["compiled_graphs_bytes"] + parts["lora_bytes"] + parts["kv_offload_bytes"]
+    )
     return {**parts, "other_bytes": None if rss is None else rss - held, "rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM")}
 
 

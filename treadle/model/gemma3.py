@@ -27,7 +27,7 @@ from .attention import metadata_by_layer, paged_attention
 from .config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
 from .gguf_file import LLAMA_LAYER_TENSORS
 from .layers import RMSNorm, apply_rotary
-from .llama import FFN_ROWS, DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
+from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
 
 SLIDING_WINDOW_PATTERN = 6  # transformers' default and llama.cpp's fixed value for gemma3 files
 LOCAL_ROPE_THETA = 10000.0
@@ -205,10 +205,8 @@ class Gemma3Model(LlamaModel):
         global_tables = self.rotary.tables(positions)
         local_tables = global_tables if self.local_rotary is self.rotary else self.local_rotary.tables(positions)
         metas = metadata_by_layer(meta, self.layer_groups)
-        if not torch.compiler.is_compiling():
-            stepper = self.layer_stepper()  # every layer in two C calls, the same bits, where the step allows
-            if stepper is not None and stepper.run(h, global_tables, kv_caches, metas, FFN_ROWS, local_tables):
-                return h
+        if self.layers_in_c(h, global_tables, kv_caches, metas, local_tables):
+            return h
         for layer, (k_cache, v_cache), layer_meta, window in zip(self.layers, kv_caches, metas, self.windows):
             cos, sin = global_tables if window is None else local_tables
             qk, v = layer.qkv(layer.input_norm(h)).split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)

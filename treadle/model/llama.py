@@ -246,10 +246,8 @@ class LlamaModel(CausalLM):
         h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
         tables = self.rotary.tables(positions)  # once per step, shared by every layer
         metas = metadata_by_layer(meta, self.layer_groups)
-        if not torch.compiler.is_compiling():
-            stepper = self.layer_stepper()  # every layer in two C calls, the same bits, where the step allows
-            if stepper is not None and stepper.run(h, tables, kv_caches, metas, FFN_ROWS):
-                return h
+        if self.layers_in_c(h, tables, kv_caches, metas):
+            return h
         for layer, kv, layer_meta in zip(self.layers, kv_caches, metas):
             h += self.attention(layer, layer.input_norm(h), tables, kv, layer_meta)
             h += self.feed_forward(layer, layer.post_attention_norm(h))
@@ -266,6 +264,14 @@ class LlamaModel(CausalLM):
 
             self._stepper = LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
         return self._stepper
+
+    def layers_in_c(self, h: torch.Tensor, tables, kv_caches, metas, local_tables=None) -> bool:
+        """Every layer over `h` in place on the C path (two calls each, the same bits), where the
+        model and this step allow; False, having done nothing, otherwise (`LayerStepper.run`)."""
+        if torch.compiler.is_compiling():
+            return False
+        stepper = self.layer_stepper()
+        return stepper is not None and stepper.run(h, tables, kv_caches, metas, FFN_ROWS, local_tables)
 
     @staticmethod
     def stepper_norms(layer) -> tuple:

@@ -42,7 +42,7 @@ def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed KV tensor: on the CPU, on fresh anonymous pages, resident only once its blocks
     are written (utils.zeroed_pages; the pool's resident share is what /stats counts as held)."""
     if torch.device(device).type == "cpu":
-        pages = zeroed_pages(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        pages = zeroed_pages(math.prod(shape) * dtype.itemsize)
         if pages is not None:
             return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)

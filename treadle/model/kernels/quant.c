@@ -607,6 +607,35 @@ static const uint8_t *file_row(int type, int packed, const qtype *t, const uint8
     return tmp;
 }
 
+/* One block of a 16-row group moved between the rows (each `rb` bytes apart) and its packed block:
+ * each 2-byte field and 4-byte piece as a whole (packed_pos's layout), the 16 rows' copies of
+ * one written (or read) side by side. */
+static inline void pack_block(const packdesc *p, int bytes, uint8_t *rows, int64_t rb, uint8_t *packed, int to_file) {
+    const uint32_t flip = p->xor80 ? 0x80808080u : 0;
+    for (int f = 0; f < bytes;) {
+        const uint32_t x = f >= p->p0 ? flip : 0;
+        if (f >= p->p0 && f < p->p1) { /* a piece */
+            for (int r = 0; r < 16; r++) {
+                uint8_t *row = rows + r * rb + f, *at = packed + 16 * f + r * 4;
+                uint32_t v;
+                memcpy(&v, to_file ? at : row, 4);
+                v ^= x;
+                memcpy(to_file ? row : at, &v, 4);
+            }
+            f += 4;
+        } else { /* a field */
+            for (int r = 0; r < 16; r++) {
+                uint8_t *row = rows + r * rb + f, *at = packed + 16 * f + r * 2;
+                uint16_t v;
+                memcpy(&v, to_file ? at : row, 2);
+                v ^= (uint16_t)x;
+                memcpy(to_file ? row : at, &v, 2);
+            }
+            f += 2;
+        }
+    }
+}
+
 /* the file's blocks (N rows of K values) -> the stored layout, or back (to_file) */
 int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst, int to_file) {
     type &= ~PACKED;
@@ -619,26 +648,13 @@ int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *
         return 0;
     }
     const int64_t grouped = N / 16 * 16;
-    /* where byte j of a block of row r goes inside its 16-row block group, and its bit flip */
-    int16_t pos[16 * 256];
-    uint8_t flip[256];
-    for (int j = 0; j < t.bytes; j++) {
-        flip[j] = p.xor80 && j >= p.p0 ? 0x80 : 0;
-        for (int r = 0; r < 16; r++) pos[r * 256 + j] = (int16_t)packed_pos(&p, r, j);
-    }
     /* 16-row groups over the threads (loading a model: the pass over its bytes is the load's largest) */
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < grouped / 16; g++)
-        for (int r = 0; r < 16; r++) {
-            const int16_t *pr = pos + r * 256;
-            for (int64_t b = 0; b < nb; b++) {
-                uint8_t *packed = (to_file ? (uint8_t *)src : dst) + g * 16 * rb + b * 16 * t.bytes;
-                uint8_t *row = (to_file ? dst : (uint8_t *)src) + (g * 16 + r) * rb + b * t.bytes;
-                if (to_file)
-                    for (int j = 0; j < t.bytes; j++) row[j] = packed[pr[j]] ^ flip[j];
-                else
-                    for (int j = 0; j < t.bytes; j++) packed[pr[j]] = row[j] ^ flip[j];
-            }
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *packed = (to_file ? (uint8_t *)src : dst) + g * 16 * rb + b * 16 * t.bytes;
+            uint8_t *rows = (to_file ? dst : (uint8_t *)src) + g * 16 * rb + b * t.bytes;
+            pack_block(&p, t.bytes, rows, rb, packed, to_file);
         }
     memcpy(dst + grouped * rb, src + grouped * rb, (size_t)((N - grouped) * rb));
     return 0;

@@ -537,36 +537,47 @@ def main(argv=None) -> int:
             early.drop()  # a core never taken (bad arguments, replicas, a server that did not start); a no-op once one was
 
 
-def _prebuild_tokenizer(argv: list[str]) -> None:
-    """`treadle serve` of one model file or folder: its tokenizer built before the parser's and the
-    front end's imports (loader.prebuild_tokenizer: the build's transient peak then adds to ~15 MB
-    rather than ~60). The model is found as the parser will find it where that is unambiguous (one
-    --model/-m, or one argument naming an existing path, and no --models-dir); else nothing is done."""
+def _named_model(argv: list[str]) -> str | None:
+    """The one model file or folder a `treadle serve` command line names, found as the parser
+    will find it where that is unambiguous (one --model/-m, or one argument naming an existing
+    path, and no --models-dir); else None (NAME=PATH, several, or the default model)."""
     rest = argv[1:]
     if any(a == "--models-dir" or a.startswith("--models-dir=") for a in rest):
-        return
+        return None
     given = [v for a, v in zip(rest, rest[1:]) if a in ("--model", "-m")]
     given += [a.split("=", 1)[1] for a in rest if a.startswith("--model=")]
     if not given:
         given = [a for a in rest if not a.startswith("-") and os.path.exists(os.path.expanduser(a))][:1]
-    if len(given) != 1 or not os.path.exists(os.path.expanduser(given[0])):  # NAME=PATH, several, or the default model
+    if len(given) != 1 or not os.path.exists(os.path.expanduser(given[0])):
+        return None
+    return os.path.expanduser(given[0])
+
+
+def _prebuild_tokenizer(argv: list[str]) -> None:
+    """`treadle serve` of one model file or folder: its tokenizer built before the parser's and the
+    front end's imports (loader.prebuild_tokenizer: the build's transient peak then adds to ~15 MB
+    rather than ~60)."""
+    model = _named_model(argv)
+    if model is None:
         return
     from .model.loader import prebuild_tokenizer
 
-    prebuild_tokenizer(given[0])
+    prebuild_tokenizer(model)
 
 
 def _start_core_early(argv: list[str]):
     """For `treadle serve`: an engine core started first, before the parser's imports and the
     front end's, so that its own start-up (Python, torch, the model code: about a second) runs
-    beside them; it waits for the model (launchers.SpareCore). Dropped where the arguments turn
-    out not to want it (replicas, whose cores start elsewhere; --help)."""
+    beside them; it waits for the model (launchers.SpareCore), repacking the GGUF file the command
+    names meanwhile (model/gguf_prefetch.py). Dropped where the arguments turn out not to want it
+    (replicas, whose cores start elsewhere; --help)."""
     if argv[:1] != ["serve"] or {"-h", "--help"} & set(argv):
         return None
     from .server.launchers import SpareCore
 
+    model = _named_model(argv)
     early = SpareCore()
-    early.fill()
+    early.fill(prefetch=model if model is not None and os.path.isfile(model) else None)
     return early
 
 

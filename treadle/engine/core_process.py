@@ -86,15 +86,20 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
         ctx.term()
 
 
-def run_spare_core(conn) -> None:
+def run_spare_core(conn, prefetch: str | None = None) -> None:
     """A spare engine core (launchers.SpareCore): Python, torch, the model code and treadle's
     kernels loaded ahead of need, then it waits for `run_engine_core`'s arguments on `conn` and
     becomes that core, so a model loaded on demand skips their start-up (about a second and a
-    half on two cores). Ends quietly when `conn` closes unused."""
+    half on two cores). Ends quietly when `conn` closes unused. `prefetch`: the GGUF file the
+    command named, repacked meanwhile (model/gguf_prefetch.py)."""
     quiet_openmp_waits()
     end_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if prefetch is not None:
+        from ..model import gguf_prefetch
+
+        gguf_prefetch.prefetch(prefetch)  # on a thread, beside the imports below
     from ..model import gguf_loader, kernels  # noqa: F401 - the GGUF loader's modules
     from ..model.gguf_file import gguf_constants
     from ..model.kernels import quant

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from .kernels import paged  # (its import registers torch.ops.treadle.paged_attention)
 
 SCALE_BYTES = 4  # an int8 KV row's float32 scale, after its values
 
@@ -88,8 +88,8 @@ def paged_attention(
     if k_cache.dtype == torch.int8 and meta.kernel_args is not None and not torch.compiler.is_compiling():
         # the kernel's path reads every key from the cache: the rows written in place, in C (the
         # same bits as quantize_kv, without its dozen torch operations per layer)
-        kernels.store_int8_rows(k, k_cache, meta.slot_mapping)
-        kernels.store_int8_rows(v, v_cache, meta.slot_mapping)
+        paged.store_int8_rows(k, k_cache, meta.slot_mapping)
+        paged.store_int8_rows(v, v_cache, meta.slot_mapping)
     elif k_cache.dtype == torch.int8:
         k, v = quantize_kv(k), quantize_kv(v)  # a fresh chunk's own keys below are these rows too
         flat_k.index_copy_(0, meta.slot_mapping, k)
@@ -101,7 +101,7 @@ def paged_attention(
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
             return torch.ops.treadle.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0)
-        return kernels.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0)
+        return paged.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0)
     attend = F.scaled_dot_product_attention if softcap is None else functools.partial(softcapped_attention, softcap=softcap)
     n = meta.num_decode_tokens
     decode_out = None

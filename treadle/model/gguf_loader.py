@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from . import gguf_prefetch
 from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, MoEConfig, RopeConfig, check_config, file_float, file_int, yarn_mscale
 from .gguf_file import open_gguf
 from .kernels import quant
@@ -253,7 +254,10 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
 
 
 def load_gguf(path: str) -> ModelFiles:
-    reader = open_gguf(path, skip=UNREAD_AT_LOAD)  # (a 151K-token vocabulary's merges: ~0.06 s)
+    # the file opened, and most quantized tensors repacked, while the engine core imported torch
+    prefetched = gguf_prefetch.take(path)
+    packed = prefetched.packed if prefetched is not None else {}
+    reader = prefetched.reader if prefetched is not None else open_gguf(path, skip=UNREAD_AT_LOAD)  # (a 151K-token vocabulary's merges: ~0.06 s)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
@@ -290,7 +294,9 @@ def load_gguf(path: str) -> ModelFiles:
             elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
                 heads = config.num_kv_heads
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
+        if tensor.name in packed and heads is None:
+            weights[hf] = QuantizedTensor.from_packed(tensor.tensor_type.name, torch.from_numpy(packed.pop(tensor.name)), int(tensor.shape[0]))
+        elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 3 and quant.available():
             weights[hf] = _quantized_experts(path, reader, tensor)  # [experts, rows, cols], each expert at the file's bits

@@ -90,15 +90,15 @@ class SpareCore:
         self._conn = None
         self._ready = False
 
-    def fill(self) -> None:
-        """Start a spare unless one is there."""
+    def fill(self, prefetch: str | None = None) -> None:
+        """Start a spare unless one is there (`prefetch`: a GGUF file it repacks while it starts)."""
         if self._proc is not None and self._proc.is_alive():
             return
         from ..engine.core_process import run_spare_core
 
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=run_spare_core, args=(child,), name="treadle-engine-core-spare", daemon=True)
+        proc = ctx.Process(target=run_spare_core, args=(child, prefetch), name="treadle-engine-core-spare", daemon=True)
         proc.start()
         child.close()
         self._proc, self._conn, self._ready = proc, parent, False

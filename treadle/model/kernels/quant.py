@@ -10,100 +10,10 @@ Instruction sets: AVX-512 VNNI, AVX2 and portable C compute the same bits; the f
 is used unless TREADLE_QUANT_ISA names one (`vnni`, `avx2`, `portable`).
 """
 
-import ctypes
-import logging
-import os
-import threading
-
 import numpy as np
 import torch
 
-from .build import build
-
-# ggml type id, values per block, bytes per block
-TYPES = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-    "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
-}  # fmt: skip
-ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
-log = logging.getLogger("treadle.kernels")
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-
-
-def library() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        with _lock:
-            if _lib is None:
-                lib = build("quant.c", ["-ffp-contract=off"])
-                i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-                lib.treadle_q_isa_supported.argtypes = [i32]
-                lib.treadle_q_row_bytes.argtypes = [i32, i64]
-                lib.treadle_q_row_bytes.restype = i64
-                lib.treadle_q_pack.argtypes = [i32, ptr, i64, i64, ptr, i32]
-                lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
-                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
-                lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
-                _lib = lib
-    return _lib
-
-
-_unavailable: str | None = None
-
-
-def available() -> bool:
-    """Whether quant.c builds here (it needs a C compiler); the reason is logged once if not."""
-    global _unavailable
-    if _lib is not None:
-        return True
-    if _unavailable is None:
-        try:
-            library()
-            return True
-        except Exception as e:  # noqa: BLE001 - any failure: the loader dequantizes instead, which is correct
-            _unavailable = f"{type(e).__name__}: {e}"
-            log.warning(
-                "treadle's quantized-weight kernels are unavailable (%s): GGUF quantized tensors are dequantized at load "
-                "(larger and slower; install a C compiler, cc, to keep them at the file's bits)",
-                _unavailable,
-            )
-    return False
-
-
-def supported_isas() -> list[str]:
-    """The instruction-set paths this CPU can run, fastest first."""
-    lib = library()
-    return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
-
-
-_chosen: dict[str | None, str] = {}
-
-
-def isa() -> str:
-    """The path in use: TREADLE_QUANT_ISA if set (it must be supported), else the fastest."""
-    forced = os.environ.get("TREADLE_QUANT_ISA")
-    if forced in _chosen:
-        return _chosen[forced]
-    _chosen[forced] = _choose(forced)
-    return _chosen[forced]
-
-
-def _choose(forced: str | None) -> str:
-    supported = supported_isas()
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: expected one of {', '.join(ISAS)}")
-        if forced not in supported:
-            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: this CPU does not support it (supported: {', '.join(supported)})")
-        return forced
-    return supported[0]
-
-
-PACKED = 0x100  # quant.c's flag in a type argument: the weight is held in the packed layout
-PACKED_ISAS = ("vnni", "avx2")  # the paths whose kernels read 16 interleaved rows (quant_tiles.h)
+from .quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, supported_isas  # noqa: F401 - quant's names too
 
 
 class QuantizedTensor:
@@ -134,6 +44,17 @@ class QuantizedTensor:
         else:
             blocks = blocks.contiguous()
             self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else blocks
+
+    @classmethod
+    def from_packed(cls, kind: str, data: torch.Tensor, cols: int) -> "QuantizedTensor":
+        """A weight whose blocks are already in this process's packed layout (`quant_lib.pack`,
+        made ahead of the load by model/gguf_prefetch.py)."""
+        _, elems, size = TYPES[kind]
+        if isa() not in PACKED_ISAS or data.dtype != torch.uint8 or data.dim() != 2 or cols % elems or data.shape[1] != cols // elems * size:
+            raise ValueError(f"{kind} packed data of shape {tuple(data.shape)} does not hold rows of {cols} values here")
+        out = cls.__new__(cls)
+        out.kind, out.shape, out.packed, out.data = kind, torch.Size((data.shape[0], cols)), True, data
+        return out
 
     @property
     def type_id(self) -> int:

@@ -1,0 +1,113 @@
+"""model/gguf_prefetch.py: a GGUF file's quantized tensors repacked ahead of the load (while the
+engine core imports torch) give the load exactly the tensors it would have made, and only for the
+file it loads."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from treadle import cli
+from treadle.model import gguf_loader, gguf_prefetch
+from treadle.model.kernels import quant
+from treadle.model.kernels.quant import QuantizedTensor
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "quant")
+ISAS = [i for i in ("vnni", "avx2", "portable") if quant.available() and i in quant.supported_isas()]
+
+
+def counted_loads(monkeypatch) -> list[str]:
+    """The tensors the load repacks itself (gguf_loader._quantized_weight)."""
+    names = []
+    plain = gguf_loader._quantized_weight
+
+    def counting(path, reader, tensor, heads):
+        names.append(tensor.name)
+        return plain(path, reader, tensor, heads)
+
+    monkeypatch.setattr(gguf_loader, "_quantized_weight", counting)
+    return names
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefetched_load_holds_the_same_tensors(kind, isa, monkeypatch):
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+    path = os.path.join(DATA, f"{kind}.gguf")
+    plain = gguf_loader.load_gguf(path)
+    repacked_by_load = counted_loads(monkeypatch)
+    gguf_prefetch.prefetch(path)
+    fetched = gguf_loader.load_gguf(path)
+    assert gguf_prefetch._job is None  # taken
+    quantized = {k for k, v in plain.weights.items() if isinstance(v, QuantizedTensor)}
+    assert quantized and quantized == {k for k, v in fetched.weights.items() if isinstance(v, QuantizedTensor)}
+    for name in quantized:
+        a, b = plain.weights[name], fetched.weights[name]
+        assert (a.kind, a.shape, a.packed) == (b.kind, b.shape, b.packed)
+        assert torch.equal(a.data, b.data), name
+    if isa == "portable":  # the file's blocks as they are: nothing to repack ahead
+        assert len(repacked_by_load) == len(quantized)
+    else:  # only what the load may reorder (Q and K) is left to it
+        assert repacked_by_load and all(n.endswith(gguf_prefetch.LEFT_TO_LOAD) for n in repacked_by_load)
+        assert len(repacked_by_load) < len(quantized)
+
+
+def test_a_prefetch_of_another_file_is_dropped(monkeypatch):
+    repacked_by_load = counted_loads(monkeypatch)
+    gguf_prefetch.prefetch(os.path.join(DATA, "Q4_K.gguf"))
+    job = gguf_prefetch._job[0]
+    loaded = gguf_loader.load_gguf(os.path.join(DATA, "Q8_0.gguf"))
+    assert gguf_prefetch._job is None
+    assert job.stop
+    quantized = [v for v in loaded.weights.values() if isinstance(v, QuantizedTensor)]
+    assert quantized and all(v.kind == "Q8_0" for v in quantized)
+    assert len(repacked_by_load) == len(quantized)  # all the load's own
+
+
+def test_no_prefetch_of_a_missing_file():
+    gguf_prefetch.prefetch(os.path.join(DATA, "missing.gguf"))
+    assert gguf_prefetch._job is None
+
+
+def test_the_prefetch_shares_torch_openmp_runtime(tmp_path):
+    """quant.c's library loaded before torch must not bring the system's libgomp in as torch's."""
+    if gguf_prefetch.torch_openmp() is None:
+        pytest.skip("this torch ships no libgomp of its own: nothing is prefetched")
+    code = (
+        "import sys\n"
+        "from treadle.model import gguf_prefetch\n"
+        f"gguf_prefetch.prefetch({os.path.join(DATA, 'Q4_K.gguf')!r})\n"
+        "job, thread = gguf_prefetch._job\n"
+        "thread.join()\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "print(len(job.packed))\n"
+        "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout.splitlines()
+    assert int(out[0]) > 0
+    assert out[1] == repr([gguf_prefetch.torch_openmp()])
+
+
+def test_serve_prefetches_the_file_it_names(monkeypatch):
+    filled = []
+
+    class Spare:
+        def fill(self, prefetch=None):
+            filled.append(prefetch)
+
+    monkeypatch.setattr("treadle.server.launchers.SpareCore", Spare)
+    path = os.path.join(DATA, "Q4_K.gguf")
+    for argv, expected in [
+        (["serve", "--model", path], path),
+        (["serve", path, "--port", "8001"], path),
+        (["serve", f"--model={path}"], path),
+        (["serve"], None),  # the default model
+        (["serve", "--model", DATA], None),  # a folder
+        (["serve", "--models-dir", DATA, "--model", path], None),
+    ]:
+        filled.clear()
+        assert cli._start_core_early(argv) is not None
+        assert filled == [expected], argv

@@ -1,0 +1,122 @@
+"""A GGUF file's quantized tensors repacked while the engine core is still importing torch.
+
+`treadle serve` starts its engine core before it parses its arguments (cli._start_core_early), and
+the core's own start (Python, then torch: most of a second on a fast machine, two on a slow one)
+is the longest part of the server's. Where the command names one GGUF file, the core starts
+`prefetch(path)` first: on a thread, it opens the file and moves each quantized 2-D tensor into
+quant.c's packed layout (the repack runs in C, which ctypes calls without the GIL, so it goes on
+beside the import on the machine's other core), releasing the file's pages as it goes, as the load
+does. `load_gguf` then `take`s the opened file and the packed tensors: the same bytes it would
+have made, made earlier. A load of any other file drops them.
+
+Left to the load: Q and K projections (whose rows the load may reorder first, by family), stacked
+experts, other types, and everything on the portable path (which holds the file's blocks as they
+are). quant.c's library names libgomp, and so does torch: loaded first, the system's copy would
+become torch's too. The prefetch loads torch's own copy before the library (as torch would), and
+does nothing where torch ships none.
+"""
+
+import ctypes
+import importlib.util
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+log = logging.getLogger("treadle")
+
+# the tensors the load may reorder (llama.cpp permuted their rows for its RoPE layout)
+LEFT_TO_LOAD = ("attn_q.weight", "attn_k.weight")
+
+
+@dataclass
+class Prefetched:
+    key: tuple
+    reader: object = None  # gguf_file.GGUFFile, opened as load_gguf opens it
+    packed: dict = field(default_factory=dict)  # tensor name -> uint8 numpy array, quant.c's packed layout
+    stop: bool = False
+
+
+_job: tuple[Prefetched, threading.Thread] | None = None
+_lock = threading.Lock()
+
+
+def file_key(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def torch_openmp() -> str | None:
+    """The OpenMP runtime torch's libraries load (its wheel's lib/libgomp.so.1), found without
+    importing torch; None where torch ships none (then nothing is prefetched)."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "lib", "libgomp.so.1")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def prefetch(path: str) -> None:
+    """Start repacking `path`'s quantized tensors on a thread (a file that is not there, or not a
+    GGUF file, is left for the load to report)."""
+    global _job
+    key = file_key(path)
+    if key is None or not os.path.isfile(path):
+        return
+    job = Prefetched(key)
+    thread = threading.Thread(target=_run, args=(job, path), name="treadle-gguf-prefetch", daemon=True)
+    with _lock:
+        _job = (job, thread)
+    thread.start()
+
+
+def _run(job: Prefetched, path: str) -> None:
+    try:
+        openmp = torch_openmp()
+        if openmp is None:
+            return
+        ctypes.CDLL(openmp, mode=ctypes.RTLD_GLOBAL)
+        from ..utils import map_large_allocations
+        from .gguf_file import open_gguf
+        from .kernels import quant_lib
+        from .tokenizer import UNREAD_AT_LOAD
+
+        map_large_allocations()  # as EngineCore sets it, before the weights are allocated
+        job.reader = reader = open_gguf(path, skip=UNREAD_AT_LOAD)
+        if not quant_lib.available() or quant_lib.isa() not in quant_lib.PACKED_ISAS:
+            return
+        for tensor in reader.tensors:
+            kind = tensor.tensor_type.name
+            if job.stop:
+                return
+            if kind not in quant_lib.TYPES or tensor.data.ndim != 2 or tensor.name.endswith(LEFT_TO_LOAD):
+                continue
+            cols = int(tensor.shape[0])
+            job.packed[tensor.name] = quant_lib.pack(tensor.data, quant_lib.TYPES[kind][0], cols)
+            reader.release(tensor)
+    except Exception as e:  # noqa: BLE001 - the load does the work again, and reports what fails there
+        log.debug("prefetch of %s stopped: %s: %s", path, type(e).__name__, e)
+        job.packed.clear()
+        job.reader = None
+
+
+def take(path: str) -> Prefetched | None:
+    """The prefetch of `path`, once it has finished (waiting for it); None if there is none. A
+    prefetch of another file is stopped and dropped."""
+    global _job
+    with _lock:
+        job = _job
+        _job = None
+    if job is None:
+        return None
+    prefetched, thread = job
+    if prefetched.key != file_key(path):
+        prefetched.stop = True
+        thread.join()
+        return None
+    thread.join()
+    return prefetched if prefetched.reader is not None else None

@@ -1,0 +1,107 @@
+"""quant.c's library and the instruction-set path this process uses, without torch.
+
+`quant.py` builds on this; an engine core also uses it alone, to repack a GGUF file's tensors
+while torch is still importing (model/gguf_prefetch.py).
+"""
+
+import ctypes
+import logging
+import os
+import threading
+
+import numpy as np
+
+from .build import build
+
+# ggml type id, values per block, bytes per block
+TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
+}  # fmt: skip
+ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
+log = logging.getLogger("treadle.kernels")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                lib = build("quant.c", ["-ffp-contract=off"])
+                i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+                lib.treadle_q_isa_supported.argtypes = [i32]
+                lib.treadle_q_row_bytes.argtypes = [i32, i64]
+                lib.treadle_q_row_bytes.restype = i64
+                lib.treadle_q_pack.argtypes = [i32, ptr, i64, i64, ptr, i32]
+                lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
+                lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
+                lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
+                _lib = lib
+    return _lib
+
+
+_unavailable: str | None = None
+
+
+def available() -> bool:
+    """Whether quant.c builds here (it needs a C compiler); the reason is logged once if not."""
+    global _unavailable
+    if _lib is not None:
+        return True
+    if _unavailable is None:
+        try:
+            library()
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure: the loader dequantizes instead, which is correct
+            _unavailable = f"{type(e).__name__}: {e}"
+            log.warning(
+                "treadle's quantized-weight kernels are unavailable (%s): GGUF quantized tensors are dequantized at load "
+                "(larger and slower; install a C compiler, cc, to keep them at the file's bits)",
+                _unavailable,
+            )
+    return False
+
+
+def supported_isas() -> list[str]:
+    """The instruction-set paths this CPU can run, fastest first."""
+    lib = library()
+    return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
+
+
+_chosen: dict[str | None, str] = {}
+
+
+def isa() -> str:
+    """The path in use: TREADLE_QUANT_ISA if set (it must be supported), else the fastest."""
+    forced = os.environ.get("TREADLE_QUANT_ISA")
+    if forced in _chosen:
+        return _chosen[forced]
+    _chosen[forced] = _choose(forced)
+    return _chosen[forced]
+
+
+def _choose(forced: str | None) -> str:
+    supported = supported_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+        if forced not in supported:
+            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: this CPU does not support it (supported: {', '.join(supported)})")
+        return forced
+    return supported[0]
+
+
+PACKED = 0x100  # quant.c's flag in a type argument: the weight is held in the packed layout
+PACKED_ISAS = ("vnni", "avx2")  # the paths whose kernels read 16 interleaved rows (quant_tiles.h)
+
+
+def pack(blocks: np.ndarray, type_id: int, cols: int) -> np.ndarray:
+    """The file's blocks (uint8 [rows, bytes per row], C-contiguous) in quant.c's packed layout."""
+    out = np.empty(blocks.shape, dtype=np.uint8)
+    if library().treadle_q_pack(type_id, blocks.ctypes.data, blocks.shape[0], cols, out.ctypes.data, 0):
+        raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
+    return out

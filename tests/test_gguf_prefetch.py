@@ -111,3 +111,38 @@ def test_serve_prefetches_the_file_it_names(monkeypatch):
         filled.clear()
         assert cli._start_core_early(argv) is not None
         assert filled == [expected], argv
+
+
+def mapped_rss(path: str) -> int:
+    """Bytes of `path` this process has mapped in (its mappings' Rss in /proc/self/smaps)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if ":" not in fields[0] or not fields[0][0].isupper():  # a mapping's header line
+                current = fields[5] if len(fields) > 5 else None
+            elif fields[0] == "Rss:" and current == path:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_loaded_file_leaves_no_pages_mapped(tmp_path):
+    """Every weight copied into its run-time form drops the file's pages under it (and those a
+    read fault mapped around it): a float32 file's load would otherwise hold its weights twice."""
+    from transformers import AutoModelForCausalLM
+
+    from .tiny_models import hf_config, tiny_tokenizer, write_gguf
+
+    tok = tiny_tokenizer()
+    config = hf_config("llama", tok.get_vocab_size())
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.head_dim = 512, 1024, 2, 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = str(tmp_path / "f32.gguf")
+    write_gguf(path, "llama", model, tok)
+    size = os.path.getsize(path)
+    assert size > 8 << 20
+    files = gguf_loader.load_gguf(path)
+    weights = {name: w.float() for name, w in files.weights.items()}  # the deferred ones read now
+    assert sum(w.numel() * 4 for w in weights.values()) > size // 2
+    assert mapped_rss(path) <= 2 << 20, f"{mapped_rss(path)} of {size} bytes still mapped"

@@ -85,6 +85,9 @@ def resident_bytes(address: int, nbytes: int) -> int | None:
     return min(nbytes, bytes(vec).translate(_LOW_BIT).count(1) * page)  # bit 0: resident
 
 
+LOAD_MMAP_THRESHOLD = 64 << 10  # while a model loads: every weight but the smallest a mapping of its own
+
+
 def map_large_allocations(threshold: int = 1 << 20) -> None:
     """Have the C heap map every allocation of `threshold` bytes or more on its own and unmap it
     when freed (glibc's M_MMAP_THRESHOLD; elsewhere a no-op). By default glibc raises that

@@ -254,14 +254,23 @@ class GGUFFile:
             data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,)) if shape else raw
         return GGUFTensor(name, qtype, np.array(dims), data, n_bytes, begin)
 
-    def release(self, tensor: GGUFTensor) -> None:
-        """Drop the file's pages under this tensor from the process (they stay in the page cache):
-        once a tensor is copied into its run-time form, its mapped pages need not count twice."""
-        page = mmap.PAGESIZE
-        start = -(-tensor.offset // page) * page
-        end = (tensor.offset + tensor.n_bytes) // page * page
-        if end > start and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+    def release(self, tensor: GGUFTensor, begin: int = 0, end: int | None = None, around: bool = False) -> None:
+        """Drop the file's pages under this tensor's bytes [begin, end) (all of them by default)
+        from the process (they stay in the page cache): once they are copied into their run-time
+        form, its mapped pages need not count twice.
+
+        A read fault maps a file's large folios whole (reading a 2.5 KB norm mapped 2 MiB of the
+        file here), so the pages before the range go too, back to a 2 MiB boundary (the tensors
+        there, in file order, are already copied), and with `around` (a tensor read out of order)
+        those after it, to the next boundary; a page still needed is mapped again from the cache."""
+        start = (tensor.offset + begin) // FOLIO_SPAN * FOLIO_SPAN
+        stop = tensor.offset + (tensor.n_bytes if end is None else end)
+        stop = min(len(self._map), -(-stop // FOLIO_SPAN) * FOLIO_SPAN) if around else stop // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+
+FOLIO_SPAN = 2 << 20  # the largest folio a read fault maps whole (a 2 MiB huge page)
 
 
 def gguf_constants():

@@ -217,12 +217,14 @@ class DeferredWeight:
         return self._load().to(*args, **kwargs)
 
 
-def _float_weight(path: str, tensor, heads: int | None, hf_name: str, family) -> torch.Tensor:
+def _float_weight(path: str, reader, tensor, heads: int | None, hf_name: str, family) -> torch.Tensor:
     data = _dequantize(path, tensor)
     if heads is not None:
         data = _undo_qk_permutation(data, heads)
     data = family.from_gguf_tensor(hf_name, data)  # the family's own conventions (Gemma's norms)
-    return torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memmap
+    weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, off the memmap
+    reader.release(tensor, around=True)
+    return weight
 
 
 def _quantized_weight(path: str, reader, tensor, heads: int | None) -> QuantizedTensor:
@@ -233,7 +235,8 @@ def _quantized_weight(path: str, reader, tensor, heads: int | None) -> Quantized
         data = tensor.data  # [rows, bytes per row] on the map: read once, into the kernels' layout
         if heads is not None:
             data = _undo_qk_permutation(data, heads)
-        weight = QuantizedTensor(tensor.tensor_type.name, data, cols)
+        read = (lambda begin, end: reader.release(tensor, begin, end)) if heads is None else None  # (else a reordered copy)
+        weight = QuantizedTensor(tensor.tensor_type.name, data, cols, read)
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
     reader.release(tensor)
@@ -302,7 +305,7 @@ def load_gguf(path: str) -> ModelFiles:
             weights[hf] = _quantized_experts(path, reader, tensor)  # [experts, rows, cols], each expert at the file's bits
         else:
             shape = tuple(family.gguf_tensor_shape(hf, shape))  # the HF layout's (a mixer's [heads, 1] A is [heads])
-            weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf, s=shape: _float_weight(path, t, h, n, family).reshape(s), shape)
+            weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf, s=shape: _float_weight(path, reader, t, h, n, family).reshape(s), shape)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
     if config.rope.scaling_type == "longrope" and (config.rope.long_factor is None or config.rope.short_factor is None):

@@ -80,12 +80,12 @@ def _run(job: Prefetched, path: str) -> None:
         if openmp is None:
             return
         ctypes.CDLL(openmp, mode=ctypes.RTLD_GLOBAL)
-        from ..utils import map_large_allocations
+        from ..utils import LOAD_MMAP_THRESHOLD, map_large_allocations
         from .gguf_file import open_gguf
         from .kernels import quant_lib
         from .tokenizer import UNREAD_AT_LOAD
 
-        map_large_allocations()  # as EngineCore sets it, before the weights are allocated
+        map_large_allocations(LOAD_MMAP_THRESHOLD)  # as EngineCore sets it while it loads
         job.reader = reader = open_gguf(path, skip=UNREAD_AT_LOAD)
         if not quant_lib.available() or quant_lib.isa() not in quant_lib.PACKED_ISAS:
             return
@@ -96,8 +96,7 @@ def _run(job: Prefetched, path: str) -> None:
             if kind not in quant_lib.TYPES or tensor.data.ndim != 2 or tensor.name.endswith(LEFT_TO_LOAD):
                 continue
             cols = int(tensor.shape[0])
-            job.packed[tensor.name] = quant_lib.pack(tensor.data, quant_lib.TYPES[kind][0], cols)
-            reader.release(tensor)
+            job.packed[tensor.name] = quant_lib.pack(tensor.data, quant_lib.TYPES[kind][0], cols, lambda a, b, t=tensor: reader.release(t, a, b))
     except Exception as e:  # noqa: BLE001 - the load does the work again, and reports what fails there
         log.debug("prefetch of %s stopped: %s: %s", path, type(e).__name__, e)
         job.packed.clear()

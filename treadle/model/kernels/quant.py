@@ -13,6 +13,7 @@ is used unless TREADLE_QUANT_ISA names one (`vnni`, `avx2`, `portable`).
 import numpy as np
 import torch
 
+from . import quant_lib
 from .quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, supported_isas  # noqa: F401 - quant's names too
 
 
@@ -27,9 +28,10 @@ class QuantizedTensor:
     __slots__ = ("kind", "data", "shape", "packed")
     KINDS = frozenset(TYPES)
 
-    def __init__(self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int):
+    def __init__(self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int, read=None):
         """`blocks`: uint8 [rows, bytes per row], a tensor (kept where no repacking is needed) or a
-        numpy array, read-only allowed (a file's memory map: read once, into the kernels' layout)."""
+        numpy array, read-only allowed (a file's memory map: read once, into the kernels' layout,
+        in pieces; `read(begin, end)` is called with each piece's bytes once they are copied)."""
         if kind not in TYPES:
             raise ValueError(f"quantized type {kind} is not supported (supported: {', '.join(TYPES)})")
         _, elems, size = TYPES[kind]
@@ -40,7 +42,12 @@ class QuantizedTensor:
         self.packed = isa() in PACKED_ISAS
         if isinstance(blocks, np.ndarray):
             blocks = np.ascontiguousarray(blocks)
-            self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else torch.from_numpy(blocks.copy())
+            if self.packed:
+                self.data = torch.from_numpy(quant_lib.pack(blocks, TYPES[kind][0], cols, read))
+            else:
+                out = np.empty(blocks.shape, dtype=np.uint8)
+                quant_lib.copy_rows(blocks, out, lambda source, into: np.copyto(into, source), read)
+                self.data = torch.from_numpy(out)
         else:
             blocks = blocks.contiguous()
             self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else blocks
@@ -101,10 +108,10 @@ class QuantizedTensor:
         return QuantizedTensor(first.kind, torch.cat([p.blocks() for p in parts]), first.shape[1])
 
 
-def _pack(data: torch.Tensor | np.ndarray, type_id: int, cols: int, to_file: bool) -> torch.Tensor:
+def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool) -> torch.Tensor:
+    """A weight's blocks into the packed layout, or (to_file) back (a numpy array: quant_lib.pack)."""
     out = torch.empty(tuple(data.shape), dtype=torch.uint8)
-    source = data.ctypes.data if isinstance(data, np.ndarray) else data.data_ptr()
-    if library().treadle_q_pack(type_id, source, data.shape[0], cols, out.data_ptr(), int(to_file)):
+    if library().treadle_q_pack(type_id, data.data_ptr(), data.shape[0], cols, out.data_ptr(), int(to_file)):
         raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
     return out
 

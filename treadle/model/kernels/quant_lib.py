@@ -99,9 +99,31 @@ PACKED = 0x100  # quant.c's flag in a type argument: the weight is held in the p
 PACKED_ISAS = ("vnni", "avx2")  # the paths whose kernels read 16 interleaved rows (quant_tiles.h)
 
 
-def pack(blocks: np.ndarray, type_id: int, cols: int) -> np.ndarray:
-    """The file's blocks (uint8 [rows, bytes per row], C-contiguous) in quant.c's packed layout."""
+COPY_CHUNK_BYTES = 16 << 20  # a large weight is copied in pieces of about this size (`copy_rows`)
+
+
+def copy_rows(blocks: np.ndarray, out: np.ndarray, copy, done=None) -> None:
+    """copy(source rows, out rows) for whole 16-row groups of `blocks` (uint8 [rows, bytes per
+    row]) at a time, ~COPY_CHUNK_BYTES each, calling done(begin, end) with the bytes of `blocks`
+    each piece has read: a weight read off a file's memory map releases the pages it has copied,
+    so that its load never holds a large tensor twice (Gemma 3's 180 MB embedding)."""
+    rows, row_bytes = blocks.shape
+    step = max(16, COPY_CHUNK_BYTES // max(row_bytes, 1) // 16 * 16)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        copy(blocks[r0:r1], out[r0:r1])
+        if done is not None:
+            done(r0 * row_bytes, r1 * row_bytes)
+
+
+def pack(blocks: np.ndarray, type_id: int, cols: int, done=None) -> np.ndarray:
+    """The file's blocks (uint8 [rows, bytes per row], C-contiguous) in quant.c's packed layout
+    (`done`: as copy_rows calls it)."""
     out = np.empty(blocks.shape, dtype=np.uint8)
-    if library().treadle_q_pack(type_id, blocks.ctypes.data, blocks.shape[0], cols, out.ctypes.data, 0):
-        raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
+
+    def pack_rows(source: np.ndarray, into: np.ndarray) -> None:
+        if library().treadle_q_pack(type_id, source.ctypes.data, source.shape[0], cols, into.ctypes.data, 0):
+            raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
+
+    copy_rows(blocks, out, pack_rows, done)
     return out

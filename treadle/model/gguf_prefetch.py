@@ -23,6 +23,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from .loader import file_key
+
 log = logging.getLogger("treadle")
 
 # the tensors the load may reorder (llama.cpp permuted their rows for its RoPE layout)
@@ -39,14 +41,6 @@ class Prefetched:
 
 _job: tuple[Prefetched, threading.Thread] | None = None
 _lock = threading.Lock()
-
-
-def file_key(path: str) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
 def torch_openmp() -> str | None:

@@ -35,7 +35,8 @@ def load_model_files(model: str | None) -> ModelFiles:
 _prebuilt: dict = {}  # (path, size, mtime) -> a Tokenizer built ahead of its first use (prebuild_tokenizer)
 
 
-def _file_key(path: str) -> tuple | None:
+def file_key(path: str) -> tuple | None:
+    """A file's identity: its absolute path, size and modification time (None: not there)."""
     try:
         st = os.stat(path)
     except OSError:
@@ -48,7 +49,7 @@ def prebuild_tokenizer(model: str | None) -> None:
     front end does this before its own imports: a large vocabulary's build has a transient peak
     (Gemma 3's: ~190 MB above its result), which then rises from the process's smallest size
     rather than from its full one. Any failure is left for that `load_tokenizer` to report."""
-    key = _file_key(resolve_model_path(model))
+    key = file_key(resolve_model_path(model))
     if key is None:
         return
     try:
@@ -61,7 +62,7 @@ def load_tokenizer(model: str | None):
     """The model's Tokenizer alone: metadata and tokenizer files are read, tensors are not."""
     path = resolve_model_path(model)
     if _prebuilt:
-        ready = _prebuilt.pop(_file_key(path), None)
+        ready = _prebuilt.pop(file_key(path), None)
         if ready is not None:
             return ready
     if os.path.isdir(path):

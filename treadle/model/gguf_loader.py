@@ -257,10 +257,10 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
 
 
 def load_gguf(path: str) -> ModelFiles:
-    # the file opened, and most quantized tensors repacked, while the engine core imported torch
+    # most quantized tensors repacked while the engine core imported torch
     prefetched = gguf_prefetch.take(path)
     packed = prefetched.packed if prefetched is not None else {}
-    reader = prefetched.reader if prefetched is not None else open_gguf(path, skip=UNREAD_AT_LOAD)  # (a 151K-token vocabulary's merges: ~0.06 s)
+    reader = open_gguf(path, skip=UNREAD_AT_LOAD)  # (a 151K-token vocabulary's merges: ~0.06 s)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)

@@ -3,11 +3,13 @@
 `treadle serve` starts its engine core before it parses its arguments (cli._start_core_early), and
 the core's own start (Python, then torch: most of a second on a fast machine, two on a slow one)
 is the longest part of the server's. Where the command names one GGUF file, the core starts
-`prefetch(path)` first: on a thread, it opens the file and moves each quantized 2-D tensor into
+`prefetch(path)` first: on a thread, it maps the file and moves each quantized 2-D tensor into
 quant.c's packed layout (the repack runs in C, which ctypes calls without the GIL, so it goes on
 beside the import on the machine's other core), releasing the file's pages as it goes, as the load
-does. `load_gguf` then `take`s the opened file and the packed tensors: the same bytes it would
-have made, made earlier. A load of any other file drops them.
+does. `load_gguf` then `take`s the packed tensors: the same bytes it would have made, made
+earlier. A load of any other file drops them. The thread reads past the vocabulary's lists (the
+load reads them, after the import: Gemma 3's 262K tokens parsed beside torch's import left ~17 MiB
+of the Python heap that could not be handed back once they were freed).
 
 Left to the load: Q and K projections (whose rows the load may reorder first, by family), stacked
 experts, other types, and everything on the portable path (which holds the file's blocks as they
@@ -34,7 +36,6 @@ LEFT_TO_LOAD = ("attn_q.weight", "attn_k.weight")
 @dataclass
 class Prefetched:
     key: tuple
-    reader: object = None  # gguf_file.GGUFFile, opened as load_gguf opens it
     packed: dict = field(default_factory=dict)  # tensor name -> uint8 numpy array, quant.c's packed layout
     stop: bool = False
 
@@ -77,10 +78,10 @@ def _run(job: Prefetched, path: str) -> None:
         from ..utils import LOAD_MMAP_THRESHOLD, map_large_allocations
         from .gguf_file import open_gguf
         from .kernels import quant_lib
-        from .tokenizer import UNREAD_AT_LOAD
+        from .tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
 
         map_large_allocations(LOAD_MMAP_THRESHOLD)  # as EngineCore sets it while it loads
-        job.reader = reader = open_gguf(path, skip=UNREAD_AT_LOAD)
+        reader = open_gguf(path, skip=UNREAD_AT_LOAD | VOCABULARY_LISTS)
         if not quant_lib.available() or quant_lib.isa() not in quant_lib.PACKED_ISAS:
             return
         for tensor in reader.tensors:
@@ -94,7 +95,6 @@ def _run(job: Prefetched, path: str) -> None:
     except Exception as e:  # noqa: BLE001 - the load does the work again, and reports what fails there
         log.debug("prefetch of %s stopped: %s: %s", path, type(e).__name__, e)
         job.packed.clear()
-        job.reader = None
 
 
 def take(path: str) -> Prefetched | None:
@@ -112,4 +112,4 @@ def take(path: str) -> Prefetched | None:
         thread.join()
         return None
     thread.join()
-    return prefetched if prefetched.reader is not None else None
+    return prefetched if prefetched.packed else None

@@ -209,6 +209,7 @@ class Tokenizer:
 
 # the lists an engine's load reads past (its tokenizer is lazy): the vocabulary's build reads them
 UNREAD_AT_LOAD = frozenset({"tokenizer.ggml.merges", "tokenizer.ggml.scores"})
+VOCABULARY_LISTS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})  # the load's own reads
 
 
 def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Collection[str] = ()) -> Tokenizer:

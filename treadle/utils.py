@@ -85,6 +85,15 @@ def resident_bytes(address: int, nbytes: int) -> int | None:
     return min(nbytes, bytes(vec).translate(_LOW_BIT).count(1) * page)  # bit 0: resident
 
 
+def file_key(path: str) -> tuple | None:
+    """A file's identity: its absolute path, size and modification time (None: not there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
 LOAD_MMAP_THRESHOLD = 64 << 10  # while a model loads: every weight but the smallest a mapping of its own
 
 

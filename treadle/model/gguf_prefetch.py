@@ -25,7 +25,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from .loader import file_key
+from ..utils import file_key
 
 log = logging.getLogger("treadle")
 

@@ -5,6 +5,7 @@ The loaders are imported when used: `load_tokenizer` (the HTTP front end's only 
 
 import os
 
+from ..utils import file_key
 from .config import ModelFiles, ModelLoadError
 from .default_model import default_model_path
 
@@ -33,15 +34,6 @@ def load_model_files(model: str | None) -> ModelFiles:
 
 
 _prebuilt: dict = {}  # (path, size, mtime) -> a Tokenizer built ahead of its first use (prebuild_tokenizer)
-
-
-def file_key(path: str) -> tuple | None:
-    """A file's identity: its absolute path, size and modification time (None: not there)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
 def prebuild_tokenizer(model: str | None) -> None:

@@ -94,9 +94,6 @@ def file_key(path: str) -> tuple | None:
     return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
-LOAD_MMAP_THRESHOLD = 64 << 10  # while a model loads: every weight but the smallest a mapping of its own
-
-
 def map_large_allocations(threshold: int = 1 << 20) -> None:
     """Have the C heap map every allocation of `threshold` bytes or more on its own and unmap it
     when freed (glibc's M_MMAP_THRESHOLD; elsewhere a no-op). By default glibc raises that

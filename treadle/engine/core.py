@@ -29,7 +29,7 @@ from ..model.runner import InjectedFault
 from ..model.worker import ModelWorker
 from ..sampling_params import SamplingParams
 from ..step import NewRequestData, StepInput
-from ..utils import LOAD_MMAP_THRESHOLD, map_large_allocations
+from ..utils import map_large_allocations
 from . import stats
 from .draft_model import DraftModel
 from .kv_cache_manager import KVCacheManager
@@ -73,13 +73,10 @@ class RequestGroup:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        # the weights each a mapping of their own, not scattered through the heap (the products of
-        # a 1B model ran a third slower from the heap), and the parts the model joins (q, k, v)
-        # unmapped when joined rather than left as holes in it (Gemma 3 270M's load peaked 61 MiB
-        # above its result so); then the threshold of a step's buffers
-        map_large_allocations(LOAD_MMAP_THRESHOLD)
-        self.worker = ModelWorker(config, fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)))
+        # before the weights (each then a mapping of its own, not scattered through the heap: the
+        # products of a 1B model ran a third slower from the heap) and before any step's buffers
         map_large_allocations()
+        self.worker = ModelWorker(config, fail_at_steps=parse_faults(os.environ.get(FAULT_ENV)))
         w = self.worker
         self.runner, self.dtype, self.model_config, self.tokenizer = w.runner, w.dtype, w.model_config, w.tokenizer
         self.max_model_len, self.eos_token_ids = w.max_model_len, w.eos_token_ids

@@ -100,13 +100,13 @@ def run_spare_core(conn, prefetch: str | None = None) -> None:
         from ..model import gguf_prefetch
 
         gguf_prefetch.prefetch(prefetch)  # on a thread, beside the imports below
-    from ..model import gguf_loader, kernels  # noqa: F401 - the GGUF loader's modules
+    from ..model import gguf_loader  # noqa: F401 - the GGUF loader's modules
     from ..model.gguf_file import gguf_constants
-    from ..model.kernels import quant
+    from ..model.kernels import paged, quant
     from .core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
 
     gguf_constants()  # gguf-py's type tables, which a GGUF load reads
-    kernels.available()  # loaded (built the first time) now rather than in the first step
+    paged.available()  # loaded (built the first time) now rather than in the first step
     quant.available()
     try:
         conn.send("ready")

@@ -235,11 +235,12 @@ def _quantized_weight(path: str, reader, tensor, heads: int | None) -> Quantized
         data = tensor.data  # [rows, bytes per row] on the map: read once, into the kernels' layout
         if heads is not None:
             data = _undo_qk_permutation(data, heads)
-        read = (lambda begin, end: reader.release(tensor, begin, end)) if heads is None else None  # (else a reordered copy)
+        read = (lambda begin, end: reader.release(tensor, begin, end)) if heads is None else None
         weight = QuantizedTensor(tensor.tensor_type.name, data, cols, read)
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
-    reader.release(tensor)
+    if heads is not None:  # the reordered copy read it whole
+        reader.release(tensor)
     return weight
 
 
@@ -249,10 +250,13 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
     cols = int(tensor.shape[0])
     try:
         data = tensor.data  # [experts, rows, bytes per row] on the map
-        parts = [QuantizedTensor(tensor.tensor_type.name, data[e], cols) for e in range(data.shape[0])]
+        each = data[0].nbytes
+        parts = [
+            QuantizedTensor(tensor.tensor_type.name, data[e], cols, lambda begin, end, at=e * each: reader.release(tensor, at + begin, at + end))
+            for e in range(data.shape[0])
+        ]
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
-    reader.release(tensor)
     return ExpertWeights(parts)
 
 

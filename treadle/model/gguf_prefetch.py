@@ -75,12 +75,12 @@ def _run(job: Prefetched, path: str) -> None:
         if openmp is None:
             return
         ctypes.CDLL(openmp, mode=ctypes.RTLD_GLOBAL)
-        from ..utils import LOAD_MMAP_THRESHOLD, map_large_allocations
+        from ..utils import map_large_allocations
         from .gguf_file import open_gguf
         from .kernels import quant_lib
         from .tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
 
-        map_large_allocations(LOAD_MMAP_THRESHOLD)  # as EngineCore sets it while it loads
+        map_large_allocations()  # as EngineCore sets it, before the weights are allocated
         reader = open_gguf(path, skip=UNREAD_AT_LOAD | VOCABULARY_LISTS)
         if not quant_lib.available() or quant_lib.isa() not in quant_lib.PACKED_ISAS:
             return

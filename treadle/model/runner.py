@@ -18,9 +18,9 @@ from ..kv_layout import kv_layout
 from ..sampling_params import SamplingParams
 from ..step import SampledToken, StepInput, TokenHistory
 from ..utils import zeroed_pages
-from . import kernels
 from .attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from .config import ModelConfig
+from .kernels import paged
 from .layers import LORA_ROWS
 from .mamba import Segment
 from .registry import resolve_model_class
@@ -109,7 +109,7 @@ class ModelRunner:
         self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch
-        self.attention_kernel = kernels.usable(dtype, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attention_kernel = paged.usable(dtype, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
         self.compiled = None  # a CompiledDecode, when the engine compiles decode steps
         # without batch-invariant kernels (float32, --no-batch-invariant) a row's rounding depends
         # on how many rows share its matrix products: embedding requests then run in forwards of

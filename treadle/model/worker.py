@@ -13,9 +13,9 @@ import torch
 from ..config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from ..kv_layout import kv_layout
 from ..utils import available_memory, process_memory, release_free_heap, resident_bytes
-from . import kernels
 from .compiled import CompiledDecode
 from .config import ModelConfig, ModelLoadError
+from .kernels import paged
 from .loader import load_model_files, resolve_model_path
 from .runner import ModelRunner
 
@@ -167,7 +167,7 @@ class ModelWorker:
     def _resolve_batch_invariant(self, mc: ModelConfig) -> bool:
         """Batch invariance rests on treadle's attention kernel: on where it serves this model (auto),
         refused with the reason where it was asked for and cannot be had."""
-        reason = kernels.unusable_reason(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        reason = paged.unusable_reason(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
         if self.config.batch_invariant and reason is not None:
             raise ValueError(f"batch_invariant needs treadle's attention kernel, which cannot serve this engine: {reason}")
         return reason is None if self.config.batch_invariant is None else self.config.batch_invariant

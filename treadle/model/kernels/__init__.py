@@ -1,7 +1,7 @@
 """treadle's own C kernels, built on first use with the system's C compiler and cached.
 
 `paged.py` / `paged_attention.c`: attention for bfloat16 KV caches with a fixed order of every sum
-per query token; its names (`available`, `paged_attention`, `usable`, ...) are this package's too.
+per query token.
 
 `quant.c` / `quant.py`: products and row lookups of weights held as GGUF's quantized blocks (see
 quant.c's header for what they compute); `quant_lib.py`: its library and instruction-set choice.
@@ -13,16 +13,3 @@ quant.c's header for what they compute); `quant_lib.py`: its library and instruc
 The package itself imports no torch (nor does `build` or `quant_lib`): an engine core loads
 quant.c's library and repacks a GGUF file's tensors while torch is still importing (gguf_prefetch).
 """
-
-# the attention kernel's names, from paged.py (which imports torch) when first used
-_PAGED = frozenset({"available", "paged_attention", "store_int8_rows", "paged_attention_op", "unusable_reason", "usable", "_kernel", "_build"})
-
-
-def __getattr__(name: str):
-    if name in _PAGED:
-        from . import paged
-
-        value = getattr(paged, name)
-        globals()[name] = value  # found directly from now on
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

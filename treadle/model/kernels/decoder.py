@@ -18,9 +18,10 @@ import ctypes
 import torch
 
 from ..layers import LORA_ROWS, RMSNorm
-from . import _kernel as attention_kernel
-from . import quant, rowops, usable
+from . import quant, rowops
 from .build import Library, build
+from .paged import _kernel as attention_kernel
+from .paged import usable
 
 MAX_PARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

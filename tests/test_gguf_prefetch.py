@@ -146,3 +146,30 @@ def test_a_loaded_file_leaves_no_pages_mapped(tmp_path):
     weights = {name: w.float() for name, w in files.weights.items()}  # the deferred ones read now
     assert sum(w.numel() * 4 for w in weights.values()) > size // 2
     assert mapped_rss(path) <= 2 << 20, f"{mapped_rss(path)} of {size} bytes still mapped"
+
+
+def test_a_served_file_answers_as_the_same_file_in_process():
+    """`treadle serve FILE` (its early core repacks FILE while it imports torch) with the defaults a
+    user gets (bfloat16, prefix caching): greedy answers equal an in-process LLM's on the same file,
+    which loads without a prefetch."""
+    import json
+    import urllib.request
+
+    from treadle import LLM, SamplingParams
+    from treadle.model.default_model import default_model_path
+
+    from .server_process import running
+
+    path = default_model_path()  # named on the command line: prefetched
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    llm = LLM(model=path, dtype="bfloat16", max_num_seqs=4)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))]
+    del llm
+    for server in running("--model", path, "--dtype", "bfloat16"):
+        served = []
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+            request = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as r:
+                served.append(json.load(r)["choices"][0]["text"])
+        assert served == expected

@@ -5,6 +5,8 @@ scores and types go into GGUF metadata. treadle's tokenizer built from that meta
 SentencePiece itself and with transformers' GGUF tokenizer.
 """
 
+import os
+
 import gguf
 import pytest
 
@@ -152,6 +154,29 @@ def test_the_built_vocabulary_is_cached_per_file_and_a_bad_cache_is_rebuilt(spm_
     rebuilt = tokenizer_from_gguf(path, read_metadata(path))
     assert rebuilt.encode(text) == first.encode(text)
     assert cached.read_text().startswith("{") and "not json" not in cached.read_text()
+
+
+def test_the_cache_keeps_one_entry_per_file(spm_gguf, tmp_path, monkeypatch):
+    """A file changed since its vocabulary was cached gets a new entry that replaces the old one
+    (no 12 MB JSON left behind per version); another file's entry stays."""
+    import shutil
+
+    path, sp = spm_gguf
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "treadle" / "tokenizers"
+    one, two = str(tmp_path / "one.gguf"), str(tmp_path / "two.gguf")
+    shutil.copy(path, one)
+    shutil.copy(path, two)
+    tokenizer_from_gguf(one, read_metadata(one))
+    tokenizer_from_gguf(two, read_metadata(two))
+    before = sorted(p.name for p in folder.iterdir())
+    assert len(before) == 2
+    st = os.stat(one)
+    os.utime(one, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file "changed": a new version
+    again = tokenizer_from_gguf(one, read_metadata(one))
+    after = sorted(p.name for p in folder.iterdir())
+    assert len(after) == 2 and len(set(after) - set(before)) == 1  # one replaced, the other file's kept
+    assert again.encode(TEXTS[0]) == [sp.bos_id(), *sp.encode(TEXTS[0])]
 
 
 def _plain_merges_from_scores(tokens, scores, types):

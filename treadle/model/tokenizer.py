@@ -349,9 +349,11 @@ def _parse(path: str, text: str) -> HFTokenizer:
 
 
 def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
-    """The tokenizer of `build()`'s JSON, kept under ~/.cache/treadle/tokenizers keyed by the file
-    (path, size, modification time), this module's source and the tokenizers version; any
-    failure to read or write the cache only costs the build."""
+    """The tokenizer of `build()`'s JSON, kept under ~/.cache/treadle/tokenizers as
+    `<path key>-<version key>.json`: the file's absolute path, then its size and modification time,
+    this module's source and the tokenizers version. One entry per path: writing one removes that
+    path's older versions (a 262K vocabulary's JSON is 12 MB, and every change to this module made
+    another). Any failure to read or write the cache only costs the build."""
     import hashlib
 
     import tokenizers
@@ -363,8 +365,9 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
         st = os.stat(path)
         with open(__file__, "rb") as f:
             source = hashlib.sha256(f.read()).hexdigest()
-        key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{source}|{tokenizers.__version__}".encode()).hexdigest()[:24]
-        cached = os.path.join(cache_root(), "tokenizers", key + ".json")
+        where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+        version = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}|{source}|{tokenizers.__version__}".encode()).hexdigest()[:16]
+        cached = os.path.join(cache_root(), "tokenizers", f"{where}-{version}.json")
         if os.path.exists(cached):
             return HFTokenizer.from_file(cached)
     except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
@@ -378,6 +381,10 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, cached)
+            folder, name = os.path.split(cached)
+            for other in os.listdir(folder):  # this path's older versions
+                if other.startswith(f"{where}-") and other.endswith(".json") and other != name:
+                    os.remove(os.path.join(folder, other))
         except OSError as e:
             log.debug("tokenizer cache not written (%s)", e)
     return backend

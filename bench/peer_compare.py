@@ -143,6 +143,48 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def tree_rss_bytes(pid: int) -> int:
+    """The resident set of a process and all its descendants now (VmRSS summed; 0 once gone)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return total
+
+
+class TreePeak:
+    """The peak of a process tree's summed resident set, sampled every `interval` s on a thread:
+    the whole server's peak at one moment, where the sum of each process's own peak (VmHWM) adds
+    peaks of different moments (the front end's at start, the engine core's under load). A
+    sample can miss a spike shorter than the interval."""
+
+    def __init__(self, pid: int, interval: float = 0.02):
+        import threading
+
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> float:
+        """The peak in MB (10^6 bytes)."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 1e6
+
+
 def run_dir(out: str, run: int) -> str:
     return os.path.join(out, f"run{run}")
 
@@ -214,6 +256,7 @@ def main() -> int:
         load_s["llama.cpp"] = time.perf_counter() - started
         started = time.perf_counter()
         t_proc = subprocess.Popen(treadle_cmd, stdout=logs["treadle"], stderr=subprocess.STDOUT)
+        t_tree = TreePeak(t_proc.pid)
         wait_healthy(f"http://127.0.0.1:{t_port}", t_proc)
         load_s["treadle"] = time.perf_counter() - started
         wait_compiled(f"http://127.0.0.1:{t_port}")
@@ -235,6 +278,7 @@ def main() -> int:
         core_pid = stats["engine_pid"]
         memory = {
             "treadle": peak_rss_mb(t_proc.pid) + peak_rss_mb(core_pid),
+            "treadle whole, sampled": t_tree.stop(),
             "treadle front end": peak_rss_mb(t_proc.pid),
             "treadle engine core": peak_rss_mb(core_pid),
             "llama.cpp": peak_rss_mb(l_proc.pid),
@@ -261,7 +305,8 @@ def main() -> int:
     print_spread(runs, args.concurrency)
     print(
         f"\npeak RSS: treadle {memory['treadle']:.0f} MB (front end {memory['treadle front end']:.0f} + engine core "
-        f"{memory['treadle engine core']:.0f}), llama-server {memory['llama.cpp']:.0f} MB"
+        f"{memory['treadle engine core']:.0f}; the peaks' sum), {memory['treadle whole, sampled']:.0f} MB the whole at "
+        f"its peak (sampled every 20 ms), llama-server {memory['llama.cpp']:.0f} MB"
     )
     print(
         f"treadle weights {memory['treadle weights']:.1f} MB ({', '.join(f'{k} {v:.1f}' for k, v in memory['treadle weights by type'].items())}), "

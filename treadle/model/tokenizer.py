@@ -348,12 +348,15 @@ def _parse(path: str, text: str) -> HFTokenizer:
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
 
 
+CACHED_VOCABULARIES = 32  # entries _cached_backend keeps (files moved or deleted leave theirs)
+
+
 def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
     """The tokenizer of `build()`'s JSON, kept under ~/.cache/treadle/tokenizers as
     `<path key>-<version key>.json`: the file's absolute path, then its size and modification time,
     this module's source and the tokenizers version. One entry per path: writing one removes that
     path's older versions (a 262K vocabulary's JSON is 12 MB, and every change to this module made
-    another). Any failure to read or write the cache only costs the build."""
+    another), and the least recently written beyond CACHED_VOCABULARIES. Any failure to read or write the cache only costs the build."""
     import hashlib
 
     import tokenizers
@@ -382,9 +385,13 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
                 f.write(text)
             os.replace(tmp, cached)
             folder, name = os.path.split(cached)
-            for other in os.listdir(folder):  # this path's older versions
-                if other.startswith(f"{where}-") and other.endswith(".json") and other != name:
-                    os.remove(os.path.join(folder, other))
+            others = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".json") and n != name]
+            for other in others:  # this path's older versions
+                if os.path.basename(other).startswith(f"{where}-"):
+                    os.remove(other)
+            others = sorted((p for p in others if os.path.exists(p)), key=os.path.getmtime)
+            for other in others[: max(0, len(others) + 1 - CACHED_VOCABULARIES)]:  # the least recently written
+                os.remove(other)
         except OSError as e:
             log.debug("tokenizer cache not written (%s)", e)
     return backend

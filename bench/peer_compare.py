@@ -100,9 +100,20 @@ def cpu_description() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (each socket held until all are chosen: one after another,
+    the system may hand out the same port twice, and two servers would then share one)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -231,7 +242,7 @@ def main() -> int:
     gguf = os.path.abspath(args.model) if args.model else default_model_path()
     llama_server = find_or_build_llama_server()
     os.makedirs(args.out, exist_ok=True)
-    t_port, l_port = free_port(), free_port()
+    t_port, l_port = free_ports(2)
     from treadle.model.gguf_file import read_metadata
 
     meta = read_metadata(gguf)

@@ -23,9 +23,9 @@ def counted_loads(monkeypatch) -> list[str]:
     names = []
     plain = gguf_loader._quantized_weight
 
-    def counting(path, reader, tensor, heads):
+    def counting(path, reader, tensor, heads, out=None):
         names.append(tensor.name)
-        return plain(path, reader, tensor, heads)
+        return plain(path, reader, tensor, heads, out)
 
     monkeypatch.setattr(gguf_loader, "_quantized_weight", counting)
     return names
@@ -49,9 +49,54 @@ def test_prefetched_load_holds_the_same_tensors(kind, isa, monkeypatch):
         assert torch.equal(a.data, b.data), name
     if isa == "portable":  # the file's blocks as they are: nothing to repack ahead
         assert len(repacked_by_load) == len(quantized)
-    else:  # only what the load may reorder (Q and K) is left to it
-        assert repacked_by_load and all(n.endswith(gguf_prefetch.LEFT_TO_LOAD) for n in repacked_by_load)
+    else:  # only what the load may reorder (Q and K), and what is joined with them (V), is left to it
+        assert repacked_by_load and all(n.endswith((*gguf_prefetch.LEFT_TO_LOAD, "attn_v.weight")) for n in repacked_by_load)
         assert len(repacked_by_load) < len(quantized)
+
+
+def joined_buffers(weights: dict) -> list[list[str]]:
+    """The groups of quantized weights that lie one after another in one buffer."""
+    groups: dict[int, list] = {}
+    for name, w in weights.items():
+        if isinstance(w, QuantizedTensor) and w.data._base is not None:
+            groups.setdefault(w.data._base.data_ptr(), []).append((w.data.data_ptr(), name, w))
+    out = []
+    for parts in groups.values():
+        parts.sort(key=lambda p: p[0])
+        for (at, _, w), (nxt, _, _) in zip(parts, parts[1:]):
+            assert at + w.data.numel() == nxt  # adjacent, nothing between
+        out.append([name for _, name, _ in parts])
+    return sorted(out)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_load_reads_each_layers_joined_tensors_into_one_buffer(prefetch):
+    """q/k/v and gate/up, read into one buffer each in the model's order, so that the model's join
+    of them (QuantizedTensor.cat) is a view, not a copy; the model built on them computes as one
+    built from separate parts (the same bytes)."""
+    from treadle.model.layers import Linear
+
+    path = os.path.join(DATA, "Q4_K.gguf")
+    if prefetch:
+        gguf_prefetch.prefetch(path)
+    files = gguf_loader.load_gguf(path)
+    layers = sorted({n.split(".")[2] for n in files.weights if n.startswith("model.layers.")}, key=int)
+    qkv = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in layers for p in "qkv"]
+    gate_up = [f"model.layers.{i}.mlp.{p}_proj.weight" for i in layers for p in ("gate", "up")]
+    expected = sorted([qkv[i : i + 3] for i in range(0, len(qkv), 3)] + [gate_up[i : i + 2] for i in range(0, len(gate_up), 2)])
+    assert joined_buffers(files.weights) == expected
+    parts = [files.weights[n] for n in expected[0]]
+    copies = [
+        QuantizedTensor.from_packed(p.kind, p.data.clone(), p.shape[1]) if p.packed else QuantizedTensor(p.kind, p.data.clone(), p.shape[1])
+        for p in parts
+    ]
+    joined, copied = Linear(parts).parts, Linear(copies).parts
+    assert len(joined) == len(copied) == 1
+    assert joined[0].data.data_ptr() == parts[0].data.data_ptr()  # a view of the buffer
+    assert copied[0].data.data_ptr() not in {p.data.data_ptr() for p in copies}  # separate parts: a copy
+    assert torch.equal(joined[0].data, copied[0].data)
+    x = torch.randn(3, parts[0].shape[1])
+    assert torch.equal(joined[0].matmul(x), copied[0].matmul(x))
 
 
 def test_a_prefetch_of_another_file_is_dropped(monkeypatch):

@@ -227,16 +227,17 @@ def _float_weight(path: str, reader, tensor, heads: int | None, hf_name: str, fa
     return weight
 
 
-def _quantized_weight(path: str, reader, tensor, heads: int | None) -> QuantizedTensor:
+def _quantized_weight(path: str, reader, tensor, heads: int | None, out: torch.Tensor | None = None) -> QuantizedTensor:
     """A 2-D quantized tensor as its blocks, read off the memory map into the kernels' own memory
-    (rows reordered whole where llama.cpp permuted them), the mapped pages then released."""
+    (`out`, a joined buffer's rows, where given; rows reordered whole where llama.cpp permuted
+    them), the mapped pages then released."""
     cols = int(tensor.shape[0])
     try:
         data = tensor.data  # [rows, bytes per row] on the map: read once, into the kernels' layout
         if heads is not None:
             data = _undo_qk_permutation(data, heads)
         read = (lambda begin, end: reader.release(tensor, begin, end)) if heads is None else None
-        weight = QuantizedTensor(tensor.tensor_type.name, data, cols, read)
+        weight = QuantizedTensor(tensor.tensor_type.name, data, cols, read, out)
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
     if heads is not None:  # the reordered copy read it whole
@@ -264,6 +265,7 @@ def load_gguf(path: str) -> ModelFiles:
     # most quantized tensors repacked while the engine core imported torch
     prefetched = gguf_prefetch.take(path)
     packed = prefetched.packed if prefetched is not None else {}
+    prejoined = prefetched.joined if prefetched is not None else {}
     reader = open_gguf(path, skip=UNREAD_AT_LOAD)  # (a 151K-token vocabulary's merges: ~0.06 s)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
@@ -273,6 +275,9 @@ def load_gguf(path: str) -> ModelFiles:
     tokenizer = tokenizer_from_gguf(path, meta, lazy=True, unread=reader.skipped)
 
     weights: dict[str, torch.Tensor | QuantizedTensor | DeferredWeight] = {}
+    # q/k/v and gate/up read into one buffer each (QuantizedTensor.cat's join is then a view)
+    plan = gguf_prefetch.join_plan(reader.tensors, QuantizedTensor.KINDS) if quant.available() else {}
+    buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # Joint.key -> (its buffer, filled by the prefetch)
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             # Llama-3 style scaling stored as per-frequency divisors.
@@ -301,7 +306,20 @@ def load_gguf(path: str) -> ModelFiles:
             elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
                 heads = config.num_kv_heads
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.name in packed and heads is None:
+        joint = plan.get(tensor.name)
+        if joint is not None:
+            if joint.key not in buffers:
+                ready = prejoined.pop(joint.key, None)
+                buffer = torch.from_numpy(ready) if ready is not None else torch.empty((joint.rows, joint.row_bytes), dtype=torch.uint8)
+                buffers[joint.key] = buffer, ready is not None
+            buffer, ready = buffers[joint.key]
+            row = joint.first_row[tensor.name]
+            rows = buffer[row : row + shape[0]]
+            if ready:  # packed by the prefetch, beside torch's import
+                weights[hf] = QuantizedTensor.from_packed(tensor.tensor_type.name, rows, int(tensor.shape[0]))
+            else:
+                weights[hf] = _quantized_weight(path, reader, tensor, heads, rows)
+        elif tensor.name in packed and heads is None:
             weights[hf] = QuantizedTensor.from_packed(tensor.tensor_type.name, torch.from_numpy(packed.pop(tensor.name)), int(tensor.shape[0]))
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits

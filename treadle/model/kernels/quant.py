@@ -28,10 +28,11 @@ class QuantizedTensor:
     __slots__ = ("kind", "data", "shape", "packed")
     KINDS = frozenset(TYPES)
 
-    def __init__(self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int, read=None):
+    def __init__(self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int, read=None, out: torch.Tensor | None = None):
         """`blocks`: uint8 [rows, bytes per row], a tensor (kept where no repacking is needed) or a
         numpy array, read-only allowed (a file's memory map: read once, into the kernels' layout,
-        in pieces; `read(begin, end)` is called with each piece's bytes once they are copied)."""
+        in pieces; `read(begin, end)` is called with each piece's bytes once they are copied).
+        `out`: where to hold them (uint8, that shape, C-contiguous: a part of a joined buffer)."""
         if kind not in TYPES:
             raise ValueError(f"quantized type {kind} is not supported (supported: {', '.join(TYPES)})")
         _, elems, size = TYPES[kind]
@@ -40,17 +41,24 @@ class QuantizedTensor:
         self.kind = kind
         self.shape = torch.Size((blocks.shape[0], cols))
         self.packed = isa() in PACKED_ISAS
+        if out is not None and (out.dtype != torch.uint8 or tuple(out.shape) != tuple(blocks.shape) or not out.is_contiguous()):
+            raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} cannot be held in a buffer of shape {tuple(out.shape)}")
         if isinstance(blocks, np.ndarray):
             blocks = np.ascontiguousarray(blocks)
+            into = None if out is None else out.numpy()
             if self.packed:
-                self.data = torch.from_numpy(quant_lib.pack(blocks, TYPES[kind][0], cols, read))
+                self.data = torch.from_numpy(quant_lib.pack(blocks, TYPES[kind][0], cols, read, into))
             else:
-                out = np.empty(blocks.shape, dtype=np.uint8)
-                quant_lib.copy_rows(blocks, out, lambda source, into: np.copyto(into, source), read)
-                self.data = torch.from_numpy(out)
+                into = np.empty(blocks.shape, dtype=np.uint8) if into is None else into
+                quant_lib.copy_rows(blocks, into, lambda source, rows: np.copyto(rows, source), read)
+                self.data = torch.from_numpy(into)
+            if out is not None:
+                self.data = out  # the buffer's view itself (its base, which QuantizedTensor.cat joins on)
         else:
             blocks = blocks.contiguous()
-            self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False) if self.packed else blocks
+            self.data = _pack(blocks, TYPES[kind][0], cols, to_file=False, out=out) if self.packed else blocks
+            if out is not None and not self.packed:
+                self.data = out.copy_(blocks)
 
     @classmethod
     def from_packed(cls, kind: str, data: torch.Tensor, cols: int) -> "QuantizedTensor":
@@ -95,7 +103,8 @@ class QuantizedTensor:
 
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
-        """Parts of one kind and width, their rows one after another."""
+        """Parts of one kind and width, their rows one after another: a view where the parts lie
+        so in one buffer (the load's joined tensors, gguf_prefetch.JOINED), else a copy."""
         first = parts[0]
         if all(p.packed == first.packed for p in parts) and (not first.packed or all(p.shape[0] % 16 == 0 for p in parts[:-1])):
             # the stored bytes one after another are the whole's layout: the file's rows as they
@@ -103,14 +112,27 @@ class QuantizedTensor:
             out = QuantizedTensor.__new__(QuantizedTensor)
             out.kind, out.packed = first.kind, first.packed
             out.shape = torch.Size((sum(p.shape[0] for p in parts), first.shape[1]))
-            out.data = torch.cat([p.data for p in parts])
+            base = first.data._base
+            adjacent = all(a.data.data_ptr() + a.data.numel() == b.data.data_ptr() for a, b in zip(parts, parts[1:]))
+            if (
+                base is not None
+                and base.dim() == 2
+                and base.is_contiguous()
+                and adjacent
+                and all(p.data._base is base and p.data.shape[1] == base.shape[1] for p in parts)
+            ):
+                row = (first.data.data_ptr() - base.data_ptr()) // base.shape[1]
+                out.data = base[row : row + out.shape[0]]
+            else:
+                out.data = torch.cat([p.data for p in parts])
             return out
         return QuantizedTensor(first.kind, torch.cat([p.blocks() for p in parts]), first.shape[1])
 
 
-def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool) -> torch.Tensor:
-    """A weight's blocks into the packed layout, or (to_file) back (a numpy array: quant_lib.pack)."""
-    out = torch.empty(tuple(data.shape), dtype=torch.uint8)
+def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A weight's blocks into the packed layout, or (to_file) back (a numpy array: quant_lib.pack),
+    into `out` where given."""
+    out = torch.empty(tuple(data.shape), dtype=torch.uint8) if out is None else out
     if library().treadle_q_pack(type_id, data.data_ptr(), data.shape[0], cols, out.data_ptr(), int(to_file)):
         raise ValueError(f"type {type_id}: cannot hold rows of {cols} values")
     return out

@@ -116,10 +116,11 @@ def copy_rows(blocks: np.ndarray, out: np.ndarray, copy, done=None) -> None:
             done(r0 * row_bytes, r1 * row_bytes)
 
 
-def pack(blocks: np.ndarray, type_id: int, cols: int, done=None) -> np.ndarray:
+def pack(blocks: np.ndarray, type_id: int, cols: int, done=None, out: np.ndarray | None = None) -> np.ndarray:
     """The file's blocks (uint8 [rows, bytes per row], C-contiguous) in quant.c's packed layout
-    (`done`: as copy_rows calls it)."""
-    out = np.empty(blocks.shape, dtype=np.uint8)
+    (`done`: as copy_rows calls it), written into `out` where given (C-contiguous, the same shape:
+    a part of a joined weight, `join_plan`)."""
+    out = np.empty(blocks.shape, dtype=np.uint8) if out is None else out
 
     def pack_rows(source: np.ndarray, into: np.ndarray) -> None:
         if library().treadle_q_pack(type_id, source.ctypes.data, source.shape[0], cols, into.ctypes.data, 0):

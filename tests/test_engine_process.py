@@ -149,6 +149,24 @@ def test_failed_step_ends_a_stream_with_an_error_event_and_the_engine_goes_on(fa
     assert httpx.get(faulty.url + "/health").json() == {"status": "ok"}
 
 
+def children(pid: int) -> set[int]:
+    out = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out.update(int(c) for c in f.read().split())
+    return out
+
+
+def test_the_server_is_a_front_end_and_its_engine_core(faulty):
+    """The front end's one child is the engine core: no helper process beside it (multiprocessing's
+    resource tracker was one, 13 MB for the server's life), and the core's sentinel is held by the
+    core alone (its own children, if any, do not keep its end from being seen)."""
+    pid = httpx.get(faulty.url + "/stats").json()["engine_pid"]
+    assert children(faulty.proc.pid) == {pid}
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"treadle.engine.core_main" in f.read()
+
+
 def test_the_core_ignores_sigterm_and_refuses_bad_choices_seeds_without_dying(faulty):
     """SIGTERM to the whole process group (a service manager) must leave the drain to the front end;
     a seed that overflows for choice n - 1 is a 400, not a dead core."""

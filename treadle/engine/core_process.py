@@ -42,7 +42,7 @@ def quiet_openmp_waits() -> None:
 
 
 def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str, in_actor: bool = False) -> None:
-    """Entry point of the child process (multiprocessing, spawn), or of a Ray actor's call
+    """Entry point of the engine core process (launchers.CoreProcess, engine/core_main.py), or of a Ray actor's call
     (in_actor: Ray owns the process, its signals and its logging)."""
     if not in_actor:
         quiet_openmp_waits()

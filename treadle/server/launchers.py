@@ -8,7 +8,7 @@ launcher starts a core and returns a handle the client watches:
     handle.watch(loop, on_exit)   on_exit(handle) once the core has ended, however it ended
     handle.is_alive() / kill() / join(timeout) / describe_exit()
 
-`LocalLauncher` spawns a process (multiprocessing, spawn) and watches its sentinel; given a
+`LocalLauncher` starts a process (`CoreProcess`) and watches its sentinel; given a
 `SpareCore` (a server of several models), it hands the model to the spare process that has
 already started Python and torch, and starts a fresh process only when there is none.
 `RayLauncher` keeps one actor per replica (`RayEngineCore`), placed by Ray by its resources
@@ -19,10 +19,14 @@ that has the resources) and the client's next run goes to the restarted actor; t
 restart budget (`--max-engine-restarts`) still decides when to give up.
 """
 
+import json
 import logging
-import multiprocessing
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import weakref
 
 log = logging.getLogger("treadle.server")
 
@@ -76,6 +80,54 @@ class LocalCore:
         return describe_exit(self.pid, self.proc.exitcode)
 
 
+class CoreProcess:
+    """An engine core's process (engine/core_main.py) and the pipe it reads its arguments from
+    (`conn`): started with subprocess rather than multiprocessing's spawn, which starts a resource
+    tracker process beside its first child (a Python interpreter's start on the server's, then
+    13 MB resident for its life, tracking nothing treadle uses). The handle multiprocessing's
+    Process was: `pid`, `sentinel` (readable once the process has ended), `is_alive()`,
+    `exitcode` (-N for signal N), `kill()`, `join(timeout)`. `now`: the core's arguments are sent
+    at once and read before any import (else it starts up, then waits for them: `SpareCore`)."""
+
+    def __init__(self, prefetch: str | None = None, now: bool = False):
+        from multiprocessing.connection import Pipe
+
+        from ..engine.core_main import BOOT
+
+        self.conn, child = Pipe()
+        sentinel, held = os.pipe()  # the child holds `held` open until it ends
+        mode = ["now"] if now else ["spare", *([prefetch] if prefetch else [])]
+        cmd = [sys.executable, "-c", BOOT, json.dumps(sys.path), str(child.fileno()), str(held), *mode]
+        try:
+            self._popen = subprocess.Popen(cmd, pass_fds=(child.fileno(), held), stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.conn.close()
+            os.close(sentinel)
+            raise
+        finally:
+            child.close()
+            os.close(held)
+        self.pid, self.sentinel = self._popen.pid, sentinel
+        weakref.finalize(self, os.close, sentinel)
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class SpareCore:
     """One engine core process started ahead of need (`core_process.run_spare_core`): Python,
     torch and the model code imported, waiting for a model. A server of several models loads one
@@ -94,14 +146,8 @@ class SpareCore:
         """Start a spare unless one is there (`prefetch`: a GGUF file it repacks while it starts)."""
         if self._proc is not None and self._proc.is_alive():
             return
-        from ..engine.core_process import run_spare_core
-
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=run_spare_core, args=(child, prefetch), name="treadle-engine-core-spare", daemon=True)
-        proc.start()
-        child.close()
-        self._proc, self._conn, self._ready = proc, parent, False
+        proc = CoreProcess(prefetch)
+        self._proc, self._conn, self._ready = proc, proc.conn, False
 
     @property
     def ready(self) -> bool:
@@ -158,8 +204,6 @@ class LocalLauncher:
         return f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
 
     def launch(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> LocalCore:
-        from ..engine.core_process import run_engine_core
-
         taken = self.spare.take() if self.spare is not None and not config.cpu_affinity else None
         if taken is not None:
             proc, conn = taken
@@ -171,10 +215,12 @@ class LocalLauncher:
                 log.warning("the spare engine core could not take the model (%s): starting one", e)
                 conn.close()
                 proc.kill()
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, registry, in_addr, out_addr, log_level), name="treadle-engine-core", daemon=True
-        )
-        proc.start()
+        proc = CoreProcess(now=True)
+        try:
+            proc.conn.send((config, registry, in_addr, out_addr, log_level))
+        except (OSError, ValueError):  # it died at once: the client sees its end through the sentinel
+            pass
+        proc.conn.close()
         return LocalCore(proc)
 
     def cleanup(self) -> None:

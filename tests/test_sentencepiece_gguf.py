@@ -178,16 +178,18 @@ def test_the_cache_keeps_one_entry_per_file(spm_gguf, tmp_path, monkeypatch):
     after = sorted(p.name for p in folder.iterdir())
     assert len(after) == 2 and len(set(after) - set(before)) == 1  # one replaced, the other file's kept
     assert again.encode(TEXTS[0]) == [sp.bos_id(), *sp.encode(TEXTS[0])]
-    # and at most CACHED_VOCABULARIES entries in all: the least recently written go
+    # and at most CACHED_VOCABULARIES entries in all: the least recently used go, a hit counting as a use
     monkeypatch.setattr(tokenizer_module, "CACHED_VOCABULARIES", 2)
-    (newest,) = set(after) - set(before)
-    (older,) = set(after) - {newest}  # two's entry: made the least recently written, beyond doubt
-    os.utime(folder / older, (1e9, 1e9))
+    (ones,) = set(after) - set(before)
+    (twos,) = set(after) - {ones}
+    os.utime(folder / twos, (1e9, 1e9))  # both long unused, two's the longer ...
+    os.utime(folder / ones, (1e9 + 10, 1e9 + 10))
+    tokenizer_from_gguf(two, read_metadata(two))  # ... but used again now
     three = str(tmp_path / "three.gguf")
     shutil.copy(path, three)
     tokenizer_from_gguf(three, read_metadata(three))
     last = {p.name for p in folder.iterdir()}
-    assert len(last) == 2 and newest in last and older not in last
+    assert len(last) == 2 and twos in last and ones not in last
 
 
 def _plain_merges_from_scores(tokens, scores, types):

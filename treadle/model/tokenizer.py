@@ -356,7 +356,8 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
     `<path key>-<version key>.json`: the file's absolute path, then its size and modification time,
     this module's source and the tokenizers version. One entry per path: writing one removes that
     path's older versions (a 262K vocabulary's JSON is 12 MB, and every change to this module made
-    another), and the least recently written beyond CACHED_VOCABULARIES. Any failure to read or write the cache only costs the build."""
+    another), and the least recently used beyond CACHED_VOCABULARIES (a hit touches its entry).
+    Any failure to read or write the cache only costs the build."""
     import hashlib
 
     import tokenizers
@@ -372,7 +373,9 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
         version = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}|{source}|{tokenizers.__version__}".encode()).hexdigest()[:16]
         cached = os.path.join(cache_root(), "tokenizers", f"{where}-{version}.json")
         if os.path.exists(cached):
-            return HFTokenizer.from_file(cached)
+            backend = HFTokenizer.from_file(cached)
+            os.utime(cached)  # used now: the last to be let go
+            return backend
     except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
         log.debug("tokenizer cache unreadable (%s): building", e)
     text = build()
@@ -384,17 +387,35 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, cached)
-            folder, name = os.path.split(cached)
-            others = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".json") and n != name]
-            for other in others:  # this path's older versions
-                if os.path.basename(other).startswith(f"{where}-"):
-                    os.remove(other)
-            others = sorted((p for p in others if os.path.exists(p)), key=os.path.getmtime)
-            for other in others[: max(0, len(others) + 1 - CACHED_VOCABULARIES)]:  # the least recently written
-                os.remove(other)
         except OSError as e:
             log.debug("tokenizer cache not written (%s)", e)
+        else:
+            _prune_cache(cached, f"{where}-")
     return backend
+
+
+def _prune_cache(kept: str, same_path: str) -> None:
+    """Remove the cache's entries of the same path as `kept` but it, then the least recently used
+    beyond CACHED_VOCABULARIES (another process's pruning may have gone first: nothing is lost)."""
+    folder, name = os.path.split(kept)
+
+    def used(entry: str) -> float:
+        try:
+            return os.path.getmtime(entry)
+        except OSError:
+            return float("inf")  # gone meanwhile
+
+    try:
+        others = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".json") and n != name]
+    except OSError:
+        return
+    stale = [p for p in others if os.path.basename(p).startswith(same_path)]
+    rest = sorted((p for p in others if p not in stale), key=used)
+    for entry in stale + rest[: max(0, len(rest) + 1 - CACHED_VOCABULARIES)]:
+        try:
+            os.remove(entry)
+        except OSError:
+            pass
 
 
 def _check_gguf_tokenizer(path: str, meta: dict) -> None:

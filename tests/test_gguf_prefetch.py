@@ -69,6 +69,40 @@ def joined_buffers(weights: dict) -> list[list[str]]:
     return sorted(out)
 
 
+def test_the_join_plan_takes_runs_of_alike_tensors():
+    """Runs of two or more consecutive parts of one type and row size, whole 16-row groups in all
+    but a run's last: a Q4_K_M layer with V in Q6_K joins Q and K; a part of 8 rows ends its run."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def tensor(name, kind, rows, row_bytes=144):
+        return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind), data=np.empty((rows, row_bytes), np.uint8))
+
+    tensors = [
+        tensor("blk.0.attn_q.weight", "Q4_K", 64),
+        tensor("blk.0.attn_k.weight", "Q4_K", 32),
+        tensor("blk.0.attn_v.weight", "Q6_K", 32, 210),
+        tensor("blk.0.ffn_gate.weight", "Q4_K", 8),  # not whole 16-row groups: alone
+        tensor("blk.0.ffn_up.weight", "Q4_K", 8),
+        tensor("blk.1.attn_q.weight", "Q8_0", 64, 34),
+        tensor("blk.1.attn_k.weight", "Q8_0", 30, 34),  # a run's last may have any rows
+        tensor("blk.1.attn_v.weight", "Q8_0", 32, 34),  # ... but then ends it
+        tensor("blk.1.ffn_gate.weight", "F16", 64, 512),  # not a quantized type
+        tensor("blk.1.ffn_up.weight", "F16", 64, 512),
+        tensor("blk.2.attn_q.weight", "Q4_K", 64),  # no K, V: no group
+    ]
+    plan = gguf_prefetch.join_plan(tensors, quant.TYPES)
+    joints = {}
+    for name, joint in plan.items():
+        joints.setdefault(joint.key, []).append((joint.first_row[name], name))
+    assert {key: sorted(parts) for key, parts in joints.items()} == {
+        "blk.0.attn_q.weight": [(0, "blk.0.attn_q.weight"), (64, "blk.0.attn_k.weight")],
+        "blk.1.attn_q.weight": [(0, "blk.1.attn_q.weight"), (64, "blk.1.attn_k.weight")],
+    }
+    assert plan["blk.0.attn_q.weight"].rows == 96 and plan["blk.1.attn_k.weight"].rows == 94
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_the_load_reads_each_layers_joined_tensors_into_one_buffer(prefetch):
     """q/k/v and gate/up, read into one buffer each in the model's order, so that the model's join

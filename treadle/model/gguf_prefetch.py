@@ -51,9 +51,11 @@ class Joint:
 
 
 def join_plan(tensors, kinds) -> dict[str, Joint]:
-    """Tensor name -> its Joint, for each complete JOINED group of 2-D tensors of one quantized type
-    (of `kinds`) and width whose parts but the last have whole 16-row groups (the packed layout of
-    the parts one after another is then the whole's: QuantizedTensor.cat)."""
+    """Tensor name -> its Joint, for each run of two or more consecutive tensors of a complete
+    JOINED group that the model joins (Linear: consecutive parts of one form): 2-D, of one quantized
+    type (of `kinds`) and row size (so one width), whole 16-row groups in all but the run's last
+    (the packed layout of the parts one after another is then the whole's: QuantizedTensor.cat).
+    A Q4_K_M file's layers with V in Q6_K and Q, K in Q4_K join Q and K."""
     by_name = {t.name: t for t in tensors}
     plan = {}
     for t in tensors:
@@ -62,16 +64,24 @@ def join_plan(tensors, kinds) -> dict[str, Joint]:
                 continue
             prefix = t.name[: -len(group[0])]
             parts = [by_name.get(prefix + name) for name in group]
-            if any(p is None or p.tensor_type.name != t.tensor_type.name or p.data.ndim != 2 or p.data.shape[1] != t.data.shape[1] for p in parts):
+            if any(p is None or p.data.ndim != 2 for p in parts):
                 continue
-            if t.tensor_type.name not in kinds or any(p.data.shape[0] % 16 for p in parts[:-1]):  # (one type and row size: one width)
-                continue
-            first_row, rows = {}, 0
-            for p in parts:
-                first_row[p.name] = rows
-                rows += p.data.shape[0]
-            joint = Joint(t.name, rows, t.data.shape[1], first_row)
-            plan.update((p.name, joint) for p in parts)
+            runs = [[parts[0]]]
+            for p in parts[1:]:
+                last = runs[-1][-1]
+                if (p.tensor_type, p.data.shape[1]) == (last.tensor_type, last.data.shape[1]) and last.data.shape[0] % 16 == 0:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            for run in runs:
+                if len(run) < 2 or run[0].tensor_type.name not in kinds:
+                    continue
+                first_row, rows = {}, 0
+                for p in run:
+                    first_row[p.name] = rows
+                    rows += p.data.shape[0]
+                joint = Joint(run[0].name, rows, run[0].data.shape[1], first_row)
+                plan.update((p.name, joint) for p in run)
     return plan
 
 

@@ -131,6 +131,46 @@ def test_the_load_reads_each_layers_joined_tensors_into_one_buffer(prefetch):
     assert torch.equal(joined[0].data, copied[0].data)
     x = torch.randn(3, parts[0].shape[1])
     assert torch.equal(joined[0].matmul(x), copied[0].matmul(x))
+    # parts of one buffer that are not whole rows one after another are copied, not viewed
+    base = parts[0].data._base
+    every_other = []
+    for i in (0, 16):  # "adjacent" by their first bytes, but every other row
+        part = QuantizedTensor.__new__(QuantizedTensor)  # (from_packed takes no strided rows)
+        part.kind, part.packed, part.data = parts[0].kind, parts[0].packed, base[i : i + 32 : 2]
+        part.shape = torch.Size((16, parts[0].shape[1]))
+        every_other.append(part)
+    strided = QuantizedTensor.cat(every_other)
+    assert strided.data.data_ptr() not in {p.data.data_ptr() for p in every_other}
+    assert torch.equal(strided.data, torch.cat([p.data for p in every_other]))
+
+
+def test_a_prefetch_of_a_file_in_another_order_holds_the_same_tensors(monkeypatch):
+    """A file may store a layer's tensors in any order (up before gate, as converters of some
+    models write them): the prefetch hands a joined buffer over once all its parts are packed,
+    not when the last in the model's order is."""
+    from treadle.model import gguf_file
+
+    if "vnni" not in ISAS and "avx2" not in ISAS:
+        pytest.skip("no packed path on this CPU: nothing is prefetched")
+    path = os.path.join(DATA, "Q4_K.gguf")
+    plain = gguf_loader.load_gguf(path)
+    opened = gguf_file.open_gguf
+
+    def reversed_order(*args, **kwargs):
+        f = opened(*args, **kwargs)
+        f.tensors = f.tensors[::-1]  # ffn_up before ffn_gate, attn_v before attn_k before attn_q
+        return f
+
+    monkeypatch.setattr(gguf_file, "open_gguf", reversed_order)
+    gguf_prefetch.prefetch(path)
+    job, thread = gguf_prefetch._job
+    thread.join()
+    assert job.joined  # the gate/up buffers, from the prefetch (the load takes them)
+    fetched = gguf_loader.load_gguf(path)
+    assert not job.joined
+    for name, a in plain.weights.items():
+        if isinstance(a, QuantizedTensor):
+            assert torch.equal(a.data, fetched.weights[name].data), name
 
 
 def test_a_prefetch_of_another_file_is_dropped(monkeypatch):

@@ -190,6 +190,22 @@ def test_the_cache_keeps_one_entry_per_file(spm_gguf, tmp_path, monkeypatch):
     tokenizer_from_gguf(three, read_metadata(three))
     last = {p.name for p in folder.iterdir()}
     assert len(last) == 2 and twos in last and ones not in last
+    # entries of the older naming go at the next write; a hit on a cache it cannot touch is a hit
+    (folder / "e1df8f2ff7e8bfb945fe5160.json").write_text("{}")
+    os.utime(three, ns=(os.stat(three).st_atime_ns, os.stat(three).st_mtime_ns + 10**9))
+    tokenizer_from_gguf(three, read_metadata(three))
+    assert not (folder / "e1df8f2ff7e8bfb945fe5160.json").exists()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("read-only cache")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a cached vocabulary was built again")
+
+    monkeypatch.setattr(tokenizer_module.os, "utime", read_only)
+    monkeypatch.setattr(tokenizer_module, "_gguf_json", no_build)
+    hit = tokenizer_from_gguf(three, read_metadata(three))
+    assert hit.encode(TEXTS[0]) == [sp.bos_id(), *sp.encode(TEXTS[0])]
 
 
 def _plain_merges_from_scores(tokens, scores, types):

@@ -141,7 +141,7 @@ def _run(job: Prefetched, path: str) -> None:
             return
         plan = join_plan(reader.tensors, quant_lib.TYPES)
         left = {joint.key for name, joint in plan.items() if name.endswith(LEFT_TO_LOAD)}  # a joint the load fills
-        buffers = {}
+        buffers, unpacked = {}, {}  # Joint.key -> its buffer, and its parts not yet packed (any order in the file)
         for tensor in reader.tensors:
             kind = tensor.tensor_type.name
             if job.stop:
@@ -153,13 +153,16 @@ def _run(job: Prefetched, path: str) -> None:
             if joint is not None:
                 if joint.key not in buffers:
                     buffers[joint.key] = np.empty((joint.rows, joint.row_bytes), dtype=np.uint8)
+                    unpacked[joint.key] = set(joint.first_row)
                 row = joint.first_row[tensor.name]
                 out = buffers[joint.key][row : row + tensor.data.shape[0]]
             packed = quant_lib.pack(tensor.data, quant_lib.TYPES[kind][0], int(tensor.shape[0]), lambda a, b, t=tensor: reader.release(t, a, b), out)
             if joint is None:
                 job.packed[tensor.name] = packed
-            elif tensor.name == list(joint.first_row)[-1]:  # the last part: the buffer is whole
-                job.joined[joint.key] = buffers.pop(joint.key)
+            else:
+                unpacked[joint.key].discard(tensor.name)
+                if not unpacked[joint.key]:  # every part packed: the buffer is whole
+                    job.joined[joint.key] = buffers.pop(joint.key)
     except Exception as e:  # noqa: BLE001 - the load does the work again, and reports what fails there
         log.debug("prefetch of %s stopped: %s: %s", path, type(e).__name__, e)
         job.packed.clear()

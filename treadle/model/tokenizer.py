@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import threading
+import time
 from array import array
 from collections.abc import Callable, Collection
 
@@ -349,6 +350,7 @@ def _parse(path: str, text: str) -> HFTokenizer:
 
 
 CACHED_VOCABULARIES = 32  # entries _cached_backend keeps (files moved or deleted leave theirs)
+_ENTRY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.json")
 
 
 def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
@@ -374,7 +376,10 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
         cached = os.path.join(cache_root(), "tokenizers", f"{where}-{version}.json")
         if os.path.exists(cached):
             backend = HFTokenizer.from_file(cached)
-            os.utime(cached)  # used now: the last to be let go
+            try:
+                os.utime(cached)  # used now: the last to be let go
+            except OSError:  # a read-only cache is still a cache
+                pass
             return backend
     except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
         log.debug("tokenizer cache unreadable (%s): building", e)
@@ -395,8 +400,9 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
 
 
 def _prune_cache(kept: str, same_path: str) -> None:
-    """Remove the cache's entries of the same path as `kept` but it, then the least recently used
-    beyond CACHED_VOCABULARIES (another process's pruning may have gone first: nothing is lost)."""
+    """Remove the cache's entries of the same path as `kept` but it, entries of an older naming, a
+    cut-short write's `.tmp` over an hour old, then the least recently used beyond
+    CACHED_VOCABULARIES (another process's pruning may have gone first: nothing is lost)."""
     folder, name = os.path.split(kept)
 
     def used(entry: str) -> float:
@@ -406,10 +412,14 @@ def _prune_cache(kept: str, same_path: str) -> None:
             return float("inf")  # gone meanwhile
 
     try:
-        others = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".json") and n != name]
+        names = os.listdir(folder)
     except OSError:
         return
-    stale = [p for p in others if os.path.basename(p).startswith(same_path)]
+    others = [os.path.join(folder, n) for n in names if n.endswith(".json") and n != name]
+    # a write cut short leaves its `.tmp`: gone once it cannot be a write still under way
+    others += [p for p in (os.path.join(folder, n) for n in names if n.endswith(".tmp")) if used(p) < time.time() - 3600]
+    # this path's older versions, and entries of an older naming (before `<path>-<version>`)
+    stale = [p for p in others if os.path.basename(p).startswith(same_path) or not _ENTRY.fullmatch(os.path.basename(p))]
     rest = sorted((p for p in others if p not in stale), key=used)
     for entry in stale + rest[: max(0, len(rest) + 1 - CACHED_VOCABULARIES)]:
         try:

@@ -97,7 +97,8 @@ class CoreProcess:
         self.conn, child = Pipe()
         sentinel, held = os.pipe()  # the child holds `held` open until it ends
         mode = ["now"] if now else ["spare", *([prefetch] if prefetch else [])]
-        cmd = [sys.executable, "-c", BOOT, json.dumps(sys.path), str(child.fileno()), str(held), *mode]
+        flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O, -s...: as multiprocessing passes them on
+        cmd = [sys.executable, *flags, "-c", BOOT, json.dumps(sys.path), str(child.fileno()), str(held), *mode]
         try:
             self._popen = subprocess.Popen(cmd, pass_fds=(child.fileno(), held), stdin=subprocess.DEVNULL)
         except BaseException:
@@ -215,6 +216,7 @@ class LocalLauncher:
                 log.warning("the spare engine core could not take the model (%s): starting one", e)
                 conn.close()
                 proc.kill()
+                proc.join(2)
         proc = CoreProcess(now=True)
         try:
             proc.conn.send((config, registry, in_addr, out_addr, log_level))

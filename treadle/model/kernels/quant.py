@@ -65,7 +65,14 @@ class QuantizedTensor:
         """A weight whose blocks are already in this process's packed layout (`quant_lib.pack`,
         made ahead of the load by model/gguf_prefetch.py)."""
         _, elems, size = TYPES[kind]
-        if isa() not in PACKED_ISAS or data.dtype != torch.uint8 or data.dim() != 2 or cols % elems or data.shape[1] != cols // elems * size:
+        if (
+            isa() not in PACKED_ISAS
+            or data.dtype != torch.uint8
+            or data.dim() != 2
+            or not data.is_contiguous()
+            or cols % elems
+            or data.shape[1] != cols // elems * size
+        ):
             raise ValueError(f"{kind} packed data of shape {tuple(data.shape)} does not hold rows of {cols} values here")
         out = cls.__new__(cls)
         out.kind, out.shape, out.packed, out.data = kind, torch.Size((data.shape[0], cols)), True, data
@@ -119,7 +126,8 @@ class QuantizedTensor:
                 and base.dim() == 2
                 and base.is_contiguous()
                 and adjacent
-                and all(p.data._base is base and p.data.shape[1] == base.shape[1] for p in parts)
+                and (first.data.data_ptr() - base.data_ptr()) % base.shape[1] == 0
+                and all(p.data._base is base and p.data.is_contiguous() and p.data.shape[1] == base.shape[1] for p in parts)
             ):
                 row = (first.data.data_ptr() - base.data_ptr()) // base.shape[1]
                 out.data = base[row : row + out.shape[0]]

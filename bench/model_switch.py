@@ -28,24 +28,9 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from peer_compare import cpu_description, find_or_build_llama_server, free_port, spread, wait_healthy  # noqa: E402
+from peer_compare import cpu_description, find_or_build_llama_server, free_port, spread, tree_rss, wait_healthy  # noqa: E402
 
 PROMPT = "Write one sentence about the sea."
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except (OSError, StopIteration):
-            pass
-    return total
 
 
 def first_token_seconds(url: str, model: str) -> float:

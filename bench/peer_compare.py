@@ -35,7 +35,7 @@ import tarfile
 import time
 import urllib.request
 
-from treadle.utils import cache_root
+from treadle.utils import cache_root, process_memory
 
 LLAMA_CPP_PYTHON = "0.3.36"
 CACHE = os.path.join(cache_root(), "llama.cpp")
@@ -154,15 +154,14 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """The resident set of a process and all its descendants now (VmRSS summed; 0 once gone)."""
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants now (VmRSS summed; 0 once gone)."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
+        total += process_memory(p).get("VmRSS", 0)
         try:
-            with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-            for task in os.listdir(f"/proc/{p}/task"):
+            for task in os.listdir(f"/proc/{p}/task"):  # (a child is listed under the thread that started it)
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
         except (OSError, ValueError):
@@ -186,7 +185,7 @@ class TreePeak:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            self.peak = max(self.peak, tree_rss(self.pid))
             self._stop.wait(self.interval)
 
     def stop(self) -> float:

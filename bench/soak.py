@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_compare import tree_rss  # noqa: E402  (the server's processes: front end, engine core, compiler)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFIXES = [
     "You are a careful assistant for a team of engineers. Answer in plain words, cite the manual where you can, "
@@ -212,29 +215,6 @@ def _one(client: httpx.Client, i: int, spec, report: Report, lock: threading.Loc
 
 
 # ---------------------------------------------------------------- memory and the server
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (the server's engine core, compiler)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            pass
-    return total
 
 
 def stats(client: httpx.Client) -> dict:

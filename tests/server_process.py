@@ -124,3 +124,12 @@ def running(*args: str, env: dict | None = None):
         yield s
     finally:
         s.stop()
+
+
+def children(pid: int) -> set[int]:
+    """The pids of a process's children now (each listed under the thread that started it)."""
+    out = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out.update(int(c) for c in f.read().split())
+    return out

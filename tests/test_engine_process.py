@@ -21,7 +21,7 @@ from treadle.engine import protocol as P
 
 from .conftest import MODEL
 from .reference import hf_greedy
-from .server_process import ServerProcess
+from .server_process import ServerProcess, children
 from .test_registry import PLUGIN_ENV, fresh_registry, with_plugin, write_gelu_llama_folder  # noqa: F401 (fixtures)
 
 STORY = "The old lighthouse keeper climbed the stairs every evening, counting each step as the sea roared below. "
@@ -147,14 +147,6 @@ def test_failed_step_ends_a_stream_with_an_error_event_and_the_engine_goes_on(fa
     assert sum(1 for e in events[:-2] if e["choices"][0]["text"]) == 2
     assert complete(faulty, "Hello").status_code == 200  # the next request is served
     assert httpx.get(faulty.url + "/health").json() == {"status": "ok"}
-
-
-def children(pid: int) -> set[int]:
-    out = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out.update(int(c) for c in f.read().split())
-    return out
 
 
 def test_the_server_is_a_front_end_and_its_engine_core(faulty):

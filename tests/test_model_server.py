@@ -16,7 +16,7 @@ from treadle.store import ModelStore
 
 from .conftest import MODEL
 from .reference import hf_greedy
-from .server_process import running
+from .server_process import children, running
 from .tiny_models import save_hf_model
 
 TINY = "tiny:latest"
@@ -125,14 +125,6 @@ def test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic(
     assert r.status_code == 200, r.text
     assert wait_for(lambda: TINY not in loaded(multi), 10)  # 0: unloaded once the request is done
     assert httpx.post(multi.url + "/api/generate", json={"model": "tiny", "keep_alive": "soon"}).status_code == 400
-
-
-def children(pid: int) -> set[int]:
-    out = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out.update(int(p) for p in f.read().split())
-    return out
 
 
 def test_a_spare_engine_core_takes_the_next_model_and_another_is_started(multi):

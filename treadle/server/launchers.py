@@ -111,6 +111,16 @@ class CoreProcess:
         self.pid, self.sentinel = self._popen.pid, sentinel
         weakref.finalize(self, os.close, sentinel)
 
+    def hand(self, args: tuple) -> bool:
+        """Send the core its `run_engine_core` arguments and close the pipe; False if it has died."""
+        try:
+            self.conn.send(args)
+            return True
+        except (OSError, ValueError):
+            return False
+        finally:
+            self.conn.close()
+
     def is_alive(self) -> bool:
         return self._popen.poll() is None
 
@@ -139,38 +149,33 @@ class SpareCore:
     model it becomes), and is not started where the budget has no room for it."""
 
     def __init__(self):
-        self._proc = None
-        self._conn = None
+        self._proc: CoreProcess | None = None
         self._ready = False
 
     def fill(self, prefetch: str | None = None) -> None:
         """Start a spare unless one is there (`prefetch`: a GGUF file it repacks while it starts)."""
         if self._proc is not None and self._proc.is_alive():
             return
-        proc = CoreProcess(prefetch)
-        self._proc, self._conn, self._ready = proc, proc.conn, False
+        self._proc, self._ready = CoreProcess(prefetch), False
 
     @property
     def ready(self) -> bool:
         """Whether a spare is there with its start-up done (it said so on the pipe)."""
-        if not self._ready and self._conn is not None and self._proc.is_alive():
+        if not self._ready and self._proc is not None and self._proc.is_alive():
             try:
-                if self._conn.poll():
-                    self._ready = self._conn.recv() == "ready"
+                if self._proc.conn.poll():
+                    self._ready = self._proc.conn.recv() == "ready"
             except (EOFError, OSError):
                 pass
         return self._ready and self._proc is not None and self._proc.is_alive()
 
-    def take(self):
-        """The waiting spare (process, pipe), now the caller's; None if there is none alive."""
-        proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
-        self._ready = False
-        if proc is None or not proc.is_alive():
-            if conn is not None:
-                conn.close()
+    def take(self) -> CoreProcess | None:
+        """The waiting spare, now the caller's; None if there is none alive."""
+        proc, self._proc, self._ready = self._proc, None, False
+        if proc is not None and not proc.is_alive():
+            proc.conn.close()
             return None
-        return proc, conn
+        return proc
 
     def rss(self) -> int:
         """The spare's resident set in bytes (0: none)."""
@@ -182,10 +187,9 @@ class SpareCore:
 
     def drop(self) -> None:
         """End the spare (memory is short, or the server stops)."""
-        taken = self.take()
-        if taken is not None:
-            proc, conn = taken
-            conn.close()  # it returns from its wait and exits
+        proc = self.take()
+        if proc is not None:
+            proc.conn.close()  # it returns from its wait and exits
             proc.join(2)
             if proc.is_alive():
                 proc.kill()
@@ -205,24 +209,16 @@ class LocalLauncher:
         return f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
 
     def launch(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> LocalCore:
-        taken = self.spare.take() if self.spare is not None and not config.cpu_affinity else None
-        if taken is not None:
-            proc, conn = taken
-            try:
-                conn.send((config, registry, in_addr, out_addr, log_level))
-                conn.close()
-                return LocalCore(proc)
-            except (OSError, ValueError) as e:  # it died meanwhile: a fresh one below
-                log.warning("the spare engine core could not take the model (%s): starting one", e)
-                conn.close()
-                proc.kill()
-                proc.join(2)
+        spare = self.spare.take() if self.spare is not None and not config.cpu_affinity else None
+        args = (config, registry, in_addr, out_addr, log_level)
+        if spare is not None:
+            if spare.hand(args):
+                return LocalCore(spare)
+            log.warning("the spare engine core could not take the model (it died): starting one")
+            spare.kill()
+            spare.join(2)
         proc = CoreProcess(now=True)
-        try:
-            proc.conn.send((config, registry, in_addr, out_addr, log_level))
-        except (OSError, ValueError):  # it died at once: the client sees its end through the sentinel
-            pass
-        proc.conn.close()
+        proc.hand(args)  # if it died at once, the client sees its end through the sentinel
         return LocalCore(proc)
 
     def cleanup(self) -> None:

@@ -544,19 +544,25 @@ def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
 
 def _merges_from_scores(tokens, scores, token_types, vocab) -> list[str]:
     """Every split of a normal piece into two pieces of the vocabulary, best merged score first
-    (then the longer left piece, the longer right one, then the ids): one-string merges. The
-    candidates are kept as numbers until sorted (Gemma 3: 515K of them, ~40 MB, not ~140 as
-    tuples of strings)."""
+    (then the longer left piece, the longer right one, then the vocabulary's order): one-string
+    merges. The candidates are kept as numbers until sorted (Gemma 3: 515K of them, ~40 MB, not
+    ~140 as tuples of strings)."""
     import numpy as np
 
     left, right, score = array("q"), array("q"), array("d")
+    get = vocab.get
     for tok, s, tt in zip(tokens, scores, token_types):
-        if tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_strings)
+        if len(tok) < 2 or tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_strings)
             continue
-        for a, b in sorted((vocab[tok[:i]], vocab[tok[i:]]) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab):
-            left.append(a)
-            right.append(b)
-            score.append(s)
+        # (a piece's splits need no order among themselves: each has its own left length, a sort key)
+        for i in range(1, len(tok)):
+            a = get(tok[:i])
+            if a is not None:
+                b = get(tok[i:])
+                if b is not None:
+                    left.append(a)
+                    right.append(b)
+                    score.append(s)
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     left, right = np.frombuffer(left, dtype=np.int64), np.frombuffer(right, dtype=np.int64)
     order = np.lexsort((-lengths[right], -lengths[left], -np.frombuffer(score, dtype=np.float64)))  # stable

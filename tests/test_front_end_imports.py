@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from treadle.model.default_model import default_model_path
 
 HEAVY = ("torch", "numpy", "gguf", "httpx")
@@ -24,8 +26,21 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[2:
 """
 
 
-def test_the_front_ends_start_loads_no_tensor_library():
-    out = subprocess.run([sys.executable, "-c", SCRIPT, default_model_path(), *HEAVY], capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from .make_quant_files import tiny_model
+
+    model, tok = tiny_model()
+    folder = tmp_path_factory.mktemp("hf_front_end")
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("source", ["gguf", "hf"])
+def test_the_front_ends_start_loads_no_tensor_library(source, request):
+    model = default_model_path() if source == "gguf" else request.getfixturevalue("hf_folder")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, model, *HEAVY], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 

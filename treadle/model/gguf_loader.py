@@ -11,13 +11,13 @@ every failure into a `ModelLoadError` that names the file, the item and the reas
 """
 
 import os
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from . import gguf_prefetch
 from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, MoEConfig, RopeConfig, check_config, file_float, file_int, yarn_mscale
+from .deferred import DeferredWeight
 from .gguf_file import open_gguf
 from .kernels import quant
 from .kernels.quant import QuantizedTensor
@@ -195,26 +195,6 @@ def _dequantize(path: str, tensor) -> np.ndarray:
         return data.reshape(shape)
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot decode {type_name} data: {e}") from e
-
-
-class DeferredWeight:
-    """A GGUF tensor, dequantized to float32 only when the model converts it to its own form.
-
-    The model takes its weights one at a time, so at most one float32 tensor exists at once
-    (loading the default model's 135M parameters as float32 all together took 540 MB of peak RSS
-    for weights the model then rounds to its dtype)."""
-
-    __slots__ = ("_load", "shape")
-
-    def __init__(self, load: Callable[[], torch.Tensor], shape: tuple[int, ...]):
-        self._load = load
-        self.shape = torch.Size(shape)
-
-    def float(self) -> torch.Tensor:
-        return self._load()
-
-    def to(self, *args, **kwargs) -> torch.Tensor:
-        return self._load().to(*args, **kwargs)
 
 
 def _float_weight(path: str, reader, tensor, heads: int | None, hf_name: str, family) -> torch.Tensor:

@@ -18,11 +18,16 @@ import numpy as np
 import torch
 
 from .config import ModelLoadError
+from .deferred import DeferredWeight
 from .kernels import quant
 from .kernels.quant import TYPES, QuantizedTensor
 
 CHOICES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0"}
 FALLBACK = {"Q4_K": "Q5_0"}
+# a matrix is quantized about this many values at a time (8 MB in float32, a few times that with
+# the quantizer's temporaries), each piece read from the file alone: a load holds the quantized
+# blocks, never a whole matrix in float32 (a 1B model's embedding: 1 GB) nor its blocks twice
+PIECE_VALUES = 1 << 21
 
 
 def quantize_weights(weights: dict, quantization: str) -> dict:
@@ -33,7 +38,7 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
         raise ModelLoadError(f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
     for name in list(weights):
         tensor = weights[name]
-        if isinstance(tensor, QuantizedTensor) or tensor.dim() != 2:
+        if isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2:
             continue
         kind = CHOICES[quantization]
         while kind is not None and tensor.shape[1] % TYPES[kind][1]:
@@ -43,11 +48,22 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
     return weights
 
 
-def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedTensor:
-    """A float [rows, cols] matrix as rows of `kind` blocks."""
-    x = np.ascontiguousarray(weight.detach().float().cpu().numpy())
-    blocks = quantize_q4_k(x) if kind == "Q4_K" else gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind])
-    return QuantizedTensor(kind, torch.from_numpy(np.ascontiguousarray(blocks)), x.shape[1])
+def quantize_matrix(weight: "torch.Tensor | DeferredWeight", kind: str) -> QuantizedTensor:
+    """A float [rows, cols] matrix (or one still in its file) as rows of `kind` blocks, quantized
+    in pieces of whole 16-row groups (each block is quantized alone: the same bytes as at once),
+    each piece moved into its rows of the kernels' buffer as it is made."""
+    rows, cols = weight.shape
+    _, elems, size = TYPES[kind]
+    data = torch.empty((rows, cols // elems * size), dtype=torch.uint8)
+    step = max(16, PIECE_VALUES // cols // 16 * 16)
+    pieces = []
+    for begin in range(0, rows, step):
+        end = min(rows, begin + step)
+        piece = weight.rows(begin, end) if isinstance(weight, DeferredWeight) else weight[begin:end].detach().float()
+        x = np.ascontiguousarray(piece.cpu().numpy())
+        blocks = quantize_q4_k(x) if kind == "Q4_K" else gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind])
+        pieces.append(QuantizedTensor(kind, blocks, cols, out=data[begin:end]))
+    return QuantizedTensor.cat(pieces)  # a view of `data`: the pieces lie in it one after another
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:

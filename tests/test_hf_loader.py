@@ -1,0 +1,83 @@
+"""A Hugging Face folder's weights are read from their safetensors files one at a time, when the
+model takes them (and `--quantization` reads a matrix in pieces): a load holds the model's own
+forms and one piece in float32, never the whole checkpoint beside them."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from treadle.model import hf_loader, quantize
+from treadle.model.deferred import DeferredWeight
+from treadle.model.hf_loader import SafetensorsFile
+from treadle.model.kernels import quant
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
+
+
+def test_the_reader_gives_the_librarys_tensors_and_row_ranges(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i, dtype in enumerate(DTYPES):
+        values = torch.randn(7, 5, 3, generator=g) * 100
+        tensors[f"t{i}"] = values > 0 if dtype == torch.bool else values.to(dtype)
+    tensors["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
+    tensors["vector"] = torch.arange(11, dtype=torch.float16)
+    tensors["empty"] = torch.zeros(0, 4)
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    expected = load_file(path)
+    reader = SafetensorsFile(path)
+    assert set(reader.entries) == set(expected)
+    for name, want in expected.items():
+        got = reader.read(name)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+        if want.dim() and len(want) >= 5:
+            assert torch.equal(reader.read(name, 2, 5), want[2:5]), name
+        weight = reader.deferred(name)
+        assert weight.shape == want.shape
+        assert torch.equal(weight.float(), want.float())
+        assert torch.equal(weight.to(dtype=torch.bfloat16), want.float().to(torch.bfloat16))  # the stored form's direct conversion: the same values
+        if want.dim() and len(want) >= 5:
+            assert torch.equal(weight.rows(1, 4), want[1:4].float())
+
+
+def test_a_folder_is_read_when_the_model_takes_each_weight(tmp_path, monkeypatch):
+    from .make_quant_files import tiny_model
+
+    model, tok = tiny_model()
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    reads = []
+    original = SafetensorsFile.read
+    monkeypatch.setattr(SafetensorsFile, "read", lambda self, name, *a: reads.append(name) or original(self, name, *a))
+    files = hf_loader.load_hf_folder(str(tmp_path))
+    assert reads == [] and all(isinstance(w, DeferredWeight) for w in files.weights.values())
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+    for name, want in state.items():
+        assert torch.equal(files.weights[name].float(), want.float()), name
+    assert sorted(reads) == sorted(state)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q4_0", "Q5_0"])
+def test_a_matrix_is_quantized_in_pieces_into_one_buffer(monkeypatch, kind):
+    if not quant.available():
+        pytest.skip("treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
+    rows, cols = 200, 512
+    g = torch.Generator().manual_seed(1)
+    matrix = torch.randn(rows, cols, generator=g)
+    asked = []
+
+    def piece(begin, end):
+        asked.append((begin, end))
+        return matrix[begin:end].clone()
+
+    monkeypatch.setattr(quantize, "PIECE_VALUES", 48 * cols)  # pieces of 48 rows (whole 16-row groups)
+    weight = quantize.quantize_matrix(DeferredWeight(lambda: pytest.fail("read whole"), (rows, cols), rows=piece), kind)
+    assert asked == [(b, min(rows, b + 48)) for b in range(0, rows, 48)]
+    whole = quantize.quantize_q4_k(matrix.numpy()) if kind == "Q4_K" else gguf.quants.quantize(matrix.numpy(), gguf.GGMLQuantizationType[kind])
+    assert np.array_equal(weight.blocks().numpy(), whole)  # the bytes of the matrix quantized at once
+    assert (
+        weight.data.is_contiguous() and weight.data._base is not None and weight.data.shape == weight.data._base.shape
+    )  # one buffer, no join's copy

@@ -81,3 +81,44 @@ def test_a_matrix_is_quantized_in_pieces_into_one_buffer(monkeypatch, kind):
     assert (
         weight.data.is_contiguous() and weight.data._base is not None and weight.data.shape == weight.data._base.shape
     )  # one buffer, no join's copy
+
+
+def test_reads_are_whole_however_the_system_splits_them(tmp_path, monkeypatch):
+    """Linux reads at most ~2 GiB per call (network file systems less): a tensor comes whole."""
+    import os
+
+    tensor = torch.randn(300, 7)
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": tensor}, path)
+    reader = SafetensorsFile(path)
+    calls = []
+    preadv = os.preadv
+
+    def short(fd, buffers, offset):
+        calls.append(offset)
+        return preadv(fd, [memoryview(buffers[0])[:1000]], offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    assert torch.equal(reader.read("w"), tensor)
+    assert len(calls) == -(-tensor.numel() * 4 // 1000)
+
+
+def test_a_reader_keeps_reading_the_file_it_checked(tmp_path):
+    """A path replaced after the reader opened it (a store's re-pull renames the new file in):
+    the tensors are still the checked file's, not the new bytes at the old offsets."""
+    import os
+
+    path = str(tmp_path / "w.safetensors")
+    first = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"w": first}, path)
+    reader = SafetensorsFile(path)
+    save_file({"w": -first, "x": torch.ones(100)}, str(tmp_path / "new.safetensors"))
+    os.replace(str(tmp_path / "new.safetensors"), path)
+    assert torch.equal(reader.read("w"), first)
+
+
+def test_an_empty_matrix_is_left_to_the_models_checks():
+    if not quant.available():
+        pytest.skip("treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
+    weights = quantize.quantize_weights({"a": torch.zeros(0, 64), "b": torch.zeros(64, 0), "c": torch.randn(32, 64)}, "q8_0")
+    assert weights["a"].shape == (0, 64) and weights["b"].shape == (64, 0) and weights["c"].kind == "Q8_0"

@@ -60,6 +60,7 @@ _SOURCES = (
     "compiler_process.py",
     "gguf_loader.py",
     "hf_loader.py",
+    "deferred.py",
     "kernels/__init__.py",
     "kernels/quant.py",
     "kernels/quant.c",

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import weakref
 from typing import TYPE_CHECKING
 
 from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
@@ -188,6 +189,8 @@ def load_hf_folder(folder: str) -> ModelFiles:
     for path in files:
         try:
             reader = SafetensorsFile(path)
+        except ModelLoadError:
+            raise
         except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file: {e}") from e
         for name in reader.entries:
@@ -217,18 +220,36 @@ class SafetensorsFile:
         import torch  # (this module is imported by the front end, which holds no torch)
         from safetensors import safe_open
 
+        # one descriptor for the reader's life: the header checked and every tensor read are this
+        # file's, even if the path is replaced meanwhile (a store's re-pull renames a new one in)
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
         with safe_open(path, framework="pt") as f:  # the library's checks
             names = list(f.keys())
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        opened, checked = os.fstat(self.fd), os.stat(path)
+        if (opened.st_dev, opened.st_ino, opened.st_size) != (checked.st_dev, checked.st_ino, checked.st_size):
+            raise OSError("the file was replaced while it was opened")
+        (length,) = struct.unpack("<Q", self._pread(8, 0))
+        header = json.loads(self._pread(length, 8))
         self.path, self.base = path, 8 + length
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
         for name in names:
             entry = header[name]
             if entry["dtype"] not in self.DTYPES:
-                raise ValueError(f"tensor {name}: dtype {entry['dtype']} is not one treadle reads ({', '.join(self.DTYPES)})")
+                raise ModelLoadError(f"{path}: tensor {name}: dtype {entry['dtype']} is not one treadle reads ({', '.join(self.DTYPES)})")
             self.entries[name] = (getattr(torch, self.DTYPES[entry["dtype"]]), tuple(entry["shape"]), self.base + entry["data_offsets"][0])
+
+    def _pread(self, size: int, offset: int, into=None) -> bytes:
+        """`size` bytes at `offset` (into `into`, a writable buffer, where given): read in as many
+        calls as it takes (Linux gives at most ~2 GiB per call; network file systems less)."""
+        view = memoryview(bytearray(size) if into is None else into).cast("B")
+        done = 0
+        while done < size:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got == 0:
+                raise OSError("the file ended early (changed while loading?)")
+            done += got
+        return view.obj if into is None else b""
 
     def read(self, name: str, begin: int = 0, end: int | None = None) -> "torch.Tensor":
         """The tensor in its stored dtype; rows begin:end of its first dimension, where given."""
@@ -242,13 +263,9 @@ class SafetensorsFile:
         row_bytes = math.prod(row_shape) * dtype.itemsize
         data = torch.empty((end - begin) * row_bytes, dtype=torch.uint8)
         try:
-            with open(self.path, "rb", buffering=0) as f:
-                f.seek(offset + begin * row_bytes)
-                got = f.readinto(data.numpy())
+            self._pread(data.numel(), offset + begin * row_bytes, data.numpy())
         except OSError as e:
             raise ModelLoadError(f"{self.path}: tensor {name}: {e}") from e
-        if got != data.numel():
-            raise ModelLoadError(f"{self.path}: tensor {name}: the file ended early (changed while loading?)")
         return data.view(dtype).reshape(shape if not shape else (end - begin, *row_shape))
 
     def deferred(self, name: str) -> "DeferredWeight":

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig, ModelLoadError, MoEConfig
+from .deferred import DeferredWeight
 from .kernels.quant import QuantizedTensor
 from .kernels.quant import matmul as quant_matmul
 from .layers import Linear
@@ -168,6 +169,8 @@ class MoE:
         if stacked in lw.w or (name in ("gate_proj", "up_proj") and fused_key in lw.w):
             if stacked not in lw.w:  # a fused [E, 2F, H] (transformers', Granite's): gate rows, then up
                 fused = lw.w[fused_key]
+                if isinstance(fused, DeferredWeight):  # a folder's, read once for gate and up
+                    fused = lw.w[fused_key] = fused.to(device=lw.device, dtype=lw.dtype)
                 half = fused.shape[1] // 2
                 part = fused[:, :half] if name == "gate_proj" else fused[:, half:]
                 if name == "up_proj":

@@ -38,8 +38,8 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
         raise ModelLoadError(f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
     for name in list(weights):
         tensor = weights[name]
-        if isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2:
-            continue
+        if isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 or 0 in tensor.shape:
+            continue  # (an empty matrix is left to the model's shape checks)
         kind = CHOICES[quantization]
         while kind is not None and tensor.shape[1] % TYPES[kind][1]:
             kind = FALLBACK.get(kind)

@@ -122,3 +122,38 @@ def test_an_empty_matrix_is_left_to_the_models_checks():
         pytest.skip("treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
     weights = quantize.quantize_weights({"a": torch.zeros(0, 64), "b": torch.zeros(64, 0), "c": torch.randn(32, 64)}, "q8_0")
     assert weights["a"].shape == (0, 64) and weights["b"].shape == (64, 0) and weights["c"].kind == "Q8_0"
+
+
+def test_a_layers_joined_matrices_are_quantized_into_one_buffer():
+    """q/k/v and gate/up are quantized one after another into one buffer, so the model's join
+    (layers.Linear) is a view of it, as a GGUF file's are; a group whose rows do not fall in whole
+    16-row groups is quantized apart (the join then copies), with the same bytes either way."""
+    if not quant.available():
+        pytest.skip("treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
+    from treadle.model.layers import Linear
+
+    g = torch.Generator().manual_seed(2)
+    shapes = {
+        "self_attn.q_proj": (64, 256),
+        "self_attn.k_proj": (32, 256),
+        "self_attn.v_proj": (32, 256),
+        "mlp.gate_proj": (96, 256),
+        "mlp.up_proj": (96, 256),
+    }
+    floats = {f"model.layers.{i}.{name}.weight": torch.randn(*shape, generator=g) for i in (0, 1) for name, shape in shapes.items()}
+    floats["model.layers.1.self_attn.q_proj.weight"] = torch.randn(40, 256, generator=g)  # not whole 16-row groups before k
+    weights = quantize.quantize_weights(dict(floats), "q8_0")
+    for name, w in weights.items():
+        assert np.array_equal(w.blocks().numpy(), gguf.quants.quantize(floats[name].numpy(), gguf.GGMLQuantizationType.Q8_0)), name
+
+    def parts(layer, group):
+        return [weights[f"model.layers.{layer}.{name}.weight"] for name in group]
+
+    for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        joined = parts(0, group)
+        assert all(p.data._base is joined[0].data._base for p in joined)
+        assert all(a.data.data_ptr() + a.data.numel() == b.data.data_ptr() for a, b in zip(joined, joined[1:]))
+        assert Linear(joined).parts[0].data.data_ptr() == joined[0].data.data_ptr()  # the model's join: a view
+    apart = parts(1, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+    assert len({p.data._base.data_ptr() for p in apart}) == 3
+    assert torch.equal(Linear(apart).parts[0].blocks(), torch.cat([p.blocks() for p in apart]))

@@ -30,31 +30,56 @@ FALLBACK = {"Q4_K": "Q5_0"}
 PIECE_VALUES = 1 << 21
 
 
+# a layer's matrices the model joins into one product (layers.Linear: consecutive parts of one
+# form), quantized into one buffer, one after another (a GGUF file's: gguf_prefetch.JOINED)
+JOINED = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+
+
 def quantize_weights(weights: dict, quantization: str) -> dict:
-    """`weights` (HF names -> float tensors) with every matrix quantized, one at a time."""
+    """`weights` (HF names -> float tensors) with every matrix quantized, one at a time; a layer's
+    JOINED matrices into one buffer where they share a type and whole 16-row groups precede the
+    last (QuantizedTensor.cat then joins them as a view, not a copy)."""
     if quantization not in CHOICES:
         raise ModelLoadError(f"quantization {quantization!r}: expected one of {', '.join(CHOICES)}")
     if not quant.available():
         raise ModelLoadError(f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
-    for name in list(weights):
-        tensor = weights[name]
+    kinds = {}
+    for name, tensor in weights.items():
         if isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 or 0 in tensor.shape:
             continue  # (an empty matrix is left to the model's shape checks)
         kind = CHOICES[quantization]
         while kind is not None and tensor.shape[1] % TYPES[kind][1]:
             kind = FALLBACK.get(kind)
         if kind is not None:
-            weights[name] = quantize_matrix(tensor, kind)
+            kinds[name] = kind
+    buffers = {}  # name -> its rows of a joined buffer
+    for name in kinds:
+        for group in JOINED:
+            if not name.endswith("." + group[0]):
+                continue
+            parts = [name[: -len(group[0])] + part for part in group]
+            if all(kinds.get(p) == kinds[name] and weights[p].shape[1] == weights[name].shape[1] for p in parts) and all(
+                weights[p].shape[0] % 16 == 0 for p in parts[:-1]
+            ):
+                _, elems, size = TYPES[kinds[name]]
+                joined = torch.empty((sum(weights[p].shape[0] for p in parts), weights[name].shape[1] // elems * size), dtype=torch.uint8)
+                row = 0
+                for p in parts:
+                    buffers[p] = joined[row : row + weights[p].shape[0]]
+                    row += weights[p].shape[0]
+    for name, kind in kinds.items():
+        weights[name] = quantize_matrix(weights[name], kind, out=buffers.get(name))
     return weights
 
 
-def quantize_matrix(weight: "torch.Tensor | DeferredWeight", kind: str) -> QuantizedTensor:
+def quantize_matrix(weight: "torch.Tensor | DeferredWeight", kind: str, out: torch.Tensor | None = None) -> QuantizedTensor:
     """A float [rows, cols] matrix (or one still in its file) as rows of `kind` blocks, quantized
     in pieces of whole 16-row groups (each block is quantized alone: the same bytes as at once),
-    each piece moved into its rows of the kernels' buffer as it is made."""
+    each piece moved into its rows of the kernels' buffer as it is made (`out`, where given: rows
+    of a joined buffer)."""
     rows, cols = weight.shape
     _, elems, size = TYPES[kind]
-    data = torch.empty((rows, cols // elems * size), dtype=torch.uint8)
+    data = torch.empty((rows, cols // elems * size), dtype=torch.uint8) if out is None else out
     step = max(16, PIECE_VALUES // cols // 16 * 16)
     pieces = []
     for begin in range(0, rows, step):
@@ -63,7 +88,7 @@ def quantize_matrix(weight: "torch.Tensor | DeferredWeight", kind: str) -> Quant
         x = np.ascontiguousarray(piece.cpu().numpy())
         blocks = quantize_q4_k(x) if kind == "Q4_K" else gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind])
         pieces.append(QuantizedTensor(kind, blocks, cols, out=data[begin:end]))
-    return QuantizedTensor.cat(pieces)  # a view of `data`: the pieces lie in it one after another
+    return QuantizedTensor.cat(pieces)  # a view of `data` (of its base): the pieces lie in it one after another
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:

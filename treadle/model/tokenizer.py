@@ -213,12 +213,16 @@ UNREAD_AT_LOAD = frozenset({"tokenizer.ggml.merges", "tokenizer.ggml.scores"})
 VOCABULARY_LISTS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})  # the load's own reads
 
 
-def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Collection[str] = ()) -> Tokenizer:
+def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Collection[str] = (), hand_over: bool = False) -> Tokenizer:
     """Build the tokenizer a GGUF file describes under `tokenizer.ggml.*` (`lazy`: its vocabulary
     when first used; the metadata is checked now either way). `unread`: keys the file has but
-    `meta` was read without (UNREAD_AT_LOAD, lazy only): checked when the vocabulary is built."""
+    `meta` was read without (UNREAD_AT_LOAD, lazy only): checked when the vocabulary is built.
+    `hand_over` (lazy, `meta` whole): the build takes `meta` rather than reading the file again,
+    and lets it go before it parses a cached vocabulary."""
     if unread and not lazy:
         raise ValueError("a tokenizer of metadata read in part is built lazily")
+    if hand_over and (unread or not lazy):
+        raise ValueError("only a lazy tokenizer of the whole metadata takes it over")
 
     def has(key: str) -> bool:
         return meta.get(key) is not None or key in unread
@@ -252,8 +256,10 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
             log.info("%s has no chat template: using the built-in one its vocabulary's turn markers name", path)
     derived = kind == "llama" and not has("tokenizer.ggml.merges")  # merges from the scores
     if lazy:  # the metadata read again when needed (holding its lists until then would cost as much)
+        held = [meta] if hand_over else []
+        del meta
         return Tokenizer(
-            lambda: _gguf_backend(path, None, kind, derived),
+            lambda: _gguf_backend(path, held, kind, derived),
             bos_token_id=bos,
             eos_token_id=eos,
             stop_token_ids=stop,
@@ -261,7 +267,7 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
             source=path,
         )
     return Tokenizer(
-        _gguf_backend(path, meta, kind, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
+        _gguf_backend(path, [meta], kind, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
     )
 
 
@@ -270,14 +276,15 @@ def tokenizer_from_gguf_file(path: str) -> Tokenizer:
     lists are gone (a front end's peak: Gemma 3's are ~36 MB, beside the parse's own)."""
     from .gguf_file import read_metadata
 
-    tokenizer = tokenizer_from_gguf(path, read_metadata(path), lazy=True)
+    tokenizer = tokenizer_from_gguf(path, read_metadata(path), lazy=True, hand_over=True)
     tokenizer.backend  # noqa: B018 - built now, not on the first request
     return tokenizer
 
 
-def _gguf_backend(path: str, meta: dict | None, kind: str, derived: bool) -> HFTokenizer:
-    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata (None:
-    read from the file where it is needed, and let go before the parse) of vocabulary `kind`.
+def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenizer:
+    """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata (`held`:
+    [the metadata], taken from the list where it is needed and let go before a cached vocabulary's
+    parse; [] to read it from the file there) of vocabulary `kind`.
 
     A byte-level vocabulary goes through tokenizers' file readers (`_byte_level_from_files`);
     otherwise it is written as a tokenizer JSON and parsed once: merges in the one-string form,
@@ -287,14 +294,14 @@ def _gguf_backend(path: str, meta: dict | None, kind: str, derived: bool) -> HFT
     from .gguf_file import read_metadata
 
     def metadata() -> dict:  # passed straight on, so that the callee's `del` lets it go
-        if meta is not None:
-            return meta
+        if held:
+            return held.pop()
         read = read_metadata(path)
         _check_gguf_tokenizer(path, read)  # (the lists the engine's load left unread)
         return read
 
     if derived:
-        backend = _cached_backend(path, lambda: _gguf_json(path, metadata()))
+        backend = _cached_backend(path, lambda: _gguf_json(path, metadata()), on_hit=held.clear)
     elif kind == "gpt2":
         backend = _byte_level_from_files(path, metadata())
     else:
@@ -353,7 +360,7 @@ CACHED_VOCABULARIES = 32  # entries _cached_backend keeps (files moved or delete
 _ENTRY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.json")
 
 
-def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
+def _cached_backend(path: str, build: Callable[[], str], on_hit: Callable[[], None] | None = None) -> HFTokenizer:
     """The tokenizer of `build()`'s JSON, kept under ~/.cache/treadle/tokenizers as
     `<path key>-<version key>.json`: the file's absolute path, then its size and modification time,
     this module's source and the tokenizers version. One entry per path: writing one removes that
@@ -375,6 +382,8 @@ def _cached_backend(path: str, build: Callable[[], str]) -> HFTokenizer:
         version = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}|{source}|{tokenizers.__version__}".encode()).hexdigest()[:16]
         cached = os.path.join(cache_root(), "tokenizers", f"{where}-{version}.json")
         if os.path.exists(cached):
+            if on_hit is not None:
+                on_hit()  # (what a build would have used, let go before the parse)
             backend = HFTokenizer.from_file(cached)
             try:
                 os.utime(cached)  # used now: the last to be let go

@@ -196,3 +196,27 @@ def test_widened_output_is_the_bfloat16_products_values_in_float32(kind, monkeyp
         assert none.shape == (0, rows) and none.dtype == torch.float32
         with_bias = Linear(weight, bias=torch.randn(rows).bfloat16())  # not the kernel's alone: self(x).float()
         assert torch.equal(with_bias.float_output(x), with_bias(x).float())
+
+
+def test_each_path_has_a_library_holding_its_own_kernels(monkeypatch):
+    """quant.c is built once per path with that path's tiles only (a first start compiled both
+    widths': ~10 s on 2 cores, one ~5): each path's products run on its own library, and a library
+    asked for a packed path whose tiles it lacks refuses (error 4) rather than run it a row at a time."""
+    from treadle.model.kernels import quant_lib
+
+    libs = {}
+    for isa in ISAS:
+        monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+        libs[isa] = quant.library()
+        assert libs[isa] is quant_lib._variant(isa)
+    assert len({id(lib) for lib in libs.values()}) == len(ISAS)
+    packed = [isa for isa in ISAS if isa in quant.PACKED_ISAS]
+    if len(packed) < 2:
+        pytest.skip("one packed path on this CPU: no library lacks another's tiles here")
+    blocks = torch.from_numpy(random_blocks("Q8_0", 32, 64))
+    x, y = torch.randn(2, 64), torch.empty(2, 32)
+    for isa in packed:
+        other = next(o for o in packed if o != isa)
+        code = libs[isa].treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[other])
+        assert code == 4, (isa, other, code)
+        assert libs[isa].treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[isa]) == 0

@@ -33,6 +33,10 @@
  * rows as they are (unpacking a row out of the packed layout byte by byte cost that path 90% of
  * its time), and every path reads either layout (the tests run each path on each). Rows of the
  * weight are split across torch's OpenMP threads; one thread computes each output whole.
+ *
+ * Built once per path (quant_lib.py): TREADLE_Q_TILES = 512 compiles the AVX-512 VNNI tiles, 256
+ * the AVX2 ones, 0 neither (compiling both took ~10 s of a first start, one ~5). A library asked
+ * for a path whose tiles it lacks refuses (4) rather than run it one row at a time.
  */
 
 #include <math.h>
@@ -41,6 +45,10 @@
 #include <string.h>
 
 #include "bf16.h"
+
+#ifndef TREADLE_Q_TILES
+#define TREADLE_Q_TILES 0
+#endif
 
 /* y_bf16 of the products: 0 float32 rows, 1 bfloat16 rows, BF16_IN_F32 float32 rows holding the
  * bfloat16-rounded values (the logits in float32 without a bf16 array beside them; the same bits
@@ -717,7 +725,9 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #define DOT8(acc, u0, u1, x0, x1, wide) DOT4(DOT4((acc), (u0), (x0), (wide)), (u1), (x1), (wide))
 #define DOT4_SHIFT(wide) 0
 #define STOREV store16
+#if TREADLE_Q_TILES == 512
 #include "quant_tiles.h"
+#endif
 #undef TW
 #undef SFX
 #undef LANES
@@ -836,13 +846,27 @@ TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v)
 #define DOT8(acc, u0, u1, x0, x1, wide) dot8_avx2((acc), (u0), (u1), (x0), (x1), (wide))
 #define DOT4_SHIFT(wide) ((wide) ? 128 : 0)
 #define STOREV store8
+#if TREADLE_Q_TILES == 256
 #include "quant_tiles.h"
+#endif
 
 /* ---- entry points ---- */
 
 /* the packed layout's kernel for this path and type (NULL: the row-at-a-time path's) */
 static group_fn group_kernel(int isa, int type, int exact) {
-    return isa == ISA_AVX512_VNNI ? group_kernel_512(type, exact) : isa == ISA_AVX2 ? group_kernel_256(type, exact) : NULL;
+#if TREADLE_Q_TILES == 512
+    return isa == ISA_AVX512_VNNI ? group_kernel_512(type, exact) : NULL;
+#elif TREADLE_Q_TILES == 256
+    return isa == ISA_AVX2 ? group_kernel_256(type, exact) : NULL;
+#else
+    (void)isa, (void)type, (void)exact;
+    return NULL;
+#endif
+}
+
+/* whether this library holds the path's kernels (the portable path's are in every one) */
+static int built_for(int isa) {
+    return isa == ISA_PORTABLE || (isa == ISA_AVX512_VNNI && TREADLE_Q_TILES == 512) || (isa == ISA_AVX2 && TREADLE_Q_TILES == 256);
 }
 
 int treadle_q_isa_supported(int isa) {
@@ -908,6 +932,7 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
+    if (!built_for(isa)) return 4;
     float (*dot)(const float *, const float *, int64_t) = isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
     const int64_t rb = K / t.elems * t.bytes;
     const group_fn x16 = packed ? group_kernel(isa, type, 1) : NULL;
@@ -950,6 +975,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     qtype t;
     if (qtype_of(type, &t) || K % t.elems || K % 32) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
+    if (!built_for(isa)) return 4;
     char *act = malloc(act_bytes(M, K));
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;

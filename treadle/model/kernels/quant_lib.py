@@ -23,15 +23,20 @@ ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
 log = logging.getLogger("treadle.kernels")
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+# quant.c is built once per path, with that path's tiles only (TREADLE_Q_TILES): a first start
+# compiled both widths' tiles, ~10 s on 2 cores, where its own path's take ~5
+TILES = {"vnni": 512, "avx2": 256, "portable": 0}
+_libs: dict[str, ctypes.CDLL] = {}
 
 
-def library() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
+def _variant(path: str) -> ctypes.CDLL:
+    """quant.c's library holding `path`'s kernels (built and loaded once)."""
+    lib = _libs.get(path)
+    if lib is None:
         with _lock:
-            if _lib is None:
-                lib = build("quant.c", ["-ffp-contract=off"])
+            lib = _libs.get(path)
+            if lib is None:
+                lib = build("quant.c", ["-ffp-contract=off", f"-DTREADLE_Q_TILES={TILES[path]}"])
                 i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
                 lib.treadle_q_isa_supported.argtypes = [i32]
                 lib.treadle_q_row_bytes.argtypes = [i32, i64]
@@ -40,8 +45,26 @@ def library() -> ctypes.CDLL:
                 lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
                 lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
-                _lib = lib
-    return _lib
+                _libs[path] = lib
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """quant.c's library for the path in use (`isa`)."""
+    return _variant(isa())
+
+
+def _likely_path() -> str:
+    """The fastest path this CPU's flags (/proc/cpuinfo) suggest: the library built first, which
+    then says for certain what the CPU runs (each library can)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"} <= flags:
+        return "vnni"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
 
 
 _unavailable: str | None = None
@@ -50,7 +73,7 @@ _unavailable: str | None = None
 def available() -> bool:
     """Whether quant.c builds here (it needs a C compiler); the reason is logged once if not."""
     global _unavailable
-    if _lib is not None:
+    if _libs:
         return True
     if _unavailable is None:
         try:
@@ -66,9 +89,10 @@ def available() -> bool:
     return False
 
 
-def supported_isas() -> list[str]:
-    """The instruction-set paths this CPU can run, fastest first."""
-    lib = library()
+def supported_isas(prefer: str | None = None) -> list[str]:
+    """The instruction-set paths this CPU can run, fastest first (asked of a library already
+    loaded, else of `prefer`'s or the likely path's, which is then built)."""
+    lib = next(iter(_libs.values()), None) or _variant(prefer if prefer in TILES else _likely_path())
     return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
 
 
@@ -85,7 +109,7 @@ def isa() -> str:
 
 
 def _choose(forced: str | None) -> str:
-    supported = supported_isas()
+    supported = supported_isas(prefer=forced)
     if forced:
         if forced not in ISAS:
             raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: expected one of {', '.join(ISAS)}")

@@ -220,3 +220,16 @@ def test_each_path_has_a_library_holding_its_own_kernels(monkeypatch):
         code = libs[isa].treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[other])
         assert code == 4, (isa, other, code)
         assert libs[isa].treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[isa]) == 0
+
+
+def test_a_path_this_cpu_cannot_run_is_named_not_blamed_on_the_compiler(monkeypatch):
+    """A TREADLE_QUANT_ISA that names no path, or one this CPU lacks, is a ValueError naming it,
+    every time (not 'the kernels are unavailable, install cc' once and then available)."""
+    from treadle.model.kernels import quant_lib
+
+    monkeypatch.setattr(quant_lib, "_chosen", {})
+    for name in ["sse9"] + [i for i in quant_lib.ISAS if i not in ISAS]:
+        monkeypatch.setenv("TREADLE_QUANT_ISA", name)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="TREADLE_QUANT_ISA"):
+                quant.available()

@@ -107,7 +107,10 @@ def run_spare_core(conn, prefetch: str | None = None) -> None:
 
     gguf_constants()  # gguf-py's type tables, which a GGUF load reads
     paged.available()  # loaded (built the first time) now rather than in the first step
-    quant.available()
+    try:
+        quant.available()
+    except ValueError:  # a TREADLE_QUANT_ISA this CPU cannot run: the model's load reports it
+        pass
     try:
         conn.send("ready")
     except OSError:  # the model was handed over before the spare was ready, and the pipe closed: it is read below

@@ -71,13 +71,16 @@ _unavailable: str | None = None
 
 
 def available() -> bool:
-    """Whether quant.c builds here (it needs a C compiler); the reason is logged once if not."""
+    """Whether quant.c builds here for the path in use (it needs a C compiler); the reason is
+    logged once if not. A TREADLE_QUANT_ISA this CPU cannot run is a ValueError, not a failure
+    to build."""
     global _unavailable
-    if _libs:
+    path = isa()  # (raises for a bad TREADLE_QUANT_ISA)
+    if path in _libs:
         return True
     if _unavailable is None:
         try:
-            library()
+            _variant(path)
             return True
         except Exception as e:  # noqa: BLE001 - any failure: the loader dequantizes instead, which is correct
             _unavailable = f"{type(e).__name__}: {e}"
@@ -92,7 +95,8 @@ def available() -> bool:
 def supported_isas(prefer: str | None = None) -> list[str]:
     """The instruction-set paths this CPU can run, fastest first (asked of a library already
     loaded, else of `prefer`'s or the likely path's, which is then built)."""
-    lib = next(iter(_libs.values()), None) or _variant(prefer if prefer in TILES else _likely_path())
+    built = tuple(_libs.values())  # (a snapshot: another thread may be adding one)
+    lib = _libs.get(prefer) or (built[0] if built else None) or _variant(prefer if prefer in TILES else _likely_path())
     return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
 
 
@@ -109,10 +113,10 @@ def isa() -> str:
 
 
 def _choose(forced: str | None) -> str:
+    if forced and forced not in ISAS:  # (before any build)
+        raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: expected one of {', '.join(ISAS)}")
     supported = supported_isas(prefer=forced)
     if forced:
-        if forced not in ISAS:
-            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: expected one of {', '.join(ISAS)}")
         if forced not in supported:
             raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: this CPU does not support it (supported: {', '.join(supported)})")
         return forced

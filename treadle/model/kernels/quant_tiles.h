@@ -1,6 +1,7 @@
-/* The packed-layout kernels of quant.c, written once for two vector widths. quant.c includes this
- * file twice: for AVX-512 VNNI (a vector is 16 lanes: one output of each of a group's 16 weight
- * rows) and for AVX2 (8 lanes: the group's rows 0-7, then 8-15, `half`). Every lane computes the
+/* The packed-layout kernels of quant.c, written once for two vector widths. Each build of quant.c
+ * includes this file for its own path's width (TREADLE_Q_TILES): AVX-512 VNNI (a vector is 16
+ * lanes: one output of each of a group's 16 weight rows) or AVX2 (8 lanes: the group's rows 0-7,
+ * then 8-15, `half`). Every lane computes the
  * rule of quant.c's header for its own weight row, with the same float operations in the same
  * order on both widths, so they give the same bits; the integer sums are exact either way.
  *

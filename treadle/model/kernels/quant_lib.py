@@ -75,13 +75,12 @@ def available() -> bool:
     logged once if not. A TREADLE_QUANT_ISA this CPU cannot run is a ValueError, not a failure
     to build."""
     global _unavailable
-    path = isa()  # (raises for a bad TREADLE_QUANT_ISA)
-    if path in _libs:
-        return True
     if _unavailable is None:
         try:
-            _variant(path)
+            _variant(isa())  # (the path is chosen by asking a library built first: a build too)
             return True
+        except ValueError:  # a TREADLE_QUANT_ISA this CPU cannot run: said as it is
+            raise
         except Exception as e:  # noqa: BLE001 - any failure: the loader dequantizes instead, which is correct
             _unavailable = f"{type(e).__name__}: {e}"
             log.warning(

@@ -1026,3 +1026,141 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     free(act);
     return err;
 }
+
+/* ---- float32 rows quantized into blocks (--quantization, model/quantize.py): gguf-py's rounding
+ * for Q8_0, Q4_0 and Q5_0 and quantize.py's Q4_K, the same bytes as those numpy forms (float32
+ * operations in the same order; built without contraction), 2-14x faster. Finite values. ---- */
+
+/* float32 -> float16 bits, round to nearest even (numpy's astype(float16)), subnormals and overflow included */
+static uint16_t f32_to_f16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, exp = (x >> 23) & 0xffu;
+    uint32_t man = x & 0x7fffffu;
+    if (exp == 0xffu) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0u)); /* inf, nan */
+    const int32_t e = (int32_t)exp - 127 + 15;
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00u); /* too large: inf */
+    if (e <= 0) {                                      /* a float16 subnormal, or zero */
+        if (e < -10) return (uint16_t)sign;
+        man |= 0x800000u;
+        const int shift = 14 - e;
+        const uint32_t half = 1u << (shift - 1), rest = man & ((1u << shift) - 1);
+        uint32_t h = man >> shift;
+        if (rest > half || (rest == half && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = sign | ((uint32_t)e << 10) | (man >> 13);
+    const uint32_t rest = man & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry moves into the exponent, as it should */
+    return (uint16_t)h;
+}
+
+static inline void put_f16(uint8_t *o, float v) {
+    const uint16_t h = f32_to_f16_bits(v);
+    o[0] = (uint8_t)(h & 0xff), o[1] = (uint8_t)(h >> 8);
+}
+
+/* gguf-py's np_roundf: half away from zero, as sign(n) * (floor(|n|) + floor(2 (|n| - floor(|n|)))) */
+static inline float round_away(float n) {
+    const float a = fabsf(n), fl = floorf(a), b = fl + floorf(2.0f * (a - fl));
+    return n > 0.0f ? b : n < 0.0f ? -b : 0.0f;
+}
+
+/* the value of largest magnitude, the first such (np.argmax of abs) */
+static inline float signed_absmax(const float *x, int n) {
+    int at = 0;
+    float best = fabsf(x[0]);
+    for (int i = 1; i < n; i++)
+        if (fabsf(x[i]) > best) best = fabsf(x[i]), at = i;
+    return x[at];
+}
+
+static void quantize_q8_0_block(const float *x, uint8_t *o) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++)
+        if (fabsf(x[i]) > amax) amax = fabsf(x[i]);
+    const float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+    put_f16(o, d);
+    for (int i = 0; i < 32; i++) o[2 + i] = (uint8_t)(int8_t)round_away(x[i] * id);
+}
+
+/* Q4_0 (levels 16, top 15) and Q5_0 (32, 31): q = trunc(x / d + levels / 2 + 0.5), d = max / -(levels / 2) */
+static void quantize_q4_q5_block(const float *x, uint8_t *o, int five) {
+    const float half = five ? 16.0f : 8.0f, top = five ? 31.0f : 15.0f;
+    const float d = signed_absmax(x, 32) / -half, id = d == 0.0f ? 0.0f : 1.0f / d;
+    uint8_t q[32];
+    for (int i = 0; i < 32; i++) {
+        const float v = truncf(x[i] * id + (half + 0.5f));
+        q[i] = v <= 0.0f ? 0 : v >= top ? (uint8_t)top : (uint8_t)v;
+    }
+    put_f16(o, d);
+    if (!five) {
+        for (int j = 0; j < 16; j++) o[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        return;
+    }
+    uint32_t qh = 0;
+    for (int i = 0; i < 32; i++) qh |= (uint32_t)((q[i] >> 4) & 1u) << i;
+    for (int k = 0; k < 4; k++) o[2 + k] = (uint8_t)(qh >> (8 * k));
+    for (int j = 0; j < 16; j++) o[6 + j] = (uint8_t)((q[j] & 0x0f) | (q[j + 16] << 4));
+}
+
+/* quantize.py's Q4_K: per 32 values scale (max - min) / 15 and minimum -min (min at most 0), the
+ * block's 8 scales and minimums coded in 6 bits against its two float16 factors (max / 63) */
+static void quantize_q4_k_block(const float *x, uint8_t *o) {
+    float scale[8], minimum[8], smax = 0.0f, mmax = 0.0f;
+    for (int g = 0; g < 8; g++) {
+        float lo = x[32 * g], hi = x[32 * g];
+        for (int i = 1; i < 32; i++) {
+            const float v = x[32 * g + i];
+            if (v < lo) lo = v;
+            if (v > hi) hi = v;
+        }
+        const float low = lo < 0.0f ? lo : 0.0f;
+        scale[g] = (hi - low) / 15.0f, minimum[g] = -low;
+        if (g == 0 || scale[g] > smax) smax = scale[g];
+        if (g == 0 || minimum[g] > mmax) mmax = minimum[g];
+    }
+    put_f16(o, smax / 63.0f), put_f16(o + 2, mmax / 63.0f);
+    const float df = f16_to_f32(o), dminf = f16_to_f32(o + 2);
+    uint8_t sc[8], mn[8];
+    for (int g = 0; g < 8; g++) {
+        const float s = df > 0.0f ? rintf(scale[g] / df) : 0.0f, m = dminf > 0.0f ? rintf(minimum[g] / dminf) : 0.0f;
+        sc[g] = s <= 0.0f ? 0 : s >= 63.0f ? 63 : (uint8_t)s;
+        mn[g] = m <= 0.0f ? 0 : m >= 63.0f ? 63 : (uint8_t)m;
+    }
+    for (int j = 0; j < 4; j++) {
+        o[4 + j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+        o[8 + j] = (uint8_t)((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+        o[12 + j] = (uint8_t)((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+    }
+    uint8_t q[256];
+    for (int g = 0; g < 8; g++) {
+        const float step = df * (float)sc[g], off = dminf * (float)mn[g];
+        for (int i = 0; i < 32; i++) {
+            const float v = step > 0.0f ? rintf((x[32 * g + i] + off) / step) : 0.0f;
+            q[32 * g + i] = v <= 0.0f ? 0 : v >= 15.0f ? 15 : (uint8_t)v;
+        }
+    }
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 32; i++) o[16 + 32 * c + i] = (uint8_t)(q[64 * c + i] | (q[64 * c + 32 + i] << 4));
+}
+
+/* rows of float32 x [N, K] into `type`'s blocks, out [N, row bytes]; 1 for a type not quantized here */
+int treadle_q_quantize(int type, const float *x, int64_t N, int64_t K, uint8_t *out) {
+    qtype t;
+    if (qtype_of(type, &t) || K % t.elems || (type != T_Q8_0 && type != T_Q4_0 && type != T_Q5_0 && type != T_Q4_K)) return 1;
+    const int64_t rb = K / t.elems * t.bytes, blocks = K / t.elems;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + n * K + b * t.elems;
+            uint8_t *ob = out + n * rb + b * t.bytes;
+            if (type == T_Q8_0)
+                quantize_q8_0_block(xb, ob);
+            else if (type == T_Q4_K)
+                quantize_q4_k_block(xb, ob);
+            else
+                quantize_q4_q5_block(xb, ob, type == T_Q5_0);
+        }
+    return 0;
+}

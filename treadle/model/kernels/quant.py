@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import quant_lib
-from .quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, supported_isas  # noqa: F401 - quant's names too
+from .quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, quantize, supported_isas  # noqa: F401 - quant's names too
 
 
 class QuantizedTensor:

@@ -45,6 +45,7 @@ def _variant(path: str) -> ctypes.CDLL:
                 lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
                 lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
+                lib.treadle_q_quantize.argtypes = [i32, ptr, i64, i64, ptr]
                 _libs[path] = lib
     return lib
 
@@ -141,6 +142,25 @@ def copy_rows(blocks: np.ndarray, out: np.ndarray, copy, done=None) -> None:
         copy(blocks[r0:r1], out[r0:r1])
         if done is not None:
             done(r0 * row_bytes, r1 * row_bytes)
+
+
+QUANTIZED_HERE = ("Q8_0", "Q4_0", "Q5_0", "Q4_K")  # the types quant.c quantizes (`quantize`)
+
+
+def quantize(x: np.ndarray, kind: str) -> np.ndarray:
+    """float32 rows [N, K] (C-contiguous) as `kind`'s blocks, uint8 [N, row bytes]: gguf-py's
+    rounding for Q8_0 / Q4_0 / Q5_0 and model/quantize.py's Q4_K, the same bytes as their numpy
+    forms (tested), on torch's OpenMP threads."""
+    type_id, elems, size = TYPES[kind]
+    out = np.empty((x.shape[0], x.shape[1] // elems * size), dtype=np.uint8)
+    if (
+        kind not in QUANTIZED_HERE
+        or x.dtype != np.float32
+        or not x.flags.c_contiguous
+        or library().treadle_q_quantize(type_id, x.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data)
+    ):
+        raise ValueError(f"{kind}: cannot quantize float32 rows of shape {x.shape} here")
+    return out
 
 
 def pack(blocks: np.ndarray, type_id: int, cols: int, done=None, out: np.ndarray | None = None) -> np.ndarray:

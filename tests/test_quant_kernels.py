@@ -199,27 +199,35 @@ def test_widened_output_is_the_bfloat16_products_values_in_float32(kind, monkeyp
 
 
 def test_each_path_has_a_library_holding_its_own_kernels(monkeypatch):
-    """quant.c is built once per path with that path's tiles only (a first start compiled both
-    widths': ~10 s on 2 cores, one ~5): each path's products run on its own library, and a library
-    asked for a packed path whose tiles it lacks refuses (error 4) rather than run it a row at a time."""
+    """quant.c is built once per path and product with those tiles only (a first start compiled all
+    four: ~10 s on 2 cores, one ~2.5): each path's products run on their own library, and a library
+    asked for tiles it lacks (another path's, or the other product's) refuses (error 4) rather than
+    run the product a row at a time."""
     from treadle.model.kernels import quant_lib
 
-    libs = {}
     for isa in ISAS:
         monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
-        libs[isa] = quant.library()
-        assert libs[isa] is quant_lib._variant(isa)
-    assert len({id(lib) for lib in libs.values()}) == len(ISAS)
-    packed = [isa for isa in ISAS if isa in quant.PACKED_ISAS]
-    if len(packed) < 2:
-        pytest.skip("one packed path on this CPU: no library lacks another's tiles here")
+        assert quant.library() is quant_lib._variant(isa)
+        if isa != "portable":
+            assert quant_lib._variant(isa, True) is not quant_lib._variant(isa, False)
     blocks = torch.from_numpy(random_blocks("Q8_0", 32, 64))
     x, y = torch.randn(2, 64), torch.empty(2, 32)
+    xb = x.to(torch.bfloat16)
+
+    def f32(lib, isa):
+        return lib.treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[isa])
+
+    def q8(lib, isa):
+        return lib.treadle_q_matmul_q8(8, blocks.data_ptr(), 32, 64, xb.data_ptr(), 1, 64, 2, y.data_ptr(), 32, 0, quant.ISAS[isa])
+
+    packed = [isa for isa in ISAS if isa in quant.PACKED_ISAS]
     for isa in packed:
-        other = next(o for o in packed if o != isa)
-        code = libs[isa].treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[other])
-        assert code == 4, (isa, other, code)
-        assert libs[isa].treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[isa]) == 0
+        exact, int8 = quant_lib._variant(isa, True), quant_lib._variant(isa, False)
+        assert (f32(exact, isa), q8(exact, isa), f32(int8, isa), q8(int8, isa)) == (0, 4, 4, 0)
+        for other in (o for o in packed if o != isa):
+            assert (f32(exact, other), q8(int8, other)) == (4, 4)
+    portable = quant_lib._variant("portable")
+    assert (f32(portable, "portable"), q8(portable, "portable")) == (0, 0)
 
 
 def test_a_path_this_cpu_cannot_run_is_named_not_blamed_on_the_compiler(monkeypatch):

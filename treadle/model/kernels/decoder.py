@@ -139,7 +139,7 @@ class LayerStepper:
         if len(widths) != 1:
             return None
         args = _Model(
-            matmul=_address(quant.library().treadle_q_matmul_q8), norm=_address(rowops._kernel.lib.treadle_rms_norm_bf16),
+            matmul=_address(quant.library(exact=False).treadle_q_matmul_q8), norm=_address(rowops._kernel.lib.treadle_rms_norm_bf16),
             rotary=_address(rowops._kernel.lib.treadle_rotary_bf16), attention=_address(attention_kernel.lib.treadle_paged_attention),
             isa=quant.ISAS[quant.isa()], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             rot=rot, intermediate=widths.pop() // 2, eps=cfg.rms_norm_eps, scale=model.scale,

@@ -34,9 +34,10 @@
  * its time), and every path reads either layout (the tests run each path on each). Rows of the
  * weight are split across torch's OpenMP threads; one thread computes each output whole.
  *
- * Built once per path (quant_lib.py): TREADLE_Q_TILES = 512 compiles the AVX-512 VNNI tiles, 256
- * the AVX2 ones, 0 neither (compiling both took ~10 s of a first start, one ~5). A library asked
- * for a path whose tiles it lacks refuses (4) rather than run it one row at a time.
+ * Built once per path and product (quant_lib.py): TREADLE_Q_TILES = 512 compiles the AVX-512 VNNI
+ * tiles, 256 the AVX2 ones, 0 neither; TREADLE_Q_EXACT = 1 the float32 product's tiles, 0 the int8
+ * one's (compiling all four took ~10 s of a first start, one ~2.5). A library asked for tiles it
+ * lacks refuses (4) rather than run the product one row at a time.
  */
 
 #include <math.h>
@@ -48,6 +49,9 @@
 
 #ifndef TREADLE_Q_TILES
 #define TREADLE_Q_TILES 0
+#endif
+#ifndef TREADLE_Q_EXACT
+#define TREADLE_Q_EXACT 0
 #endif
 
 /* y_bf16 of the products: 0 float32 rows, 1 bfloat16 rows, BF16_IN_F32 float32 rows holding the
@@ -864,9 +868,10 @@ static group_fn group_kernel(int isa, int type, int exact) {
 #endif
 }
 
-/* whether this library holds the path's kernels (the portable path's are in every one) */
-static int built_for(int isa) {
-    return isa == ISA_PORTABLE || (isa == ISA_AVX512_VNNI && TREADLE_Q_TILES == 512) || (isa == ISA_AVX2 && TREADLE_Q_TILES == 256);
+/* whether this library holds the path's kernels for that product (the portable path's are in every one) */
+static int built_for(int isa, int exact) {
+    return isa == ISA_PORTABLE ||
+           (exact == TREADLE_Q_EXACT && ((isa == ISA_AVX512_VNNI && TREADLE_Q_TILES == 512) || (isa == ISA_AVX2 && TREADLE_Q_TILES == 256)));
 }
 
 int treadle_q_isa_supported(int isa) {
@@ -932,7 +937,7 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
     qtype t;
     if (qtype_of(type, &t) || K % t.elems) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
-    if (!built_for(isa)) return 4;
+    if (!built_for(isa, 1)) return 4;
     float (*dot)(const float *, const float *, int64_t) = isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
     const int64_t rb = K / t.elems * t.bytes;
     const group_fn x16 = packed ? group_kernel(isa, type, 1) : NULL;
@@ -975,7 +980,7 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     qtype t;
     if (qtype_of(type, &t) || K % t.elems || K % 32) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
-    if (!built_for(isa)) return 4;
+    if (!built_for(isa, 0)) return 4;
     char *act = malloc(act_bytes(M, K));
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;

@@ -23,20 +23,44 @@ ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
 log = logging.getLogger("treadle.kernels")
 
 _lock = threading.Lock()
-# quant.c is built once per path, with that path's tiles only (TREADLE_Q_TILES): a first start
-# compiled both widths' tiles, ~10 s on 2 cores, where its own path's take ~5
+# quant.c is built once per path and product, with those tiles only (TREADLE_Q_TILES: the path's
+# width; TREADLE_Q_EXACT: the float32 product's tiles, else the int8 one's): a first start compiled
+# all four, ~10 s on 2 cores, where the one it uses takes ~2.5
 TILES = {"vnni": 512, "avx2": 256, "portable": 0}
-_libs: dict[str, ctypes.CDLL] = {}
+_libs: dict[tuple[str, bool], ctypes.CDLL] = {}
 
 
-def _variant(path: str) -> ctypes.CDLL:
-    """quant.c's library holding `path`'s kernels (built and loaded once)."""
-    lib = _libs.get(path)
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def _key(path: str, exact: bool | None) -> tuple[str, bool]:
+    """The library `path`'s product needs: `exact` for float32 x (None: one already loaded for the
+    path, else the product of the engine's default dtype here: float32 without native bf16)."""
+    if path == "portable":
+        return (path, False)  # no tiles: one library
+    if exact is None:
+        loaded = [key for key in tuple(_libs) if key[0] == path]  # (a snapshot: another thread may be adding one)
+        if loaded:
+            return loaded[0]
+        flags = _cpu_flags()
+        exact = "avx512_bf16" not in flags and "amx_bf16" not in flags
+    return (path, exact)
+
+
+def _variant(path: str, exact: bool | None = None) -> ctypes.CDLL:
+    """quant.c's library holding `path`'s kernels for the product (`_key`), built and loaded once."""
+    key = _key(path, exact)
+    lib = _libs.get(key)
     if lib is None:
         with _lock:
-            lib = _libs.get(path)
+            lib = _libs.get(key)
             if lib is None:
-                lib = build("quant.c", ["-ffp-contract=off", f"-DTREADLE_Q_TILES={TILES[path]}"])
+                lib = build("quant.c", ["-ffp-contract=off", f"-DTREADLE_Q_TILES={TILES[path]}", f"-DTREADLE_Q_EXACT={int(key[1])}"])
                 i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
                 lib.treadle_q_isa_supported.argtypes = [i32]
                 lib.treadle_q_row_bytes.argtypes = [i32, i64]
@@ -46,23 +70,20 @@ def _variant(path: str) -> ctypes.CDLL:
                 lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
                 lib.treadle_q_quantize.argtypes = [i32, ptr, i64, i64, ptr]
-                _libs[path] = lib
+                _libs[key] = lib
     return lib
 
 
-def library() -> ctypes.CDLL:
-    """quant.c's library for the path in use (`isa`)."""
-    return _variant(isa())
+def library(exact: bool | None = None) -> ctypes.CDLL:
+    """quant.c's library for the path in use (`isa`): with the float32 product's tiles (`exact`),
+    the int8 one's (False), or either (None: for what every library does, packing, lookups)."""
+    return _variant(isa(), exact)
 
 
 def _likely_path() -> str:
     """The fastest path this CPU's flags (/proc/cpuinfo) suggest: the library built first, which
     then says for certain what the CPU runs (each library can)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        flags = set()
+    flags = _cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"} <= flags:
         return "vnni"
     return "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
@@ -95,8 +116,9 @@ def available() -> bool:
 def supported_isas(prefer: str | None = None) -> list[str]:
     """The instruction-set paths this CPU can run, fastest first (asked of a library already
     loaded, else of `prefer`'s or the likely path's, which is then built)."""
-    built = tuple(_libs.values())  # (a snapshot: another thread may be adding one)
-    lib = _libs.get(prefer) or (built[0] if built else None) or _variant(prefer if prefer in TILES else _likely_path())
+    built = tuple(_libs.items())  # (a snapshot: another thread may be adding one)
+    lib = next((lib for key, lib in built if key[0] == prefer), None) or (built[0][1] if built else None)
+    lib = lib or _variant(prefer if prefer in TILES else _likely_path())
     return [name for name in ("vnni", "avx2", "portable") if lib.treadle_q_isa_supported(ISAS[name])]
 
 

@@ -278,7 +278,12 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
                 else SFX(TILE)(TYPE, 1, EXACT, group, nb, act, M, K, m, y, ldy, y_bf16, n0, half), m += 1;                                 \
             }                                                                                                                              \
     }
-#define TILE_TYPE(TYPE, TILE) TILE_VARIANT(TYPE, TILE, 0, SFX(q8_##TYPE)) TILE_VARIANT(TYPE, TILE, 1, SFX(f32_##TYPE))
+/* a library holds one of the two products' tiles (TREADLE_Q_EXACT: float32 x, else int8 activations) */
+#if TREADLE_Q_EXACT
+#define TILE_TYPE(TYPE, TILE) TILE_VARIANT(TYPE, TILE, 1, SFX(f32_##TYPE))
+#else
+#define TILE_TYPE(TYPE, TILE) TILE_VARIANT(TYPE, TILE, 0, SFX(q8_##TYPE))
+#endif
 TILE_TYPE(T_Q4_0, tile32)
 TILE_TYPE(T_Q4_1, tile32)
 TILE_TYPE(T_Q5_0, tile32)
@@ -294,10 +299,16 @@ TILE_TYPE(T_IQ4_XS, tiles)
 #undef TILE_TYPE
 #undef TILE_VARIANT
 
-/* this width's function for a type: int8 activations, or (exact) float32 x */
+/* this width's function for a type: int8 activations, or (exact) float32 x; NULL for the product
+ * this library holds no tiles of */
 static group_fn SFX(group_kernel)(int type, int exact) {
+#if TREADLE_Q_EXACT
 #define CASE(TYPE) \
-    case TYPE: return exact ? SFX(f32_##TYPE) : SFX(q8_##TYPE);
+    case TYPE: return exact ? SFX(f32_##TYPE) : NULL;
+#else
+#define CASE(TYPE) \
+    case TYPE: return exact ? NULL : SFX(q8_##TYPE);
+#endif
     switch (type) {
         CASE(T_Q4_0) CASE(T_Q4_1) CASE(T_Q5_0) CASE(T_Q5_1) CASE(T_Q8_0) CASE(T_IQ4_NL)
         CASE(T_Q4_K) CASE(T_Q5_K) CASE(T_Q6_K) CASE(T_Q2_K) CASE(T_Q3_K) CASE(T_IQ4_XS)

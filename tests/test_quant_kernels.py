@@ -200,7 +200,7 @@ def test_widened_output_is_the_bfloat16_products_values_in_float32(kind, monkeyp
 
 def test_each_path_has_a_library_holding_its_own_kernels(monkeypatch):
     """quant.c is built once per path and product with those tiles only (a first start compiled all
-    four: ~10 s on 2 cores, one ~2.5): each path's products run on their own library, and a library
+    four: ~10 s on 2 cores, one ~3): each path's products run on their own library, and a library
     asked for tiles it lacks (another path's, or the other product's) refuses (error 4) rather than
     run the product a row at a time."""
     from treadle.model.kernels import quant_lib
@@ -251,7 +251,7 @@ def test_the_c_quantizer_gives_the_numpy_forms_bytes(kind):
     from treadle.model.quantize import reference_blocks
 
     g = np.random.default_rng(3)
-    rows, cols = 64, 512
+    rows, cols = 64, 1024  # (at least 65,536 values: the threaded branch)
     x = g.standard_normal((rows, cols)).astype(np.float32) * (10.0 ** np.linspace(-9, 5, rows)).astype(np.float32)[:, None]
     x[0] = 0.0
     x[1, :64] = 1.0
@@ -261,6 +261,8 @@ def test_the_c_quantizer_gives_the_numpy_forms_bytes(kind):
     x[5, :32] = np.arange(32, dtype=np.float32) - 15.5
     x[6, :256] = np.repeat(np.arange(8, dtype=np.float32), 32) * 0.25
     x[7, :32] = np.concatenate([[127.0], np.arange(31, dtype=np.float32) - 14.5])  # Q8_0's scale 1: halves to round away from zero
+    x[8, :256] = 0.0
+    x[8, 0] = -0.0  # Q4_K: constant groups, the first starting with -0
     got, want = quant.quantize(np.ascontiguousarray(x), kind), reference_blocks(x, kind)
     assert got.shape == want.shape
     bad = np.nonzero((got != want).any(axis=1))[0]

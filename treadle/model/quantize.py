@@ -105,8 +105,8 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     low = np.minimum(sub.min(-1), 0.0)
     scale = (sub.max(-1) - low) / 15.0
     minimum = -low
-    d = (scale.max(-1) / 63.0).astype(np.float16)
-    dmin = (minimum.max(-1) / 63.0).astype(np.float16)
+    d = np.abs((scale.max(-1) / 63.0).astype(np.float16))  # (never -0: both are at least 0)
+    dmin = np.abs((minimum.max(-1) / 63.0).astype(np.float16))
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.where(df > 0, np.rint(scale / df), 0).clip(0, 63).astype(np.uint8)

@@ -15,7 +15,7 @@ from ..kv_layout import kv_layout
 from ..utils import available_memory, process_memory, release_free_heap, resident_bytes
 from .compiled import CompiledDecode
 from .config import ModelConfig, ModelLoadError
-from .kernels import paged
+from .kernels import paged, quant
 from .loader import load_model_files, resolve_model_path
 from .runner import ModelRunner
 
@@ -126,6 +126,10 @@ class ModelWorker:
         self.runner = self._make_runner(files, config.seed, fail_at_steps=fail_at_steps)
         del files
         self._weight_bytes = self.runner.model.weight_bytes()
+        if torch.device(config.device).type == "cpu" and any(kind in quant.TYPES for kind in self._weight_bytes):
+            # the library of this engine's product (float32 x, or int8 activations), built at load
+            # rather than in its first step when it is not the one this CPU's default dtype uses
+            quant.library(exact=self.dtype == torch.float32)
         self._kv_resident = (-KV_RESIDENT_MAX_AGE, 0)  # (when counted, bytes)
         self.compiled: CompiledDecode | None = None
         if config.compile and self.model_config.recurrent:

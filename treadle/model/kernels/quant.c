@@ -36,7 +36,7 @@
  *
  * Built once per path and product (quant_lib.py): TREADLE_Q_TILES = 512 compiles the AVX-512 VNNI
  * tiles, 256 the AVX2 ones, 0 neither; TREADLE_Q_EXACT = 1 the float32 product's tiles, 0 the int8
- * one's (compiling all four took ~10 s of a first start, one ~2.5). A library asked for tiles it
+ * one's (compiling all four took ~10 s of a first start, one ~3). A library asked for tiles it
  * lacks refuses (4) rather than run the product one row at a time.
  */
 
@@ -1034,7 +1034,9 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
 
 /* ---- float32 rows quantized into blocks (--quantization, model/quantize.py): gguf-py's rounding
  * for Q8_0, Q4_0 and Q5_0 and quantize.py's Q4_K, the same bytes as those numpy forms (float32
- * operations in the same order; built without contraction), 2-14x faster. Finite values. ---- */
+ * operations in the same order; built without contraction), 2-14x faster. Finite values; a block
+ * whose scale underflows (largest magnitude under ~1e-36) gets codes 0 where numpy's are undefined
+ * (the values are 0 either way: its float16 scale is). Q4_K's factors are never -0. ---- */
 
 /* float32 -> float16 bits, round to nearest even (numpy's astype(float16)), subnormals and overflow included */
 static uint16_t f32_to_f16_bits(float f) {
@@ -1084,7 +1086,7 @@ static void quantize_q8_0_block(const float *x, uint8_t *o) {
     float amax = 0.0f;
     for (int i = 0; i < 32; i++)
         if (fabsf(x[i]) > amax) amax = fabsf(x[i]);
-    const float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+    const float d = amax / 127.0f, inv = d == 0.0f ? 0.0f : 1.0f / d, id = isfinite(inv) ? inv : 0.0f;
     put_f16(o, d);
     for (int i = 0; i < 32; i++) o[2 + i] = (uint8_t)(int8_t)round_away(x[i] * id);
 }
@@ -1092,11 +1094,11 @@ static void quantize_q8_0_block(const float *x, uint8_t *o) {
 /* Q4_0 (levels 16, top 15) and Q5_0 (32, 31): q = trunc(x / d + levels / 2 + 0.5), d = max / -(levels / 2) */
 static void quantize_q4_q5_block(const float *x, uint8_t *o, int five) {
     const float half = five ? 16.0f : 8.0f, top = five ? 31.0f : 15.0f;
-    const float d = signed_absmax(x, 32) / -half, id = d == 0.0f ? 0.0f : 1.0f / d;
+    const float d = signed_absmax(x, 32) / -half, inv = d == 0.0f ? 0.0f : 1.0f / d, id = isfinite(inv) ? inv : 0.0f;
     uint8_t q[32];
     for (int i = 0; i < 32; i++) {
         const float v = truncf(x[i] * id + (half + 0.5f));
-        q[i] = v <= 0.0f ? 0 : v >= top ? (uint8_t)top : (uint8_t)v;
+        q[i] = !(v > 0.0f) ? 0 : v >= top ? (uint8_t)top : (uint8_t)v; /* (NaN: 0) */
     }
     put_f16(o, d);
     if (!five) {
@@ -1126,12 +1128,13 @@ static void quantize_q4_k_block(const float *x, uint8_t *o) {
         if (g == 0 || minimum[g] > mmax) mmax = minimum[g];
     }
     put_f16(o, smax / 63.0f), put_f16(o + 2, mmax / 63.0f);
+    o[1] &= 0x7f, o[3] &= 0x7f; /* both are at least 0: never -0 (a constant block's max of -0 and 0) */
     const float df = f16_to_f32(o), dminf = f16_to_f32(o + 2);
     uint8_t sc[8], mn[8];
     for (int g = 0; g < 8; g++) {
         const float s = df > 0.0f ? rintf(scale[g] / df) : 0.0f, m = dminf > 0.0f ? rintf(minimum[g] / dminf) : 0.0f;
-        sc[g] = s <= 0.0f ? 0 : s >= 63.0f ? 63 : (uint8_t)s;
-        mn[g] = m <= 0.0f ? 0 : m >= 63.0f ? 63 : (uint8_t)m;
+        sc[g] = !(s > 0.0f) ? 0 : s >= 63.0f ? 63 : (uint8_t)s;
+        mn[g] = !(m > 0.0f) ? 0 : m >= 63.0f ? 63 : (uint8_t)m;
     }
     for (int j = 0; j < 4; j++) {
         o[4 + j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
@@ -1143,7 +1146,7 @@ static void quantize_q4_k_block(const float *x, uint8_t *o) {
         const float step = df * (float)sc[g], off = dminf * (float)mn[g];
         for (int i = 0; i < 32; i++) {
             const float v = step > 0.0f ? rintf((x[32 * g + i] + off) / step) : 0.0f;
-            q[32 * g + i] = v <= 0.0f ? 0 : v >= 15.0f ? 15 : (uint8_t)v;
+            q[32 * g + i] = !(v > 0.0f) ? 0 : v >= 15.0f ? 15 : (uint8_t)v;
         }
     }
     for (int c = 0; c < 4; c++)

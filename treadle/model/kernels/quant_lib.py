@@ -25,7 +25,7 @@ log = logging.getLogger("treadle.kernels")
 _lock = threading.Lock()
 # quant.c is built once per path and product, with those tiles only (TREADLE_Q_TILES: the path's
 # width; TREADLE_Q_EXACT: the float32 product's tiles, else the int8 one's): a first start compiled
-# all four, ~10 s on 2 cores, where the one it uses takes ~2.5
+# all four, ~10 s on 2 cores, where the one it uses takes ~3
 TILES = {"vnni": 512, "avx2": 256, "portable": 0}
 _libs: dict[tuple[str, bool], ctypes.CDLL] = {}
 
@@ -173,11 +173,12 @@ def quantize(x: np.ndarray, kind: str) -> np.ndarray:
     """float32 rows [N, K] (C-contiguous) as `kind`'s blocks, uint8 [N, row bytes]: gguf-py's
     rounding for Q8_0 / Q4_0 / Q5_0 and model/quantize.py's Q4_K, the same bytes as their numpy
     forms (tested), on torch's OpenMP threads."""
+    if kind not in QUANTIZED_HERE or x.ndim != 2:
+        raise ValueError(f"{kind}: cannot quantize rows of shape {x.shape} here (types: {', '.join(QUANTIZED_HERE)})")
     type_id, elems, size = TYPES[kind]
     out = np.empty((x.shape[0], x.shape[1] // elems * size), dtype=np.uint8)
     if (
-        kind not in QUANTIZED_HERE
-        or x.dtype != np.float32
+        x.dtype != np.float32
         or not x.flags.c_contiguous
         or library().treadle_q_quantize(type_id, x.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data)
     ):

@@ -10,7 +10,8 @@
  *   SFX(name)            the names of this width's functions
  *   LANES                16 or 8
  *   VI, VF               the integer and float vector types
- *   and the operations below (I_*, F_*, LOADV, F16V, U16V, DOT4, DOT8, ADD_WHERE, STOREV).
+ *   and the operations below (I_*, F_*, LOADV, F16V, U16V, DOT4, DOT8, ADD_WHERE, STOREV);
+ *   TREADLE_Q_EXACT      1: the float32 product's tiles (f32_*), 0: the int8 one's (q8_*).
  *
  * `half` selects a group's rows 8 * half .. 8 * half + 7 on AVX2 and is 0 on AVX-512: a 64-byte
  * piece of the layout holds 16 rows' 4 bytes, of which this width reads bytes 32 * half on;

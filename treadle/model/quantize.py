@@ -19,8 +19,10 @@ import gguf
 import numpy as np
 import torch
 
+from . import gguf_prefetch
 from .config import ModelLoadError
 from .deferred import DeferredWeight
+from .gguf_file import LLAMA_LAYER_TENSORS
 from .kernels import quant
 from .kernels.quant import TYPES, QuantizedTensor
 
@@ -33,8 +35,9 @@ PIECE_VALUES = 1 << 21
 
 
 # a layer's matrices the model joins into one product (layers.Linear: consecutive parts of one
-# form), quantized into one buffer, one after another (a GGUF file's: gguf_prefetch.JOINED)
-JOINED = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+# form), quantized into one buffer, one after another: a GGUF file's groups (gguf_prefetch.JOINED)
+# under Hugging Face names
+JOINED = tuple(tuple(LLAMA_LAYER_TENSORS[name] for name in group) for group in gguf_prefetch.JOINED)
 
 
 def quantize_weights(weights: dict, quantization: str) -> dict:

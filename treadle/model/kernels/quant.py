@@ -188,8 +188,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
     if M == 0:
         return x.new_empty((0, N), dtype=torch.float32 if widened and x.dtype == torch.bfloat16 else x.dtype)
     chosen, exact = isa(), x.dtype == torch.float32  # (one isa() a call: a small product's Python is most of its time)
-    lib = quant_lib._libs.get((chosen, exact and chosen != "portable")) or quant_lib._variant(chosen, exact)
-    path = ISAS[chosen]
+    lib, path = quant_lib.product_library(chosen, exact), ISAS[chosen]
     if x.dtype == torch.float32:
         x32 = x if x.stride(0) == K else x.contiguous()
         y = torch.empty((M, N), dtype=torch.float32)

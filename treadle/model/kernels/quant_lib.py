@@ -74,6 +74,12 @@ def _variant(path: str, exact: bool | None = None) -> ctypes.CDLL:
     return lib
 
 
+def product_library(path: str, exact: bool) -> ctypes.CDLL:
+    """`path`'s library for one product (float32 x: `exact`), as a product asks on its every call:
+    one lookup once it is loaded."""
+    return _libs.get(_key(path, exact)) or _variant(path, exact)
+
+
 def library(exact: bool | None = None) -> ctypes.CDLL:
     """quant.c's library for the path in use (`isa`): with the float32 product's tiles (`exact`),
     the int8 one's (False), or either (None: for what every library does, packing, lookups)."""

@@ -267,3 +267,23 @@ def test_the_c_quantizer_gives_the_numpy_forms_bytes(kind):
     assert got.shape == want.shape
     bad = np.nonzero((got != want).any(axis=1))[0]
     assert bad.size == 0, f"rows {bad.tolist()} differ"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_builds_its_own_products_library_at_load(dtype):
+    """The library of the engine's product (float32 x, or int8 activations for bfloat16) is there
+    once the engine is built, before its first step, whichever this CPU's default dtype is (a fresh
+    process: the test session's engines have loaded both)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from treadle import LLM\n"
+        "from treadle.model.kernels import quant_lib\n"
+        f"LLM(dtype={dtype!r}, max_model_len=256)\n"
+        "print(sorted(e for p, e in quant_lib._libs if p == quant_lib.isa()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exact = dtype == "float32" and quant.isa() != "portable"
+    assert exact in eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 - a list of booleans printed above

@@ -141,31 +141,39 @@ def test_space_prefix_after_special_tokens_as_llama_cpp(ours, spm_gguf):
     assert ours.encode(f"hi{eos}there", add_special_tokens=False) == sp.encode("hi") + [sp.eos_id()] + sp.encode("there")
 
 
-def test_the_built_vocabulary_is_cached_per_file_and_a_bad_cache_is_rebuilt(spm_gguf, tmp_path, monkeypatch):
+def test_the_derived_merges_are_cached_per_file_and_a_bad_cache_is_derived_again(spm_gguf, tmp_path, monkeypatch):
     """The SentencePiece merges are derived once per file (seconds for a 262k vocabulary) and kept
-    under ~/.cache/treadle/tokenizers; a cache that cannot be read is replaced, never trusted."""
+    under ~/.cache/treadle/tokenizers; an entry that cannot be read, is cut short or names a token
+    the vocabulary lacks is replaced, never trusted."""
     path, sp = spm_gguf
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = tokenizer_from_gguf(path, read_metadata(path))
     (cached,) = (tmp_path / "treadle" / "tokenizers").iterdir()
+    whole = cached.read_bytes()
+    derived = []
+    real = tokenizer_module._merges_from_scores
+    monkeypatch.setattr(tokenizer_module, "_merges_from_scores", lambda *a: derived.append(1) or real(*a))
     again = tokenizer_from_gguf(path, read_metadata(path))
     text = TEXTS[0]
     assert first.encode(text) == again.encode(text) == [sp.bos_id(), *sp.encode(text)]
-    cached.write_text("{not json")
-    rebuilt = tokenizer_from_gguf(path, read_metadata(path))
-    assert rebuilt.encode(text) == first.encode(text)
-    assert cached.read_text().startswith("{") and "not json" not in cached.read_text()
+    assert derived == []  # the hit derived nothing
+    n = sp.get_piece_size()
+    for bad in (b"{not merges", whole[:-3], whole[:-8] + n.to_bytes(4, "little") + (0).to_bytes(4, "little")):
+        cached.write_bytes(bad)
+        rebuilt = tokenizer_from_gguf(path, read_metadata(path))
+        assert rebuilt.encode(text) == first.encode(text)
+        assert cached.read_bytes() == whole
+    assert len(derived) == 3
 
 
-def test_a_files_tokenizer_reads_its_metadata_once_and_lets_it_go_before_a_cached_parse(spm_gguf, tmp_path, monkeypatch):
+def test_a_files_tokenizer_reads_its_metadata_once_and_keeps_none_of_it(spm_gguf, tmp_path, monkeypatch):
     """tokenizer_from_gguf_file hands the metadata it read to the vocabulary's build (a first
-    start read Gemma 3's twice: 0.2 s), built or cached; on a cache hit the metadata is gone before
-    the cached vocabulary is parsed (its lists beside the parse were the front end's peak)."""
+    start read Gemma 3's twice: 0.2 s), the merges derived or cached; once built, nothing holds
+    the metadata (Gemma 3's lists are ~36 MB)."""
     import gc
     import weakref
 
     from treadle.model import gguf_file
-    from treadle.model import tokenizer as tokenizer_module
 
     path, sp = spm_gguf
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -182,26 +190,20 @@ def test_a_files_tokenizer_reads_its_metadata_once_and_lets_it_go_before_a_cache
         return meta
 
     monkeypatch.setattr(gguf_file, "read_metadata", counted)
-    built = tokenizer_module.tokenizer_from_gguf_file(path)  # no cached vocabulary: built
+    built = tokenizer_module.tokenizer_from_gguf_file(path)  # no cached merges: derived
     assert len(reads) == 1
-    from_file = tokenizer_module.HFTokenizer.from_file
-
-    def parse(cached):
-        gc.collect()
-        assert all(ref() is None for ref in alive), "the metadata is held while the cached vocabulary is parsed"
-        return from_file(cached)
-
-    monkeypatch.setattr(tokenizer_module.HFTokenizer, "from_file", parse)
     cached = tokenizer_module.tokenizer_from_gguf_file(path)
     assert len(reads) == 2
     assert built.encode(TEXTS[0]) == cached.encode(TEXTS[0]) == [sp.bos_id(), *sp.encode(TEXTS[0])]
+    gc.collect()
+    assert all(ref() is None for ref in alive), "a built tokenizer holds its file's metadata"
     with pytest.raises(ValueError):
         tokenizer_from_gguf(path, read_metadata(path), lazy=True, unread=["tokenizer.ggml.scores"], hand_over=True)
 
 
 def test_the_cache_keeps_one_entry_per_file(spm_gguf, tmp_path, monkeypatch):
-    """A file changed since its vocabulary was cached gets a new entry that replaces the old one
-    (no 12 MB JSON left behind per version); another file's entry stays."""
+    """A file changed since its merges were cached gets a new entry that replaces the old one
+    (none left behind per version); another file's entry stays."""
     import shutil
 
     path, sp = spm_gguf
@@ -232,20 +234,23 @@ def test_the_cache_keeps_one_entry_per_file(spm_gguf, tmp_path, monkeypatch):
     tokenizer_from_gguf(three, read_metadata(three))
     last = {p.name for p in folder.iterdir()}
     assert len(last) == 2 and twos in last and ones not in last
-    # entries of the older naming go at the next write; a hit on a cache it cannot touch is a hit
-    (folder / "e1df8f2ff7e8bfb945fe5160.json").write_text("{}")
+    # entries of the older forms (a tokenizer's JSON, under either naming) go at the next write;
+    # a hit on a cache it cannot touch is a hit
+    older = ["e1df8f2ff7e8bfb945fe5160.json", "0123456789abcdef-0123456789abcdef.json"]
+    for name in older:
+        (folder / name).write_text("{}")
     os.utime(three, ns=(os.stat(three).st_atime_ns, os.stat(three).st_mtime_ns + 10**9))
     tokenizer_from_gguf(three, read_metadata(three))
-    assert not (folder / "e1df8f2ff7e8bfb945fe5160.json").exists()
+    assert not any((folder / name).exists() for name in older)
 
     def read_only(*args, **kwargs):
         raise PermissionError("read-only cache")
 
     def no_build(*args, **kwargs):
-        raise AssertionError("a cached vocabulary was built again")
+        raise AssertionError("cached merges were derived again")
 
     monkeypatch.setattr(tokenizer_module.os, "utime", read_only)
-    monkeypatch.setattr(tokenizer_module, "_gguf_json", no_build)
+    monkeypatch.setattr(tokenizer_module, "_merges_from_scores", no_build)
     hit = tokenizer_from_gguf(three, read_metadata(three))
     assert hit.encode(TEXTS[0]) == [sp.bos_id(), *sp.encode(TEXTS[0])]
 
@@ -267,6 +272,11 @@ def _plain_merges_from_scores(tokens, scores, types):
     return [f"{tokens[m[3]]} {tokens[m[4]]}" for m in found]
 
 
+def _merge_strings(tokens, ids) -> list[str]:
+    """_merges_from_scores's token ids (left and right in turn) as GGUF's "a b" merges."""
+    return [f"{tokens[a]} {tokens[b]}" for a, b in zip(ids[0::2], ids[1::2])]
+
+
 def test_merges_from_scores_follow_the_rule_ties_included():
     from treadle.model.tokenizer import _merges_from_scores
 
@@ -275,7 +285,7 @@ def test_merges_from_scores_follow_the_rule_ties_included():
     types = [1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 3, 1, 1, 1, 1]
     expected = _plain_merges_from_scores(tokens, scores, types)
     assert expected[:3] == ["a b", "b c", "c a"] and all(m.count(" ") == 1 for m in expected)
-    assert _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)}) == expected
+    assert _merge_strings(tokens, _merges_from_scores(tokens, scores, types)) == expected
 
 
 def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
@@ -289,8 +299,7 @@ def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
 
 
 def test_a_byte_level_vocabulary_with_a_newline_piece_still_loads(tmp_path):
-    """A merges file has one merge per line, so a piece holding a newline goes through the JSON
-    form instead; the tokens are the same either way."""
+    """A piece may hold a newline (a merges file, one merge per line, could not carry it)."""
     path = str(tmp_path / "newline.gguf")
     _write_byte_level_gguf(path, ["a", "b", "Ġ", "ab", "\n", "a\n"], ["a b", "a \n"])
     tok = tokenizer_from_gguf(path, read_metadata(path))
@@ -307,5 +316,5 @@ def test_a_sentencepiece_file_with_its_own_merges_tokenizes_as_sentencepiece_in_
     _, sp = spm_gguf
     tokens, scores, types = _vocabulary(sp)
     path = str(tmp_path / "spm-merges.gguf")
-    _write_spm_gguf(path, sp, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)}))
+    _write_spm_gguf(path, sp, _merge_strings(tokens, _merges_from_scores(tokens, scores, types)))
     assert load_tokenizer(path).encode(text) == [sp.bos_id()] + sp.encode(text)

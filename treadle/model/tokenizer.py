@@ -283,93 +283,75 @@ def tokenizer_from_gguf_file(path: str) -> Tokenizer:
 
 def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenizer:
     """The `tokenizers` tokenizer of a GGUF file's (checked) `tokenizer.ggml.*` metadata (`held`:
-    [the metadata], taken from the list where it is needed and let go before a cached vocabulary's
-    parse; [] to read it from the file there) of vocabulary `kind`.
+    [the metadata], taken from the list; [] to read it from the file here) of vocabulary `kind`.
 
-    A byte-level vocabulary goes through tokenizers' file readers (`_byte_level_from_files`);
-    otherwise it is written as a tokenizer JSON and parsed once: merges in the one-string form,
-    which `tokenizers` parses at about a third of the transient memory of pairs (Gemma 3's 515K
-    merges: ~155 MB against ~390). `derived`: the merges come from the scores, which takes a
-    second for a large vocabulary: the JSON is kept per file."""
+    The BPE model is built from Python's vocabulary and merge pairs, not parsed from a tokenizer
+    JSON: `tokenizers` reads a JSON model through a full copy of it (every piece and merge a small
+    string of its own), freed in among the tokens it keeps, which left Gemma 3's 262K-token
+    vocabulary 106 MiB resident for 68 in use; built so, 80. `derived`: the merges come from the
+    scores, which takes a second for a large vocabulary: they are kept per file (_cached_merges)."""
     from .gguf_file import read_metadata
 
-    def metadata() -> dict:  # passed straight on, so that the callee's `del` lets it go
-        if held:
-            return held.pop()
-        read = read_metadata(path)
-        _check_gguf_tokenizer(path, read)  # (the lists the engine's load left unread)
-        return read
-
-    if derived:
-        backend = _cached_backend(path, lambda: _gguf_json(path, metadata()), on_hit=held.clear)
-    elif kind == "gpt2":
-        backend = _byte_level_from_files(path, metadata())
+    if held:
+        meta = held.pop()
     else:
-        backend = _parse(path, _gguf_json(path, metadata()))
-    release_free_heap()  # the parse's freed temporaries
-    return backend
-
-
-def _byte_level_from_files(path: str, meta: dict) -> HFTokenizer:
-    """A byte-level vocabulary through tokenizers' own file readers (vocab.json, merges.txt, which
-    parse without the JSON model's transient copies: a 128K-token vocabulary's build peaked 123 MB
-    through the JSON, 94 MB so), the pipeline and special tokens set on it. Its pieces hold no space
-    or newline (bytes are mapped to visible characters), which the merges file needs."""
-    import tempfile
-
+        meta = read_metadata(path)
+        _check_gguf_tokenizer(path, meta)  # (the lists the engine's load left unread)
     tokens = meta["tokenizer.ggml.tokens"]
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    merges = _merge_strings(path, meta["tokenizer.ggml.merges"])
-    if any("\n" in m for m in merges):  # not a byte-level vocabulary after all: the JSON's form
-        return _parse(path, _gguf_json(path, meta))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    specials = [(tok, tt == TOKEN_CONTROL) for tok, tt in zip(tokens, token_types) if tt in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+    if derived:
+        scores = meta.pop("tokenizer.ggml.scores")
+        ids = _cached_merges(path, len(tokens), functools.partial(_merges_from_scores, tokens, scores, token_types))
+        del scores
+        pairs = [(tokens[a], tokens[b]) for a, b in zip(ids[0::2], ids[1::2])]
+        del ids
+    else:
+        pairs = _merge_pairs(path, meta.pop("tokenizer.ggml.merges"))
+    meta.pop("tokenizer.ggml.scores", None)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    try:
+        if kind == "gpt2":
+            backend = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=False))
+        else:  # llama.cpp's SPM vocabulary: BPE whose merge order is the merged piece's score, with byte fallback
+            unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+            unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
+            backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True, ignore_merges=False))
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
+    del vocab, pairs
+    if kind == "gpt2":
+        backend.pre_tokenizer = BPE_PRE_TOKENIZERS[meta.get("tokenizer.ggml.pre", "default")]()  # checked by tokenizer_from_gguf
+        backend.decoder = decoders.ByteLevel()
+    else:
+        _sentencepiece_pipeline(backend, meta.get("tokenizer.ggml.add_space_prefix", True))
+    # control tokens as special ones, then user-defined ones, each matched in the raw text
+    for special, kind_of in ((True, TOKEN_CONTROL), (False, TOKEN_USER_DEFINED)):
+        added = [AddedToken(tok, special=special, normalized=False) for tok, tt in zip(tokens, token_types) if tt == kind_of]
+        (backend.add_special_tokens if special else backend.add_tokens)(added)
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    bos = bos if meta.get("tokenizer.ggml.add_bos_token", False) else None
-    eos = eos if meta.get("tokenizer.ggml.add_eos_token", False) else None
-    ends = {i: tokens[i] for i in (bos, eos) if i is not None}
-    with tempfile.TemporaryDirectory(prefix="treadle-vocab-") as folder:
-        vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-        with open(vocab_file, "w", encoding="utf-8") as f:
-            json.dump({tok: i for i, tok in enumerate(tokens)}, f, ensure_ascii=False)
-        with open(merges_file, "w", encoding="utf-8") as f:
-            f.write("#version: 0.2\n")
-            f.write("\n".join(merges))
-            f.write("\n")
-        del tokens, token_types, merges, meta  # the lists gone before tokenizers reads the files
-        try:
-            backend = HFTokenizer(models.BPE.from_file(vocab_file, merges_file))
-        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
-            raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
-    backend.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok, special in specials if special])
-    backend.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, special in specials if not special])
-    _set_post_processor(backend, ends, bos, eos)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
+    del meta, tokens, token_types
+    release_free_heap()  # the build's freed temporaries
     return backend
 
 
-def _parse(path: str, text: str) -> HFTokenizer:
-    try:
-        return HFTokenizer.from_str(text)
-    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
-        raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
+CACHED_VOCABULARIES = 32  # entries _cached_merges keeps (files moved or deleted leave theirs)
+_ENTRY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.merges")
+_MERGES_MAGIC = b"treadle merges 1\n"  # then the merges' token ids, left and right, int32 little-endian
 
 
-CACHED_VOCABULARIES = 32  # entries _cached_backend keeps (files moved or deleted leave theirs)
-_ENTRY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.json")
-
-
-def _cached_backend(path: str, build: Callable[[], str], on_hit: Callable[[], None] | None = None) -> HFTokenizer:
-    """The tokenizer of `build()`'s JSON, kept under ~/.cache/treadle/tokenizers as
-    `<path key>-<version key>.json`: the file's absolute path, then its size and modification time,
-    this module's source and the tokenizers version. One entry per path: writing one removes that
-    path's older versions (a 262K vocabulary's JSON is 12 MB, and every change to this module made
-    another), and the least recently used beyond CACHED_VOCABULARIES (a hit touches its entry).
-    Any failure to read or write the cache only costs the build."""
+def _cached_merges(path: str, n_tokens: int, derive: Callable[[], array]) -> array:
+    """The merges `derive()` gives (token ids, left and right in turn), kept under
+    ~/.cache/treadle/tokenizers as `<path key>-<version key>.merges`: the file's absolute path,
+    then its size and modification time and this module's source. One entry per path: writing
+    one removes that path's older versions (and entries of an older form), and the least recently
+    used beyond CACHED_VOCABULARIES (a hit touches its entry). An entry that is not whole, or names
+    a token the vocabulary lacks, is derived again; any failure to read or write the cache only
+    costs the derivation."""
     import hashlib
-
-    import tokenizers
+    import sys
 
     from ..utils import cache_root
 
@@ -379,33 +361,44 @@ def _cached_backend(path: str, build: Callable[[], str], on_hit: Callable[[], No
         with open(__file__, "rb") as f:
             source = hashlib.sha256(f.read()).hexdigest()
         where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-        version = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}|{source}|{tokenizers.__version__}".encode()).hexdigest()[:16]
-        cached = os.path.join(cache_root(), "tokenizers", f"{where}-{version}.json")
+        version = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}|{source}".encode()).hexdigest()[:16]
+        cached = os.path.join(cache_root(), "tokenizers", f"{where}-{version}.merges")
         if os.path.exists(cached):
-            if on_hit is not None:
-                on_hit()  # (what a build would have used, let go before the parse)
-            backend = HFTokenizer.from_file(cached)
+            with open(cached, "rb") as f:
+                data = f.read()
+            ids = array("i")
+            if not data.startswith(_MERGES_MAGIC) or (len(data) - len(_MERGES_MAGIC)) % 8:
+                raise ValueError("not a whole merges entry")
+            ids.frombytes(data[len(_MERGES_MAGIC) :])
+            del data
+            if sys.byteorder != "little":
+                ids.byteswap()
+            if ids and not (0 <= min(ids) and max(ids) < n_tokens):
+                raise ValueError("a merge names a token the vocabulary lacks")
             try:
                 os.utime(cached)  # used now: the last to be let go
             except OSError:  # a read-only cache is still a cache
                 pass
-            return backend
+            return ids
     except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
-        log.debug("tokenizer cache unreadable (%s): building", e)
-    text = build()
-    backend = _parse(path, text)
+        log.debug("tokenizer cache unreadable (%s): deriving the merges", e)
+    ids = derive()
     if cached is not None:
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)
             tmp = f"{cached}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
+            out = array("i", ids)
+            if sys.byteorder != "little":
+                out.byteswap()
+            with open(tmp, "wb") as f:
+                f.write(_MERGES_MAGIC)
+                out.tofile(f)
             os.replace(tmp, cached)
         except OSError as e:
             log.debug("tokenizer cache not written (%s)", e)
         else:
             _prune_cache(cached, f"{where}-")
-    return backend
+    return ids
 
 
 def _prune_cache(kept: str, same_path: str) -> None:
@@ -424,10 +417,11 @@ def _prune_cache(kept: str, same_path: str) -> None:
         names = os.listdir(folder)
     except OSError:
         return
-    others = [os.path.join(folder, n) for n in names if n.endswith(".json") and n != name]
+    others = [os.path.join(folder, n) for n in names if n.endswith((".merges", ".json")) and n != name]
     # a write cut short leaves its `.tmp`: gone once it cannot be a write still under way
     others += [p for p in (os.path.join(folder, n) for n in names if n.endswith(".tmp")) if used(p) < time.time() - 3600]
-    # this path's older versions, and entries of an older naming (before `<path>-<version>`)
+    # this path's older versions, and entries of an older form (a whole tokenizer's JSON, or named
+    # before `<path>-<version>`)
     stale = [p for p in others if os.path.basename(p).startswith(same_path) or not _ENTRY.fullmatch(os.path.basename(p))]
     rest = sorted((p for p in others if p not in stale), key=used)
     for entry in stale + rest[: max(0, len(rest) + 1 - CACHED_VOCABULARIES)]:
@@ -477,65 +471,14 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
         raise ModelLoadError(f"{path}: tokenizer.chat_template: expected a template string")
 
 
-def _gguf_json(path: str, meta: dict) -> str:
-    """The tokenizer JSON of GGUF metadata: the BPE model, the pipeline around it for the
-    vocabulary's kind, its control and user-defined tokens, and BOS/EOS as the file asks."""
-    kind, tokens = meta["tokenizer.ggml.model"], meta["tokenizer.ggml.tokens"]
-    token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    shell = HFTokenizer(models.BPE())  # the pipeline's parts, serialized by tokenizers itself
-    if kind == "gpt2":
-        pre = meta.get("tokenizer.ggml.pre", "default")  # checked by tokenizer_from_gguf, as the merges' presence
-        model = {"ignore_merges": False, "merges": _merge_strings(path, meta["tokenizer.ggml.merges"])}
-        shell.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
-        shell.decoder = decoders.ByteLevel()
-    else:
-        model = _sentencepiece_model(path, meta, tokens, token_types, vocab)
-        _sentencepiece_pipeline(shell, meta.get("tokenizer.ggml.add_space_prefix", True))
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
-    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
-    _set_post_processor(shell, tokens, bos if add_bos else None, eos if add_eos else None)
-    out = json.loads(shell.to_str())
-    out["model"].update(model, vocab=vocab)
-    # control tokens as special ones, then user-defined ones, each matched in the raw text
-    added = {}
-    for special in (True, False):
-        for tok, tt in zip(tokens, token_types):
-            if tt == (TOKEN_CONTROL if special else TOKEN_USER_DEFINED) and tok not in added:
-                added[tok] = {
-                    "id": vocab[tok],
-                    "content": tok,
-                    "single_word": False,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "special": special,
-                }
-    out["added_tokens"] = list(added.values())
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
-
-
-def _merge_strings(path: str, merges: list[str]) -> list[str]:
-    """GGUF's merges ("a b") as tokenizers' one-string form, which splits at every space. A merge
-    with a piece that holds a space is left out: no vocabulary kind here lets a space reach the
-    model (byte-level BPE maps it to "Ġ", SentencePiece to "▁"), so it can never apply."""
+def _merge_pairs(path: str, merges: list[str]) -> list[tuple[str, str]]:
+    """GGUF's merges ("a b") as pairs. A merge with a piece that holds a space is left out: no
+    vocabulary kind here lets a space reach the model (byte-level BPE maps it to "Ġ", SentencePiece
+    to "▁"), so it can never apply."""
     for m in merges:
         if " " not in m:
             raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {m!r}: expected two pieces separated by a space")
-    return [m for m in merges if m.count(" ") == 1]
-
-
-def _sentencepiece_model(path: str, meta: dict, tokens: list[str], token_types: list[int], vocab: dict) -> dict:
-    """llama.cpp's SPM vocabulary: BPE whose merge order is the merged piece's score, with byte fallback."""
-    merges = meta.get("tokenizer.ggml.merges")
-    if merges is not None:
-        merges = _merge_strings(path, merges)
-    else:  # scores present: checked by tokenizer_from_gguf
-        merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"], token_types, vocab)
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
-    return {"unk_token": unk, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False, "merges": merges}
+    return [tuple(m.split(" ")) for m in merges if m.count(" ") == 1]
 
 
 def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
@@ -551,17 +494,17 @@ def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
     backend.decoder = decoders.Sequence(steps)
 
 
-def _merges_from_scores(tokens, scores, token_types, vocab) -> list[str]:
+def _merges_from_scores(tokens, scores, token_types) -> array:
     """Every split of a normal piece into two pieces of the vocabulary, best merged score first
-    (then the longer left piece, the longer right one, then the vocabulary's order): one-string
-    merges. The candidates are kept as numbers until sorted (Gemma 3: 515K of them, ~40 MB, not
-    ~140 as tuples of strings)."""
+    (then the longer left piece, the longer right one, then the vocabulary's order): the merges'
+    token ids, left and right in turn. The candidates are kept as numbers (Gemma 3: 515K of them,
+    ~40 MB, not ~140 as tuples of strings)."""
     import numpy as np
 
     left, right, score = array("q"), array("q"), array("d")
-    get = vocab.get
+    get = {tok: i for i, tok in enumerate(tokens)}.get
     for tok, s, tt in zip(tokens, scores, token_types):
-        if len(tok) < 2 or tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_strings)
+        if len(tok) < 2 or tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_pairs)
             continue
         # (a piece's splits need no order among themselves: each has its own left length, a sort key)
         for i in range(1, len(tok)):
@@ -575,7 +518,9 @@ def _merges_from_scores(tokens, scores, token_types, vocab) -> list[str]:
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     left, right = np.frombuffer(left, dtype=np.int64), np.frombuffer(right, dtype=np.int64)
     order = np.lexsort((-lengths[right], -lengths[left], -np.frombuffer(score, dtype=np.float64)))  # stable
-    return [f"{tokens[a]} {tokens[b]}" for a, b in zip(left[order].tolist(), right[order].tolist())]
+    pairs = np.empty((len(order), 2), dtype=np.int32)
+    pairs[:, 0], pairs[:, 1] = left[order], right[order]
+    return array("i", pairs.tobytes())
 
 
 def _set_post_processor(backend: HFTokenizer, tokens, bos: int | None, eos: int | None) -> None:

@@ -66,6 +66,27 @@ def test_rotary_tables_hold_each_frequency_once():
     torch.testing.assert_close(signed_sin[:, 0], (torch.cat((-freqs.sin(), freqs.sin()), -1) * 1.25)[positions], rtol=0, atol=0)
 
 
+def test_rotary_tables_fill_as_positions_are_reached_with_the_whole_tables_values():
+    """On the CPU a table is filled FILL positions at a time, as positions are first reached: the
+    rest of it is never written (so never resident). A position's values are those of the table
+    computed whole, whichever step first reached it; a position past the table is refused."""
+    rope = RopeConfig(theta=10000.0, attention_factor=0.75)
+    emb = RotaryEmbedding(rope, 64, 1000)
+    fill = RotaryEmbedding.FILL
+    assert emb.filled == 0 and fill < 1000 // 3
+    freqs = torch.outer(torch.arange(1000, dtype=torch.float32), (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float())
+    whole_cos, whole_sin = freqs.cos() * 0.75, freqs.sin() * 0.75
+    emb.tables(torch.tensor([3, 1]))
+    assert emb.filled == fill
+    emb.tables(torch.tensor([2 * fill + 5]))  # a jump: every block before it too
+    assert emb.filled == 3 * fill
+    assert torch.equal(emb.cos[: emb.filled], whole_cos[: emb.filled]) and torch.equal(emb.sin[: emb.filled], whole_sin[: emb.filled])
+    emb.cover(1000)  # the last block, cut to the table
+    assert emb.filled == 1000 and torch.equal(emb.cos, whole_cos) and torch.equal(emb.sin, whole_sin)
+    with pytest.raises(ValueError, match="beyond the rotary tables"):
+        emb.cover(1001)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (6, 2)])
 def test_decode_attention_matches_dense_attention(heads, kv_heads):
     """Decode queries over scattered blocks, different lengths, one with a sliding window."""

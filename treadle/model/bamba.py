@@ -137,7 +137,7 @@ class BambaModel(LlamaModel):
     def tensors(self):
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm)]
         mixers = [t for layer in self.layers if layer.mixer is not None for t in layer.mixer.tensors()]
-        return [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.sin] + [n.weight2 for n in norms] + mixers
+        return [self.embed, self.norm.weight2] + [n.weight2 for n in norms] + mixers
 
     def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         h = self.embedding(input_ids)

@@ -183,8 +183,7 @@ class Gemma3Model(LlamaModel):
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [n.weight2 for layer in self.layers for n in (layer.pre_feedforward_norm, layer.post_feedforward_norm)]
-        local = [] if self.local_rotary is self.rotary else [self.local_rotary.cos, self.local_rotary.sin]
-        return super().tensors() + local + extra
+        return super().tensors() + extra
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.float_output(hidden)

@@ -17,7 +17,7 @@ from .attention import AttentionMetadata
 from .config import ModelConfig
 from .gguf_file import LLAMA_LAYER_TENSORS
 from .kernels.quant import QuantizedTensor
-from .layers import Linear
+from .layers import Linear, RotaryEmbedding
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key blocks, value blocks)
 
@@ -83,8 +83,16 @@ class CausalLM:
         return []
 
     def tensors(self) -> list[torch.Tensor | QuantizedTensor]:
-        """Every stored tensor other than the linears' (embeddings, norms, rotary tables)."""
+        """Every stored tensor other than the linears' (embeddings, norms; not the rotary tables,
+        which are derived, and resident as far as they are filled)."""
         return []
+
+    def cover_positions(self, n: int) -> None:
+        """Fill the model's rotary tables through position n - 1 (`RotaryEmbedding.cover`): the
+        runner's call before a compiled step, whose graph reads the tables as they are."""
+        for value in vars(self).values():
+            if isinstance(value, RotaryEmbedding):
+                value.cover(n)
 
     def other_forms(self) -> list[tuple[torch.Tensor, str]]:
         """Stored tensors neither a linear nor in `tensors`, with the type their bytes are counted

@@ -95,24 +95,64 @@ class RotaryEmbedding:
 
     Each holds the rotation's dim/2 frequencies once ([P, dim/2] float32); a step's rows are
     widened to both halves when gathered (`tables`). The full-width tables repeated every value:
-    Gemma 3's two ropes at 8,192 positions took 34 MB, a 128K-context model's 134."""
+    Gemma 3's two ropes at 8,192 positions took 34 MB, a 128K-context model's 134.
+
+    On the CPU the tables are allocated whole but filled as positions are first reached, FILL
+    positions at a time (`cover`): pages never written stay out of the resident set (Gemma 3's
+    at 8,192 positions are 16 MiB; a server whose requests reach 1,000 positions holds 2). Each
+    block is computed with the same shapes whenever it is filled, so a position's values do not
+    depend on when, or in which step, it was first reached. The tensors stay the same objects
+    (compiled graphs read them at each call); an eager `tables` fills what its positions need, and
+    the runner covers a compiled step's positions before it runs (`CausalLM.cover_positions`).
+    Elsewhere (a GPU's memory is not this concern) the tables are filled whole."""
+
+    FILL = 256
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int):
         dim = rope.rotary_dim or head_dim  # partial rotary embeddings: the first `dim` of each head
-        inv_freq = rope_inverse_frequencies(rope, dim, max_position)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        scale = rope.attention_factor
-        self.cos = freqs.cos() * scale if scale != 1.0 else freqs.cos()
-        self.sin = freqs.sin() * scale if scale != 1.0 else freqs.sin()
+        self.inv_freq = rope_inverse_frequencies(rope, dim, max_position)
+        self.scale = rope.attention_factor
+        self._allocate((max_position, dim // 2), self.inv_freq.device)  # (untouched: not resident until filled)
 
     def to(self, device):
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        device = torch.device(device)
+        if device != self.cos.device:
+            self.inv_freq = self.inv_freq.to(device)
+            self._allocate(self.cos.shape, device)
+        if device.type != "cpu":
+            self.cover(self.cos.shape[0])
         return self
+
+    def _allocate(self, shape, device) -> None:
+        with torch.inference_mode(False):  # normal tensors, which `cover` may fill in or out of inference mode
+            self.cos = torch.empty(shape, device=device)
+            self.sin = torch.empty(shape, device=device)
+        self.filled = 0
+
+    def cover(self, n: int) -> None:
+        """Fill the tables through position n - 1 (whole FILL blocks, within the table)."""
+        if n <= self.filled:
+            return
+        size = self.cos.shape[0]
+        if n > size:
+            raise ValueError(f"position {n - 1} is beyond the rotary tables' {size} positions")
+        with torch.no_grad():
+            for start in range(self.filled, n, self.FILL):
+                t = torch.arange(start, start + self.FILL, dtype=torch.float32, device=self.inv_freq.device)
+                freqs = torch.outer(t, self.inv_freq)
+                cos, sin = freqs.cos(), freqs.sin()
+                if self.scale != 1.0:
+                    cos, sin = cos * self.scale, sin * self.scale
+                end = min(start + self.FILL, size)
+                self.cos[start:end] = cos[: end - start]
+                self.sin[start:end] = sin[: end - start]
+                self.filled = end
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ([-sin, sin] over the two halves) of each token's position, shaped
         [T, 1, dim] to broadcast over heads."""
+        if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+            self.cover(int(positions.max()) + 1)
         cos, sin = self.cos[positions], self.sin[positions]
         return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 

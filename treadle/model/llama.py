@@ -222,7 +222,7 @@ class LlamaModel(CausalLM):
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
-        return [self.embed, self.norm.weight2, self.rotary.cos, self.rotary.sin] + [n.weight2 for n in norms]
+        return [self.embed, self.norm.weight2] + [n.weight2 for n in norms]
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata | list[AttentionMetadata], logits_indices) -> torch.Tensor:

@@ -293,6 +293,8 @@ class ModelRunner:
                 lora_rows.setdefault(lora, []).extend(range(row, row + len(s.token_ids)))
             row += len(s.token_ids)
             last_row[i] = row - 1
+        # the rotary tables filled through the step's last position (a compiled graph reads them as they are)
+        self.model.cover_positions(max((s.start + len(s.token_ids) for s in scheduled), default=0))
         pos_t = torch.cat(positions)
         metas = [self._group_metadata(scheduled, order, positions, pos_t, g, window) for g, window in enumerate(self.group_windows)]
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]

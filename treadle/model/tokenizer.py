@@ -4,6 +4,8 @@ Both sources end up as one `tokenizers.Tokenizer` plus the few facts the engine 
 BOS/EOS ids, the stop set (eos + eot/eom, + generation_config's eos list) and the chat template.
 """
 
+from __future__ import annotations
+
 import functools
 import json
 import logging
@@ -13,12 +15,16 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Collection
-
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import Tokenizer as HFTokenizer
+from typing import TYPE_CHECKING
 
 from ..utils import release_free_heap
 from .config import ModelLoadError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
+
+# `tokenizers` is imported where a vocabulary is built: an engine core holds a lazy Tokenizer (its
+# vocabulary built for a structured-output request only) and need not load the library (~4 MiB)
 
 log = logging.getLogger("treadle")
 
@@ -37,6 +43,8 @@ _QWEN2_SPLIT = (
 
 
 def _split_then_bytes(pattern: str):
+    from tokenizers import Regex, pre_tokenizers
+
     return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
@@ -46,6 +54,8 @@ def _split_then_bytes(pattern: str):
 
 
 def _smollm_pre_tokenizer():
+    from tokenizers import pre_tokenizers
+
     # SmolLM's own tokenizer.json: every digit alone, then GPT-2's byte-level split.
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
@@ -123,7 +133,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: "HFTokenizer | Callable[[], HFTokenizer]",
+        backend: HFTokenizer | Callable[[], HFTokenizer],
         *,
         bos_token_id: int | None,
         eos_token_id: int | None,
@@ -131,7 +141,7 @@ class Tokenizer:
         chat_template: str | None,
         source: str,
     ):
-        self._backend = backend if isinstance(backend, HFTokenizer) else None
+        self._backend = None if callable(backend) else backend
         self._build = None if self._backend is not None else backend
         self._lock = threading.Lock()
         self.bos_token_id = bos_token_id
@@ -290,6 +300,9 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
     string of its own), freed in among the tokens it keeps, which left Gemma 3's 262K-token
     vocabulary 106 MiB resident for 68 in use; built so, 80. `derived`: the merges come from the
     scores, which takes a second for a large vocabulary: they are kept per file (_cached_merges)."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+
     from .gguf_file import read_metadata
 
     if held:
@@ -485,6 +498,8 @@ def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
     # As SentencePiece and llama.cpp: a space is prepended to every text fragment (the start, and
     # after each special token) even when it already starts with spaces. (tokenizers' Metaspace
     # skips the prefix on text that starts with a space, so it is not used here.)
+    from tokenizers import decoders, normalizers
+
     steps = [normalizers.Prepend("\u2581")] if add_prefix else []
     backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
     backend.pre_tokenizer = None
@@ -526,6 +541,8 @@ def _merges_from_scores(tokens, scores, token_types) -> array:
 def _set_post_processor(backend: HFTokenizer, tokens, bos: int | None, eos: int | None) -> None:
     if bos is None and eos is None:
         return
+    from tokenizers import processors
+
     head = [f"{tokens[bos]}:0"] if bos is not None else []
     tail = [f"{tokens[eos]}:0"] if eos is not None else []
     special = [(tokens[i], i) for i in {bos, eos} if i is not None]
@@ -554,6 +571,8 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         raise ModelLoadError(f"{folder}: tokenizer.json: missing (treadle reads fast-tokenizer files only)")
+    from tokenizers import Tokenizer as HFTokenizer
+
     try:
         backend = HFTokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file

@@ -314,14 +314,12 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if derived:
         scores = meta.pop("tokenizer.ggml.scores")
-        ids = _cached_merges(path, len(tokens), functools.partial(_merges_from_scores, tokens, scores, token_types))
+        pairs = _cached_merges(path, tokens, functools.partial(_merges_from_scores, tokens, scores, token_types))
         del scores
-        pairs = [(tokens[a], tokens[b]) for a, b in zip(ids[0::2], ids[1::2])]
-        del ids
     else:
         pairs = _merge_pairs(path, meta.pop("tokenizer.ggml.merges"))
     meta.pop("tokenizer.ggml.scores", None)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
+    vocab = dict(zip(tokens, range(len(tokens))))  # (a repeated piece: its last id, as a comprehension's)
     try:
         if kind == "gpt2":
             backend = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=False))
@@ -338,9 +336,10 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
     else:
         _sentencepiece_pipeline(backend, meta.get("tokenizer.ggml.add_space_prefix", True))
     # control tokens as special ones, then user-defined ones, each matched in the raw text
+    added = [i for i, tt in enumerate(token_types) if tt == TOKEN_CONTROL or tt == TOKEN_USER_DEFINED]
     for special, kind_of in ((True, TOKEN_CONTROL), (False, TOKEN_USER_DEFINED)):
-        added = [AddedToken(tok, special=special, normalized=False) for tok, tt in zip(tokens, token_types) if tt == kind_of]
-        (backend.add_special_tokens if special else backend.add_tokens)(added)
+        chosen = [AddedToken(tokens[i], special=special, normalized=False) for i in added if token_types[i] == kind_of]
+        (backend.add_special_tokens if special else backend.add_tokens)(chosen)
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
@@ -355,8 +354,8 @@ _ENTRY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.merges")
 _MERGES_MAGIC = b"treadle merges 1\n"  # then the merges' token ids, left and right, int32 little-endian
 
 
-def _cached_merges(path: str, n_tokens: int, derive: Callable[[], array]) -> array:
-    """The merges `derive()` gives (token ids, left and right in turn), kept under
+def _cached_merges(path: str, tokens: list[str], derive: Callable[[], array]) -> list[tuple[str, str]]:
+    """The merges `derive()` gives (token ids, left and right in turn) as pairs of `tokens`, kept under
     ~/.cache/treadle/tokenizers as `<path key>-<version key>.merges`: the file's absolute path,
     then its size and modification time and this module's source. One entry per path: writing
     one removes that path's older versions (and entries of an older form), and the least recently
@@ -379,20 +378,19 @@ def _cached_merges(path: str, n_tokens: int, derive: Callable[[], array]) -> arr
         if os.path.exists(cached):
             with open(cached, "rb") as f:
                 data = f.read()
-            ids = array("i")
+            ids = array("I")  # (unsigned: an id past the vocabulary fails the lookup, none is negative)
             if not data.startswith(_MERGES_MAGIC) or (len(data) - len(_MERGES_MAGIC)) % 8:
                 raise ValueError("not a whole merges entry")
             ids.frombytes(data[len(_MERGES_MAGIC) :])
             del data
             if sys.byteorder != "little":
                 ids.byteswap()
-            if ids and not (0 <= min(ids) and max(ids) < n_tokens):
-                raise ValueError("a merge names a token the vocabulary lacks")
+            pairs = _pairs(tokens, ids)  # IndexError: a merge names a token the vocabulary lacks
             try:
                 os.utime(cached)  # used now: the last to be let go
             except OSError:  # a read-only cache is still a cache
                 pass
-            return ids
+            return pairs
     except Exception as e:  # noqa: BLE001 - a cache that cannot be read is rebuilt (and rewritten)
         log.debug("tokenizer cache unreadable (%s): deriving the merges", e)
     ids = derive()
@@ -411,7 +409,13 @@ def _cached_merges(path: str, n_tokens: int, derive: Callable[[], array]) -> arr
             log.debug("tokenizer cache not written (%s)", e)
         else:
             _prune_cache(cached, f"{where}-")
-    return ids
+    return _pairs(tokens, ids)
+
+
+def _pairs(tokens: list[str], ids) -> list[tuple[str, str]]:
+    """Token ids, left and right in turn, as pairs of their pieces."""
+    piece = tokens.__getitem__
+    return list(zip(map(piece, ids[0::2]), map(piece, ids[1::2])))
 
 
 def _prune_cache(kept: str, same_path: str) -> None:

@@ -95,6 +95,35 @@ def test_batch_neighbours_do_not_change_the_tokens(invariant, alone, size):
     assert_same(got[:n], alone[:n], f"in a batch of {size}")
 
 
+def test_a_greedy_steps_argmax_alone_gives_the_tokens_of_its_logits(invariant, alone, make_llm, monkeypatch):
+    """A step whose rows all take their argmax plainly asks the model for the argmax alone (the
+    head's output a slice at a time, never the [rows, vocab] logits): the same tokens as sampling
+    the whole logits, in bf16 and float32, batched; a row with logprobs or a penalty in the step
+    takes the logits, its neighbours' tokens unchanged."""
+    from treadle.model.sampler import Sampler
+
+    llm = invariant()
+    model = llm.engine.runner.model
+    calls = []
+    real = model.greedy_forward
+    monkeypatch.setattr(model, "greedy_forward", lambda *a: calls.append(1) or real(*a))
+    fast = tokens(llm.generate(PROMPTS[:4], GREEDY))
+    assert calls, "no step took the argmax path"
+    assert_same(fast, alone[:4], "argmax alone, batched")
+    n = len(calls)
+    mixed = llm.generate(PROMPTS[:3] + [PROMPTS[3]], [GREEDY] * 3 + [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)])
+    assert len(calls) == n  # a row asking for logprobs: every step of the batch takes the logits
+    assert_same(tokens(mixed), alone[:4], "logits, a neighbour with logprobs")
+    f32 = make_llm(dtype="float32")
+    real32, calls32 = f32.engine.runner.model.greedy_forward, []
+    monkeypatch.setattr(f32.engine.runner.model, "greedy_forward", lambda *a: calls32.append(1) or real32(*a))
+    fast32 = tokens(f32.generate(PROMPTS[:3], GREEDY))
+    assert calls32
+    monkeypatch.setattr(Sampler, "plain_greedy", lambda self, reqs: False)  # every step takes the logits
+    assert tokens(f32.generate(PROMPTS[:3], GREEDY)) == fast32, "float32: the argmax alone and the logits' differ"
+    assert tokens(llm.generate(PROMPTS[:4], GREEDY)) == fast
+
+
 def test_the_flag_parses_both_ways_and_defaults_to_auto():
     import argparse
 

@@ -287,3 +287,44 @@ def test_an_engine_builds_its_own_products_library_at_load(dtype):
     assert done.returncode == 0, done.stderr[-2000:]
     exact = dtype == "float32" and quant.isa() != "portable"
     assert exact in eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 - a list of booleans printed above
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_argmax_of_a_quantized_head_in_slices_is_the_whole_outputs(kind, dtype, monkeypatch):
+    """Linear.argmax_output (a greedy step's token, its logits never whole): each row's first
+    maximal index of transform(float_output(x)), with slices of the weight's rows smaller than the
+    head here (three of them and a tail that is no whole 16-row group), on every instruction-set
+    path. Equal values across slices (duplicated weight rows), a soft cap that saturates into ties,
+    a NaN output in a later slice and a NaN input row (the first NaN wins, as max's) keep the
+    whole array's answer."""
+    from treadle.model.layers import Linear
+
+    monkeypatch.setattr(Linear, "ARGMAX_ROWS", 32)
+    big = quant.TYPES[kind][1] == 256
+    rows, cols = 3 * 32 + 21, 512 if big else 32 * 5
+    blocks = random_blocks(kind, rows, cols, seed=5)
+    blocks[70] = blocks[3]  # the same row in the first slice and the third: equal logits
+    blocks[100] = blocks[40]
+    _, _, size = quant.TYPES[kind]
+    nan_row = blocks[80].reshape(-1, size)  # a NaN scale in the third slice: NaN is max's maximum
+    nan_row[0, F16_FIELDS[kind][0] : F16_FIELDS[kind][0] + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(7, cols, generator=g) * 2).to(dtype)
+    x[5] = float("nan")
+
+    def cap(y):  # Gemma's soft cap, small enough to saturate: ties the plain product lacks
+        return torch.tanh(y / 0.5) * 0.5
+
+    for isa in ISAS:
+        monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+        linear = Linear(quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols))
+        for transform in (None, cap):
+            whole = linear.float_output(x)
+            whole = whole if transform is None else transform(whole)
+            want = whole.max(dim=-1).indices
+            got = linear.argmax_output(x, transform)
+            assert torch.equal(got, want), (isa, transform, got, want)
+        assert linear.argmax_output(x[:0]).shape == (0,)
+    dense = Linear(torch.randn(rows, cols).to(dtype))
+    assert dense.argmax_output(x) is None  # not one quantized part: the caller takes the logits

@@ -185,8 +185,7 @@ class Gemma3Model(LlamaModel):
         extra = [n.weight2 for layer in self.layers for n in (layer.pre_feedforward_norm, layer.post_feedforward_norm)]
         return super().tensors() + extra
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.float_output(hidden)
+    def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

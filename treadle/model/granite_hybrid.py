@@ -192,8 +192,8 @@ class GraniteHybridModel(BambaModel):
     def linears(self):
         return super().linears() + [x for layer in self.layers if layer.moe is not None for x in layer.moe.linears()]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.float_output(hidden) / self.config.logits_scaling
+    def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits / self.config.logits_scaling
 
     def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         cfg = self.config

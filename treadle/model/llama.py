@@ -232,7 +232,22 @@ class LlamaModel(CausalLM):
         return self.norm(self.residual_stream(input_ids, positions, kv_caches, meta))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.float_output(hidden)
+        return self.logit_transform(self.lm_head.float_output(hidden))
+
+    def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the family does to the head's output, elementwise (a soft cap, a scale)."""
+        return logits
+
+    def greedy_head(self) -> bool:
+        # (a family that computes its forward or logits its own way, a plugin's, takes the logits)
+        cls, head = type(self), self.lm_head
+        if cls.forward is not LlamaModel.forward or cls.logits is not LlamaModel.logits or self.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        return len(head.parts) == 1 and isinstance(head.parts[0], QuantizedTensor) and head.bias is None and not (head.lora and LORA_ROWS.groups)
+
+    def greedy_forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor | None:
+        hidden = self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])
+        return self.lm_head.argmax_output(hidden, self.logit_transform)
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedTensor):

@@ -219,7 +219,22 @@ class ModelRunner:
             raise InjectedFault(f"injected failure of step {self.num_steps} (TREADLE_FAULT_INJECT)")
         pooling = {i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None}
         apart = pooling and self.isolate_pooling and len(step.scheduled) > 1
-        logits, sample_rows, embeddings = self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling)
+        # every row a plain greedy one (no proposals, grammar, logprobs or adjustment): the model's
+        # argmax alone, without the step's [rows, vocab] logits
+        greedy = (
+            not pooling
+            and not step.grammar_masks
+            and all(s.num_drafts == 0 for s in step.scheduled)
+            and self.sampler.plain_greedy([self.requests[r] for s in step.scheduled for r in s.sample_ids])
+        )
+        logits, sample_rows, embeddings = self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling, greedy)
+        if logits.dtype == torch.long:  # the argmax of each sampling row (compute_logits took `greedy`)
+            results, token_list = {}, logits.tolist()
+            for token, i in zip(token_list, sample_rows):
+                for req_id in step.scheduled[i].sample_ids:
+                    self.requests[req_id].all_token_ids.append(token)
+                    results[req_id] = [SampledToken(token)]
+            return results
         results = {req_id: [SampledToken(-1, embedding=v)] for req_id, v in embeddings.items()}
         rows, ids, reqs, positions = [], [], [], []
         verified = {}  # request id -> its proposals, for requests whose rows verify some
@@ -270,10 +285,12 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
-    def compute_logits(self, step: StepInput, pooling: dict[int, str] | None = None):
+    def compute_logits(self, step: StepInput, pooling: dict[int, str] | None = None, greedy: bool = False):
         """Run the step: (float32 logits of the last row of each scheduled request that samples (its
         last num_drafts + 1 rows when it verifies proposals), those requests' indices into
-        `step.scheduled` in the logits' order, {req_id: vector}).
+        `step.scheduled` in the logits' order, {req_id: vector}). `greedy` (every row samples its
+        argmax, none verifies): where the model computes it alone (eager, `greedy_head`), each
+        row's argmax token (int64) in place of its logits.
         `pooling` (scheduled index -> "last" or "mean") names the embedding requests; the vector of
         each one whose prompt ends in this step is its pooled, L2-normalized hidden state."""
         self.copy_blocks(step.block_copies)
@@ -333,6 +350,10 @@ class ModelRunner:
                     return compiled(input_ids, pos_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(n, e)
+        if greedy and self.model.greedy_head():
+            tokens = self.model.greedy_forward(*inputs)
+            if tokens is not None:
+                return tokens, sample_rows, {}
         return self.model.forward(*inputs), sample_rows, {}
 
     def _segments(self, scheduled, order) -> list:

@@ -34,9 +34,24 @@ class Sampler:
             owner.sampler_state = g
         return owner.sampler_state
 
+    def plain_greedy(self, reqs: list) -> bool:
+        """Whether `sample` would give each of these rows its logits' argmax and nothing more: greedy,
+        no logprobs, nothing `_adjusted` changes (no bias, no min_tokens still banning a stop, no
+        penalty that applies). The runner then asks the model for the argmax alone."""
+        for req in reqs:
+            p = req.params
+            if not p.greedy or p.logprobs is not None or p.logit_bias or p.repetition_penalty != 1.0:
+                return False
+            if p.min_tokens and req.num_output_tokens < p.min_tokens and (p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids)):
+                return False
+            if (p.presence_penalty or p.frequency_penalty) and req.num_output_tokens:
+                return False
+        return True
+
     def _adjusted(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         """Logit bias, min_tokens, repetition / presence / frequency penalties applied: on a copy
-        where any row has one, else `logits` itself (a step of plain rows copies no [R, V] array)."""
+        where any row has one, else `logits` itself (a step of plain rows copies no [R, V] array).
+        What it changes, `plain_greedy` names."""
         vocab = logits.shape[1]
         out = None
 

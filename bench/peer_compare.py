@@ -116,6 +116,20 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def treadle_serve_command(gguf: str, port: int, extra: list[str]) -> list[str]:
+    """`treadle serve` with llama-server's slots and KV memory: 16 sequences, 16,384 tokens of
+    every layer in bf16."""
+    from treadle.model.gguf_file import read_metadata
+
+    meta = read_metadata(gguf)
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
+    kv_bytes = 2 * meta[f"{arch}.block_count"] * 16384 * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
+    return [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(port), "--max-num-seqs", "16",
+            "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", "16", "--threads", "2", *extra]  # fmt: skip
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -242,15 +256,7 @@ def main() -> int:
     llama_server = find_or_build_llama_server()
     os.makedirs(args.out, exist_ok=True)
     t_port, l_port = free_ports(2)
-    from treadle.model.gguf_file import read_metadata
-
-    meta = read_metadata(gguf)
-    arch = meta["general.architecture"]
-    heads = meta[f"{arch}.attention.head_count"]
-    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
-    kv_bytes = 2 * meta[f"{arch}.block_count"] * 16384 * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
-    treadle_cmd = [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(t_port), "--max-num-seqs", "16",
-                   "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", "16", "--threads", "2", *args.treadle_args.split()]  # fmt: skip
+    treadle_cmd = treadle_serve_command(gguf, t_port, args.treadle_args.split())
     llama_cmd = [llama_server, "-m", gguf, "--port", str(l_port), "-np", "16", "-c", "16384", "-kvu", "-cram", "0", "-t", "2"]
     print("machine:", platform.platform(), f"{os.cpu_count()} cores;", cpu_description())
     print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB")

@@ -165,6 +165,9 @@ def test_max_tokens_min_tokens_and_eos(llm):
         [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=64, min_tokens=len(c.token_ids) + 3)
     )[0].outputs[0]
     assert len(forced.token_ids) >= len(c.token_ids) + 3
+    # banned, not only kept from ending it: no EOS among the tokens min_tokens holds (the greedy
+    # rows' argmax path leaves a row that min_tokens adjusts to the sampler)
+    assert llm.tokenizer.eos_token_id not in forced.token_ids[: len(c.token_ids) + 2]
 
 
 def test_logprobs_are_of_the_raw_distribution(llm):

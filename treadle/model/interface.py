@@ -78,11 +78,10 @@ class CausalLM:
         """float32 logits of final hidden states."""
         raise NotImplementedError
 
-    def greedy_forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor | None:
-        """`forward(...).max(dim=-1).indices` (the first maximal index of each row), where the
-        family computes it without the whole [rows, vocab] logits at once; None where it does not
-        (checked before the step runs: `greedy_head`)."""
-        return None
+    def greedy_forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
+        """`forward(...).max(dim=-1).indices` (the first maximal index of each row) without the
+        whole [rows, vocab] logits at once; called only where `greedy_head` says so."""
+        raise NotImplementedError
 
     def greedy_head(self) -> bool:
         """Whether `greedy_forward` answers this step (the runner asks before running it)."""

@@ -265,19 +265,25 @@ class Linear:
 
     ARGMAX_ROWS = 16384  # output rows (a vocabulary's tokens) a step's argmax takes at a time: a multiple of 16
 
+    def argmax_ready(self, dtype: torch.dtype) -> bool:
+        """Whether `argmax_output` answers for rows of `dtype`: one quantized part, no bias, no
+        adapter rows in the step, eager, bf16 or float32 rows."""
+        part = self.parts[0]
+        if len(self.parts) != 1 or not isinstance(part, QuantizedTensor) or self.bias is not None or (self.lora and LORA_ROWS.groups):
+            return False
+        return not torch.compiler.is_compiling() and dtype in (torch.bfloat16, torch.float32)
+
     def argmax_output(self, x: torch.Tensor, transform=None) -> torch.Tensor | None:
         """The first index of each row's maximum of `transform(float_output(x))` (an elementwise
         function, e.g. a soft cap), without the whole [rows, out] array: the output is made
         ARGMAX_ROWS columns at a time from the weight's rows, whose values are those of the whole
         product (each is its own dot product; packed rows come 16 to a group, whole groups taken),
         and the running maximum keeps the first of equals. A 16-row step of a 262K-token vocabulary
-        holds 1 MiB of logits rather than 16. None where the product is not one quantized part
-        (no bias, no adapter rows, eager): the caller takes float_output."""
+        holds 1 MiB of logits rather than 16. None where not `argmax_ready`: the caller takes
+        float_output."""
+        if not self.argmax_ready(x.dtype):
+            return None
         part = self.parts[0]
-        if len(self.parts) != 1 or not isinstance(part, QuantizedTensor) or self.bias is not None or (self.lora and LORA_ROWS.groups):
-            return None
-        if torch.compiler.is_compiling() or x.dtype not in (torch.bfloat16, torch.float32):
-            return None
         best = index = None
         for start in range(0, part.shape[0], self.ARGMAX_ROWS):
             y = quant_matmul(x, part.data[start : start + self.ARGMAX_ROWS], part.type_id, widened=True)

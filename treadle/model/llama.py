@@ -240,12 +240,12 @@ class LlamaModel(CausalLM):
 
     def greedy_head(self) -> bool:
         # (a family that computes its forward or logits its own way, a plugin's, takes the logits)
-        cls, head = type(self), self.lm_head
-        if cls.forward is not LlamaModel.forward or cls.logits is not LlamaModel.logits or self.dtype not in (torch.bfloat16, torch.float32):
+        cls = type(self)
+        if cls.forward is not LlamaModel.forward or cls.logits is not LlamaModel.logits:
             return False
-        return len(head.parts) == 1 and isinstance(head.parts[0], QuantizedTensor) and head.bias is None and not (head.lora and LORA_ROWS.groups)
+        return self.lm_head.argmax_ready(self.dtype)
 
-    def greedy_forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor | None:
+    def greedy_forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
         hidden = self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])
         return self.lm_head.argmax_output(hidden, self.logit_transform)
 

@@ -351,9 +351,7 @@ class ModelRunner:
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(n, e)
         if greedy and self.model.greedy_head():
-            tokens = self.model.greedy_forward(*inputs)
-            if tokens is not None:
-                return tokens, sample_rows, {}
+            return self.model.greedy_forward(*inputs), sample_rows, {}
         return self.model.forward(*inputs), sample_rows, {}
 
     def _segments(self, scheduled, order) -> list:

@@ -35,23 +35,32 @@ class Sampler:
         return owner.sampler_state
 
     def plain_greedy(self, reqs: list) -> bool:
-        """Whether `sample` would give each of these rows its logits' argmax and nothing more: greedy,
-        no logprobs, nothing `_adjusted` changes (no bias, no min_tokens still banning a stop, no
-        penalty that applies). The runner then asks the model for the argmax alone."""
-        for req in reqs:
-            p = req.params
-            if not p.greedy or p.logprobs is not None or p.logit_bias or p.repetition_penalty != 1.0:
-                return False
-            if p.min_tokens and req.num_output_tokens < p.min_tokens and (p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids)):
-                return False
-            if (p.presence_penalty or p.frequency_penalty) and req.num_output_tokens:
-                return False
-        return True
+        """Whether `sample` would give each of these rows its logits' argmax and nothing more:
+        greedy, no logprobs, no adjustment (`_adjusts`). The runner then asks the model for the
+        argmax alone."""
+        return all(r.params.greedy and r.params.logprobs is None and not self._adjusts(r) for r in reqs)
+
+    def _stops_banned(self, req) -> set[int]:
+        """The tokens min_tokens still bans this row (none once it has that many)."""
+        p = req.params
+        if not p.min_tokens or req.num_output_tokens >= p.min_tokens:
+            return set()
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+
+    def _adjusts(self, req) -> bool:
+        """Whether `_adjusted` changes this row: a bias, a ban of min_tokens, a penalty that applies."""
+        p = req.params
+        return bool(
+            p.logit_bias
+            or self._stops_banned(req)
+            or p.repetition_penalty != 1.0
+            or ((p.presence_penalty or p.frequency_penalty) and req.num_output_tokens)
+        )
 
     def _adjusted(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         """Logit bias, min_tokens, repetition / presence / frequency penalties applied: on a copy
-        where any row has one, else `logits` itself (a step of plain rows copies no [R, V] array).
-        What it changes, `plain_greedy` names."""
+        where any row has one (`_adjusts`), else `logits` itself (a step of plain rows copies no
+        [R, V] array)."""
         vocab = logits.shape[1]
         out = None
 
@@ -62,15 +71,16 @@ class Sampler:
             return out[i]
 
         for i, req in enumerate(reqs):
+            if not self._adjusts(req):
+                continue
             p = req.params
             if p.logit_bias:
                 ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
                 vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab], dtype=logits.dtype)
                 row(i).index_add_(0, ids.to(logits.device), vals.to(logits.device))
-            if p.min_tokens and req.num_output_tokens < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                if stops:
-                    row(i)[torch.tensor(sorted(stops), device=logits.device)] = -float("inf")
+            stops = self._stops_banned(req)
+            if stops:
+                row(i)[torch.tensor(sorted(stops), device=logits.device)] = -float("inf")
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device)
                 vals = row(i)[seen]

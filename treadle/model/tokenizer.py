@@ -228,7 +228,7 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
     when first used; the metadata is checked now either way). `unread`: keys the file has but
     `meta` was read without (UNREAD_AT_LOAD, lazy only): checked when the vocabulary is built.
     `hand_over` (lazy, `meta` whole): the build takes `meta` rather than reading the file again,
-    and lets it go before it parses a cached vocabulary."""
+    and keeps none of it."""
     if unread and not lazy:
         raise ValueError("a tokenizer of metadata read in part is built lazily")
     if hand_over and (unread or not lazy):
@@ -282,8 +282,8 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
 
 
 def tokenizer_from_gguf_file(path: str) -> Tokenizer:
-    """tokenizer_from_gguf of a file's own metadata, its vocabulary parsed once the metadata's
-    lists are gone (a front end's peak: Gemma 3's are ~36 MB, beside the parse's own)."""
+    """tokenizer_from_gguf of a file's own metadata, read once and handed to the vocabulary's
+    build, which holds none of it afterwards (Gemma 3's lists are ~36 MB)."""
     from .gguf_file import read_metadata
 
     tokenizer = tokenizer_from_gguf(path, read_metadata(path), lazy=True, hand_over=True)

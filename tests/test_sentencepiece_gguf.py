@@ -5,7 +5,10 @@ scores and types go into GGUF metadata. treadle's tokenizer built from that meta
 SentencePiece itself and with transformers' GGUF tokenizer.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import gguf
 import pytest
@@ -164,6 +167,27 @@ def test_the_derived_merges_are_cached_per_file_and_a_bad_cache_is_derived_again
         assert rebuilt.encode(text) == first.encode(text)
         assert cached.read_bytes() == whole
     assert len(derived) == 3
+
+
+FIRST_START = """
+import json, os, sys
+from treadle.model.tokenizer import tokenizer_from_gguf_file
+tok = tokenizer_from_gguf_file(sys.argv[1])
+assert tok.encode("hello world")
+assert os.listdir(os.path.join(os.environ["XDG_CACHE_HOME"], "treadle", "tokenizers"))  # derived, not read
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "numpy")))
+"""
+
+
+def test_a_first_start_derives_the_merges_without_numpy(spm_gguf, tmp_path):
+    """The front end derives a SentencePiece file's merges on its first start (no cache yet); numpy,
+    imported for that, stayed in its resident set for the server's life (~15 MiB more than a
+    later start)."""
+    path, _ = spm_gguf
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", FIRST_START, path], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
 def test_a_files_tokenizer_reads_its_metadata_once_and_keeps_none_of_it(spm_gguf, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -515,31 +516,44 @@ def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
 
 def _merges_from_scores(tokens, scores, token_types) -> array:
     """Every split of a normal piece into two pieces of the vocabulary, best merged score first
-    (then the longer left piece, the longer right one, then the vocabulary's order): the merges'
-    token ids, left and right in turn. The candidates are kept as numbers (Gemma 3: 515K of them,
-    ~40 MB, not ~140 as tuples of strings)."""
-    import numpy as np
+    (then the longer left piece, the longer right one, then the vocabulary's order; a NaN score
+    as the lowest): the merges' token ids, left and right in turn.
 
-    left, right, score = array("q"), array("q"), array("d")
+    Written without numpy: the front end derives them on a file's first start, and numpy's import
+    (~15 MiB) stayed in its resident set for the server's life. The pieces are put in order by
+    score once; only pieces of equal score have their splits sorted together."""
     get = {tok: i for i, tok in enumerate(tokens)}.get
-    for tok, s, tt in zip(tokens, scores, token_types):
-        if len(tok) < 2 or tt not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_pairs)
-            continue
-        # (a piece's splits need no order among themselves: each has its own left length, a sort key)
-        for i in range(1, len(tok)):
+
+    def splits(n: int):
+        """(left length, left id, right id) of piece n's splits, the longer left piece first."""
+        tok = tokens[n]
+        if len(tok) < 2 or token_types[n] not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_pairs)
+            return
+        for i in range(len(tok) - 1, 0, -1):
             a = get(tok[:i])
             if a is not None:
                 b = get(tok[i:])
                 if b is not None:
-                    left.append(a)
-                    right.append(b)
-                    score.append(s)
-    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    left, right = np.frombuffer(left, dtype=np.int64), np.frombuffer(right, dtype=np.int64)
-    order = np.lexsort((-lengths[right], -lengths[left], -np.frombuffer(score, dtype=np.float64)))  # stable
-    pairs = np.empty((len(order), 2), dtype=np.int32)
-    pairs[:, 0], pairs[:, 1] = left[order], right[order]
-    return array("i", pairs.tobytes())
+                    yield i, a, b
+
+    if any(s != s for s in scores):
+        scores = [s if s == s else -math.inf for s in scores]
+    order = sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)  # (stable: ties keep the file's order)
+    out = array("i")
+    start = 0
+    while start < len(order):
+        score, end = scores[order[start]], start + 1
+        while end < len(order) and scores[order[end]] == score:
+            end += 1
+        if end - start == 1:
+            for _, a, b in splits(order[start]):
+                out.extend((a, b))
+        else:  # pieces of one score: their splits by left length, right length, then the pieces' order
+            tied = sorted((-i, i - len(tokens[n]), n, a, b) for n in order[start:end] for i, a, b in splits(n))
+            for *_, a, b in tied:
+                out.extend((a, b))
+        start = end
+    return out
 
 
 def _set_post_processor(backend: HFTokenizer, tokens, bos: int | None, eos: int | None) -> None:

@@ -190,6 +190,40 @@ def test_a_first_start_derives_the_merges_without_numpy(spm_gguf, tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def _growth_encoding(backend, texts) -> float:
+    """MiB the process's resident set grows while `backend` encodes `texts`."""
+    from treadle.utils import process_memory
+
+    before = process_memory()["VmRSS"]
+    for text in texts:
+        backend.encode(text)
+    return (process_memory()["VmRSS"] - before) / 2**20
+
+
+def test_a_sentencepiece_vocabulary_keeps_no_word_cache(spm_gguf, tmp_path):
+    """Without a pre-tokenizer a BPE "word" is a whole message: `tokenizers`' word cache kept ~6 KB
+    for each distinct one under 256 bytes (up to 10,000: Gemma 3's front end grew 57 MiB). The GGUF
+    file's tokenizer and a folder's tokenizer.json of that pipeline keep none; the same
+    tokenizer.json loaded as is grows (the probe sees a cache)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from treadle.model.tokenizer import tokenizer_from_hf_folder
+
+    path, sp = spm_gguf
+    words = "the of and to in is that for it as was with be by on not this are or from at which".split()
+    rng = __import__("random").Random(0)
+    texts = lambda: [" ".join(rng.choice(words) for _ in range(40))[:160] for _ in range(2500)]  # noqa: E731 - under 256 bytes once spaces are "▁"
+    ours = tokenizer_from_gguf(path, read_metadata(path))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    ours.backend.save(str(folder / "tokenizer.json"))
+    assert _growth_encoding(HFTokenizer.from_file(str(folder / "tokenizer.json")), texts()) > 8
+    assert _growth_encoding(ours.backend, texts()) < 2
+    hf = tokenizer_from_hf_folder(str(folder), {})
+    assert _growth_encoding(hf.backend, texts()) < 2
+    assert hf.encode(TEXTS[0], add_special_tokens=False) == ours.encode(TEXTS[0], add_special_tokens=False) == sp.encode(TEXTS[0])
+
+
 def test_a_files_tokenizer_reads_its_metadata_once_and_keeps_none_of_it(spm_gguf, tmp_path, monkeypatch):
     """tokenizer_from_gguf_file hands the metadata it read to the vocabulary's build (a first
     start read Gemma 3's twice: 0.2 s), the merges derived or cached; once built, nothing holds

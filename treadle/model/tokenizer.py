@@ -327,7 +327,8 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
         else:  # llama.cpp's SPM vocabulary: BPE whose merge order is the merged piece's score, with byte fallback
             unk_id = meta.get("tokenizer.ggml.unknown_token_id")
             unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
-            backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True, ignore_merges=False))
+            # (no word cache: _drop_whole_text_cache)
+            backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True, ignore_merges=False, cache_capacity=0))
     except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
     del vocab, pairs
@@ -345,7 +346,6 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
-    _drop_whole_text_cache(backend)
     del meta, tokens, token_types
     release_free_heap()  # the build's freed temporaries
     return backend
@@ -502,17 +502,18 @@ def _merge_pairs(path: str, merges: list[str]) -> list[tuple[str, str]]:
 
 def _drop_whole_text_cache(backend: HFTokenizer) -> None:
     """No BPE word cache where the pipeline does not split text into words (no pre-tokenizer, or a
-    Metaspace that does not split: SentencePiece's vocabularies). `tokenizers` caches each word under
-    256 bytes it encodes, up to 10,000, and a cached word keeps a 32-byte slot per byte of it: where
-    the word is a whole message, the cache grew Gemma 3's front end by 57 MiB over 12,000 short
-    prompts, for hits that save ~15 us on a repeated one. Word-splitting vocabularies (byte-level
-    BPE: a word is a few bytes) keep theirs."""
+    Metaspace that does not split: SentencePiece's vocabularies; a GGUF file's is built without one).
+    `tokenizers` caches each word under 256 bytes it encodes, up to 10,000, and a cached word keeps a
+    32-byte slot per byte of it: where the word is a whole message, the cache grew Gemma 3's front
+    end by 57 MiB over 12,000 short prompts, for hits that save ~15 us on a repeated one.
+    Word-splitting vocabularies (byte-level BPE: a word is a few bytes) keep theirs."""
     from tokenizers import models, pre_tokenizers
 
     model, pre = backend.model, backend.pre_tokenizer
     whole = pre is None or (isinstance(pre, pre_tokenizers.Metaspace) and not pre.split)
-    if whole and isinstance(model, models.BPE):
-        model._resize_cache(0)
+    resize = getattr(model, "_resize_cache", None)  # (tokenizers' own name for it, not its public API)
+    if whole and isinstance(model, models.BPE) and resize is not None:
+        resize(0)
 
 
 def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:

@@ -19,11 +19,6 @@ import tempfile
 import time
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
 def short_prompts(n: int) -> list[str]:
     words = "the of and to in is that for it as was with be by on not he this are or his from at which but have an they you were".split()
     rng = random.Random(0)
@@ -45,7 +40,7 @@ def main() -> int:
     if args.cold:
         os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="treadle-tokenizer-")
     from treadle.model.loader import load_tokenizer
-    from treadle.utils import release_free_heap
+    from treadle.utils import process_memory, release_free_heap
 
     print("imports:", memory())
     started = time.perf_counter()
@@ -55,10 +50,12 @@ def main() -> int:
     print("after handing freed memory back:", memory())
     if args.encode:
         prompts = short_prompts(args.encode)
-        before, started = rss_mib(), time.perf_counter()
+        before, started = process_memory()["VmRSS"], time.perf_counter()
         for text in prompts:
             tokenizer.encode(text)
-        print(f"{args.encode} distinct short prompts encoded in {time.perf_counter() - started:.2f} s: resident set +{rss_mib() - before:.1f} MiB")
+        print(
+            f"{args.encode} distinct short prompts encoded in {time.perf_counter() - started:.2f} s: resident set +{(process_memory()['VmRSS'] - before) / 2**20:.1f} MiB"
+        )
     return 0
 
 

@@ -343,7 +343,7 @@ def test_merges_from_scores_follow_the_rule_ties_included():
     types = [1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 3, 1, 1, 1, 1]
     expected = _plain_merges_from_scores(tokens, scores, types)
     assert expected[:3] == ["a b", "b c", "c a"] and all(m.count(" ") == 1 for m in expected)
-    assert _merge_strings(tokens, _merges_from_scores(tokens, scores, types)) == expected
+    assert _merge_strings(tokens, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)})) == expected
 
 
 def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
@@ -374,5 +374,5 @@ def test_a_sentencepiece_file_with_its_own_merges_tokenizes_as_sentencepiece_in_
     _, sp = spm_gguf
     tokens, scores, types = _vocabulary(sp)
     path = str(tmp_path / "spm-merges.gguf")
-    _write_spm_gguf(path, sp, _merge_strings(tokens, _merges_from_scores(tokens, scores, types)))
+    _write_spm_gguf(path, sp, _merge_strings(tokens, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)})))
     assert load_tokenizer(path).encode(text) == [sp.bos_id()] + sp.encode(text)

@@ -313,14 +313,14 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
         _check_gguf_tokenizer(path, meta)  # (the lists the engine's load left unread)
     tokens = meta["tokenizer.ggml.tokens"]
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    vocab = dict(zip(tokens, range(len(tokens))))  # (a repeated piece: its last id, as a comprehension's)
     if derived:
         scores = meta.pop("tokenizer.ggml.scores")
-        pairs = _cached_merges(path, tokens, functools.partial(_merges_from_scores, tokens, scores, token_types))
+        pairs = _cached_merges(path, tokens, functools.partial(_merges_from_scores, tokens, scores, token_types, vocab))
         del scores
     else:
         pairs = _merge_pairs(path, meta.pop("tokenizer.ggml.merges"))
     meta.pop("tokenizer.ggml.scores", None)
-    vocab = dict(zip(tokens, range(len(tokens))))  # (a repeated piece: its last id, as a comprehension's)
     try:
         if kind == "gpt2":
             backend = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=False))
@@ -531,15 +531,15 @@ def _sentencepiece_pipeline(backend: HFTokenizer, add_prefix: bool) -> None:
     backend.decoder = decoders.Sequence(steps)
 
 
-def _merges_from_scores(tokens, scores, token_types) -> array:
-    """Every split of a normal piece into two pieces of the vocabulary, best merged score first
+def _merges_from_scores(tokens, scores, token_types, vocab: dict[str, int]) -> array:
+    """Every split of a normal piece into two pieces of `vocab` (piece -> id), best merged score first
     (then the longer left piece, the longer right one, then the vocabulary's order; a NaN score
     as the lowest): the merges' token ids, left and right in turn.
 
     Written without numpy: the front end derives them on a file's first start, and numpy's import
     (~15 MiB) stayed in its resident set for the server's life. The pieces are put in order by
     score once; only pieces of equal score have their splits sorted together."""
-    get = {tok: i for i, tok in enumerate(tokens)}.get
+    get = vocab.get
 
     def splits(n: int):
         """(left length, left id, right id) of piece n's splits, the longer left piece first."""

@@ -39,7 +39,7 @@ def write_seed_gguf(path: str, override: tuple | None = None) -> None:
     added, or (type None) removed."""
     import gguf
 
-    from .tiny_models import CHATML, SPECIALS, tiny_tokenizer
+    from tests.tiny_models import CHATML, SPECIALS, tiny_tokenizer
 
     tok = tiny_tokenizer()
     vocab = tok.get_vocab(with_added_tokens=True)
@@ -98,7 +98,7 @@ def write_seed_hf(folder: str) -> None:
     """The same model as an HF folder: config.json, model.safetensors, tokenizer files."""
     from safetensors.numpy import save_file
 
-    from .tiny_models import CHATML, tiny_tokenizer
+    from tests.tiny_models import CHATML, tiny_tokenizer
 
     tok = tiny_tokenizer()
     n_vocab, hidden, heads, kv_heads, ff = tok.get_vocab_size(), 32, 2, 1, 48

@@ -26,7 +26,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "bench"))
     from peer_compare import CACHE, LLAMA_CPP_PYTHON, find_or_build_llama_tool
 
-    from .tiny_models import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     src = os.path.join(CACHE, f"llama_cpp_python-{LLAMA_CPP_PYTHON}", "vendor", "llama.cpp")
     if not os.path.isdir(src):

@@ -25,7 +25,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, head_d
 def tiny_model():
     from transformers import AutoModelForCausalLM
 
-    from .tiny_models import hf_config, tiny_tokenizer
+    from tests.tiny_models import hf_config, tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = hf_config("llama", tok.get_vocab_size())
@@ -39,7 +39,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "bench"))
     from peer_compare import find_or_build_llama_tool
 
-    from .tiny_models import write_gguf
+    from tests.tiny_models import write_gguf
 
     quantize = find_or_build_llama_tool("llama-quantize")
     model, tok = tiny_model()

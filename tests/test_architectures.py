@@ -9,10 +9,9 @@ import os
 import pytest
 import torch
 
+from tests.reference import assert_matches_reference, hf_greedy
+from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
-
-from .reference import assert_matches_reference, hf_greedy
-from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default", "gemma2": "default", "gemma3": "default",
@@ -83,9 +82,8 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tmp_path,
     hits the first's blocks, or for a hybrid its checkpointed state), and a pool too small for all
     six at once (requests preempted and recomputed): every greedy token as transformers', and
     every block back in the pool at the end."""
+    from tests.reference import greedy_continuation, hf_greedy_uncached
     from treadle.engine import state_cache
-
-    from .reference import greedy_continuation, hf_greedy_uncached
 
     monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)  # a hybrid's checkpoints every 8 tokens
     model = save_hf_model(str(tmp_path), arch, seed=FORCED.index(arch) + 20)

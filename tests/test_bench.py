@@ -8,6 +8,7 @@ import random
 import httpx
 import pytest
 
+from tests.conftest import KEY
 from treadle.bench.datasets import BenchRequest, LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
 from treadle.bench.metrics import RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
 from treadle.bench.serve import (
@@ -22,8 +23,6 @@ from treadle.bench.serve import (
 )
 from treadle.bench.structured import DEFAULT_SCHEMA, check_structured_args, distinct_schemas, request_schemas, schema_bytes, structured_flags
 from treadle.bench.sweep import plot_sweep
-
-from .conftest import KEY
 
 VLLM_KEYS = [
     "date", "backend", "model_id", "num_prompts", "max_concurrency", "duration", "completed", "failed",

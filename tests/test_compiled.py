@@ -8,12 +8,11 @@ import gguf
 import pytest
 import torch
 
+from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
 from treadle.model import compiled
 from treadle.model.layers import RotaryEmbedding
 from treadle.model.llama import LlamaModel
-
-from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -215,7 +214,7 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
 
     import httpx
 
-    from .server_process import ServerProcess
+    from tests.server_process import ServerProcess
 
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")

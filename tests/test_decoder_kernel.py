@@ -4,10 +4,9 @@ kernel by kernel: the same tokens and the same logprobs, for every row count the
 import pytest
 import torch
 
+from tests.tiny_models import save_hf_model
 from treadle import LLM, SamplingParams
 from treadle.model.layers import RMSNorm
-
-from .tiny_models import save_hf_model
 
 PROMPTS = [
     list(range(3, 40)),

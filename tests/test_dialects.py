@@ -13,11 +13,10 @@ import ollama
 import openai
 import pytest
 
+from tests.conftest import KEY, MODEL
+from tests.test_server import chat, client, http  # noqa: F401 (fixtures)
+from tests.test_tool_server import WEATHER
 from treadle.server.api.responses import ResponseStore
-
-from .conftest import KEY, MODEL
-from .test_server import chat, client, http  # noqa: F401 (fixtures)
-from .test_tool_server import WEATHER
 
 QUESTION = "Name three colours of the rainbow."
 TOKENS = 16
@@ -396,8 +395,8 @@ def test_embeddings_floats_base64_batches_and_usage(client, http, llama):
 def test_matryoshka_dimensions_cut_and_renormalize(tmp_path):
     """A model whose config.json declares matryoshka_dimensions takes `dimensions` (an HF folder
     served for real: embedding models load like any other)."""
-    from .server_process import ServerProcess
-    from .tiny_models import save_hf_model
+    from tests.server_process import ServerProcess
+    from tests.tiny_models import save_hf_model
 
     folder = str(tmp_path / "embedder")
     save_hf_model(folder, "qwen3", matryoshka_dimensions=[8, 16])  # Qwen3-Embedding's architecture, tiny

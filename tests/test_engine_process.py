@@ -15,14 +15,13 @@ import httpx
 import msgspec
 import pytest
 
+from tests.conftest import MODEL
+from tests.reference import hf_greedy
+from tests.server_process import ServerProcess, children
+from tests.test_registry import PLUGIN_ENV, fresh_registry, with_plugin, write_gelu_llama_folder  # noqa: F401 (fixtures)
 from treadle import SamplingParams
 from treadle import step as S
 from treadle.engine import protocol as P
-
-from .conftest import MODEL
-from .reference import hf_greedy
-from .server_process import ServerProcess, children
-from .test_registry import PLUGIN_ENV, fresh_registry, with_plugin, write_gelu_llama_folder  # noqa: F401 (fixtures)
 
 STORY = "The old lighthouse keeper climbed the stairs every evening, counting each step as the sea roared below. "
 
@@ -280,7 +279,7 @@ def test_in_process_a_failed_step_raises_and_the_engine_goes_on(make_llm, monkey
 
 def test_a_model_the_core_cannot_load_ends_the_server_with_its_message(tmp_path):
     """The tokenizer loads in the front end, the weights do not in the core: LoadFailed, exit 1."""
-    from .tiny_models import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     folder = tmp_path / "broken"
     save_hf_model(str(folder), "llama")

@@ -12,11 +12,10 @@ import time
 import pytest
 import torch
 
+from tests.test_reference import CHAT, PROMPTS
 from treadle import LLM, SamplingParams
 from treadle.engine.request import Request
 from treadle.step import ScheduledRequest, StepInput
-
-from .test_reference import CHAT, PROMPTS
 
 NUM_TOKENS = 128
 KL_BOUND = 0.02

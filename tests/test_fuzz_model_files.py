@@ -5,7 +5,7 @@ oversized allocation. A few hundred examples per format here, the same ones ever
 
 import pytest
 
-from .fuzz_model_files import Loader, run
+from tests.fuzz_model_files import Loader, run
 
 EXAMPLES = 300  # per format
 

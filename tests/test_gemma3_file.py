@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.reference import assert_matches_reference, greedy_continuation, hf_greedy
 from treadle import LLM, SamplingParams
-
-from .reference import assert_matches_reference, greedy_continuation, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -172,7 +171,7 @@ def test_treadle_serve_chats_with_gemmas_template(gemma_path):
     model is a pretrained one that rarely ends a turn: the answers run to max_tokens.)"""
     import openai
 
-    from .server_process import running
+    from tests.server_process import running
 
     for server in running("--model", gemma_path, "--dtype", "bfloat16", "--max-model-len", "512"):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

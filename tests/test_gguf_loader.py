@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle.model.config import ModelLoadError
 from treadle.model.gguf_file import GGUFFile
 from treadle.model.gguf_loader import _dequantize, load_gguf
 from treadle.model.loader import load_model_files
-
-from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 # offsets of the fp16 scale fields inside one block, per type (the rest is free-form bits)
 F16_FIELDS = {
@@ -238,7 +237,7 @@ def test_the_engine_cores_load_reads_past_merges_and_scores_and_checks_them_when
     """load_gguf reads past the vocabulary's merges and scores (the core's tokenizer is lazy; a
     151K-token vocabulary's merges took ~0.06 s of its start): their presence still counts at
     load, and the build that reads them checks them as a full read does."""
-    from .fuzz_model_files import write_seed_gguf
+    from tests.fuzz_model_files import write_seed_gguf
 
     good = str(tmp_path / "good.gguf")
     write_seed_gguf(good)

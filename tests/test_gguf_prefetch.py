@@ -250,7 +250,7 @@ def test_a_loaded_file_leaves_no_pages_mapped(tmp_path):
     read fault mapped around it): a float32 file's load would otherwise hold its weights twice."""
     from transformers import AutoModelForCausalLM
 
-    from .tiny_models import hf_config, tiny_tokenizer, write_gguf
+    from tests.tiny_models import hf_config, tiny_tokenizer, write_gguf
 
     tok = tiny_tokenizer()
     config = hf_config("llama", tok.get_vocab_size())
@@ -274,10 +274,9 @@ def test_a_served_file_answers_as_the_same_file_in_process():
     import json
     import urllib.request
 
+    from tests.server_process import running
     from treadle import LLM, SamplingParams
     from treadle.model.default_model import default_model_path
-
-    from .server_process import running
 
     path = default_model_path()  # named on the command line: prefetched
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

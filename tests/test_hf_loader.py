@@ -44,7 +44,7 @@ def test_the_reader_gives_the_librarys_tensors_and_row_ranges(tmp_path):
 
 
 def test_a_folder_is_read_when_the_model_takes_each_weight(tmp_path, monkeypatch):
-    from .make_quant_files import tiny_model
+    from tests.make_quant_files import tiny_model
 
     model, tok = tiny_model()
     model.save_pretrained(str(tmp_path), safe_serialization=True)

@@ -14,10 +14,9 @@ forward's.
 import pytest
 import torch
 
+from tests.reference import assert_matches_reference, greedy_continuation, hf_greedy, hf_greedy_uncached
+from tests.tiny_models import save_hf_model
 from treadle import LLM, SamplingParams
-
-from .reference import assert_matches_reference, greedy_continuation, hf_greedy, hf_greedy_uncached
-from .tiny_models import save_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -185,9 +184,8 @@ def test_granite_hybrid_matches_transformers(tmp_path, overrides):
 def test_gguf_files_as_llama_cpps_converter_writes_them_match_transformers(tmp_path, monkeypatch, arch, overrides):
     """llama.cpp's `granitehybrid` layout (both hybrids): read back into the same model, greedy
     tokens as transformers', batched, chunked and through prefix hits on checkpointed states."""
+    from tests.tiny_models import tiny_tokenizer, write_hybrid_gguf
     from treadle.engine import state_cache
-
-    from .tiny_models import tiny_tokenizer, write_hybrid_gguf
 
     monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
     model = save_hf_model(str(tmp_path / "hf"), arch, seed=6, **overrides)

@@ -7,12 +7,11 @@ import msgspec
 import pytest
 import zmq
 
+from tests.fuzz_model_files import write_seed_hf
+from tests.server_process import free_port_pair
 from treadle import LLM, SamplingParams
 from treadle.engine.block_pool import hash_block_tokens
 from treadle.engine.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-
-from .fuzz_model_files import write_seed_hf
-from .server_process import free_port_pair
 
 BLOCK = 16
 

@@ -293,9 +293,8 @@ def test_served_with_the_tier_flags_a_prefix_comes_back_from_the_host_tier(tmp_p
     the prefix left the pool, its blocks loaded from the host tier, counted in /stats and /metrics."""
     import httpx
 
+    from tests.server_process import running
     from treadle.model.loader import load_tokenizer
-
-    from .server_process import running
 
     tok = load_tokenizer(None)
     args = (

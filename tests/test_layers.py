@@ -129,7 +129,7 @@ def test_decode_attention_matches_dense_attention(heads, kv_heads):
 def _rope_model(tmp_path, rope_parameters: dict, max_position: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .tiny_models import tiny_tokenizer
+    from tests.tiny_models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -156,10 +156,9 @@ def _rope_model(tmp_path, rope_parameters: dict, max_position: int):
     ],
 )
 def test_rope_scaling_types_match_transformers(tmp_path, rope, max_position, source):
+    from tests.reference import assert_matches_reference, greedy_continuation, hf_greedy
+    from tests.tiny_models import tiny_tokenizer, write_gguf
     from treadle import LLM, SamplingParams
-
-    from .reference import assert_matches_reference, greedy_continuation, hf_greedy
-    from .tiny_models import tiny_tokenizer, write_gguf
 
     model = _rope_model(tmp_path, rope, max_position)
     path = str(tmp_path)

@@ -9,10 +9,9 @@ import os
 import pytest
 import torch
 
+from tests.reference import hf_greedy
+from tests.tiny_models import save_hf_model
 from treadle import LLM, SamplingParams
-
-from .reference import hf_greedy
-from .tiny_models import save_hf_model
 
 PROMPTS = [[1, 5, 9, 14, 3, 22, 7], [1, 30, 2, 8, 8, 41, 17, 5, 6, 11, 60, 3, 9, 2, 4, 70, 12, 13]]
 NUM_TOKENS = 12
@@ -154,7 +153,7 @@ def test_bfloat16_adapters_keep_the_batch_invariant_default(lora_models):
 
 @pytest.fixture(scope="module")
 def lora_server(lora_models):
-    from .server_process import running
+    from tests.server_process import running
 
     yield from running(
         "--model", lora_models["base_dir"], "--served-model-name", "base", "--lora-modules", f"a={lora_models['paths']['a']}",
@@ -218,7 +217,7 @@ def test_a_gguf_lora_from_llama_cpps_converter_equals_its_peft_adapter(lora_mode
     adapter it was converted from."""
     from peft import PeftModel
 
-    from .tiny_models import tiny_tokenizer, write_gguf
+    from tests.tiny_models import tiny_tokenizer, write_gguf
 
     base = lora_models["base"]
     import copy

@@ -12,12 +12,11 @@ import httpx
 import ollama
 import pytest
 
+from tests.conftest import MODEL
+from tests.reference import hf_greedy
+from tests.server_process import children, running
+from tests.tiny_models import save_hf_model
 from treadle.store import ModelStore
-
-from .conftest import MODEL
-from .reference import hf_greedy
-from .server_process import children, running
-from .tiny_models import save_hf_model
 
 TINY = "tiny:latest"
 

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.reference import assert_matches_reference, greedy_continuation, hf_greedy
+from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
 from treadle.model import moe
-
-from .reference import assert_matches_reference, greedy_continuation, hf_greedy
-from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

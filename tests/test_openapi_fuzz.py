@@ -15,8 +15,8 @@ import sys
 import httpx
 import pytest
 
-from .fuzz_model_files import write_seed_hf
-from .server_process import ServerProcess
+from tests.fuzz_model_files import write_seed_hf
+from tests.server_process import ServerProcess
 
 EXAMPLES = 25  # per API operation and phase (examples, coverage, fuzzing)
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,response_schema_conformance"

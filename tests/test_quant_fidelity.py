@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.make_quant_files import FOLDER, TYPES, tiny_model
+from tests.reference import assert_matches_reference, hf_greedy
+from tests.tiny_models import gguf_name
 from treadle import LLM, SamplingParams
-
-from .make_quant_files import FOLDER, TYPES, tiny_model
-from .reference import assert_matches_reference, hf_greedy
-from .tiny_models import gguf_name
 
 
 def undo_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -90,7 +89,7 @@ def test_bfloat16_path_stays_near_the_reference(kind):
 def hf_folder(tmp_path_factory):
     import json
 
-    from .tiny_models import CHATML
+    from tests.tiny_models import CHATML
 
     model, tok = tiny_model()
     folder = str(tmp_path_factory.mktemp("hf_quant"))

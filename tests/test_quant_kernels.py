@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_gguf_loader import F16_FIELDS
+from tests.test_gguf_loader import random_blocks as gguf_random_blocks
 from treadle.model.kernels import quant
-
-from .test_gguf_loader import F16_FIELDS
-from .test_gguf_loader import random_blocks as gguf_random_blocks
 
 ISAS = quant.supported_isas()
 

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from .fuzz_model_files import write_seed_hf
-from .replica_routing import assert_routing_follows_the_cache, complete
-from .server_process import ServerProcess, free_port
+from tests.fuzz_model_files import write_seed_hf
+from tests.replica_routing import assert_routing_follows_the_cache, complete
+from tests.server_process import ServerProcess, free_port
 
 # Ray maps 127.0.0.1 to the machine's primary address on Linux unless told it is not a cluster
 # across machines: this keeps every Ray socket (and treadle's, which follow the node address) on loopback

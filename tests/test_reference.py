@@ -2,9 +2,8 @@
 
 import pytest
 
+from tests.reference import assert_matches_reference, hf_greedy
 from treadle import SamplingParams
-
-from .reference import assert_matches_reference, hf_greedy
 
 NUM_TOKENS = 48
 
@@ -73,7 +72,7 @@ def test_speculative_decoding_matches_transformers(make_llm, cases):
     suffix proposals also alone (two prompts). A verification step has other row counts than a
     decode step, which changes float32 rounding, so a divergence is allowed only at a near-tie of
     the reference."""
-    from .test_spec_decode import check_counts
+    from tests.test_spec_decode import check_counts
 
     prompts, refs = cases
     names = list(prompts)

@@ -15,6 +15,8 @@ from importlib.metadata import EntryPoint
 import pytest
 import torch
 
+from tests.reference import assert_matches_reference, hf_greedy
+from tests.tiny_models import save_hf_model
 from treadle.model import registry
 from treadle.model.config import ModelLoadError
 from treadle.model.gguf_loader import _config_from_metadata
@@ -29,9 +31,6 @@ from treadle.model.registry import (
     resolve_model_class,
     restore_registry,
 )
-
-from .reference import assert_matches_reference, hf_greedy
-from .tiny_models import save_hf_model
 
 PLUGIN = "tests.plugin_gelu_llama"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from .fuzz_model_files import write_seed_hf
-from .replica_routing import BLOCK, assert_routing_follows_the_cache, complete, routed
-from .server_process import ServerProcess
+from tests.fuzz_model_files import write_seed_hf
+from tests.replica_routing import BLOCK, assert_routing_follows_the_cache, complete, routed
+from tests.server_process import ServerProcess
 
 
 def tokens(seed: int, n: int) -> list[int]:

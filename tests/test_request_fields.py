@@ -9,10 +9,9 @@ import importlib
 
 import pytest
 
+from tests.conftest import MODEL
+from tests.test_server import assert_error, chat, http  # noqa: F401 (fixture)
 from treadle.server.protocol import NO_OP_FIELDS, ChatCompletionRequest, CompletionRequest
-
-from .conftest import MODEL
-from .test_server import assert_error, chat, http  # noqa: F401 (fixture)
 
 REFUSED_CHAT = {
     "best_of": 2,
@@ -154,7 +153,7 @@ def test_continue_final_message_continues_the_assistant_text(http):
 
 
 def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
-    from .server_process import ServerProcess
+    from tests.server_process import ServerProcess
 
     template = tmp_path / "t.jinja"
     template.write_text(

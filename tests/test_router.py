@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from .fuzz_model_files import write_seed_hf
-from .server_process import RouterProcess, ServerProcess, free_port_pair
+from tests.fuzz_model_files import write_seed_hf
+from tests.server_process import RouterProcess, ServerProcess, free_port_pair
 
 BLOCK = 16
 ROUTER_KEY, WORKER_KEY = "router-key", "worker-key"

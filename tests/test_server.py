@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from .conftest import KEY, MODEL, SECOND_KEY
-from .server_process import ServerProcess, free_port_pair, running
+from tests.conftest import KEY, MODEL, SECOND_KEY
+from tests.server_process import ServerProcess, free_port_pair, running
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_unknown_model_is_404(http):
 
 def test_chat_without_template_is_400(tmp_path):
     """A model whose file has no chat template."""
-    from .tiny_models import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     folder = tmp_path / "notemplate"
     save_hf_model(str(folder), "llama")
@@ -557,9 +557,8 @@ def test_a_looping_chat_template_is_a_400_and_the_server_keeps_serving(limited):
 def test_the_engine_core_publishes_kv_events_where_stats_says(limited):
     """--kv-events-port P: the engine core process publishes on the server's host at P (replay at
     P + 1), /stats names both, and a prompt's full blocks are announced by their chained hashes."""
+    from tests.test_kv_events import replay
     from treadle.engine.block_pool import hash_block_tokens
-
-    from .test_kv_events import replay
 
     s = limited
     stats = _stats(s, "two")

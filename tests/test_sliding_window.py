@@ -12,13 +12,12 @@ import os
 import pytest
 import torch
 
+from tests.reference import assert_matches_reference, greedy_continuation, hf_greedy
+from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.request import Request
 from treadle.kv_layout import kv_layout
-
-from .reference import assert_matches_reference, greedy_continuation, hf_greedy
-from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -194,7 +193,7 @@ def test_bfloat16_default_path_honours_the_window(tiny, monkeypatch):
     """The defaults a user gets (bfloat16, treadle's attention kernel, prefix caching): the float32
     greedy continuation teacher-forced through it stays within test_fast_paths' KL bound, on prompts
     longer than the window (an attention that ignored the window would not)."""
-    from . import test_fast_paths
+    from tests import test_fast_paths
 
     arch, folder, _, _ = tiny
     monkeypatch.setattr(test_fast_paths, "NUM_TOKENS", 20)

@@ -8,7 +8,7 @@ its first 1,000 requests, docs/reliability.md)."""
 import os
 import sys
 
-from .server_process import ServerProcess
+from tests.server_process import ServerProcess
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import soak  # noqa: E402  (bench/ is not a package)

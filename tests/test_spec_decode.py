@@ -111,11 +111,10 @@ def test_suffix_tree_proposes_the_most_frequent_continuation_of_the_best_match()
 
 # ---------------------------------------------------------------- the engine: same outputs
 
+from tests.conftest import MODEL  # noqa: E402
+from tests.test_invariance import PROMPTS, chat  # noqa: E402
 from treadle import SamplingParams  # noqa: E402
 from treadle.engine.block_pool import hash_block_tokens  # noqa: E402
-
-from .conftest import MODEL  # noqa: E402
-from .test_invariance import PROMPTS, chat  # noqa: E402
 
 FORCED = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
 # text that repeats (proposals right) beside text that does not (proposals wrong)
@@ -386,7 +385,7 @@ def perturbed_draft(make_llm, gguf_path, **kwargs):
 
 
 def test_a_draft_model_must_share_the_targets_vocabulary(make_llm, tmp_path):
-    from .tiny_models import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     save_hf_model(str(tmp_path / "tiny"), "llama")
     with pytest.raises(ValueError, match="vocabulary of .* the target's has 49152"):
@@ -474,7 +473,7 @@ def test_served_speculation_is_counted_in_metrics_and_stats():
 
     import httpx
 
-    from .server_process import ServerProcess
+    from tests.server_process import ServerProcess
 
     server = ServerProcess("--dtype", "bfloat16", "--speculative-config", json.dumps(FORCED))
     try:

@@ -13,11 +13,10 @@ import time
 import gguf
 import pytest
 
+from tests.fake_hub import FakeHub
+from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle.cli import main
 from treadle.store import ModelStore, StoreError
-
-from .fake_hub import FakeHub
-from .tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 
 REPO = "tiny-org/tiny-llama-GGUF"
 

@@ -11,12 +11,11 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.conftest import MODEL
+from tests.structured_schemas import SCHEMAS
+from tests.test_server import assert_error, chat, client, http  # noqa: F401 (fixtures)
 from treadle import SamplingParams
 from treadle.engine import structured
-
-from .conftest import MODEL
-from .structured_schemas import SCHEMAS
-from .test_server import assert_error, chat, client, http  # noqa: F401 (fixtures)
 
 PERSON = {
     "type": "object",

@@ -9,10 +9,10 @@ import jsonschema
 import openai
 import pytest
 
-from .conftest import MODEL
-from .server_process import ServerProcess
-from .test_server import chat, client, http  # noqa: F401 (fixtures)
-from .tiny_models import save_scripted_model
+from tests.conftest import MODEL
+from tests.server_process import ServerProcess
+from tests.test_server import chat, client, http  # noqa: F401 (fixtures)
+from tests.tiny_models import save_scripted_model
 
 THOUGHT = "Checking the weather."
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

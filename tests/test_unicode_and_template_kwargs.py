@@ -15,10 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import MODEL
+from tests.test_server import chat, http  # noqa: F401 (fixture)
 from treadle.server.protocol import SERVER_OWNED_TEMPLATE_KEYS, find_invalid_unicode
-
-from .conftest import MODEL
-from .test_server import chat, http  # noqa: F401 (fixture)
 
 LONE = "\ud800"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d"}}}}}
@@ -121,10 +120,9 @@ def test_the_500_guard_sees_the_handlers_record_and_not_a_logged_body(caplog):
 
     import httpx
 
+    from tests.server_process import is_internal_error
     from treadle.server.app import INTERNAL_ERROR_MARK, ServerSettings, build_app
     from treadle.server.serve import LOG_FORMAT
-
-    from .server_process import is_internal_error
 
     class Engine:  # no tokenizer: /tokenize raises AttributeError, a bug the 500 handler takes
         ready, state, reason = True, "ready", None

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from playwright.sync_api import sync_playwright
 
-from .conftest import KEY, MODEL
+from tests.conftest import KEY, MODEL
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = os.path.join(os.path.dirname(__file__), "..", "test-artifacts")

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams
 
 HELP = """commands:
   /reset            forget the conversation
@@ -27,7 +27,7 @@ PARAM_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": floa
 
 def load_with_progress(config):
     """Build the engine while a spinner with the elapsed time runs on stderr."""
-    from .engine.llm_engine import LLMEngine
+    from treadle.engine.llm_engine import LLMEngine
 
     done = threading.Event()
     start = time.monotonic()
@@ -146,7 +146,7 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
-    from .config import engine_config_from_args
+    from treadle.config import engine_config_from_args
 
     if args.model_pos:
         args.model = args.model_pos

@@ -6,12 +6,12 @@ import os
 import sys
 from dataclasses import fields
 
-from .config import ENGINE_HELP, add_engine_args, engine_config_from_args
+from treadle.config import ENGINE_HELP, add_engine_args, engine_config_from_args
 
 
 def cmd_run(args) -> int:
-    from .engine.llm_engine import LLMEngine
-    from .sampling_params import SamplingParams
+    from treadle.engine.llm_engine import LLMEngine
+    from treadle.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
@@ -31,7 +31,7 @@ def cmd_run(args) -> int:
 
 
 def default_served_name(model: str | None) -> str:
-    from .model.default_model import MODEL_NAME
+    from treadle.model.default_model import MODEL_NAME
 
     if model is None:
         return MODEL_NAME
@@ -55,7 +55,7 @@ LIMIT_HELP = {
 
 
 def add_limit_args(parser) -> None:
-    from .server.prepare import ServerSettings
+    from treadle.server.prepare import ServerSettings
 
     defaults = {f.name: f.default for f in fields(ServerSettings)}
     for name, text in LIMIT_HELP.items():
@@ -96,12 +96,12 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 def serve_models(args):
     """The models `treadle serve` answers to, from its positional model, each --model (PATH, or
     NAME=PATH), --models-dir and the model flags: (the command line's model path or None, ModelOptions)."""
-    from .config import parse_size
-    from .model.loader import resolve_model_path
-    from .server.models import ModelSpec, parse_keep_alive
-    from .server.protocol import RequestError
-    from .server.serve import ModelOptions, read_chat_template
-    from .utils import available_memory
+    from treadle.config import parse_size
+    from treadle.model.loader import resolve_model_path
+    from treadle.server.models import ModelSpec, parse_keep_alive
+    from treadle.server.protocol import RequestError
+    from treadle.server.serve import ModelOptions, read_chat_template
+    from treadle.utils import available_memory
 
     given = ([args.model_pos] if args.model_pos else []) + list(args.model or [])
     plain = [g for g in given if "=" not in g or os.path.exists(os.path.expanduser(g))]
@@ -151,14 +151,14 @@ def cmd_serve(args) -> int:
 def _serve(args, early_core) -> int:
     import json
 
-    from .server.app import ServerSettings
-    from .server.serve import serve
+    from treadle.server.app import ServerSettings
+    from treadle.server.serve import serve
 
     primary_path, models = serve_models(args)
     args.model = primary_path
     try:
         overrides = json.loads(args.override_generation_config) if args.override_generation_config else {}
-        from .store.inspect import checked_defaults
+        from treadle.store.inspect import checked_defaults
 
         overrides = checked_defaults(overrides, "--override-generation-config")
     except ValueError as e:
@@ -209,7 +209,7 @@ def _serve(args, early_core) -> int:
 
 def add_routing_args(parser, what: str) -> None:
     """The routing policy's flags, the same for replicas inside a server and workers behind a router."""
-    from .routing.policy import POLICIES  # (the parser's imports wait: see build_parser)
+    from treadle.routing.policy import POLICIES  # (the parser's imports wait: see build_parser)
 
     parser.add_argument(
         "--routing-policy",
@@ -238,10 +238,10 @@ def add_routing_args(parser, what: str) -> None:
 
 
 def cmd_router(args) -> int:
-    from .model.loader import load_tokenizer
-    from .router.prompts import PromptReader
-    from .router.server import RouterSettings, run_router
-    from .server.serve import read_chat_template
+    from treadle.model.loader import load_tokenizer
+    from treadle.router.prompts import PromptReader
+    from treadle.router.server import RouterSettings, run_router
+    from treadle.server.serve import read_chat_template
 
     settings = RouterSettings(
         workers=args.worker,
@@ -265,9 +265,9 @@ def cmd_router(args) -> int:
 
 
 def add_router_parser(sub) -> None:
-    from .server.prepare import ServerSettings
-    from .server.reasoning import PARSERS as REASONING_PARSERS
-    from .server.tools import PARSERS as TOOL_PARSERS
+    from treadle.server.prepare import ServerSettings
+    from treadle.server.reasoning import PARSERS as REASONING_PARSERS
+    from treadle.server.tools import PARSERS as TOOL_PARSERS
 
     r = sub.add_parser("router", help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached")
     r.add_argument(
@@ -323,9 +323,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subcommands are built only for `bench` (their modules load httpx and numpy, ~30 MB a server
     would carry for nothing)."""
     # here rather than at the top: `treadle serve` starts its engine core before these (0.2 s)
-    from .server.reasoning import PARSERS as REASONING_PARSERS
-    from .server.tools import PARSERS as TOOL_PARSERS
-    from .store.store import default_models_dir
+    from treadle.server.reasoning import PARSERS as REASONING_PARSERS
+    from treadle.server.tools import PARSERS as TOOL_PARSERS
+    from treadle.store.store import default_models_dir
 
     parser = argparse.ArgumentParser(prog="treadle", description="An LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -470,7 +470,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     add_router_parser(sub)
-    from .store.cli import add_store_parsers
+    from treadle.store.cli import add_store_parsers
 
     add_store_parsers(sub)
 
@@ -483,7 +483,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     chat.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
     chat.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
     add_engine_args(chat)
-    from .chat import cmd_chat
+    from treadle.chat import cmd_chat
 
     chat.set_defaults(func=cmd_chat)
 
@@ -499,9 +499,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def add_bench_parsers(bench_sub) -> None:
-    from .bench.serve import add_serve_args, cmd_bench_serve
-    from .bench.sweep import add_sweep_args, cmd_bench_sweep
-    from .bench.throughput import add_throughput_args, cmd_bench_throughput
+    from treadle.bench.serve import add_serve_args, cmd_bench_serve
+    from treadle.bench.sweep import add_sweep_args, cmd_bench_sweep
+    from treadle.bench.throughput import add_throughput_args, cmd_bench_throughput
 
     b_serve = bench_sub.add_parser("serve", help="drive an OpenAI-compatible server; vllm bench serve's flags and report")
     add_serve_args(b_serve)
@@ -560,7 +560,7 @@ def _prebuild_tokenizer(argv: list[str]) -> None:
     model = _named_model(argv)
     if model is None:
         return
-    from .model.loader import prebuild_tokenizer
+    from treadle.model.loader import prebuild_tokenizer
 
     prebuild_tokenizer(model)
 
@@ -573,7 +573,7 @@ def _start_core_early(argv: list[str]):
     (replicas, whose cores start elsewhere; --help)."""
     if argv[:1] != ["serve"] or {"-h", "--help"} & set(argv):
         return None
-    from .server.launchers import SpareCore
+    from treadle.server.launchers import SpareCore
 
     model = _named_model(argv)
     early = SpareCore()

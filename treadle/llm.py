@@ -2,10 +2,10 @@
 
 from dataclasses import replace
 
-from .config import ENGINE_FIELDS, EngineConfig
-from .engine.llm_engine import LLMEngine
-from .engine.outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from treadle.config import ENGINE_FIELDS, EngineConfig
+from treadle.engine.llm_engine import LLMEngine
+from treadle.engine.outputs import CompletionOutput, RequestOutput
+from treadle.sampling_params import SamplingParams
 
 
 class LLM:

@@ -13,9 +13,9 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from .datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
-from .metrics import METRIC_TITLES, RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput
-from .structured import base_schema, check_structured_args, request_schemas
+from treadle.bench.datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
+from treadle.bench.metrics import METRIC_TITLES, RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput
+from treadle.bench.structured import base_schema, check_structured_args, request_schemas
 
 GRAMMAR_COUNTERS = ("grammars_compiled", "grammar_cache_hits")  # treadle's GET /stats
 SERVER_COUNTERS = GRAMMAR_COUNTERS + ("prefix_cache_queries", "prefix_cache_hits")  # prompt tokens looked up, and found cached

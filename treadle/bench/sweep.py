@@ -5,7 +5,7 @@ import csv
 import json
 import os
 
-from .serve import bench_serve, make_tokenizer, print_report
+from treadle.bench.serve import bench_serve, make_tokenizer, print_report
 
 COLUMNS = [
     "server", "concurrency", "num_prompts", "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",

@@ -2,7 +2,7 @@
 
 import time
 
-from .datasets import EngineTokenizer, add_dataset_args, build_dataset
+from treadle.bench.datasets import EngineTokenizer, add_dataset_args, build_dataset
 
 
 def add_throughput_args(p) -> None:
@@ -13,9 +13,9 @@ def add_throughput_args(p) -> None:
 
 
 def cmd_bench_throughput(args) -> int:
-    from ..config import engine_config_from_args
-    from ..llm import LLM
-    from ..sampling_params import SamplingParams
+    from treadle.config import engine_config_from_args
+    from treadle.llm import LLM
+    from treadle.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
@@ -43,7 +43,7 @@ def _transformers(args, llm, prompts, output_lens) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..model.loader import resolve_model_path
+    from treadle.model.loader import resolve_model_path
 
     path = resolve_model_path(args.model)
     dtype = llm.engine.dtype

@@ -16,7 +16,7 @@ import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .kv_events import BlockRemoved, BlockStored
+from treadle.engine.kv_events import BlockRemoved, BlockStored
 
 BlockHash = bytes
 

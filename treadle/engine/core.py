@@ -23,23 +23,23 @@ import logging
 import os
 import time
 
-from ..config import EngineConfig
-from ..model.default_model import MODEL_NAME
-from ..model.runner import InjectedFault
-from ..model.worker import ModelWorker
-from ..sampling_params import SamplingParams
-from ..step import NewRequestData, StepInput
-from ..utils import map_large_allocations
-from . import stats
-from .draft_model import DraftModel
-from .kv_cache_manager import KVCacheManager
-from .protocol import CoreOutput, EngineCoreRequest, child_request_id
-from .request import Request, validate_prompt
-from .scheduler import Scheduler
-from .spec_decode import SpeculationPolicy, fill_proposals
-from .state_cache import StateCheckpoints
-from .step_cost import StepCostModel
-from .structured import StructuredOutputManager
+from treadle.config import EngineConfig
+from treadle.engine import stats
+from treadle.engine.draft_model import DraftModel
+from treadle.engine.kv_cache_manager import KVCacheManager
+from treadle.engine.protocol import CoreOutput, EngineCoreRequest, child_request_id
+from treadle.engine.request import Request, validate_prompt
+from treadle.engine.scheduler import Scheduler
+from treadle.engine.spec_decode import SpeculationPolicy, fill_proposals
+from treadle.engine.state_cache import StateCheckpoints
+from treadle.engine.step_cost import StepCostModel
+from treadle.engine.structured import StructuredOutputManager
+from treadle.model.default_model import MODEL_NAME
+from treadle.model.runner import InjectedFault
+from treadle.model.worker import ModelWorker
+from treadle.sampling_params import SamplingParams
+from treadle.step import NewRequestData, StepInput
+from treadle.utils import map_large_allocations
 
 log = logging.getLogger("treadle")
 
@@ -86,7 +86,7 @@ class EngineCore:
         self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout, checkpoints, self._make_tiers())
         self.kv_events = None
         if config.kv_events_endpoint:
-            from .kv_events import KVEventPublisher
+            from treadle.engine.kv_events import KVEventPublisher
 
             self.kv.record_events()
             self.kv_events = KVEventPublisher(config.kv_events_endpoint)
@@ -132,8 +132,8 @@ class EngineCore:
         cfg = self.config
         if not cfg.enable_prefix_caching or not (cfg.kv_offload_bytes or cfg.kv_cache_dir):
             return None
-        from ..model.loader import resolve_model_path
-        from .kv_tiers import KVTiers, model_identity
+        from treadle.engine.kv_tiers import KVTiers, model_identity
+        from treadle.model.loader import resolve_model_path
 
         identity = b""
         if cfg.kv_cache_dir:

@@ -27,11 +27,11 @@ def main(argv: list[str]) -> None:
     if mode == "now":
         args = conn.recv()
         conn.close()
-        from .core_process import run_engine_core
+        from treadle.engine.core_process import run_engine_core
 
         run_engine_core(*args)
         return
-    from .core_process import run_spare_core
+    from treadle.engine.core_process import run_spare_core
 
     run_spare_core(conn, argv[3] if len(argv) > 3 else None)
 

@@ -18,9 +18,9 @@ import sys
 
 import zmq
 
-from ..config import EngineConfig
-from ..utils import end_with_parent
-from .protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
+from treadle.config import EngineConfig
+from treadle.engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
+from treadle.utils import end_with_parent
 
 log = logging.getLogger("treadle")
 
@@ -54,7 +54,7 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[core]: %(message)s")
     if config.cpu_affinity:  # a data-parallel replica's share of the machine (before torch starts its threads)
         os.sched_setaffinity(0, config.cpu_affinity)
-    from ..model.registry import restore_registry
+    from treadle.model.registry import restore_registry
 
     restore_registry(registry)
     ctx = zmq.Context()
@@ -65,7 +65,7 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
     out.connect(out_addr)
     codec = Codec()
     try:
-        from .core import EngineCore
+        from treadle.engine.core import EngineCore
 
         # the modules' objects (torch's alone are hundreds of thousands) out of the collector's
         # reach: the load's full collection spent 64 ms walking them, as would any later one
@@ -97,13 +97,13 @@ def run_spare_core(conn, prefetch: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if prefetch is not None:
-        from ..model import gguf_prefetch
+        from treadle.model import gguf_prefetch
 
         gguf_prefetch.prefetch(prefetch)  # on a thread, beside the imports below
-    from ..model import gguf_loader  # noqa: F401 - the GGUF loader's modules
-    from ..model.gguf_file import gguf_constants
-    from ..model.kernels import paged, quant
-    from .core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
+    from treadle.engine.core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
+    from treadle.model import gguf_loader  # noqa: F401 - the GGUF loader's modules
+    from treadle.model.gguf_file import gguf_constants
+    from treadle.model.kernels import paged, quant
 
     gguf_constants()  # gguf-py's type tables, which a GGUF load reads
     paged.available()  # loaded (built the first time) now rather than in the first step

@@ -28,11 +28,11 @@ How a proposal is drawn, per request (the target's verification is the runner's 
 import numpy as np
 import torch
 
-from ..model.runner import ModelRunner
-from ..model.sampler import allowed_from_bitmask
-from ..model.verification import HistoryWithDrafts
-from ..step import ScheduledRequest, StepInput
-from .structured import MatcherWalk
+from treadle.engine.structured import MatcherWalk
+from treadle.model.runner import ModelRunner
+from treadle.model.sampler import allowed_from_bitmask
+from treadle.model.verification import HistoryWithDrafts
+from treadle.step import ScheduledRequest, StepInput
 
 
 class DraftModel:

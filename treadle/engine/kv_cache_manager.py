@@ -27,12 +27,12 @@ tiers before the step that overwrites it runs (the same `take_moves`).
 
 from dataclasses import dataclass, field
 
-from ..kv_layout import CacheGroup, KVLayout
-from .block_pool import Block, BlockPool, extend_block_hashes
-from .kv_events import BlockRemoved, BlockStored
-from .kv_tiers import DISK, HOST, KVTiers, tier_key
-from .request import Request
-from .state_cache import StateCheckpoints, boundaries
+from treadle.engine.block_pool import Block, BlockPool, extend_block_hashes
+from treadle.engine.kv_events import BlockRemoved, BlockStored
+from treadle.engine.kv_tiers import DISK, HOST, KVTiers, tier_key
+from treadle.engine.request import Request
+from treadle.engine.state_cache import StateCheckpoints, boundaries
+from treadle.kv_layout import CacheGroup, KVLayout
 
 FULL_ATTENTION = KVLayout((CacheGroup(None, ()),), 1)  # one group, every position kept
 
@@ -92,7 +92,7 @@ class KVCacheManager:
 
     def record_events(self) -> None:
         """From now on, keep KV cache events (kv_events.py), starting with an empty cache's."""
-        from .kv_events import AllBlocksCleared
+        from treadle.engine.kv_events import AllBlocksCleared
 
         self.pool.events = [AllBlocksCleared()]
         if self.tiers is not None:

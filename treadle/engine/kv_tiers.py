@@ -67,7 +67,7 @@ def files_digest(paths: list[str]) -> bytes:
     ~/.cache/treadle/identity so a restart does not read the weights again."""
     import json
 
-    from ..utils import cache_root
+    from treadle.utils import cache_root
 
     memo_path = os.path.join(cache_root(), "identity", "files.json")
     try:

@@ -7,13 +7,13 @@ puts the same two halves in two processes (`server/engine_client.py`, `engine/co
 
 import itertools
 
-from ..config import EngineConfig
-from ..sampling_params import SamplingParams
-from .core import EngineCore
-from .output_processor import OutputProcessor
-from .outputs import RequestOutput
-from .protocol import EngineCoreRequest, lora_cache_salt, params_to_dict
-from .request import validate_prompt
+from treadle.config import EngineConfig
+from treadle.engine.core import EngineCore
+from treadle.engine.output_processor import OutputProcessor
+from treadle.engine.outputs import RequestOutput
+from treadle.engine.protocol import EngineCoreRequest, lora_cache_salt, params_to_dict
+from treadle.engine.request import validate_prompt
+from treadle.sampling_params import SamplingParams
 
 
 class LLMEngine:
@@ -25,13 +25,13 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
-        from ..model.lora import adapter_digest
+        from treadle.model.lora import adapter_digest
 
         self.lora_digests = {name: adapter_digest(path) for name, path in config.lora_modules.items()}
 
     def load_lora(self, name: str, path: str) -> None:
         """Attach a PEFT adapter under `name` (a ValueError naming the problem if it cannot be)."""
-        from ..model.lora import adapter_digest
+        from treadle.model.lora import adapter_digest
 
         error = self.core.load_lora(name, path)
         if error is not None:

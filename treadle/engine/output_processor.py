@@ -9,10 +9,10 @@ in the returned abort list, which the caller sends to the core. Runs in the HTTP
 
 import functools
 
-from ..sampling_params import SamplingParams
-from .detokenizer import IncrementalDetokenizer, find_stop_string, partial_stop_suffix
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .protocol import CoreOutput, child_request_id
+from treadle.engine.detokenizer import IncrementalDetokenizer, find_stop_string, partial_stop_suffix
+from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from treadle.engine.protocol import CoreOutput, child_request_id
+from treadle.sampling_params import SamplingParams
 
 
 class ChoiceState:

@@ -16,7 +16,7 @@ from dataclasses import asdict, fields
 
 import msgspec
 
-from ..sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
 

@@ -2,8 +2,8 @@
 
 import enum
 
-from ..sampling_params import SamplingParams
-from ..step import TokenHistory
+from treadle.sampling_params import SamplingParams
+from treadle.step import TokenHistory
 
 
 class RequestStatus(enum.Enum):

@@ -1,7 +1,7 @@
 """The engine core's numbers: the /stats snapshot (sent with every `CoreOutputs`) and the memory
 accounting by component."""
 
-from ..utils import process_memory
+from treadle.utils import process_memory
 
 
 def memory(worker, tiers=None) -> dict:

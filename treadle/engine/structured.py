@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..sampling_params import StructuredOutputsParams
+from treadle.sampling_params import StructuredOutputsParams
 
 # JSON whitespace: none, one space, or a newline with up to 20 spaces or tabs of indentation
 # between tokens (llama.cpp's json-schema-to-grammar rule). Compact, spaced and pretty-printed JSON

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kernels import paged  # (its import registers torch.ops.treadle.paged_attention)
+from treadle.model.kernels import paged  # (its import registers torch.ops.treadle.paged_attention)
 
 SCALE_BYTES = 4  # an int8 KV row's float32 scale, after its values
 

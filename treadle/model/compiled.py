@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..kv_layout import kv_layout
-from ..utils import cache_root, process_memory
-from .attention import AttentionMetadata, graph_kernel_args
-from .loader import resolve_model_path
+from treadle.kv_layout import kv_layout
+from treadle.model.attention import AttentionMetadata, graph_kernel_args
+from treadle.model.loader import resolve_model_path
+from treadle.utils import cache_root, process_memory
 
 log = logging.getLogger("treadle.compile")
 
@@ -275,7 +275,7 @@ class CompiledDecode:
     def _start_compiler(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
         config = replace(self.engine_config, compile=False, threads=torch.get_num_threads())
-        from .registry import registered_architectures
+        from treadle.model.registry import registered_architectures
 
         spec = json.dumps(
             {

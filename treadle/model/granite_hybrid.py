@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .attention import metadata_by_layer
-from .bamba import BambaConfig, BambaLayer, BambaModel, mamba_config, mixer_shapes
-from .config import LIMITS, ModelLoadError, MoEConfig, file_float, file_int
-from .gguf_file import LLAMA_LAYER_TENSORS
-from .llama import LayerWeights, expected_shapes
-from .mamba import MambaConfig
-from .moe import MoE, moe_shapes
+from treadle.model.attention import metadata_by_layer
+from treadle.model.bamba import BambaConfig, BambaLayer, BambaModel, mamba_config, mixer_shapes
+from treadle.model.config import LIMITS, ModelLoadError, MoEConfig, file_float, file_int
+from treadle.model.gguf_file import LLAMA_LAYER_TENSORS
+from treadle.model.llama import LayerWeights, expected_shapes
+from treadle.model.mamba import MambaConfig
+from treadle.model.moe import MoE, moe_shapes
 
 MOE_NAMES = dict(
     router="block_sparse_moe.router.layer.weight",

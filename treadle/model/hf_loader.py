@@ -8,14 +8,14 @@ import struct
 import weakref
 from typing import TYPE_CHECKING
 
-from .config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
-from .registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
-from .tokenizer import read_json, tokenizer_from_hf_folder
+from treadle.model.config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
+from treadle.model.registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
+from treadle.model.tokenizer import read_json, tokenizer_from_hf_folder
 
 if TYPE_CHECKING:
     import torch
 
-    from .deferred import DeferredWeight
+    from treadle.model.deferred import DeferredWeight
 
 
 def read_config(folder: str) -> dict:
@@ -271,7 +271,7 @@ class SafetensorsFile:
     def deferred(self, name: str) -> "DeferredWeight":
         import torch
 
-        from .deferred import DeferredWeight
+        from treadle.model.deferred import DeferredWeight
 
         dtype, shape, _ = self.entries[name]
         floating = dtype in (torch.float32, torch.float16, torch.bfloat16)

@@ -13,11 +13,11 @@ then calls only what is declared here; the compiler process (`compiled.py`) trac
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
-from .config import ModelConfig
-from .gguf_file import LLAMA_LAYER_TENSORS
-from .kernels.quant import QuantizedTensor
-from .layers import Linear, RotaryEmbedding
+from treadle.model.attention import AttentionMetadata
+from treadle.model.config import ModelConfig
+from treadle.model.gguf_file import LLAMA_LAYER_TENSORS
+from treadle.model.kernels.quant import QuantizedTensor
+from treadle.model.layers import Linear, RotaryEmbedding
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key blocks, value blocks)
 

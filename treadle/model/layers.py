@@ -5,10 +5,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import RopeConfig
-from .kernels import rowops
-from .kernels.quant import QuantizedTensor, quant_matmul_op
-from .kernels.quant import matmul as quant_matmul
+from treadle.model.config import RopeConfig
+from treadle.model.kernels import rowops
+from treadle.model.kernels.quant import QuantizedTensor, quant_matmul_op
+from treadle.model.kernels.quant import matmul as quant_matmul
 
 
 class RMSNorm:

@@ -9,13 +9,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..kv_layout import kv_layout
-from .attention import AttentionMetadata, metadata_by_layer, paged_attention
-from .config import ModelConfig, ModelLoadError
-from .interface import CausalLM
-from .kernels.quant import QuantizedTensor, quant_rows_op
-from .layers import LORA_ROWS, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from .moe import MoE, moe_shapes
+from treadle.kv_layout import kv_layout
+from treadle.model.attention import AttentionMetadata, metadata_by_layer, paged_attention
+from treadle.model.config import ModelConfig, ModelLoadError
+from treadle.model.interface import CausalLM
+from treadle.model.kernels.quant import QuantizedTensor, quant_rows_op
+from treadle.model.layers import LORA_ROWS, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from treadle.model.moe import MoE, moe_shapes
 
 
 class LayerWeights:
@@ -275,7 +275,7 @@ class LlamaModel(CausalLM):
         """The C path of this model's layers (kernels/decoder.py), or None where the model does not
         qualify or TREADLE_DECODER_KERNEL=0; decided on the first step."""
         if self._stepper is False:
-            from .kernels.decoder import LayerStepper
+            from treadle.model.kernels.decoder import LayerStepper
 
             self._stepper = LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
         return self._stepper

@@ -19,7 +19,7 @@ import math
 import os
 import re
 
-from .config import ModelLoadError
+from treadle.model.config import ModelLoadError
 
 # torch is imported where tensors are made: the front end (no torch) reads adapter configs and digests here
 
@@ -137,9 +137,9 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
     rows of attn_q / attn_k put back from llama.cpp's RoPE permutation, as the base's are."""
     import torch
 
-    from .gguf_file import open_gguf
-    from .gguf_loader import _dequantize, _hf_name, _undo_qk_permutation
-    from .registry import resolve_model_class
+    from treadle.model.gguf_file import open_gguf
+    from treadle.model.gguf_loader import _dequantize, _hf_name, _undo_qk_permutation
+    from treadle.model.registry import resolve_model_class
 
     try:
         reader = open_gguf(path)

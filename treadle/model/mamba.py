@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelLoadError
+from treadle.model.config import ModelLoadError
 
 
 @dataclass

@@ -22,11 +22,11 @@ torch.compile the grouped loop is one opaque operator, `treadle::moe_experts`.
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig, ModelLoadError, MoEConfig
-from .deferred import DeferredWeight
-from .kernels.quant import QuantizedTensor
-from .kernels.quant import matmul as quant_matmul
-from .layers import Linear
+from treadle.model.config import ModelConfig, ModelLoadError, MoEConfig
+from treadle.model.deferred import DeferredWeight
+from treadle.model.kernels.quant import QuantizedTensor
+from treadle.model.kernels.quant import matmul as quant_matmul
+from treadle.model.layers import Linear
 
 DENSE = -1  # the operator's type id of a dense (not quantized) expert weight
 

@@ -4,8 +4,8 @@ projections (all heads at once, not per head), and q, k, v optionally clamped (`
 llama.cpp's `olmoe` files hold the same tensors (experts stacked).
 """
 
-from .config import ModelConfig, MoEConfig
-from .llama import LlamaModel
+from treadle.model.config import ModelConfig, MoEConfig
+from treadle.model.llama import LlamaModel
 
 
 class OlmoeModel(LlamaModel):

@@ -11,9 +11,9 @@ rows), the rotated dimensions as `rope.dimension_count`, and longrope as two ten
 (a TODO in its phi3 model); treadle honours it, as transformers does.
 """
 
-from .config import ModelConfig, file_float, file_int
-from .gguf_file import LLAMA_LAYER_TENSORS
-from .llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
+from treadle.model.config import ModelConfig, file_float, file_int
+from treadle.model.gguf_file import LLAMA_LAYER_TENSORS
+from treadle.model.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 
 
 class Phi3Layer(DecoderLayer):

@@ -11,8 +11,8 @@ dense MLP of `intermediate_size`); GGUF files (llama.cpp's `qwen2moe`, `qwen3moe
 every layer.
 """
 
-from .config import ModelConfig, ModelLoadError, MoEConfig
-from .llama import Qwen2Model, Qwen3Model
+from treadle.model.config import ModelConfig, ModelLoadError, MoEConfig
+from treadle.model.llama import Qwen2Model, Qwen3Model
 
 
 def hf_moe(hf, norm_topk: bool, shared: bool) -> MoEConfig:

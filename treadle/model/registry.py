@@ -15,7 +15,7 @@ import importlib
 import os
 from importlib.metadata import entry_points
 
-from .config import ModelLoadError
+from treadle.model.config import ModelLoadError
 
 PLUGINS_ENV = "TREADLE_PLUGINS"
 PLUGINS_GROUP = "treadle.plugins"
@@ -120,7 +120,7 @@ def resolve_model_class(arch: str) -> type:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as e:
             raise ModelLoadError(f"architecture {arch!r}: cannot import {target}: {e}") from e
-        from .interface import CausalLM  # torch: only once a model is built
+        from treadle.model.interface import CausalLM  # torch: only once a model is built
 
         if not (isinstance(obj, type) and issubclass(obj, CausalLM)):
             raise ModelLoadError(f"architecture {arch!r}: {target} is not a subclass of treadle.model.interface.CausalLM")

@@ -14,18 +14,18 @@ from dataclasses import replace
 
 import torch
 
-from ..kv_layout import kv_layout
-from ..sampling_params import SamplingParams
-from ..step import SampledToken, StepInput, TokenHistory
-from ..utils import zeroed_pages
-from .attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
-from .config import ModelConfig
-from .kernels import paged
-from .layers import LORA_ROWS
-from .mamba import Segment
-from .registry import resolve_model_class
-from .sampler import Sampler, allowed_from_bitmask
-from .verification import HistoryWithDrafts, Verification
+from treadle.kv_layout import kv_layout
+from treadle.model.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
+from treadle.model.config import ModelConfig
+from treadle.model.kernels import paged
+from treadle.model.layers import LORA_ROWS
+from treadle.model.mamba import Segment
+from treadle.model.registry import resolve_model_class
+from treadle.model.sampler import Sampler, allowed_from_bitmask
+from treadle.model.verification import HistoryWithDrafts, Verification
+from treadle.sampling_params import SamplingParams
+from treadle.step import SampledToken, StepInput, TokenHistory
+from treadle.utils import zeroed_pages
 
 
 def release_freed_memory() -> None:
@@ -129,7 +129,7 @@ class ModelRunner:
         self.loras = None  # a LoraSet, once an adapter is added
 
     def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
-        from .lora import LoraSet
+        from treadle.model.lora import LoraSet
 
         if self.loras is None:
             self.loras = LoraSet(self.model.linears(), self.dtype, self.device, max_rank, self.config)

@@ -11,7 +11,7 @@ states and check a draft model's proposals by rejection sampling as they are sam
 import numpy as np
 import torch
 
-from ..step import SampledToken
+from treadle.step import SampledToken
 
 
 class Sampler:

@@ -18,8 +18,8 @@ from array import array
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
-from ..utils import release_free_heap
-from .config import ModelLoadError
+from treadle.model.config import ModelLoadError
+from treadle.utils import release_free_heap
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -211,7 +211,7 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
-        from .chat_template import render  # jinja2 (~90 ms to import): not on an engine core's path
+        from treadle.model.chat_template import render  # jinja2 (~90 ms to import): not on an engine core's path
 
         return render(template, context)  # sandboxed and bounded; ValueError if it fails
 
@@ -285,7 +285,7 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
 def tokenizer_from_gguf_file(path: str) -> Tokenizer:
     """tokenizer_from_gguf of a file's own metadata, read once and handed to the vocabulary's
     build, which holds none of it afterwards (Gemma 3's lists are ~36 MB)."""
-    from .gguf_file import read_metadata
+    from treadle.model.gguf_file import read_metadata
 
     tokenizer = tokenizer_from_gguf(path, read_metadata(path), lazy=True, hand_over=True)
     tokenizer.backend  # noqa: B018 - built now, not on the first request
@@ -304,7 +304,7 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
 
-    from .gguf_file import read_metadata
+    from treadle.model.gguf_file import read_metadata
 
     if held:
         meta = held.pop()
@@ -367,7 +367,7 @@ def _cached_merges(path: str, tokens: list[str], derive: Callable[[], array]) ->
     import hashlib
     import sys
 
-    from ..utils import cache_root
+    from treadle.utils import cache_root
 
     cached = None
     try:

@@ -17,7 +17,7 @@ that exact:
 
 import torch
 
-from ..step import SampledToken, TokenHistory
+from treadle.step import SampledToken, TokenHistory
 
 
 class HistoryWithDrafts(TokenHistory):

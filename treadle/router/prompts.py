@@ -12,8 +12,8 @@ import json
 import logging
 from dataclasses import dataclass
 
-from ..server.prepare import ServerSettings, ServerState, prepare_chat, prepare_completion
-from ..server.protocol import ChatCompletionRequest, CompletionRequest
+from treadle.server.prepare import ServerSettings, ServerState, prepare_chat, prepare_completion
+from treadle.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("treadle.router")
 
@@ -55,7 +55,7 @@ class PromptReader:
             return None
 
     async def _read(self, path: str, data: dict) -> RoutedPrompt | None:
-        from ..server.api import anthropic, ollama, responses
+        from treadle.server.api import anthropic, ollama, responses
 
         if path == "/v1/chat/completions":
             body = ChatCompletionRequest(**data)

@@ -35,12 +35,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .. import __version__
-from ..routing.kv_index import KVEventSubscriber
-from ..routing.policy import RoutingPolicy
-from ..server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
-from ..server.errors import error_response
-from .prompts import PromptReader
+from treadle import __version__
+from treadle.router.prompts import PromptReader
+from treadle.routing.kv_index import KVEventSubscriber
+from treadle.routing.policy import RoutingPolicy
+from treadle.server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
+from treadle.server.errors import error_response
 
 log = logging.getLogger("treadle.router")
 

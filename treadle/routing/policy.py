@@ -19,7 +19,7 @@ a new request: the one routing rule both share.
 import itertools
 from dataclasses import dataclass
 
-from .kv_index import KVIndex, cached_tokens, prompt_block_hashes
+from treadle.routing.kv_index import KVIndex, cached_tokens, prompt_block_hashes
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 

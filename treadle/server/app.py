@@ -15,14 +15,14 @@ from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from . import openapi
-from .api import anthropic, chat_completions, completions, embeddings, ollama, responses
-from .engine_client import EngineDead
-from .errors import dialect_of, error_response
-from .metrics import ServerMetrics
-from .models import ModelHub, ModelNotFound
-from .prepare import (
+from treadle import __version__
+from treadle.server import openapi
+from treadle.server.api import anthropic, chat_completions, completions, embeddings, ollama, responses
+from treadle.server.engine_client import EngineDead
+from treadle.server.errors import dialect_of, error_response
+from treadle.server.metrics import ServerMetrics
+from treadle.server.models import ModelHub, ModelNotFound
+from treadle.server.prepare import (
     ServerSettings,
     ServerState,
     chat_template,
@@ -34,8 +34,17 @@ from .prepare import (
     require_ready,
     serving,
 )
-from .protocol import DetokenizeRequest, LoadLoraRequest, ModelCard, ModelList, RequestError, TokenizeRequest, UnloadLoraRequest, find_invalid_unicode
-from .tools import prepare_messages, template_supports_tools
+from treadle.server.protocol import (
+    DetokenizeRequest,
+    LoadLoraRequest,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+    UnloadLoraRequest,
+    find_invalid_unicode,
+)
+from treadle.server.tools import prepare_messages, template_supports_tools
 
 __all__ = ["ServerSettings", "build_app"]
 

@@ -3,8 +3,8 @@ as OpenAI deltas. The non-streamed message is the same deltas merged, so the two
 
 import json
 
-from .reasoning import ReasoningStream
-from .tools import ToolSetup, ToolStream
+from treadle.server.reasoning import ReasoningStream
+from treadle.server.tools import ToolSetup, ToolStream
 
 
 class ChatOutput:

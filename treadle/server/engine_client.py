@@ -20,11 +20,11 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from ..config import EngineConfig
-from ..engine.core_process import LOAD_FAILED_EXIT
-from ..engine.output_processor import OutputProcessor
-from ..engine.outputs import RequestOutput
-from ..engine.protocol import (
+from treadle.config import EngineConfig
+from treadle.engine.core_process import LOAD_FAILED_EXIT
+from treadle.engine.output_processor import OutputProcessor
+from treadle.engine.outputs import RequestOutput
+from treadle.engine.protocol import (
     Abort,
     Codec,
     CoreOutputs,
@@ -37,9 +37,9 @@ from ..engine.protocol import (
     UnloadLora,
     params_to_dict,
 )
-from ..sampling_params import SamplingParams
-from ..utils import process_memory
-from .launchers import LocalLauncher
+from treadle.sampling_params import SamplingParams
+from treadle.server.launchers import LocalLauncher
+from treadle.utils import process_memory
 
 log = logging.getLogger("treadle.server")
 
@@ -84,7 +84,7 @@ class EngineClient:
 
     async def start(self) -> None:
         """Start the core process and, meanwhile, load the tokenizer here."""
-        from ..model.loader import load_tokenizer
+        from treadle.model.loader import load_tokenizer
 
         self._loop = asyncio.get_running_loop()
         self._spawn()
@@ -119,7 +119,7 @@ class EngineClient:
         self.launcher.close()
 
     def _spawn(self) -> None:
-        from ..model.registry import registered_architectures
+        from treadle.model.registry import registered_architectures
 
         in_bind, out_bind = self.launcher.addresses()
         self._send_sock = zmq.Context.instance().socket(zmq.PUSH)

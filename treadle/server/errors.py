@@ -8,7 +8,7 @@
 
 from fastapi.responses import JSONResponse
 
-from .protocol import error_body
+from treadle.server.protocol import error_body
 
 OPENAI_TYPES = {
     400: "BadRequestError",

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 
-from ..engine.outputs import RequestOutput
-from ..engine.protocol import lora_cache_salt
-from .engine_client import EngineDead
-from .metrics import RequestTimer
-from .protocol import RequestError
+from treadle.engine.outputs import RequestOutput
+from treadle.engine.protocol import lora_cache_salt
+from treadle.server.engine_client import EngineDead
+from treadle.server.metrics import RequestTimer
+from treadle.server.protocol import RequestError
 
 
 class GenerationFailed(Exception):

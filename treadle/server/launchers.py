@@ -92,7 +92,7 @@ class CoreProcess:
     def __init__(self, prefetch: str | None = None, now: bool = False):
         from multiprocessing.connection import Pipe
 
-        from ..engine.core_main import BOOT
+        from treadle.engine.core_main import BOOT
 
         self.conn, child = Pipe()
         sentinel, held = os.pipe()  # the child holds `held` open until it ends
@@ -179,7 +179,7 @@ class SpareCore:
 
     def rss(self) -> int:
         """The spare's resident set in bytes (0: none)."""
-        from ..utils import process_memory
+        from treadle.utils import process_memory
 
         if self._proc is None or not self._proc.is_alive():
             return 0
@@ -282,7 +282,7 @@ class RayEngineCore:
     def run(self, config, registry: dict, in_addr: str, out_addr: str, log_level: str) -> int:
         from dataclasses import replace
 
-        from ..engine.core_process import run_engine_core
+        from treadle.engine.core_process import run_engine_core
 
         host = _node_host()
         # the KV events on this node's address, free ports; the core's stats name them

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..config import EngineConfig
-from .protocol import RequestError
+from treadle.config import EngineConfig
+from treadle.server.protocol import RequestError
 
 log = logging.getLogger("treadle.server")
 
@@ -121,7 +121,7 @@ class Catalog:
     """Every model name the server answers to, and where its files are."""
 
     def __init__(self, named: list[ModelSpec], store=None, include_default: bool = True):
-        from ..model.default_model import MODEL_NAME, default_model_path
+        from treadle.model.default_model import MODEL_NAME, default_model_path
 
         self.named = {s.name: s for s in named}
         self.store = store
@@ -134,7 +134,7 @@ class Catalog:
             if candidate in self.named:
                 return self.named[candidate]
         if self.store is not None:
-            from ..store import StoreError
+            from treadle.store import StoreError
 
             try:
                 m = self.store.get(name)
@@ -200,7 +200,7 @@ class ModelHub:
     @classmethod
     def for_engine(cls, engine, name: str, path: str, chat_template: str | None = None) -> "ModelHub":
         """A one-model hub around an engine built elsewhere (build_app given an engine)."""
-        from ..config import EngineConfig
+        from treadle.config import EngineConfig
 
         spec = ModelSpec(name, path, chat_template)
         hub = cls(Catalog([spec], include_default=False), lambda config: engine, EngineConfig(model=path), primary=name)
@@ -299,7 +299,7 @@ class ModelHub:
     async def load_adapter(self, name: str, path: str, base: str | None = None) -> Adapter:
         """Serve the PEFT adapter at `path` as model `name`, on `base` (default: the command line's
         model), loading it in the base's engine now if that is loaded, else when it loads."""
-        from ..model.lora import adapter_digest, read_adapter_config
+        from treadle.model.lora import adapter_digest, read_adapter_config
 
         if base is None and self.primary is None:
             raise RequestError("LoRA adapters need a base model: name it (base_model_name) or start the server with --model", "base_model_name")
@@ -325,7 +325,7 @@ class ModelHub:
 
     def add_startup_adapter(self, name: str, path: str) -> None:
         """--lora-modules: an adapter of the command line's model, loaded with it (a failure is its load failure)."""
-        from ..model.lora import adapter_digest, read_adapter_config
+        from treadle.model.lora import adapter_digest, read_adapter_config
 
         if self.primary is None:
             raise ValueError("--lora-modules needs a model loaded at start (--model)")

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from .openapi_models import ERROR_MODELS, GLOBAL_ERRORS, ROUTES
+from treadle.server.openapi_models import ERROR_MODELS, GLOBAL_ERRORS, ROUTES
 
 REASONS = {
     400: "Bad request: invalid JSON, a parameter out of range or of the wrong type, a prompt too long",

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .protocol import ModelCard, ModelList
+from treadle.server.protocol import ModelCard, ModelList
 
 __all__ = [
     "ROUTES",

@@ -11,15 +11,15 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-from ..engine.request import validate_prompt
-from ..model import chat_template as _templates  # noqa: F401 - jinja2 loaded with the front end, not by its first chat request
-from .chat_output import ChatOutput
-from .engine_client import EngineClient
-from .generation import Generation
-from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
-from .reasoning import reasoning_closed, starts_inside
-from .tools import ToolSetup, family_of, prepare_messages, template_supports_tools, tool_setup
+from treadle.engine.request import validate_prompt
+from treadle.model import chat_template as _templates  # noqa: F401 - jinja2 loaded with the front end, not by its first chat request
+from treadle.server.chat_output import ChatOutput
+from treadle.server.engine_client import EngineClient
+from treadle.server.generation import Generation
+from treadle.server.metrics import ServerMetrics
+from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
+from treadle.server.reasoning import reasoning_closed, starts_inside
+from treadle.server.tools import ToolSetup, family_of, prepare_messages, template_supports_tools, tool_setup
 
 
 @dataclass
@@ -154,7 +154,7 @@ async def prepare_renamed(prepare, state: ServerState, body, names: dict[str, st
 def generation_defaults(settings: ServerSettings, path: str) -> dict:
     """The model's own generation defaults (store/inspect.py) unless --generation-config vllm, with
     --override-generation-config on top."""
-    from ..store.inspect import describe_cached
+    from treadle.store.inspect import describe_cached
 
     own = describe_cached(path).defaults if settings.generation_config == "auto" else {}
     return {**own, **settings.override_generation_config}
@@ -170,7 +170,7 @@ def model_state(server: ServerState, spec, engine) -> ServerState:
 
 def model_card(server: ServerState, spec) -> ModelCard:
     """/v1/models' entry: loaded or not, its context length and generation defaults."""
-    from ..store.inspect import describe_cached
+    from treadle.store.inspect import describe_cached
 
     entry = server.hub.loaded.get(spec.name)
     if entry is not None and entry.engine.ready:

@@ -18,11 +18,11 @@ import shutil
 import tempfile
 from dataclasses import replace
 
-from ..config import EngineConfig
-from ..routing.kv_index import KVEventSubscriber
-from ..routing.policy import RoutingPolicy
-from .engine_client import EngineClient, EngineDead
-from .launchers import LocalLauncher
+from treadle.config import EngineConfig
+from treadle.routing.kv_index import KVEventSubscriber
+from treadle.routing.policy import RoutingPolicy
+from treadle.server.engine_client import EngineClient, EngineDead
+from treadle.server.launchers import LocalLauncher
 
 log = logging.getLogger("treadle.server")
 
@@ -86,7 +86,7 @@ class ReplicaSet:
                 endpoint = f"ipc://{self._events_dir}/kv-{i}"
                 yield replace(config, threads=threads, cpu_affinity=cpus, kv_events_endpoint=endpoint), LocalLauncher()
             return
-        from .launchers import RayLauncher, connect_ray
+        from treadle.server.launchers import RayLauncher, connect_ray
 
         cluster_cpus = connect_ray(ray_address)
         threads = config.threads or max(1, int(cluster_cpus // size))

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from ..config import EngineConfig
-from .app import ServerSettings, build_app
-from .engine_client import EngineClient
-from .launchers import LocalLauncher, SpareCore
-from .models import Catalog, ModelHub, ModelSpec
+from treadle.config import EngineConfig
+from treadle.server.app import ServerSettings, build_app
+from treadle.server.engine_client import EngineClient
+from treadle.server.launchers import LocalLauncher, SpareCore
+from treadle.server.models import Catalog, ModelHub, ModelSpec
 
 log = logging.getLogger("treadle.server")
 
@@ -101,14 +101,14 @@ def serve(
 
     def make_engine(config: EngineConfig):
         if replicas:
-            from .replicas import ReplicaSet
+            from treadle.server.replicas import ReplicaSet
 
             return ReplicaSet(config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
         return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level, launcher=LocalLauncher(first))
 
     store = None
     if models.models_dir is not None:
-        from ..store import ModelStore
+        from treadle.store import ModelStore
 
         store = ModelStore(models.models_dir)
     catalog = Catalog(models.named, store, include_default=store is not None or len(models.named) > 1)

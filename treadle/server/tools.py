@@ -18,8 +18,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from ..sampling_params import StructuredOutputsParams
-from .protocol import RequestError
+from treadle.sampling_params import StructuredOutputsParams
+from treadle.server.protocol import RequestError
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 PARSERS = ("auto", "hermes", "llama3_json", "mistral")

@@ -2,8 +2,8 @@
 hub or a URL, or imported from a local path (store.py); downloads (fetch.py); what a model is,
 read without its weights (inspect.py)."""
 
-from .inspect import ModelInfo, describe, human_bytes, human_count
-from .store import ModelStore, NotFound, StoreError, default_models_dir, entry_summary, full_name, parse_ref
+from treadle.store.inspect import ModelInfo, describe, human_bytes, human_count
+from treadle.store.store import ModelStore, NotFound, StoreError, default_models_dir, entry_summary, full_name, parse_ref
 
 __all__ = ["ModelInfo", "ModelStore", "NotFound", "StoreError", "default_models_dir", "describe", "entry_summary", "full_name",
            "human_bytes", "human_count", "parse_ref"]  # fmt: skip

@@ -4,8 +4,8 @@ import json
 import sys
 import time
 
-from .inspect import human_bytes, human_count
-from .store import ModelStore, StoreError, entry_summary
+from treadle.store.inspect import human_bytes, human_count
+from treadle.store.store import ModelStore, StoreError, entry_summary
 
 MODELS_DIR_HELP = "the model store (default: $TREADLE_MODELS, else ~/.cache/treadle/models)"
 

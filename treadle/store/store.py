@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from ..utils import cache_root
-from .fetch import Expected, FetchError, download, file_sha256, part_path, verify
-from .inspect import PARAMS_FILE, InspectError, describe, ollama_parameters
+from treadle.store.fetch import Expected, FetchError, download, file_sha256, part_path, verify
+from treadle.store.inspect import PARAMS_FILE, InspectError, describe, ollama_parameters
+from treadle.utils import cache_root
 
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}(:[A-Za-z0-9._-]{1,100})?$")
@@ -379,8 +379,8 @@ def _matches(path: str, expected: Expected) -> bool:
 
 
 def _check_gguf(path: str) -> None:
-    from ..model.config import ModelLoadError
-    from ..model.gguf_file import open_gguf
+    from treadle.model.config import ModelLoadError
+    from treadle.model.gguf_file import open_gguf
 
     try:
         open_gguf(path)

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import threading
 
-from ...utils import cache_root
+from treadle.utils import cache_root
 
 HERE = os.path.dirname(__file__)
 log = logging.getLogger("treadle.kernels")

@@ -17,11 +17,11 @@ import ctypes
 
 import torch
 
-from ..layers import LORA_ROWS, RMSNorm
-from . import quant, rowops
-from .build import Library, build
-from .paged import _kernel as attention_kernel
-from .paged import usable
+from treadle.model.kernels import quant, rowops
+from treadle.model.kernels.build import Library, build
+from treadle.model.kernels.paged import _kernel as attention_kernel
+from treadle.model.kernels.paged import usable
+from treadle.model.layers import LORA_ROWS, RMSNorm
 
 MAX_PARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .build import Library, build
+from treadle.model.kernels.build import Library, build
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:

@@ -13,8 +13,8 @@ is used unless TREADLE_QUANT_ISA names one (`vnni`, `avx2`, `portable`).
 import numpy as np
 import torch
 
-from . import quant_lib
-from .quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, quantize, supported_isas  # noqa: F401 - quant's names too
+from treadle.model.kernels import quant_lib
+from treadle.model.kernels.quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, quantize, supported_isas  # noqa: F401 - quant's names too
 
 
 class QuantizedTensor:

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from .build import build
+from treadle.model.kernels.build import build
 
 # ggml type id, values per block, bytes per block
 TYPES = {

@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from .build import Library, build
+from treadle.model.kernels.build import Library, build
 
 
 def _build() -> ctypes.CDLL:

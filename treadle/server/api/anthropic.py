@@ -16,13 +16,13 @@ from typing import Any
 from fastapi import Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from ..errors import anthropic_body, anthropic_status
-from ..generation import Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
-from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
-from ..tools import tool_setup
-from .reply_parts import PartStream, ReplyPart, reply_parts
-from .sse import sse, stream_response
+from treadle.server.api.reply_parts import PartStream, ReplyPart, reply_parts
+from treadle.server.api.sse import sse, stream_response
+from treadle.server.errors import anthropic_body, anthropic_status
+from treadle.server.generation import Generation, GenerationFailed
+from treadle.server.prepare import Prepared, ServerState, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
+from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
+from treadle.server.tools import tool_setup
 
 RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
 

@@ -4,11 +4,11 @@ import time
 
 from fastapi import Request
 
-from ..errors import openai_type
-from ..generation import Choice, Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, prepare_chat, serving
-from ..protocol import ChatCompletionRequest, error_body, new_id
-from .sse import DONE, sse, stream_response
+from treadle.server.api.sse import DONE, sse, stream_response
+from treadle.server.errors import openai_type
+from treadle.server.generation import Choice, Generation, GenerationFailed
+from treadle.server.prepare import Prepared, ServerState, prepare_chat, serving
+from treadle.server.protocol import ChatCompletionRequest, error_body, new_id
 
 
 def register(app, server: ServerState) -> None:

@@ -4,11 +4,11 @@ import time
 
 from fastapi import Request
 
-from ..generation import Choice, Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, prepare_completion, serving
-from ..protocol import CompletionRequest, new_id
-from .chat_completions import error_event, top_logprobs
-from .sse import DONE, sse, stream_response
+from treadle.server.api.chat_completions import error_event, top_logprobs
+from treadle.server.api.sse import DONE, sse, stream_response
+from treadle.server.generation import Choice, Generation, GenerationFailed
+from treadle.server.prepare import Prepared, ServerState, prepare_completion, serving
+from treadle.server.protocol import CompletionRequest, new_id
 
 
 def register(app, server: ServerState) -> None:

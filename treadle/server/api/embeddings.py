@@ -14,11 +14,11 @@ import time
 from fastapi import Request
 from pydantic import StrictInt, StrictStr
 
-from ...engine.request import validate_prompt
-from ...sampling_params import SamplingParams
-from ..generation import ClientGone, Generation, GenerationFailed
-from ..prepare import ServerState, check_token_ids, require_ready, serving
-from ..protocol import RequestError, StrictModel, new_id
+from treadle.engine.request import validate_prompt
+from treadle.sampling_params import SamplingParams
+from treadle.server.generation import ClientGone, Generation, GenerationFailed
+from treadle.server.prepare import ServerState, check_token_ids, require_ready, serving
+from treadle.server.protocol import RequestError, StrictModel, new_id
 
 
 class EmbeddingRequest(StrictModel):

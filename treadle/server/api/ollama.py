@@ -21,18 +21,18 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import StrictBool, StrictStr
 
-from ... import __version__
-from ...store.inspect import describe_cached, human_count
-from ...store.store import full_name
-from ..chat_output import is_json
-from ..generation import Generation, GenerationFailed
-from ..models import COMMAND_LINE, EMBEDDED, parse_keep_alive
-from ..prepare import LOAD_WAIT, Prepared, ServerState, prepare_chat, prepare_completion, prepare_renamed, require_ready, serving
-from ..protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
-from ..tools import template_supports_tools
-from .embeddings import embed_texts
-from .reply_parts import PartStream, reply_parts
-from .sse import stream_response
+from treadle import __version__
+from treadle.server.api.embeddings import embed_texts
+from treadle.server.api.reply_parts import PartStream, reply_parts
+from treadle.server.api.sse import stream_response
+from treadle.server.chat_output import is_json
+from treadle.server.generation import Generation, GenerationFailed
+from treadle.server.models import COMMAND_LINE, EMBEDDED, parse_keep_alive
+from treadle.server.prepare import LOAD_WAIT, Prepared, ServerState, prepare_chat, prepare_completion, prepare_renamed, require_ready, serving
+from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
+from treadle.server.tools import template_supports_tools
+from treadle.store.inspect import describe_cached, human_count
+from treadle.store.store import full_name
 
 # Ollama option -> treadle sampling field
 OPTION_FIELDS = {
@@ -239,7 +239,7 @@ def register(app, server: ServerState) -> None:
 
     @app.delete("/api/delete")
     async def delete(body: OllamaModelRequest):
-        from ...store import NotFound
+        from treadle.store import NotFound
 
         store, name = _store(hub), _required_name(body)
         spec = hub.catalog.lookup(name)
@@ -255,7 +255,7 @@ def register(app, server: ServerState) -> None:
 
     @app.post("/api/copy")
     async def copy(body: OllamaCopyRequest):
-        from ...store import NotFound, StoreError
+        from treadle.store import NotFound, StoreError
 
         store = _store(hub)
         try:
@@ -309,7 +309,7 @@ def _store(hub):
 
 
 async def _pull(store, ref: str) -> dict:
-    from ...store import StoreError
+    from treadle.store import StoreError
 
     try:
         return await asyncio.to_thread(store.pull, ref, None, False, lambda text: None)

@@ -5,7 +5,7 @@ Completions stream sends, so every dialect shows the same reply."""
 
 from dataclasses import dataclass, field
 
-from ..chat_output import is_json
+from treadle.server.chat_output import is_json
 
 
 @dataclass

@@ -16,11 +16,11 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from ..generation import Generation, GenerationFailed
-from ..prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
-from ..protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
-from .reply_parts import PartStream, ReplyPart, complete_calls, reply_parts
-from .sse import stream_response
+from treadle.server.api.reply_parts import PartStream, ReplyPart, complete_calls, reply_parts
+from treadle.server.api.sse import stream_response
+from treadle.server.generation import Generation, GenerationFailed
+from treadle.server.prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
+from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 
 # chat-request parameter names as this dialect calls them, for the errors the shared checks raise
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}

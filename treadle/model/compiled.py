@@ -29,6 +29,7 @@ allow.
 
 import functools
 import hashlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -48,24 +49,26 @@ from treadle.utils import cache_root, process_memory
 
 log = logging.getLogger("treadle.compile")
 
+# The code a compiled graph is built from, by module (and the C source beside a module): any change
+# compiles anew.
 _SOURCES = (
-    "llama.py",
-    "moe.py",
-    "../kv_layout.py",
-    "interface.py",
-    "worker.py",
-    "layers.py",
-    "attention.py",
-    "compiled.py",
-    "compiler_process.py",
-    "gguf_loader.py",
-    "hf_loader.py",
-    "deferred.py",
-    "kernels/__init__.py",
-    "kernels/quant.py",
-    "kernels/quant.c",
-    "kernels/build.py",
+    "treadle.model.llama",
+    "treadle.model.moe",
+    "treadle.kv_layout",
+    "treadle.model.interface",
+    "treadle.model.worker",
+    "treadle.model.layers",
+    "treadle.model.attention",
+    "treadle.model.compiled",
+    "treadle.model.compiler_process",
+    "treadle.model.gguf_loader",
+    "treadle.model.hf_loader",
+    "treadle.model.deferred",
+    "treadle.model.kernels",
+    "treadle.model.kernels.quant",
+    "treadle.model.kernels.build",
 )
+_C_SOURCES = ("treadle.model.kernels:quant.c",)
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,10 @@ def artefact_dir(
         h.update(f"|positions={positions}".encode())
     # inductor's kernels are generated for the number of compute threads
     h.update(f"|{torch.__version__}|{sys.version_info[:2]}|{torch.get_num_threads()}".encode())
-    here = os.path.dirname(__file__)
-    sources = [os.path.join(here, name) for name in _SOURCES]
+    sources = [importlib.util.find_spec(name).origin for name in _SOURCES]
+    for target in _C_SOURCES:
+        package, _, name = target.partition(":")
+        sources.append(os.path.join(os.path.dirname(importlib.util.find_spec(package).origin), name))
     if model_class is not None:
         sources.append(inspect.getsourcefile(model_class))
     for path in sources:

@@ -20,7 +20,7 @@ from frontend_overhead import cpu_name  # noqa: E402  (bench/ is this script's f
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.bench.datasets import EngineTokenizer, editing_dataset  # noqa: E402
 from treadle.engine.draft_model import DraftModel  # noqa: E402
-from treadle.model.default_model import default_model_path  # noqa: E402
+from treadle.model.loading.default_model import default_model_path  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

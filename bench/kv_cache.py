@@ -82,8 +82,8 @@ def llama(args) -> None:
     import httpx
     from peer_compare import find_or_build_llama_server, free_port, wait_healthy
 
-    from treadle.model.default_model import default_model_path
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.default_model import default_model_path
+    from treadle.model.loading.loader import load_tokenizer
 
     gguf = os.path.abspath(args.model) if args.model else default_model_path()
     tok = load_tokenizer(gguf)

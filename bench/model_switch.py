@@ -128,8 +128,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096, help="tokens of KV both servers get")
     ap.add_argument("--skip-llama-server", action="store_true")
     args = ap.parse_args()
-    from treadle.model.default_model import default_model_path
-    from treadle.model.gguf_file import read_metadata
+    from treadle.model.loading.default_model import default_model_path
+    from treadle.model.loading.gguf_file import read_metadata
 
     gguf = os.path.abspath(args.model) if args.model else default_model_path()
     meta = read_metadata(gguf)

@@ -119,7 +119,7 @@ def free_ports(n: int) -> list[int]:
 def treadle_serve_command(gguf: str, port: int, extra: list[str]) -> list[str]:
     """`treadle serve` with llama-server's slots and KV memory: 16 sequences, 16,384 tokens of
     every layer in bf16."""
-    from treadle.model.gguf_file import read_metadata
+    from treadle.model.loading.gguf_file import read_metadata
 
     meta = read_metadata(gguf)
     arch = meta["general.architecture"]
@@ -250,7 +250,7 @@ def main() -> int:
     ap.add_argument("--repetitions", type=int, default=3, help="sweeps (fresh prompts each): min / median / max of each figure")
     args = ap.parse_args()
 
-    from treadle.model.default_model import default_model_path
+    from treadle.model.loading.default_model import default_model_path
 
     gguf = os.path.abspath(args.model) if args.model else default_model_path()
     llama_server = find_or_build_llama_server()

@@ -44,7 +44,7 @@ def main() -> int:
     from tests.reference import assert_matches_reference, hf_greedy
     from tests.test_reference import CHAT, PROMPTS
     from treadle import LLM, SamplingParams
-    from treadle.model.default_model import default_model_path
+    from treadle.model.loading.default_model import default_model_path
 
     torch.set_num_threads(2)
     test_fast_paths.NUM_TOKENS = args.tokens

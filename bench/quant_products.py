@@ -26,8 +26,8 @@ def one_path(args) -> None:
     import torch
 
     from bench.peer_compare import cpu_description
-    from treadle.model.gguf_file import open_gguf
     from treadle.model.kernels import quant
+    from treadle.model.loading.gguf_file import open_gguf
 
     torch.set_num_threads(args.threads)
     reader = open_gguf(args.model)

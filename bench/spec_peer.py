@@ -26,7 +26,7 @@ import sys
 from frontend_overhead import bench_serve, cpu_name, start_server, stop  # bench/ is this script's folder
 from peer_compare import find_or_build_llama_server, free_port, wait_healthy
 
-from treadle.model.default_model import default_model_path
+from treadle.model.loading.default_model import default_model_path
 
 
 def start_llama(binary: str, gguf: str, extra: list[str], log_path: str) -> tuple[subprocess.Popen, str]:

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def kv_bytes(gguf: str) -> int:
-    from treadle.model.gguf_file import read_metadata
+    from treadle.model.loading.gguf_file import read_metadata
 
     meta = read_metadata(gguf)
     arch = meta["general.architecture"]

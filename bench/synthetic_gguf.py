@@ -41,7 +41,7 @@ _TOKENIZER_KEYS = (
 def write_f16(path: str, args) -> None:
     import gguf
 
-    from treadle.model.default_model import default_model_path
+    from treadle.model.loading.default_model import default_model_path
 
     arch = "qwen2" if args.qwen2 else "llama"
     head_dim = args.hidden // args.heads

@@ -39,7 +39,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.cold:
         os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="treadle-tokenizer-")
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.loader import load_tokenizer
     from treadle.utils import process_memory, release_free_heap
 
     print("imports:", memory())

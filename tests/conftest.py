@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from treadle.model.default_model import default_model_path
+from treadle.model.loading.default_model import default_model_path
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -500,7 +500,7 @@ def run(fmt: str, examples: int, seed: int | None, loader: Loader, workdir: str,
         write_seed_gguf(seed_path)
         with open(seed_path, "rb") as f:
             seed_bytes = f.read()
-        from treadle.model.gguf_file import read_metadata
+        from treadle.model.loading.gguf_file import read_metadata
 
         meta = read_metadata(seed_path)
         overrides = gguf_metadata_mutation(st, sorted(meta), len(meta["tokenizer.ggml.tokens"]))

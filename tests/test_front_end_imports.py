@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from treadle.model.default_model import default_model_path
+from treadle.model.loading.default_model import default_model_path
 
 HEAVY = ("torch", "numpy", "gguf", "httpx")
 
@@ -17,7 +17,7 @@ import json, sys
 from treadle.cli import build_parser
 args = build_parser("serve").parse_args(["serve", "--model", sys.argv[1]])
 import treadle.server.app, treadle.server.serve
-from treadle.model.loader import load_tokenizer
+from treadle.model.loading.loader import load_tokenizer
 from treadle.store.inspect import describe
 tok = load_tokenizer(sys.argv[1])
 info = describe(sys.argv[1])
@@ -55,7 +55,7 @@ def test_the_bench_commands_are_still_there():
 CORE_SCRIPT = """
 import json, sys
 from treadle.engine.core import EngineCore
-from treadle.model.gguf_loader import load_gguf
+from treadle.model.loading.gguf_loader import load_gguf
 files = load_gguf(sys.argv[1])
 assert files.tokenizer.eos_token_id is not None and files.weights
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[2:])))

@@ -9,9 +9,9 @@ import torch
 
 from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle.model.config import ModelLoadError
-from treadle.model.gguf_file import GGUFFile
-from treadle.model.gguf_loader import _dequantize, load_gguf
-from treadle.model.loader import load_model_files
+from treadle.model.loading.gguf_file import GGUFFile
+from treadle.model.loading.gguf_loader import _dequantize, load_gguf
+from treadle.model.loading.loader import load_model_files
 
 # offsets of the fp16 scale fields inside one block, per type (the rest is free-form bits)
 F16_FIELDS = {
@@ -156,9 +156,9 @@ def test_unsupported_tensor_type(tmp_path, tiny_llama):
 def test_quantized_weights_are_the_files_blocks_and_dequantize_as_gguf_does():
     """No dense copy at load: each quantized matrix is its blocks (rows of Q/K reordered whole, as
     llama.cpp permuted them), and dequantizing them is gguf-py's dequantization bit for bit."""
-    from treadle.model.default_model import default_model_path
-    from treadle.model.gguf_loader import _undo_qk_permutation
     from treadle.model.kernels.quant import QuantizedTensor
+    from treadle.model.loading.default_model import default_model_path
+    from treadle.model.loading.gguf_loader import _undo_qk_permutation
 
     files = load_model_files(None)
     reader = GGUFFile(default_model_path())

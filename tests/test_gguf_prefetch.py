@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from treadle import cli
-from treadle.model import gguf_loader, gguf_prefetch
 from treadle.model.kernels import quant
 from treadle.model.kernels.quant import QuantizedTensor
+from treadle.model.loading import gguf_loader, gguf_prefetch
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "quant")
 ISAS = [i for i in ("vnni", "avx2", "portable") if quant.available() and i in quant.supported_isas()]
@@ -148,7 +148,7 @@ def test_a_prefetch_of_a_file_in_another_order_holds_the_same_tensors(monkeypatc
     """A file may store a layer's tensors in any order (up before gate, as converters of some
     models write them): the prefetch hands a joined buffer over once all its parts are packed,
     not when the last in the model's order is."""
-    from treadle.model import gguf_file
+    from treadle.model.loading import gguf_file
 
     if "vnni" not in ISAS and "avx2" not in ISAS:
         pytest.skip("no packed path on this CPU: nothing is prefetched")
@@ -196,7 +196,7 @@ def test_the_prefetch_shares_torch_openmp_runtime(tmp_path):
         pytest.skip("this torch ships no libgomp of its own: nothing is prefetched")
     code = (
         "import sys\n"
-        "from treadle.model import gguf_prefetch\n"
+        "from treadle.model.loading import gguf_prefetch\n"
         f"gguf_prefetch.prefetch({os.path.join(DATA, 'Q4_K.gguf')!r})\n"
         "job, thread = gguf_prefetch._job\n"
         "thread.join()\n"
@@ -276,7 +276,7 @@ def test_a_served_file_answers_as_the_same_file_in_process():
 
     from tests.server_process import running
     from treadle import LLM, SamplingParams
-    from treadle.model.default_model import default_model_path
+    from treadle.model.loading.default_model import default_model_path
 
     path = default_model_path()  # named on the command line: prefetched
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

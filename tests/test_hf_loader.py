@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle.model import hf_loader, quantize
-from treadle.model.deferred import DeferredWeight
-from treadle.model.hf_loader import SafetensorsFile
 from treadle.model.kernels import quant
+from treadle.model.loading import hf_loader, quantize
+from treadle.model.loading.deferred import DeferredWeight
+from treadle.model.loading.hf_loader import SafetensorsFile
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
 

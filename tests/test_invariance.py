@@ -184,8 +184,8 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
     import httpx
 
     from tests.server_process import ServerProcess
-    from treadle.model.default_model import default_model_path
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.default_model import default_model_path
+    from treadle.model.loading.loader import load_tokenizer
 
     server = ServerProcess("--dtype", "bfloat16", "--compile")  # compile asked for: it must not matter
     try:

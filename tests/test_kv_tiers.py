@@ -294,7 +294,7 @@ def test_served_with_the_tier_flags_a_prefix_comes_back_from_the_host_tier(tmp_p
     import httpx
 
     from tests.server_process import running
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.loader import load_tokenizer
 
     tok = load_tokenizer(None)
     args = (

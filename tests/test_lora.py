@@ -185,7 +185,7 @@ def test_adapters_served_by_name_loaded_and_unloaded_at_run_time(lora_models, lo
     jobs = [(name, i) for name in ("base", "a", "b") for i in range(len(PROMPTS))] * 2
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: complete(job[0], PROMPTS[job[1]]), jobs))
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.loader import load_tokenizer
 
     tok = load_tokenizer(lora_models["base_dir"])
     for (name, i), result in zip(jobs, results):

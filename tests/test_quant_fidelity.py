@@ -104,7 +104,7 @@ def hf_folder(tmp_path_factory):
 def test_hf_folder_quantized_at_load_matches_transformers_on_the_blocks(hf_folder, quantization):
     """--quantization: every matrix becomes blocks of the type (weights by type say so), close to
     the float weights, and the float32 path's greedy tokens are transformers' on those blocks."""
-    from treadle.model.quantize import CHOICES, quantize_weights
+    from treadle.model.loading.quantize import CHOICES, quantize_weights
 
     folder, model = hf_folder
     kind = CHOICES[quantization]
@@ -141,7 +141,7 @@ def test_quantization_is_refused_where_it_cannot_apply():
     with pytest.raises(ModelLoadError, match="applies to Hugging Face folders"):
         LLM(os.path.join(FOLDER, "Q8_0.gguf"), dtype="float32", quantization="q4_0")
     with pytest.raises(ModelLoadError, match="expected one of q8_0, q4_k, q4_0"):
-        from treadle.model.quantize import quantize_weights
+        from treadle.model.loading.quantize import quantize_weights
 
         quantize_weights({}, "q3_x")
 

@@ -247,7 +247,7 @@ def test_the_c_quantizer_gives_the_numpy_forms_bytes(kind):
     """--quantization's quantizer in quant.c against its numpy forms (gguf-py's Q8_0 / Q4_0 / Q5_0,
     quantize.py's Q4_K), byte for byte: rows over 14 decades of magnitude (float16 scales from
     subnormal to large), all-zero and constant blocks, exact zeros, one-signed rows and ties."""
-    from treadle.model.quantize import reference_blocks
+    from treadle.model.loading.quantize import reference_blocks
 
     g = np.random.default_rng(3)
     rows, cols = 64, 1024  # (at least 65,536 values: the threaded branch)

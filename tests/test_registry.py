@@ -19,10 +19,10 @@ from tests.reference import assert_matches_reference, hf_greedy
 from tests.tiny_models import save_hf_model
 from treadle.model import registry
 from treadle.model.config import ModelLoadError
-from treadle.model.gguf_loader import _config_from_metadata
-from treadle.model.hf_loader import _config_from_json
 from treadle.model.llama import LlamaModel
-from treadle.model.loader import load_model_files
+from treadle.model.loading.gguf_loader import _config_from_metadata
+from treadle.model.loading.hf_loader import _config_from_json
+from treadle.model.loading.loader import load_model_files
 from treadle.model.registry import (
     is_registered,
     load_plugins,

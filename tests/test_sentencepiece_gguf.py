@@ -14,7 +14,7 @@ import gguf
 import pytest
 
 from treadle.model import tokenizer as tokenizer_module
-from treadle.model.gguf_file import read_metadata
+from treadle.model.loading.gguf_file import read_metadata
 from treadle.model.tokenizer import tokenizer_from_gguf
 
 CORPUS = [
@@ -231,7 +231,7 @@ def test_a_files_tokenizer_reads_its_metadata_once_and_keeps_none_of_it(spm_gguf
     import gc
     import weakref
 
-    from treadle.model import gguf_file
+    from treadle.model.loading import gguf_file
 
     path, sp = spm_gguf
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -368,7 +368,7 @@ def test_a_byte_level_vocabulary_with_a_newline_piece_still_loads(tmp_path):
 def test_a_sentencepiece_file_with_its_own_merges_tokenizes_as_sentencepiece_in_the_front_end(spm_gguf, tmp_path, text):
     """Some SentencePiece GGUFs carry tokenizer.ggml.merges beside the scores: the front end's
     tokenizer (load_tokenizer, built after the metadata is let go) is still SentencePiece's."""
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.loader import load_tokenizer
     from treadle.model.tokenizer import _merges_from_scores
 
     _, sp = spm_gguf

@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from treadle import cli
-from treadle.model import loader
-from treadle.model.default_model import default_model_path
+from treadle.model.loading import loader
+from treadle.model.loading.default_model import default_model_path
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def cmd_run(args) -> int:
 
 
 def default_served_name(model: str | None) -> str:
-    from treadle.model.default_model import MODEL_NAME
+    from treadle.model.loading.default_model import MODEL_NAME
 
     if model is None:
         return MODEL_NAME
@@ -97,7 +97,7 @@ def serve_models(args):
     """The models `treadle serve` answers to, from its positional model, each --model (PATH, or
     NAME=PATH), --models-dir and the model flags: (the command line's model path or None, ModelOptions)."""
     from treadle.config import parse_size
-    from treadle.model.loader import resolve_model_path
+    from treadle.model.loading.loader import resolve_model_path
     from treadle.server.models import ModelSpec, parse_keep_alive
     from treadle.server.protocol import RequestError
     from treadle.server.serve import ModelOptions, read_chat_template
@@ -238,7 +238,7 @@ def add_routing_args(parser, what: str) -> None:
 
 
 def cmd_router(args) -> int:
-    from treadle.model.loader import load_tokenizer
+    from treadle.model.loading.loader import load_tokenizer
     from treadle.router.prompts import PromptReader
     from treadle.router.server import RouterSettings, run_router
     from treadle.server.serve import read_chat_template
@@ -560,7 +560,7 @@ def _prebuild_tokenizer(argv: list[str]) -> None:
     model = _named_model(argv)
     if model is None:
         return
-    from treadle.model.loader import prebuild_tokenizer
+    from treadle.model.loading.loader import prebuild_tokenizer
 
     prebuild_tokenizer(model)
 

@@ -64,7 +64,7 @@ class LocalTokenizer(EngineTokenizer):
     """A GGUF file's or HF folder's tokenizer, without loading weights."""
 
     def __init__(self, path: str):
-        from treadle.model.loader import load_tokenizer
+        from treadle.model.loading.loader import load_tokenizer
 
         super().__init__(load_tokenizer(path))
 

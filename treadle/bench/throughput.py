@@ -43,7 +43,7 @@ def _transformers(args, llm, prompts, output_lens) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from treadle.model.loader import resolve_model_path
+    from treadle.model.loading.loader import resolve_model_path
 
     path = resolve_model_path(args.model)
     dtype = llm.engine.dtype

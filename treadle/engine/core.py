@@ -34,7 +34,7 @@ from treadle.engine.spec_decode import SpeculationPolicy, fill_proposals
 from treadle.engine.state_cache import StateCheckpoints
 from treadle.engine.step_cost import StepCostModel
 from treadle.engine.structured import StructuredOutputManager
-from treadle.model.default_model import MODEL_NAME
+from treadle.model.loading.default_model import MODEL_NAME
 from treadle.model.runner import InjectedFault
 from treadle.model.worker import ModelWorker
 from treadle.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ class EngineCore:
         if not cfg.enable_prefix_caching or not (cfg.kv_offload_bytes or cfg.kv_cache_dir):
             return None
         from treadle.engine.kv_tiers import KVTiers, model_identity
-        from treadle.model.loader import resolve_model_path
+        from treadle.model.loading.loader import resolve_model_path
 
         identity = b""
         if cfg.kv_cache_dir:

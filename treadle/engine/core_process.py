@@ -97,13 +97,13 @@ def run_spare_core(conn, prefetch: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if prefetch is not None:
-        from treadle.model import gguf_prefetch
+        from treadle.model.loading import gguf_prefetch
 
         gguf_prefetch.prefetch(prefetch)  # on a thread, beside the imports below
     from treadle.engine.core import EngineCore  # noqa: F401 - imported for its imports: torch, the model code
-    from treadle.model import gguf_loader  # noqa: F401 - the GGUF loader's modules
-    from treadle.model.gguf_file import gguf_constants
     from treadle.model.kernels import paged, quant
+    from treadle.model.loading import gguf_loader  # noqa: F401 - the GGUF loader's modules
+    from treadle.model.loading.gguf_file import gguf_constants
 
     gguf_constants()  # gguf-py's type tables, which a GGUF load reads
     paged.available()  # loaded (built the first time) now rather than in the first step

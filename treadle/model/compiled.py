@@ -44,7 +44,7 @@ import torch
 
 from treadle.kv_layout import kv_layout
 from treadle.model.attention import AttentionMetadata, graph_kernel_args
-from treadle.model.loader import resolve_model_path
+from treadle.model.loading.loader import resolve_model_path
 from treadle.utils import cache_root, process_memory
 
 log = logging.getLogger("treadle.compile")
@@ -61,9 +61,9 @@ _SOURCES = (
     "treadle.model.attention",
     "treadle.model.compiled",
     "treadle.model.compiler_process",
-    "treadle.model.gguf_loader",
-    "treadle.model.hf_loader",
-    "treadle.model.deferred",
+    "treadle.model.loading.gguf_loader",
+    "treadle.model.loading.hf_loader",
+    "treadle.model.loading.deferred",
     "treadle.model.kernels",
     "treadle.model.kernels.quant",
     "treadle.model.kernels.build",

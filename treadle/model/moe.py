@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelConfig, ModelLoadError, MoEConfig
-from treadle.model.deferred import DeferredWeight
 from treadle.model.kernels.quant import QuantizedTensor
 from treadle.model.kernels.quant import matmul as quant_matmul
 from treadle.model.layers import Linear
+from treadle.model.loading.deferred import DeferredWeight
 
 DENSE = -1  # the operator's type id of a dense (not quantized) expert weight
 

@@ -285,7 +285,7 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
 def tokenizer_from_gguf_file(path: str) -> Tokenizer:
     """tokenizer_from_gguf of a file's own metadata, read once and handed to the vocabulary's
     build, which holds none of it afterwards (Gemma 3's lists are ~36 MB)."""
-    from treadle.model.gguf_file import read_metadata
+    from treadle.model.loading.gguf_file import read_metadata
 
     tokenizer = tokenizer_from_gguf(path, read_metadata(path), lazy=True, hand_over=True)
     tokenizer.backend  # noqa: B018 - built now, not on the first request
@@ -304,7 +304,7 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
 
-    from treadle.model.gguf_file import read_metadata
+    from treadle.model.loading.gguf_file import read_metadata
 
     if held:
         meta = held.pop()

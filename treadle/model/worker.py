@@ -15,7 +15,7 @@ from treadle.kv_layout import kv_layout
 from treadle.model.compiled import CompiledDecode
 from treadle.model.config import ModelConfig, ModelLoadError
 from treadle.model.kernels import paged, quant
-from treadle.model.loader import load_model_files, resolve_model_path
+from treadle.model.loading.loader import load_model_files, resolve_model_path
 from treadle.model.runner import ModelRunner
 from treadle.utils import available_memory, process_memory, release_free_heap, resident_bytes
 
@@ -71,7 +71,7 @@ def load_quantized_model_files(model: str | None, quantization: str | None):
     if quantization is not None:
         if not os.path.isdir(resolve_model_path(model)):
             raise ModelLoadError(f"--quantization {quantization}: applies to Hugging Face folders; a GGUF file keeps the types it holds")
-        from treadle.model.quantize import quantize_weights
+        from treadle.model.loading.quantize import quantize_weights
 
         quantize_weights(files.weights, quantization)
     return files

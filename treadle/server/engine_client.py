@@ -84,7 +84,7 @@ class EngineClient:
 
     async def start(self) -> None:
         """Start the core process and, meanwhile, load the tokenizer here."""
-        from treadle.model.loader import load_tokenizer
+        from treadle.model.loading.loader import load_tokenizer
 
         self._loop = asyncio.get_running_loop()
         self._spawn()

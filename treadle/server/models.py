@@ -121,7 +121,7 @@ class Catalog:
     """Every model name the server answers to, and where its files are."""
 
     def __init__(self, named: list[ModelSpec], store=None, include_default: bool = True):
-        from treadle.model.default_model import MODEL_NAME, default_model_path
+        from treadle.model.loading.default_model import MODEL_NAME, default_model_path
 
         self.named = {s.name: s for s in named}
         self.store = store

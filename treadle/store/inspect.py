@@ -155,7 +155,7 @@ VOCABULARY_KEYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "merges", 
 
 def _describe_gguf(path: str) -> ModelInfo:
     from treadle.model.config import ModelLoadError
-    from treadle.model.gguf_file import gguf_constants, open_gguf
+    from treadle.model.loading.gguf_file import gguf_constants, open_gguf
 
     gguf = gguf_constants()  # the type tables: a server's front end describes its models without numpy
     try:

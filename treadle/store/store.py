@@ -380,7 +380,7 @@ def _matches(path: str, expected: Expected) -> bool:
 
 def _check_gguf(path: str) -> None:
     from treadle.model.config import ModelLoadError
-    from treadle.model.gguf_file import open_gguf
+    from treadle.model.loading.gguf_file import open_gguf
 
     try:
         open_gguf(path)

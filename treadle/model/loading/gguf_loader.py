@@ -15,7 +15,6 @@ import os
 import numpy as np
 import torch
 
-from treadle.model import gguf_prefetch
 from treadle.model.config import (
     LIMITS,
     ModelConfig,
@@ -28,10 +27,11 @@ from treadle.model.config import (
     file_int,
     yarn_mscale,
 )
-from treadle.model.deferred import DeferredWeight
-from treadle.model.gguf_file import open_gguf
 from treadle.model.kernels import quant
 from treadle.model.kernels.quant import QuantizedTensor
+from treadle.model.loading import gguf_prefetch
+from treadle.model.loading.deferred import DeferredWeight
+from treadle.model.loading.gguf_file import open_gguf
 from treadle.model.moe import ExpertWeights
 from treadle.model.registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
 from treadle.model.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf

@@ -15,7 +15,7 @@ from treadle.model.tokenizer import read_json, tokenizer_from_hf_folder
 if TYPE_CHECKING:
     import torch
 
-    from treadle.model.deferred import DeferredWeight
+    from treadle.model.loading.deferred import DeferredWeight
 
 
 def read_config(folder: str) -> dict:
@@ -271,7 +271,7 @@ class SafetensorsFile:
     def deferred(self, name: str) -> "DeferredWeight":
         import torch
 
-        from treadle.model.deferred import DeferredWeight
+        from treadle.model.loading.deferred import DeferredWeight
 
         dtype, shape, _ = self.entries[name]
         floating = dtype in (torch.float32, torch.float16, torch.bfloat16)

@@ -130,8 +130,8 @@ def _run(job: Prefetched, path: str) -> None:
         ctypes.CDLL(openmp, mode=ctypes.RTLD_GLOBAL)
         import numpy as np
 
-        from treadle.model.gguf_file import open_gguf
         from treadle.model.kernels import quant_lib
+        from treadle.model.loading.gguf_file import open_gguf
         from treadle.model.tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
         from treadle.utils import map_large_allocations
 

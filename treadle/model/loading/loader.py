@@ -6,7 +6,7 @@ The loaders are imported when used: `load_tokenizer` (the HTTP front end's only 
 import os
 
 from treadle.model.config import ModelFiles, ModelLoadError
-from treadle.model.default_model import default_model_path
+from treadle.model.loading.default_model import default_model_path
 from treadle.utils import file_key
 
 
@@ -23,11 +23,11 @@ def load_model_files(model: str | None) -> ModelFiles:
     and tokenizer."""
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        from treadle.model.hf_loader import load_hf_folder
+        from treadle.model.loading.hf_loader import load_hf_folder
 
         return load_hf_folder(path)
     if os.path.isfile(path):
-        from treadle.model.gguf_loader import load_gguf
+        from treadle.model.loading.gguf_loader import load_gguf
 
         return load_gguf(path)
     raise _missing(path)
@@ -58,7 +58,7 @@ def load_tokenizer(model: str | None):
         if ready is not None:
             return ready
     if os.path.isdir(path):
-        from treadle.model.hf_loader import read_config
+        from treadle.model.loading.hf_loader import read_config
         from treadle.model.tokenizer import tokenizer_from_hf_folder
 
         return tokenizer_from_hf_folder(path, read_config(path))

@@ -19,12 +19,12 @@ import gguf
 import numpy as np
 import torch
 
-from treadle.model import gguf_prefetch
 from treadle.model.config import ModelLoadError
-from treadle.model.deferred import DeferredWeight
-from treadle.model.gguf_file import LLAMA_LAYER_TENSORS
 from treadle.model.kernels import quant
 from treadle.model.kernels.quant import TYPES, QuantizedTensor
+from treadle.model.loading import gguf_prefetch
+from treadle.model.loading.deferred import DeferredWeight
+from treadle.model.loading.gguf_file import LLAMA_LAYER_TENSORS
 
 CHOICES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0"}
 FALLBACK = {"Q4_K": "Q5_0"}

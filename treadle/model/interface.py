@@ -17,7 +17,7 @@ from treadle.model.attention import AttentionMetadata
 from treadle.model.config import ModelConfig
 from treadle.model.kernels.quant import QuantizedTensor
 from treadle.model.layers import Linear, RotaryEmbedding
-from treadle.model.loading.gguf_file import LLAMA_LAYER_TENSORS
+from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key blocks, value blocks)
 

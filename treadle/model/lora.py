@@ -138,7 +138,8 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
     import torch
 
     from treadle.model.loading.gguf_file import open_gguf
-    from treadle.model.loading.gguf_loader import _dequantize, _hf_name, _undo_qk_permutation
+    from treadle.model.loading.gguf_loader import _dequantize, _undo_qk_permutation
+    from treadle.model.loading.gguf_names import hf_name
     from treadle.model.registry import resolve_model_class
 
     try:
@@ -164,7 +165,7 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
         if not dot or half not in ("lora_a", "lora_b"):
             raise LoraError(f"{path}: tensor {tensor.name}: not a LoRA A or B matrix")
         try:
-            module = _hf_name(path, base, family.gguf_layer_tensors).removesuffix(".weight")
+            module = hf_name(path, base, family.gguf_layer_tensors).removesuffix(".weight")
         except ModelLoadError as e:
             raise LoraError(str(e)) from None
         w = torch.from_numpy(_dequantize(path, tensor).astype("float32"))

@@ -26,35 +26,6 @@ if TYPE_CHECKING:
     import gguf
     import numpy as np
 
-# llama.cpp's names of a Llama-style layer's tensors -> the Hugging Face ones (a family's
-# `gguf_layer_tensors`, which may extend or change them).
-LLAMA_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    # mixture-of-experts layers (Mixtral's "llama" files, qwen2moe, qwen3moe, olmoe): the router, the
-    # experts stacked [experts, rows, cols] (read by moe.MoE under these names), a shared expert
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
-    "ffn_up_exps.weight": "mlp.experts.up_proj",
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-}
-
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 # arrays of numbers, read whole with the `array` module (the front end reads metadata without
 # numpy, ~15 MB it need not load): GGUF type -> array typecode of that width

@@ -32,19 +32,13 @@ from treadle.model.kernels.quant import QuantizedTensor
 from treadle.model.loading import gguf_prefetch
 from treadle.model.loading.deferred import DeferredWeight
 from treadle.model.loading.gguf_file import open_gguf
+from treadle.model.loading.gguf_names import LONGROPE_TENSORS, hf_name
 from treadle.model.moe import ExpertWeights
 from treadle.model.registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
 from treadle.model.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-
-LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 class GGUFConfig:
@@ -168,15 +162,6 @@ def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> Mode
     return resolve_model_class(arch).config_from_gguf(GGUFConfig(path, meta, arch, tensor_names))
 
 
-def _hf_name(path: str, name: str, layer_tensors: dict[str, str]) -> str:
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
-        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
-    raise ModelLoadError(f"{path}: tensor {name}: unknown tensor for this architecture (unsupported feature)")
-
-
 def _undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's convert-time permute (HF rows (head, 2, half) -> interleaved (head, half, 2))."""
     rows = w.shape[0]
@@ -288,7 +273,7 @@ def load_gguf(path: str) -> ModelFiles:
             setattr(config.rope, LONGROPE_TENSORS[tensor.name], factors.tolist())
             config.rope.scaling_type = "longrope"
             continue
-        hf = _hf_name(path, tensor.name, family.gguf_layer_tensors)
+        hf = hf_name(path, tensor.name, family.gguf_layer_tensors)
         _check_supported(path, tensor)  # at load, though the data is decoded later
         heads = None
         if family.gguf_permuted_qk:  # llama.cpp permuted Q and K rows for its RoPE layout: undone

@@ -24,7 +24,7 @@ from treadle.model.kernels import quant
 from treadle.model.kernels.quant import TYPES, QuantizedTensor
 from treadle.model.loading import gguf_prefetch
 from treadle.model.loading.deferred import DeferredWeight
-from treadle.model.loading.gguf_file import LLAMA_LAYER_TENSORS
+from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 
 CHOICES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q4_0": "Q4_0"}
 FALLBACK = {"Q4_K": "Q5_0"}

@@ -6,8 +6,8 @@ Loaded by `TREADLE_PLUGINS=tests.plugin_gelu_llama`, or by importing it.
 
 import torch.nn.functional as F
 
-from treadle.model.llama import LlamaModel
-from treadle.model.registry import register_model
+from treadle.model.families.llama import LlamaModel
+from treadle.model.families.registry import register_model
 
 ARCHITECTURE = "gelu_llama"
 

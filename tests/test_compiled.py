@@ -11,8 +11,8 @@ import torch
 from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
 from treadle.model import compiled
+from treadle.model.families.llama import LlamaModel
 from treadle.model.layers import RotaryEmbedding
-from treadle.model.llama import LlamaModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -150,7 +150,7 @@ def test_quantization_is_refused_where_it_cannot_apply():
 def test_a_long_steps_mlp_in_row_slices_gives_the_same_bits(monkeypatch, dtype):
     """llama.FFN_ROWS bounds a prompt step's MLP transients by running it over slices of rows; a
     quantized weight's kernels compute each row alone, so the logprobs are the same to the bit."""
-    from treadle.model import llama
+    from treadle.model.families import llama
 
     monkeypatch.setenv("TREADLE_DECODER_KERNEL", "0")  # the layers' Python, whose MLP this slices (decoder.c slices its own: test_decoder_kernel.py)
     llm = LLM(os.path.join(FOLDER, "Q4_K.gguf"), dtype=dtype, max_model_len=256, block_size=8, enable_prefix_caching=False)

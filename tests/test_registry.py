@@ -17,13 +17,10 @@ import torch
 
 from tests.reference import assert_matches_reference, hf_greedy
 from tests.tiny_models import save_hf_model
-from treadle.model import registry
 from treadle.model.config import ModelLoadError
-from treadle.model.llama import LlamaModel
-from treadle.model.loading.gguf_loader import _config_from_metadata
-from treadle.model.loading.hf_loader import _config_from_json
-from treadle.model.loading.loader import load_model_files
-from treadle.model.registry import (
+from treadle.model.families import registry
+from treadle.model.families.llama import LlamaModel
+from treadle.model.families.registry import (
     is_registered,
     load_plugins,
     register_model,
@@ -31,6 +28,9 @@ from treadle.model.registry import (
     resolve_model_class,
     restore_registry,
 )
+from treadle.model.loading.gguf_loader import _config_from_metadata
+from treadle.model.loading.hf_loader import _config_from_json
+from treadle.model.loading.loader import load_model_files
 
 PLUGIN = "tests.plugin_gelu_llama"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +99,7 @@ def test_builtin_architectures_and_their_hf_class_names_are_the_llama_decoder(fr
 
 
 def test_string_target_is_imported_on_first_lookup_only(fresh_registry, tmp_path):
-    (tmp_path / "lazy_family.py").write_text("from treadle.model.interface import CausalLM\n\n\nclass Model(CausalLM):\n    pass\n")
+    (tmp_path / "lazy_family.py").write_text("from treadle.model.families.interface import CausalLM\n\n\nclass Model(CausalLM):\n    pass\n")
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.delitem(sys.modules, "lazy_family", raising=False)
     register_model("lazy", "lazy_family:Model")
@@ -129,11 +129,11 @@ def test_a_class_that_does_not_implement_the_model_interface_is_refused(fresh_re
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.delitem(sys.modules, "odd_family", raising=False)
     register_model("odd", "odd_family:Model")
-    with pytest.raises(ModelLoadError, match=r"architecture 'odd': odd_family:Model is not a subclass of treadle.model.interface.CausalLM"):
+    with pytest.raises(ModelLoadError, match=r"architecture 'odd': odd_family:Model is not a subclass of treadle.model.families.interface.CausalLM"):
         resolve_model_class("odd")
 
 
-@pytest.mark.parametrize("target", ["no_such_module_xyz:Model", "treadle.model.llama:NoSuchModel"])
+@pytest.mark.parametrize("target", ["no_such_module_xyz:Model", "treadle.model.families.llama:NoSuchModel"])
 def test_bad_import_string_is_named(fresh_registry, target):
     register_model("broken", target)
     with pytest.raises(ModelLoadError, match=f"architecture 'broken': cannot import {target}"):
@@ -146,7 +146,7 @@ def test_snapshot_is_plain_data_that_a_child_process_restores(fresh_registry):
     assert json.loads(json.dumps(snapshot)) == snapshot
     child = (
         "import json, sys\n"
-        "from treadle.model.registry import restore_registry, resolve_model_class\n"
+        "from treadle.model.families.registry import restore_registry, resolve_model_class\n"
         "restore_registry(json.loads(sys.argv[1]))\n"
         "cls = resolve_model_class('gelu_llama')\n"
         "print(cls.__module__, cls.__qualname__)\n"

@@ -54,7 +54,7 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[core]: %(message)s")
     if config.cpu_affinity:  # a data-parallel replica's share of the machine (before torch starts its threads)
         os.sched_setaffinity(0, config.cpu_affinity)
-    from treadle.model.registry import restore_registry
+    from treadle.model.families.registry import restore_registry
 
     restore_registry(registry)
     ctx = zmq.Context()

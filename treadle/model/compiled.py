@@ -52,10 +52,10 @@ log = logging.getLogger("treadle.compile")
 # The code a compiled graph is built from, by module (and the C source beside a module): any change
 # compiles anew.
 _SOURCES = (
-    "treadle.model.llama",
+    "treadle.model.families.llama",
     "treadle.model.moe",
     "treadle.kv_layout",
-    "treadle.model.interface",
+    "treadle.model.families.interface",
     "treadle.model.worker",
     "treadle.model.layers",
     "treadle.model.attention",
@@ -280,7 +280,7 @@ class CompiledDecode:
     def _start_compiler(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
         config = replace(self.engine_config, compile=False, threads=torch.get_num_threads())
-        from treadle.model.registry import registered_architectures
+        from treadle.model.families.registry import registered_architectures
 
         spec = json.dumps(
             {

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from treadle.config import EngineConfig
 from treadle.model.compiled import artefact_path, compile_class, configure_torch, decode_classes
-from treadle.model.registry import restore_registry
+from treadle.model.families.registry import restore_registry
 from treadle.model.worker import ModelWorker
 from treadle.utils import end_with_parent
 

@@ -137,10 +137,10 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
     rows of attn_q / attn_k put back from llama.cpp's RoPE permutation, as the base's are."""
     import torch
 
+    from treadle.model.families.registry import resolve_model_class
     from treadle.model.loading.gguf_file import open_gguf
     from treadle.model.loading.gguf_loader import _dequantize, _undo_qk_permutation
     from treadle.model.loading.gguf_names import hf_name
-    from treadle.model.registry import resolve_model_class
 
     try:
         reader = open_gguf(path)

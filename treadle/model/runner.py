@@ -17,10 +17,10 @@ import torch
 from treadle.kv_layout import kv_layout
 from treadle.model.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from treadle.model.config import ModelConfig
+from treadle.model.families.registry import resolve_model_class
 from treadle.model.kernels import paged
 from treadle.model.layers import LORA_ROWS
 from treadle.model.mamba import Segment
-from treadle.model.registry import resolve_model_class
 from treadle.model.sampler import Sampler, allowed_from_bitmask
 from treadle.model.verification import HistoryWithDrafts, Verification
 from treadle.sampling_params import SamplingParams

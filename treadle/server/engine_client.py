@@ -119,7 +119,7 @@ class EngineClient:
         self.launcher.close()
 
     def _spawn(self) -> None:
-        from treadle.model.registry import registered_architectures
+        from treadle.model.families.registry import registered_architectures
 
         in_bind, out_bind = self.launcher.addresses()
         self._send_sock = zmq.Context.instance().socket(zmq.PUSH)

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from treadle.model.attention import metadata_by_layer
-from treadle.model.bamba import BambaConfig, BambaLayer, BambaModel, mamba_config, mixer_shapes
 from treadle.model.config import LIMITS, ModelLoadError, MoEConfig, file_float, file_int
-from treadle.model.llama import LayerWeights, expected_shapes
+from treadle.model.families.bamba import BambaConfig, BambaLayer, BambaModel, mamba_config, mixer_shapes
+from treadle.model.families.llama import LayerWeights, expected_shapes
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 from treadle.model.mamba import MambaConfig
 from treadle.model.moe import MoE, moe_shapes

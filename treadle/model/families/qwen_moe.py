@@ -12,7 +12,7 @@ every layer.
 """
 
 from treadle.model.config import ModelConfig, ModelLoadError, MoEConfig
-from treadle.model.llama import Qwen2Model, Qwen3Model
+from treadle.model.families.llama import Qwen2Model, Qwen3Model
 
 
 def hf_moe(hf, norm_topk: bool, shared: bool) -> MoEConfig:

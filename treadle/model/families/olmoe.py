@@ -5,7 +5,7 @@ llama.cpp's `olmoe` files hold the same tensors (experts stacked).
 """
 
 from treadle.model.config import ModelConfig, MoEConfig
-from treadle.model.llama import LlamaModel
+from treadle.model.families.llama import LlamaModel
 
 
 class OlmoeModel(LlamaModel):

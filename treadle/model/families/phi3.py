@@ -12,7 +12,7 @@ rows), the rotated dimensions as `rope.dimension_count`, and longrope as two ten
 """
 
 from treadle.model.config import ModelConfig, file_float, file_int
-from treadle.model.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
+from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 
 

@@ -13,7 +13,7 @@ import torch
 
 from treadle.model.attention import metadata_by_layer
 from treadle.model.config import ModelConfig, ModelLoadError, file_float, file_int
-from treadle.model.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
+from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 from treadle.model.mamba import Mamba2Mixer, MambaConfig, RecurrentState
 
 

@@ -22,23 +22,23 @@ PLUGINS_GROUP = "treadle.plugins"
 
 # The built-in families: architecture name -> model class (each reads its own config: CausalLM).
 BUILTIN = {
-    "llama": "treadle.model.llama:LlamaModel",
-    "mistral": "treadle.model.llama:MistralModel",
-    "qwen2": "treadle.model.llama:Qwen2Model",
-    "qwen3": "treadle.model.llama:Qwen3Model",
-    "gemma2": "treadle.model.gemma2:Gemma2Model",
-    "gemma3": "treadle.model.gemma3:Gemma3Model",
-    "gemma3_text": "treadle.model.gemma3:Gemma3Model",
-    "phi3": "treadle.model.phi3:Phi3Model",
-    "qwen3_moe": "treadle.model.qwen_moe:Qwen3MoeModel",
-    "qwen3moe": "treadle.model.qwen_moe:Qwen3MoeModel",
-    "qwen2_moe": "treadle.model.qwen_moe:Qwen2MoeModel",
-    "qwen2moe": "treadle.model.qwen_moe:Qwen2MoeModel",
-    "mixtral": "treadle.model.mixtral:MixtralModel",
-    "olmoe": "treadle.model.olmoe:OlmoeModel",
-    "bamba": "treadle.model.bamba:BambaModel",
-    "granitemoehybrid": "treadle.model.granite_hybrid:GraniteHybridModel",
-    "granitehybrid": "treadle.model.granite_hybrid:GraniteHybridModel",  # llama.cpp's name for both hybrids' files
+    "llama": "treadle.model.families.llama:LlamaModel",
+    "mistral": "treadle.model.families.llama:MistralModel",
+    "qwen2": "treadle.model.families.llama:Qwen2Model",
+    "qwen3": "treadle.model.families.llama:Qwen3Model",
+    "gemma2": "treadle.model.families.gemma2:Gemma2Model",
+    "gemma3": "treadle.model.families.gemma3:Gemma3Model",
+    "gemma3_text": "treadle.model.families.gemma3:Gemma3Model",
+    "phi3": "treadle.model.families.phi3:Phi3Model",
+    "qwen3_moe": "treadle.model.families.qwen_moe:Qwen3MoeModel",
+    "qwen3moe": "treadle.model.families.qwen_moe:Qwen3MoeModel",
+    "qwen2_moe": "treadle.model.families.qwen_moe:Qwen2MoeModel",
+    "qwen2moe": "treadle.model.families.qwen_moe:Qwen2MoeModel",
+    "mixtral": "treadle.model.families.mixtral:MixtralModel",
+    "olmoe": "treadle.model.families.olmoe:OlmoeModel",
+    "bamba": "treadle.model.families.bamba:BambaModel",
+    "granitemoehybrid": "treadle.model.families.granite_hybrid:GraniteHybridModel",
+    "granitehybrid": "treadle.model.families.granite_hybrid:GraniteHybridModel",  # llama.cpp's name for both hybrids' files
 }
 # config.json `architectures` class names of the built-in families -> their model_type.
 HF_CLASS_NAMES = {
@@ -120,10 +120,10 @@ def resolve_model_class(arch: str) -> type:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as e:
             raise ModelLoadError(f"architecture {arch!r}: cannot import {target}: {e}") from e
-        from treadle.model.interface import CausalLM  # torch: only once a model is built
+        from treadle.model.families.interface import CausalLM  # torch: only once a model is built
 
         if not (isinstance(obj, type) and issubclass(obj, CausalLM)):
-            raise ModelLoadError(f"architecture {arch!r}: {target} is not a subclass of treadle.model.interface.CausalLM")
+            raise ModelLoadError(f"architecture {arch!r}: {target} is not a subclass of treadle.model.families.interface.CausalLM")
         _classes[target] = obj
     return _classes[target]
 

@@ -6,7 +6,7 @@ SDPA path's `softcapped_attention` both apply it before the softmax) and of the 
 
 import dataclasses
 
-from treadle.model.gemma3 import Gemma3Config, Gemma3Model
+from treadle.model.families.gemma3 import Gemma3Config, Gemma3Model
 
 SLIDING_WINDOW_PATTERN = 2  # transformers' default and llama.cpp's fixed value for gemma2 files
 

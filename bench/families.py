@@ -67,7 +67,7 @@ def moe_step(args) -> None:
     from bench.peer_compare import cpu_description
     from tests.tiny_models import tiny_tokenizer
     from treadle import LLM, SamplingParams
-    from treadle.model import moe
+    from treadle.model.layers import moe
 
     torch.set_num_threads(args.threads)
     print("CPU:", cpu_description(), f"threads {args.threads}", flush=True)

@@ -94,7 +94,7 @@ def make_llm():
     from treadle import LLM
     from treadle.model import worker as model_worker
     from treadle.model.kernels.quant import QuantizedTensor
-    from treadle.model.moe import ExpertWeights
+    from treadle.model.layers.moe import ExpertWeights
 
     def load_once(model, version):
         # the loader defers converting float tensors to the model; for many engines, convert once

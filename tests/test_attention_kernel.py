@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.model.attention import dequantize_kv, quantize_kv
 from treadle.model.kernels import paged as kernels
+from treadle.model.layers.attention import dequantize_kv, quantize_kv
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the engine uses SDPA")
 

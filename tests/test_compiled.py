@@ -12,7 +12,7 @@ from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
 from treadle.model import compiled
 from treadle.model.families.llama import LlamaModel
-from treadle.model.layers import RotaryEmbedding
+from treadle.model.layers.rotary import RotaryEmbedding
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

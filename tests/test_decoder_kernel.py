@@ -6,7 +6,7 @@ import torch
 
 from tests.tiny_models import save_hf_model
 from treadle import LLM, SamplingParams
-from treadle.model.layers import RMSNorm
+from treadle.model.layers.norm import RMSNorm
 
 PROMPTS = [
     list(range(3, 40)),

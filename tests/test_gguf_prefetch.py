@@ -108,7 +108,7 @@ def test_the_load_reads_each_layers_joined_tensors_into_one_buffer(prefetch):
     """q/k/v and gate/up, read into one buffer each in the model's order, so that the model's join
     of them (QuantizedTensor.cat) is a view, not a copy; the model built on them computes as one
     built from separate parts (the same bytes)."""
-    from treadle.model.layers import Linear
+    from treadle.model.layers.linear import Linear
 
     path = os.path.join(DATA, "Q4_K.gguf")
     if prefetch:

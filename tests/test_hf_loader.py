@@ -130,7 +130,7 @@ def test_a_layers_joined_matrices_are_quantized_into_one_buffer():
     16-row groups is quantized apart (the join then copies), with the same bytes either way."""
     if not quant.available():
         pytest.skip("treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
-    from treadle.model.layers import Linear
+    from treadle.model.layers.linear import Linear
 
     g = torch.Generator().manual_seed(2)
     shapes = {

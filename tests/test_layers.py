@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.model.attention import AttentionMetadata, paged_attention
 from treadle.model.config import RopeConfig
 from treadle.model.kernels import rowops
-from treadle.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from treadle.model.layers.attention import AttentionMetadata, paged_attention
+from treadle.model.layers.norm import RMSNorm
+from treadle.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 def reference_rms_norm(x, weight, eps):
@@ -179,7 +180,7 @@ def test_dynamic_ntk_rescales_its_base_once_for_an_engine_past_the_context():
     """Past the model's context, dynamic NTK's base is transformers' for a sequence of the
     engine's length (vLLM's choice: one table, consistent with the cached keys)."""
     from treadle.model.config import RopeConfig
-    from treadle.model.layers import rope_inverse_frequencies
+    from treadle.model.layers.rotary import rope_inverse_frequencies
 
     rope = RopeConfig(scaling_type="dynamic", factor=2.0, original_max_position=64)
     assert torch.allclose(rope_inverse_frequencies(rope, 16, 64), rope_inverse_frequencies(RopeConfig(), 16, 64))

@@ -10,7 +10,7 @@ import torch
 from tests.reference import assert_matches_reference, greedy_continuation, hf_greedy
 from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
-from treadle.model import moe
+from treadle.model.layers import moe
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

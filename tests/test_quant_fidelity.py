@@ -176,7 +176,7 @@ def test_a_long_steps_mlp_in_row_slices_gives_the_same_bits(monkeypatch, dtype):
 
 
 def test_only_weights_that_compute_rows_alone_are_sliced():
-    from treadle.model.layers import Linear
+    from treadle.model.layers.linear import Linear
 
     dense = Linear(torch.zeros(4, 8, dtype=torch.bfloat16))
     assert not dense.rows_apart(512)

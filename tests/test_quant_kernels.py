@@ -176,7 +176,7 @@ def test_widened_output_is_the_bfloat16_products_values_in_float32(kind, monkeyp
     """`widened` (the logits' path) writes each bf16-rounded value as float32 at once: the same
     values as the bf16 product widened, on every instruction-set path and both layouts, for the
     16-row groups and the rows after them (24 rows: 16 + 8)."""
-    from treadle.model.layers import Linear
+    from treadle.model.layers.linear import Linear
 
     big = quant.TYPES[kind][1] == 256
     rows, cols = 24, 768 if big else 32 * 7
@@ -297,7 +297,7 @@ def test_the_argmax_of_a_quantized_head_in_slices_is_the_whole_outputs(kind, dty
     path. Equal values across slices (duplicated weight rows), a soft cap that saturates into ties,
     a NaN output in a later slice and a NaN input row (the first NaN wins, as max's) keep the
     whole array's answer."""
-    from treadle.model.layers import Linear
+    from treadle.model.layers.linear import Linear
 
     monkeypatch.setattr(Linear, "ARGMAX_ROWS", 32)
     big = quant.TYPES[kind][1] == 256

@@ -167,7 +167,7 @@ def test_phi3_fused_projections_partial_rotary_and_longrope_match_transformers(t
 
 def test_longrope_takes_its_long_factors_where_the_engine_goes_past_the_original_context():
     from treadle.model.config import RopeConfig
-    from treadle.model.layers import rope_inverse_frequencies
+    from treadle.model.layers.rotary import rope_inverse_frequencies
 
     rope = RopeConfig(scaling_type="longrope", original_max_position=128, short_factor=[1.0, 2.0], long_factor=[3.0, 5.0])
     base = rope_inverse_frequencies(RopeConfig(), 4)

@@ -373,7 +373,7 @@ def _stacked_experts(state: dict) -> dict:
 def _llama3_rope_factors(cfg, head_dim: int) -> np.ndarray:
     """llama.cpp stores Llama-3 scaling as per-frequency divisors in rope_freqs.weight."""
     from treadle.model.config import RopeConfig
-    from treadle.model.layers import rope_inverse_frequencies
+    from treadle.model.layers.rotary import rope_inverse_frequencies
 
     rope = cfg.rope_parameters
     plain = rope_inverse_frequencies(RopeConfig(theta=rope["rope_theta"]), head_dim)

@@ -25,13 +25,13 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
-        from treadle.model.lora import adapter_digest
+        from treadle.model.layers.lora import adapter_digest
 
         self.lora_digests = {name: adapter_digest(path) for name, path in config.lora_modules.items()}
 
     def load_lora(self, name: str, path: str) -> None:
         """Attach a PEFT adapter under `name` (a ValueError naming the problem if it cannot be)."""
-        from treadle.model.lora import adapter_digest
+        from treadle.model.layers.lora import adapter_digest
 
         error = self.core.load_lora(name, path)
         if error is not None:

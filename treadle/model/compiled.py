@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from treadle.kv_layout import kv_layout
-from treadle.model.attention import AttentionMetadata, graph_kernel_args
+from treadle.model.layers.attention import AttentionMetadata, graph_kernel_args
 from treadle.model.loading.loader import resolve_model_path
 from treadle.utils import cache_root, process_memory
 
@@ -53,12 +53,14 @@ log = logging.getLogger("treadle.compile")
 # compiles anew.
 _SOURCES = (
     "treadle.model.families.llama",
-    "treadle.model.moe",
+    "treadle.model.layers.moe",
     "treadle.kv_layout",
     "treadle.model.families.interface",
     "treadle.model.worker",
-    "treadle.model.layers",
-    "treadle.model.attention",
+    "treadle.model.layers.norm",
+    "treadle.model.layers.rotary",
+    "treadle.model.layers.linear",
+    "treadle.model.layers.attention",
     "treadle.model.compiled",
     "treadle.model.compiler_process",
     "treadle.model.loading.gguf_loader",

@@ -15,12 +15,12 @@ from dataclasses import replace
 import torch
 
 from treadle.kv_layout import kv_layout
-from treadle.model.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from treadle.model.config import ModelConfig
 from treadle.model.families.registry import resolve_model_class
 from treadle.model.kernels import paged
-from treadle.model.layers import LORA_ROWS
-from treadle.model.mamba import Segment
+from treadle.model.layers.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
+from treadle.model.layers.linear import LORA_ROWS
+from treadle.model.layers.mamba import Segment
 from treadle.model.sampler import Sampler, allowed_from_bitmask
 from treadle.model.verification import HistoryWithDrafts, Verification
 from treadle.sampling_params import SamplingParams
@@ -129,7 +129,7 @@ class ModelRunner:
         self.loras = None  # a LoraSet, once an adapter is added
 
     def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
-        from treadle.model.lora import LoraSet
+        from treadle.model.layers.lora import LoraSet
 
         if self.loras is None:
             self.loras = LoraSet(self.model.linears(), self.dtype, self.device, max_rank, self.config)

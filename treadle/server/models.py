@@ -299,7 +299,7 @@ class ModelHub:
     async def load_adapter(self, name: str, path: str, base: str | None = None) -> Adapter:
         """Serve the PEFT adapter at `path` as model `name`, on `base` (default: the command line's
         model), loading it in the base's engine now if that is loaded, else when it loads."""
-        from treadle.model.lora import adapter_digest, read_adapter_config
+        from treadle.model.layers.lora import adapter_digest, read_adapter_config
 
         if base is None and self.primary is None:
             raise RequestError("LoRA adapters need a base model: name it (base_model_name) or start the server with --model", "base_model_name")
@@ -325,7 +325,7 @@ class ModelHub:
 
     def add_startup_adapter(self, name: str, path: str) -> None:
         """--lora-modules: an adapter of the command line's model, loaded with it (a failure is its load failure)."""
-        from treadle.model.lora import adapter_digest, read_adapter_config
+        from treadle.model.layers.lora import adapter_digest, read_adapter_config
 
         if self.primary is None:
             raise ValueError("--lora-modules needs a model loaded at start (--model)")

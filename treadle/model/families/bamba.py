@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treadle.model.attention import metadata_by_layer
 from treadle.model.config import ModelConfig, ModelLoadError, file_float, file_int
 from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
-from treadle.model.mamba import Mamba2Mixer, MambaConfig, RecurrentState
+from treadle.model.layers.attention import metadata_by_layer
+from treadle.model.layers.mamba import Mamba2Mixer, MambaConfig, RecurrentState
 
 
 def mamba_config(hf) -> MambaConfig:

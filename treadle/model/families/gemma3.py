@@ -23,10 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treadle.model.attention import metadata_by_layer, paged_attention
 from treadle.model.config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
 from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
-from treadle.model.layers import RMSNorm, apply_rotary
+from treadle.model.layers.attention import metadata_by_layer, paged_attention
+from treadle.model.layers.norm import RMSNorm
+from treadle.model.layers.rotary import apply_rotary
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 
 SLIDING_WINDOW_PATTERN = 6  # transformers' default and llama.cpp's fixed value for gemma3 files

@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from treadle.model.attention import metadata_by_layer
 from treadle.model.config import LIMITS, ModelLoadError, MoEConfig, file_float, file_int
 from treadle.model.families.bamba import BambaConfig, BambaLayer, BambaModel, mamba_config, mixer_shapes
 from treadle.model.families.llama import LayerWeights, expected_shapes
+from treadle.model.layers.attention import metadata_by_layer
+from treadle.model.layers.mamba import MambaConfig
+from treadle.model.layers.moe import MoE, moe_shapes
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
-from treadle.model.mamba import MambaConfig
-from treadle.model.moe import MoE, moe_shapes
 
 MOE_NAMES = dict(
     router="block_sparse_moe.router.layer.weight",

@@ -13,10 +13,11 @@ then calls only what is declared here; the compiler process (`compiled.py`) trac
 import numpy as np
 import torch
 
-from treadle.model.attention import AttentionMetadata
 from treadle.model.config import ModelConfig
 from treadle.model.kernels.quant import QuantizedTensor
-from treadle.model.layers import Linear, RotaryEmbedding
+from treadle.model.layers.attention import AttentionMetadata
+from treadle.model.layers.linear import Linear
+from treadle.model.layers.rotary import RotaryEmbedding
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key blocks, value blocks)

@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from treadle.kv_layout import kv_layout
-from treadle.model.attention import AttentionMetadata, metadata_by_layer, paged_attention
 from treadle.model.config import ModelConfig, ModelLoadError
 from treadle.model.families.interface import CausalLM
 from treadle.model.kernels.quant import QuantizedTensor, quant_rows_op
-from treadle.model.layers import LORA_ROWS, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from treadle.model.moe import MoE, moe_shapes
+from treadle.model.layers.attention import AttentionMetadata, metadata_by_layer, paged_attention
+from treadle.model.layers.linear import LORA_ROWS, Linear
+from treadle.model.layers.moe import MoE, moe_shapes
+from treadle.model.layers.norm import RMSNorm
+from treadle.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LayerWeights:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from treadle.model.config import ModelConfig, MoEConfig
 from treadle.model.families.llama import DecoderLayer, MistralModel
-from treadle.model.moe import moe_shapes
+from treadle.model.layers.moe import moe_shapes
 
 NAMES = dict(router="block_sparse_moe.gate.weight", experts="block_sparse_moe.experts", names=("w1", "w3", "w2"))
 

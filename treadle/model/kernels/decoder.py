@@ -21,7 +21,8 @@ from treadle.model.kernels import quant, rowops
 from treadle.model.kernels.build import Library, build
 from treadle.model.kernels.paged import _kernel as attention_kernel
 from treadle.model.kernels.paged import usable
-from treadle.model.layers import LORA_ROWS, RMSNorm
+from treadle.model.layers.linear import LORA_ROWS
+from treadle.model.layers.norm import RMSNorm
 
 MAX_PARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

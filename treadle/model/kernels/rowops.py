@@ -1,6 +1,6 @@
 """A decoder layer's row-wise operations on bfloat16 rows in one C call each (`rowops.c`): the
-rotary embedding (the same bits as layers.apply_rotary's torch operations) and RMSNorm. Used by
-layers.py where the rows are bfloat16 on the CPU and no graph is being compiled; elsewhere the
+rotary embedding (the same bits as layers/rotary.apply_rotary's torch operations) and RMSNorm. Used by
+layers/rotary.py and layers/norm.py where the rows are bfloat16 on the CPU and no graph is being compiled; elsewhere the
 torch operations run."""
 
 import ctypes

@@ -30,11 +30,11 @@ from treadle.model.config import (
 from treadle.model.families.registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
 from treadle.model.kernels import quant
 from treadle.model.kernels.quant import QuantizedTensor
+from treadle.model.layers.moe import ExpertWeights
 from treadle.model.loading import gguf_prefetch
 from treadle.model.loading.deferred import DeferredWeight
 from treadle.model.loading.gguf_file import open_gguf
 from treadle.model.loading.gguf_names import LONGROPE_TENSORS, hf_name
-from treadle.model.moe import ExpertWeights
 from treadle.model.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.

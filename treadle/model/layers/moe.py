@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from treadle.model.config import ModelConfig, ModelLoadError, MoEConfig
 from treadle.model.kernels.quant import QuantizedTensor
 from treadle.model.kernels.quant import matmul as quant_matmul
-from treadle.model.layers import Linear
+from treadle.model.layers.linear import Linear
 from treadle.model.loading.deferred import DeferredWeight
 
 DENSE = -1  # the operator's type id of a dense (not quantized) expert weight

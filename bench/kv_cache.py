@@ -51,7 +51,7 @@ def fidelity(args) -> None:
 
 
 def decode(args) -> None:
-    from treadle.model.runner import ModelRunner
+    from treadle.model.execution.runner import ModelRunner
 
     for kv in args.kv or ("auto", "int8"):
         llm = LLM(args.model, max_model_len=max(args.contexts) + 64, kv_cache_dtype=kv, max_num_seqs=1)

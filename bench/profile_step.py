@@ -9,7 +9,7 @@ Step times are printed as the median and the 10th percentile of --steps timed st
 shared: the 10th percentile moves least between runs). To compare two commits, run this script from
 both trees in turn (PYTHONPATH=<tree>), a few times each.
 
---compile is a measurement (the experiment that led to treadle/model/compiled.py, which --compiled
+--compile is a measurement (the experiment that led to treadle/model/execution/compiled.py, which --compiled
 times): it compiles the model's forward for one decode
 step (torch.compile, inductor; static shapes by default), and times it on a copy of that
 step's inputs beside the eager forward, so that what fusing the small operations would save, and

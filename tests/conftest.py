@@ -92,7 +92,7 @@ def make_llm():
     import functools
 
     from treadle import LLM
-    from treadle.model import worker as model_worker
+    from treadle.model.execution import worker as model_worker
     from treadle.model.kernels.quant import QuantizedTensor
     from treadle.model.layers.moe import ExpertWeights
 

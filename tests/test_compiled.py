@@ -1,4 +1,4 @@
-"""Compiled decode steps (treadle/model/compiled.py): the compiler process, the artefact cache, and
+"""Compiled decode steps (treadle/model/execution/compiled.py): the compiler process, the artefact cache, and
 each compiled graph against the eager forward it stands in for."""
 
 import os
@@ -10,7 +10,7 @@ import torch
 
 from tests.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
-from treadle.model import compiled
+from treadle.model.execution import compiled
 from treadle.model.families.llama import LlamaModel
 from treadle.model.layers.rotary import RotaryEmbedding
 
@@ -259,7 +259,7 @@ def _stat(pid: str) -> list[str] | None:
 def _is_compiler(pid: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"treadle.model.compiler_process import main" in f.read()
+            return b"treadle.model.execution.compiler_process import main" in f.read()
     except OSError:
         return False
 

@@ -103,7 +103,7 @@ def test_int8_kv_within_kl_bound(make_llm, reference):
 
 
 def test_compiled_decode_path_within_kl_bound(make_llm, reference, tmp_path, monkeypatch):
-    """The compiled single-stream decode graph (treadle/model/compiled.py; the quantized products
+    """The compiled single-stream decode graph (treadle/model/execution/compiled.py; the quantized products
     as one operator each) of the default model against float32, under the same bound. Only the batch-1 class
     is waited for (each class of this 30-layer model takes about a minute to compile on 2 cores);
     every class's graph is checked against the eager path in tests/test_compiled.py."""

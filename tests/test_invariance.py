@@ -100,7 +100,7 @@ def test_a_greedy_steps_argmax_alone_gives_the_tokens_of_its_logits(invariant, a
     head's output a slice at a time, never the [rows, vocab] logits): the same tokens as sampling
     the whole logits, in bf16 and float32, batched; a row with logprobs or a penalty in the step
     takes the logits, its neighbours' tokens unchanged."""
-    from treadle.model.sampler import Sampler
+    from treadle.model.execution.sampler import Sampler
 
     llm = invariant()
     model = llm.engine.runner.model

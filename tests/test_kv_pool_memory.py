@@ -5,7 +5,7 @@ and /stats counts what is resident as held, the rest of the process as `other_by
 import time
 
 from treadle import LLM, SamplingParams
-from treadle.model.worker import KV_RESIDENT_MAX_AGE
+from treadle.model.execution.worker import KV_RESIDENT_MAX_AGE
 
 
 def test_the_kv_pool_is_resident_where_its_blocks_are_written():
@@ -31,7 +31,7 @@ def test_the_kv_pool_is_resident_where_its_blocks_are_written():
 def test_a_pool_larger_than_the_memory_available_is_warned_of(monkeypatch, caplog):
     """Its pages are taken as it fills, so a pool the machine cannot hold no longer fails at the
     start: the start says so."""
-    import treadle.model.worker as worker
+    import treadle.model.execution.worker as worker
 
     monkeypatch.setattr(worker, "available_memory", lambda: 16 << 20)
     with caplog.at_level("WARNING", logger="treadle"):

@@ -3,8 +3,8 @@ are never written (the sampler copies a [rows, vocab] array only where some row 
 
 import torch
 
-from treadle.model.runner import RunnerRequest
-from treadle.model.sampler import Sampler
+from treadle.model.execution.runner import RunnerRequest
+from treadle.model.execution.sampler import Sampler
 from treadle.sampling_params import SamplingParams
 
 VOCAB = 50

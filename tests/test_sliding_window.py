@@ -179,8 +179,8 @@ def test_the_decode_compiler_builds_a_model_of_several_cache_groups(tiny):
     """The compiler process's small engine (a few blocks) must hold one request in every group:
     with a sliding and a full group it once asked for 4 blocks where 8 were needed, and failed."""
     from treadle.config import EngineConfig
-    from treadle.model.compiler_process import compiler_config
-    from treadle.model.worker import ModelWorker
+    from treadle.model.execution.compiler_process import compiler_config
+    from treadle.model.execution.worker import ModelWorker
 
     arch, folder, _, _ = tiny
     worker = ModelWorker(compiler_config(EngineConfig(model=folder, dtype="float32", compile=True)), position_table=512)

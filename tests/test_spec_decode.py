@@ -349,8 +349,8 @@ def test_unseeded_sampling_keeps_the_target_distribution(engines, reference_cont
     assert after["num_draft_tokens"] - before["num_draft_tokens"] > after["num_accepted_tokens"] - before["num_accepted_tokens"]
     assert len(want) >= 4 and homogeneity_p(want, got) > 0.01
 
-    from treadle.model import runner as runner_module
-    from treadle.model.verification import HistoryWithDrafts
+    from treadle.model.execution import runner as runner_module
+    from treadle.model.execution.verification import HistoryWithDrafts
 
     real_sample = runner_module.Sampler.sample
 
@@ -424,7 +424,7 @@ def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, refer
     assert 0 < accepted < proposed
     assert homogeneity_p(reference, sampled) > 0.01
 
-    from treadle.model.verification import Verification
+    from treadle.model.execution.verification import Verification
 
     def from_p_on_rejection(self, sampler, probs, chosen, rows):
         j_idx = torch.tensor([j for j, _, _ in rows])

@@ -34,9 +34,9 @@ from treadle.engine.spec_decode import SpeculationPolicy, fill_proposals
 from treadle.engine.state_cache import StateCheckpoints
 from treadle.engine.step_cost import StepCostModel
 from treadle.engine.structured import StructuredOutputManager
+from treadle.model.execution.runner import InjectedFault
+from treadle.model.execution.worker import ModelWorker
 from treadle.model.loading.default_model import MODEL_NAME
-from treadle.model.runner import InjectedFault
-from treadle.model.worker import ModelWorker
 from treadle.sampling_params import SamplingParams
 from treadle.step import NewRequestData, StepInput
 from treadle.utils import map_large_allocations

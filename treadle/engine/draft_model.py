@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from treadle.engine.structured import MatcherWalk
-from treadle.model.runner import ModelRunner
-from treadle.model.sampler import allowed_from_bitmask
-from treadle.model.verification import HistoryWithDrafts
+from treadle.model.execution.runner import ModelRunner
+from treadle.model.execution.sampler import allowed_from_bitmask
+from treadle.model.execution.verification import HistoryWithDrafts
 from treadle.step import ScheduledRequest, StepInput
 
 

@@ -11,9 +11,9 @@ import time
 from dataclasses import replace
 
 from treadle.config import EngineConfig
-from treadle.model.compiled import artefact_path, compile_class, configure_torch, decode_classes
+from treadle.model.execution.compiled import artefact_path, compile_class, configure_torch, decode_classes
+from treadle.model.execution.worker import ModelWorker
 from treadle.model.families.registry import restore_registry
-from treadle.model.worker import ModelWorker
 from treadle.utils import end_with_parent
 
 

@@ -16,13 +16,13 @@ import torch
 
 from treadle.kv_layout import kv_layout
 from treadle.model.config import ModelConfig
+from treadle.model.execution.sampler import Sampler, allowed_from_bitmask
+from treadle.model.execution.verification import HistoryWithDrafts, Verification
 from treadle.model.families.registry import resolve_model_class
 from treadle.model.kernels import paged
 from treadle.model.layers.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from treadle.model.layers.linear import LORA_ROWS
 from treadle.model.layers.mamba import Segment
-from treadle.model.sampler import Sampler, allowed_from_bitmask
-from treadle.model.verification import HistoryWithDrafts, Verification
 from treadle.sampling_params import SamplingParams
 from treadle.step import SampledToken, StepInput, TokenHistory
 from treadle.utils import zeroed_pages

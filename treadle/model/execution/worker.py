@@ -12,11 +12,11 @@ import torch
 
 from treadle.config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from treadle.kv_layout import kv_layout
-from treadle.model.compiled import CompiledDecode
 from treadle.model.config import ModelConfig, ModelLoadError
+from treadle.model.execution.compiled import CompiledDecode
+from treadle.model.execution.runner import ModelRunner
 from treadle.model.kernels import paged, quant
 from treadle.model.loading.loader import load_model_files, resolve_model_path
-from treadle.model.runner import ModelRunner
 from treadle.utils import available_memory, process_memory, release_free_heap, resident_bytes
 
 log = logging.getLogger("treadle")

@@ -56,13 +56,13 @@ _SOURCES = (
     "treadle.model.layers.moe",
     "treadle.kv_layout",
     "treadle.model.families.interface",
-    "treadle.model.worker",
+    "treadle.model.execution.worker",
     "treadle.model.layers.norm",
     "treadle.model.layers.rotary",
     "treadle.model.layers.linear",
     "treadle.model.layers.attention",
-    "treadle.model.compiled",
-    "treadle.model.compiler_process",
+    "treadle.model.execution.compiled",
+    "treadle.model.execution.compiler_process",
     "treadle.model.loading.gguf_loader",
     "treadle.model.loading.hf_loader",
     "treadle.model.loading.deferred",
@@ -295,7 +295,7 @@ class CompiledDecode:
         )
         logf = open(self._log_path(), "ab")  # noqa: SIM115 - handed to the child
         self.compiler = subprocess.Popen(
-            [sys.executable, "-c", "from treadle.model.compiler_process import main; main()", spec],
+            [sys.executable, "-c", "from treadle.model.execution.compiler_process import main; main()", spec],
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

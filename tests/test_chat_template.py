@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from treadle.model.chat_template import MAX_CHARS, render
+from treadle.text.chat_template import MAX_CHARS, render
 
 MESSAGES = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}
 

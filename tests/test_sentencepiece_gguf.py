@@ -13,9 +13,9 @@ import sys
 import gguf
 import pytest
 
-from treadle.model import tokenizer as tokenizer_module
 from treadle.model.loading.gguf_file import read_metadata
-from treadle.model.tokenizer import tokenizer_from_gguf
+from treadle.text import tokenizer as tokenizer_module
+from treadle.text.tokenizer import tokenizer_from_gguf
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -171,7 +171,7 @@ def test_the_derived_merges_are_cached_per_file_and_a_bad_cache_is_derived_again
 
 FIRST_START = """
 import json, os, sys
-from treadle.model.tokenizer import tokenizer_from_gguf_file
+from treadle.text.tokenizer import tokenizer_from_gguf_file
 tok = tokenizer_from_gguf_file(sys.argv[1])
 assert tok.encode("hello world")
 assert os.listdir(os.path.join(os.environ["XDG_CACHE_HOME"], "treadle", "tokenizers"))  # derived, not read
@@ -207,7 +207,7 @@ def test_a_sentencepiece_vocabulary_keeps_no_word_cache(spm_gguf, tmp_path):
     tokenizer.json loaded as is grows (the probe sees a cache)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from treadle.model.tokenizer import tokenizer_from_hf_folder
+    from treadle.text.tokenizer import tokenizer_from_hf_folder
 
     path, sp = spm_gguf
     words = "the of and to in is that for it as was with be by on not this are or from at which".split()
@@ -336,7 +336,7 @@ def _merge_strings(tokens, ids) -> list[str]:
 
 
 def test_merges_from_scores_follow_the_rule_ties_included():
-    from treadle.model.tokenizer import _merges_from_scores
+    from treadle.text.tokenizer import _merges_from_scores
 
     tokens = ["a", "b", "c", "ab", "bc", "abc", "ca", "cab", "abca", "a b", "<s>", "aa", "aaa", "a ", " b"]
     scores = [0.0, 0.0, 0.0, -1.0, -1.0, -2.0, -1.0, -2.0, -2.0, -0.5, 0.0, -3.0, -3.0, -0.1, -0.1]
@@ -369,7 +369,7 @@ def test_a_sentencepiece_file_with_its_own_merges_tokenizes_as_sentencepiece_in_
     """Some SentencePiece GGUFs carry tokenizer.ggml.merges beside the scores: the front end's
     tokenizer (load_tokenizer, built after the metadata is let go) is still SentencePiece's."""
     from treadle.model.loading.loader import load_tokenizer
-    from treadle.model.tokenizer import _merges_from_scores
+    from treadle.text.tokenizer import _merges_from_scores
 
     _, sp = spm_gguf
     tokens, scores, types = _vocabulary(sp)

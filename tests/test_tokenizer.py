@@ -2,7 +2,7 @@
 
 import pytest
 
-from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.text.detokenizer import IncrementalDetokenizer
 
 HARD_STRINGS = [
     "Hello world",

@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from treadle.engine.request import validate_prompt
-from treadle.model import chat_template as _templates  # noqa: F401 - jinja2 loaded with the front end, not by its first chat request
 from treadle.server.chat_output import ChatOutput
 from treadle.server.engine_client import EngineClient
 from treadle.server.generation import Generation
@@ -20,6 +19,7 @@ from treadle.server.metrics import ServerMetrics
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
 from treadle.server.reasoning import reasoning_closed, starts_inside
 from treadle.server.tools import ToolSetup, family_of, prepare_messages, template_supports_tools, tool_setup
+from treadle.text import chat_template as _templates  # noqa: F401 - jinja2 loaded with the front end, not by its first chat request
 
 
 @dataclass

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from treadle.model.tokenizer import TEMPLATE_OWNED, first_surrogate
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.text.tokenizer import TEMPLATE_OWNED, first_surrogate
 
 Number = StrictInt | StrictFloat
 

@@ -35,7 +35,7 @@ from treadle.model.loading import gguf_prefetch
 from treadle.model.loading.deferred import DeferredWeight
 from treadle.model.loading.gguf_file import open_gguf
 from treadle.model.loading.gguf_names import LONGROPE_TENSORS, hf_name
-from treadle.model.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
+from treadle.text.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")

@@ -132,7 +132,7 @@ def _run(job: Prefetched, path: str) -> None:
 
         from treadle.model.kernels import quant_lib
         from treadle.model.loading.gguf_file import open_gguf
-        from treadle.model.tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
+        from treadle.text.tokenizer import UNREAD_AT_LOAD, VOCABULARY_LISTS
         from treadle.utils import map_large_allocations
 
         map_large_allocations()  # as EngineCore sets it, before the weights are allocated

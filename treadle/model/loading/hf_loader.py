@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from treadle.model.config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
 from treadle.model.families.registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
-from treadle.model.tokenizer import read_json, tokenizer_from_hf_folder
+from treadle.text.tokenizer import read_json, tokenizer_from_hf_folder
 
 if TYPE_CHECKING:
     import torch

@@ -59,11 +59,11 @@ def load_tokenizer(model: str | None):
             return ready
     if os.path.isdir(path):
         from treadle.model.loading.hf_loader import read_config
-        from treadle.model.tokenizer import tokenizer_from_hf_folder
+        from treadle.text.tokenizer import tokenizer_from_hf_folder
 
         return tokenizer_from_hf_folder(path, read_config(path))
     if os.path.isfile(path):
-        from treadle.model.tokenizer import tokenizer_from_gguf_file
+        from treadle.text.tokenizer import tokenizer_from_gguf_file
 
         return tokenizer_from_gguf_file(path)
     raise _missing(path)

@@ -211,7 +211,7 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
-        from treadle.model.chat_template import render  # jinja2 (~90 ms to import): not on an engine core's path
+        from treadle.text.chat_template import render  # jinja2 (~90 ms to import): not on an engine core's path
 
         return render(template, context)  # sandboxed and bounded; ValueError if it fails
 

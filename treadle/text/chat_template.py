@@ -132,7 +132,7 @@ _local = threading.local()
 def _bounds() -> _Bounds:
     bounds = getattr(_local, "bounds", None)
     if bounds is None:  # a template object used outside render(): no bounds were set
-        raise TemplateLimit("chat templates are rendered through treadle.model.chat_template.render")
+        raise TemplateLimit("chat templates are rendered through treadle.text.chat_template.render")
     return bounds
 
 

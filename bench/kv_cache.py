@@ -111,7 +111,7 @@ def llama(args) -> None:
 
 
 def long(args) -> None:
-    from treadle.config import parse_size
+    from treadle.engine_config import parse_size
     from treadle.utils import process_memory
 
     for kv in args.kv or ("auto",):
@@ -138,7 +138,7 @@ def flat(args) -> None:
     """`--requests` different prompts of `--tokens` tokens one after another, each to a few output
     tokens, in a `--budget` KV pool: the engine's resident set after each (the issue's memory check;
     tests/test_long_context.py is its CI-sized form)."""
-    from treadle.config import parse_size
+    from treadle.engine_config import parse_size
     from treadle.utils import process_memory
 
     kv = (args.kv or ["auto"])[0]

@@ -21,7 +21,7 @@ from tests.server_process import ServerProcess, children
 from tests.test_registry import PLUGIN_ENV, fresh_registry, with_plugin, write_gelu_llama_folder  # noqa: F401 (fixtures)
 from treadle import SamplingParams
 from treadle import step as S
-from treadle.engine import protocol as P
+from treadle.engine import messages as P
 
 STORY = "The old lighthouse keeper climbed the stairs every evening, counting each step as the sea roared below. "
 
@@ -155,7 +155,7 @@ def test_the_server_is_a_front_end_and_its_engine_core(faulty):
     pid = httpx.get(faulty.url + "/stats").json()["engine_pid"]
     assert children(faulty.proc.pid) == {pid}
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        assert b"treadle.engine.core_main" in f.read()
+        assert b"treadle.engine.core_boot" in f.read()
 
 
 def test_the_core_ignores_sigterm_and_refuses_bad_choices_seeds_without_dying(faulty):

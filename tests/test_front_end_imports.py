@@ -16,7 +16,7 @@ SCRIPT = """
 import json, sys
 from treadle.cli import build_parser
 args = build_parser("serve").parse_args(["serve", "--model", sys.argv[1]])
-import treadle.server.app, treadle.server.serve
+import treadle.server.app, treadle.server.http_server
 from treadle.model.loading.loader import load_tokenizer
 from treadle.store.inspect import describe
 tok = load_tokenizer(sys.argv[1])

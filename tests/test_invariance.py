@@ -127,7 +127,7 @@ def test_a_greedy_steps_argmax_alone_gives_the_tokens_of_its_logits(invariant, a
 def test_the_flag_parses_both_ways_and_defaults_to_auto():
     import argparse
 
-    from treadle.config import add_engine_args, engine_config_from_args
+    from treadle.engine_config import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

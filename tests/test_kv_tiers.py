@@ -281,7 +281,7 @@ def test_a_server_killed_mid_write_leaves_a_consistent_tier(make_llm, tmp_path):
 
 
 def test_tiers_need_prefix_caching_and_sizes_are_checked():
-    from treadle.config import EngineConfig
+    from treadle.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_offload_bytes"):
         EngineConfig(kv_offload_bytes=-1)

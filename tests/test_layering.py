@@ -2,6 +2,7 @@
 count: they are deferred, not gone), and the layers keep their direction."""
 
 import ast
+import functools
 import os
 from collections import defaultdict
 
@@ -10,6 +11,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "treadle")
 
 
+@functools.cache
 def import_graph(root: str = ROOT) -> dict[str, set[str]]:
     """Module name -> the treadle modules it imports anywhere in its file."""
     modules = {}
@@ -83,24 +85,77 @@ def test_no_import_circle_remains():
     assert cycles(import_graph()) == []
 
 
+def imports_of(prefix: str, graph: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """The treadle modules that the modules under `prefix` import, by importing module."""
+    graph = import_graph() if graph is None else graph  # (cached: callers must not change it)
+    return {m: targets for m, targets in graph.items() if m == prefix or m.startswith(prefix + ".")}
+
+
+def under(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
 @pytest.mark.parametrize(
     "lower, upper",
     [
         ("treadle.model", "treadle.engine"),  # the model side runs steps; the engine side schedules them
         ("treadle.engine", "treadle.server"),
         ("treadle.model", "treadle.server"),
-        ("treadle.server", "treadle.router"),  # the router runs in front of servers
-        ("treadle.routing", "treadle.server"),
-        ("treadle.routing", "treadle.router"),
+        ("treadle.server", "treadle.routing.router"),  # the standalone router runs in front of servers
+        ("treadle.server", "treadle.routing.prompts"),
+        ("treadle.routing.policy", "treadle.server"),  # the policy and KV index: shared by both
+        ("treadle.routing.kv_index", "treadle.server"),
+        ("treadle.routing.policy", "treadle.routing.router"),
+        ("treadle.routing.kv_index", "treadle.routing.router"),
+        ("treadle.text", "treadle.engine"),
+        ("treadle.model.families", "treadle.model.execution"),
+        ("treadle.model.layers", "treadle.model.execution"),
+        ("treadle.model.loading", "treadle.model.execution"),
     ],
 )
 def test_a_lower_layer_imports_nothing_from_a_higher_one(lower, upper):
-    graph = import_graph()
+    wrong = sorted(f"{m} -> {t}" for m, targets in imports_of(lower).items() for t in targets if under(t, upper))
+    assert wrong == []
+
+
+def test_families_import_layers_the_interface_the_config_and_the_gguf_names_only():
+    allowed = (
+        "treadle.model.families",
+        "treadle.model.layers",
+        "treadle.model.kernels",
+        "treadle.model.config",
+        "treadle.model.loading.gguf_names",
+        "treadle.kv_layout",
+    )
+    wrong = sorted(f"{m} -> {t}" for m, ts in imports_of("treadle.model.families").items() for t in ts if not under(t, *allowed))
+    assert wrong == []
+
+
+def test_loading_reaches_a_family_only_through_the_registry_and_the_interface():
+    gateway = ("treadle.model.families.registry", "treadle.model.families.interface")
     wrong = sorted(
-        f"{m} -> {t}"
-        for m, targets in graph.items()
-        if m == lower or m.startswith(lower + ".")
-        for t in targets
-        if t == upper or t.startswith(upper + ".")
+        f"{m} -> {t}" for m, ts in imports_of("treadle.model.loading").items() for t in ts if under(t, "treadle.model.families") and t not in gateway
     )
     assert wrong == []
+
+
+def test_text_imports_of_the_model_only_the_gguf_reader_and_the_load_error():
+    allowed = ("treadle.model.loading.gguf_file", "treadle.model.config")
+    wrong = sorted(f"{m} -> {t}" for m, ts in imports_of("treadle.text").items() for t in ts if under(t, "treadle.model") and t not in allowed)
+    assert wrong == []
+
+
+def test_the_rules_find_a_wrong_import():
+    graph = {"treadle.model.families.llama": {"treadle.model.execution.runner"}, "treadle.text.tokenizer": {"treadle.engine.core"}}
+    assert imports_of("treadle.model.families", graph) == {"treadle.model.families.llama": {"treadle.model.execution.runner"}}
+    assert under("treadle.engine.core", "treadle.engine") and not under("treadle.engine_config", "treadle.engine")
+
+
+def test_no_two_modules_share_a_base_name():
+    """A reader who opens `protocol.py` finds the one there is."""
+    names = defaultdict(list)
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py") and name != "__init__.py":
+                names[name].append(os.path.relpath(os.path.join(folder, name), os.path.dirname(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

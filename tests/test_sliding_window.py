@@ -178,7 +178,7 @@ def test_longrope_takes_its_long_factors_where_the_engine_goes_past_the_original
 def test_the_decode_compiler_builds_a_model_of_several_cache_groups(tiny):
     """The compiler process's small engine (a few blocks) must hold one request in every group:
     with a sliding and a full group it once asked for 4 blocks where 8 were needed, and failed."""
-    from treadle.config import EngineConfig
+    from treadle.engine_config import EngineConfig
     from treadle.model.execution.compiler_process import compiler_config
     from treadle.model.execution.worker import ModelWorker
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from treadle.config import SpeculativeConfig
 from treadle.engine.spec_decode import propose_ngram
 from treadle.engine.suffix_tree import SuffixTree
+from treadle.engine_config import SpeculativeConfig
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
@@ -235,7 +235,7 @@ def test_a_walk_past_the_end_of_sequence_leaves_the_requests_matcher_as_it_was(e
     walk must not touch the request's matcher (rolling back len(proposals) undid a real token)."""
     import numpy as np
 
-    from treadle.engine.structured import MatcherWalk
+    from treadle.engine.structured_output import MatcherWalk
     from treadle.sampling_params import StructuredOutputsParams
 
     core = engines[1].engine.core

@@ -15,7 +15,7 @@ from tests.conftest import MODEL
 from tests.structured_schemas import SCHEMAS
 from tests.test_server import assert_error, chat, client, http  # noqa: F401 (fixtures)
 from treadle import SamplingParams
-from treadle.engine import structured
+from treadle.engine import structured_output as structured
 
 PERSON = {
     "type": "object",

@@ -122,7 +122,7 @@ def test_the_500_guard_sees_the_handlers_record_and_not_a_logged_body(caplog):
 
     from tests.server_process import is_internal_error
     from treadle.server.app import INTERNAL_ERROR_MARK, ServerSettings, build_app
-    from treadle.server.serve import LOG_FORMAT
+    from treadle.server.http_server import LOG_FORMAT
 
     class Engine:  # no tokenizer: /tokenize raises AttributeError, a bug the 500 handler takes
         ready, state, reason = True, "ready", None

@@ -146,7 +146,7 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
-    from treadle.config import engine_config_from_args
+    from treadle.engine_config import engine_config_from_args
 
     if args.model_pos:
         args.model = args.model_pos

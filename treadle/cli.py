@@ -6,7 +6,7 @@ import os
 import sys
 from dataclasses import fields
 
-from treadle.config import ENGINE_HELP, add_engine_args, engine_config_from_args
+from treadle.engine_config import ENGINE_HELP, add_engine_args, engine_config_from_args
 
 
 def cmd_run(args) -> int:
@@ -96,11 +96,11 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 def serve_models(args):
     """The models `treadle serve` answers to, from its positional model, each --model (PATH, or
     NAME=PATH), --models-dir and the model flags: (the command line's model path or None, ModelOptions)."""
-    from treadle.config import parse_size
+    from treadle.engine_config import parse_size
     from treadle.model.loading.loader import resolve_model_path
-    from treadle.server.models import ModelSpec, parse_keep_alive
+    from treadle.server.http_server import ModelOptions, read_chat_template
+    from treadle.server.model_hub import ModelSpec, parse_keep_alive
     from treadle.server.protocol import RequestError
-    from treadle.server.serve import ModelOptions, read_chat_template
     from treadle.utils import available_memory
 
     given = ([args.model_pos] if args.model_pos else []) + list(args.model or [])
@@ -152,7 +152,7 @@ def _serve(args, early_core) -> int:
     import json
 
     from treadle.server.app import ServerSettings
-    from treadle.server.serve import serve
+    from treadle.server.http_server import serve
 
     primary_path, models = serve_models(args)
     args.model = primary_path
@@ -239,9 +239,9 @@ def add_routing_args(parser, what: str) -> None:
 
 def cmd_router(args) -> int:
     from treadle.model.loading.loader import load_tokenizer
-    from treadle.router.prompts import PromptReader
-    from treadle.router.server import RouterSettings, run_router
-    from treadle.server.serve import read_chat_template
+    from treadle.routing.prompts import PromptReader
+    from treadle.routing.router import RouterSettings, run_router
+    from treadle.server.http_server import read_chat_template
 
     settings = RouterSettings(
         workers=args.worker,
@@ -470,7 +470,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     add_router_parser(sub)
-    from treadle.store.cli import add_store_parsers
+    from treadle.store.commands import add_store_parsers
 
     add_store_parsers(sub)
 

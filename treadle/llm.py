@@ -2,9 +2,9 @@
 
 from dataclasses import replace
 
-from treadle.config import ENGINE_FIELDS, EngineConfig
 from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import CompletionOutput, RequestOutput
+from treadle.engine_config import ENGINE_FIELDS, EngineConfig
 from treadle.sampling_params import SamplingParams
 
 

@@ -13,7 +13,7 @@ def add_throughput_args(p) -> None:
 
 
 def cmd_bench_throughput(args) -> int:
-    from treadle.config import engine_config_from_args
+    from treadle.engine_config import engine_config_from_args
     from treadle.llm import LLM
     from treadle.sampling_params import SamplingParams
 

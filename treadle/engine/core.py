@@ -23,17 +23,17 @@ import logging
 import os
 import time
 
-from treadle.config import EngineConfig
 from treadle.engine import stats
 from treadle.engine.draft_model import DraftModel
 from treadle.engine.kv_cache_manager import KVCacheManager
-from treadle.engine.protocol import CoreOutput, EngineCoreRequest, child_request_id
+from treadle.engine.messages import CoreOutput, EngineCoreRequest, child_request_id
 from treadle.engine.request import Request, validate_prompt
 from treadle.engine.scheduler import Scheduler
 from treadle.engine.spec_decode import SpeculationPolicy, fill_proposals
 from treadle.engine.state_cache import StateCheckpoints
 from treadle.engine.step_cost import StepCostModel
-from treadle.engine.structured import StructuredOutputManager
+from treadle.engine.structured_output import StructuredOutputManager
+from treadle.engine_config import EngineConfig
 from treadle.model.execution.runner import InjectedFault
 from treadle.model.execution.worker import ModelWorker
 from treadle.model.loading.default_model import MODEL_NAME

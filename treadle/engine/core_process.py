@@ -18,8 +18,8 @@ import sys
 
 import zmq
 
-from treadle.config import EngineConfig
-from treadle.engine.protocol import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
+from treadle.engine.messages import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
+from treadle.engine_config import EngineConfig
 from treadle.utils import end_with_parent
 
 log = logging.getLogger("treadle")

@@ -28,7 +28,7 @@ How a proposal is drawn, per request (the target's verification is the runner's 
 import numpy as np
 import torch
 
-from treadle.engine.structured import MatcherWalk
+from treadle.engine.structured_output import MatcherWalk
 from treadle.model.execution.runner import ModelRunner
 from treadle.model.execution.sampler import allowed_from_bitmask
 from treadle.model.execution.verification import HistoryWithDrafts

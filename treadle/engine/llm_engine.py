@@ -7,12 +7,12 @@ puts the same two halves in two processes (`server/engine_client.py`, `engine/co
 
 import itertools
 
-from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
+from treadle.engine.messages import EngineCoreRequest, lora_cache_salt, params_to_dict
 from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
-from treadle.engine.protocol import EngineCoreRequest, lora_cache_salt, params_to_dict
 from treadle.engine.request import validate_prompt
+from treadle.engine_config import EngineConfig
 from treadle.sampling_params import SamplingParams
 
 

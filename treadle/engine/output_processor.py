@@ -9,8 +9,8 @@ in the returned abort list, which the caller sends to the core. Runs in the HTTP
 
 import functools
 
+from treadle.engine.messages import CoreOutput, child_request_id
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from treadle.engine.protocol import CoreOutput, child_request_id
 from treadle.sampling_params import SamplingParams
 from treadle.text.detokenizer import IncrementalDetokenizer, find_stop_string, partial_stop_suffix
 

@@ -28,9 +28,9 @@ go on, max_tokens, the model's length. A finished request's blocks are freed at 
 from collections import deque
 
 from treadle.engine.kv_cache_manager import NO_HIT, KVCacheManager
-from treadle.engine.protocol import CoreOutput
+from treadle.engine.messages import CoreOutput
 from treadle.engine.request import Request, RequestStatus
-from treadle.engine.structured import accept_token
+from treadle.engine.structured_output import accept_token
 from treadle.step import SampledToken, ScheduledRequest, StepInput
 
 

@@ -21,9 +21,9 @@ from collections import deque
 
 import numpy as np
 
-from treadle.config import SpeculativeConfig
 from treadle.engine.request import SPEC_PRIOR_ACCEPT_RATE
 from treadle.engine.suffix_tree import SuffixTree
+from treadle.engine_config import SpeculativeConfig
 
 SPEC_RATE_WEIGHT = 0.3  # weight of the newest verification in a request's acceptance rate
 SPEC_RECOVERY = 0.05  # per step without proposals, how far that rate drifts back to the prior

@@ -20,8 +20,7 @@ from treadle.server import openapi
 from treadle.server.api import anthropic, chat_completions, completions, embeddings, ollama, responses
 from treadle.server.engine_client import EngineDead
 from treadle.server.errors import dialect_of, error_response
-from treadle.server.metrics import ServerMetrics
-from treadle.server.models import ModelHub, ModelNotFound
+from treadle.server.model_hub import ModelHub, ModelNotFound
 from treadle.server.prepare import (
     ServerSettings,
     ServerState,
@@ -34,6 +33,7 @@ from treadle.server.prepare import (
     require_ready,
     serving,
 )
+from treadle.server.prometheus import ServerMetrics
 from treadle.server.protocol import (
     DetokenizeRequest,
     LoadLoraRequest,

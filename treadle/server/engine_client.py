@@ -20,11 +20,8 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from treadle.config import EngineConfig
 from treadle.engine.core_process import LOAD_FAILED_EXIT
-from treadle.engine.output_processor import OutputProcessor
-from treadle.engine.outputs import RequestOutput
-from treadle.engine.protocol import (
+from treadle.engine.messages import (
     Abort,
     Codec,
     CoreOutputs,
@@ -37,6 +34,9 @@ from treadle.engine.protocol import (
     UnloadLora,
     params_to_dict,
 )
+from treadle.engine.output_processor import OutputProcessor
+from treadle.engine.outputs import RequestOutput
+from treadle.engine_config import EngineConfig
 from treadle.sampling_params import SamplingParams
 from treadle.server.launchers import LocalLauncher
 from treadle.utils import process_memory

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 
+from treadle.engine.messages import lora_cache_salt
 from treadle.engine.outputs import RequestOutput
-from treadle.engine.protocol import lora_cache_salt
 from treadle.server.engine_client import EngineDead
-from treadle.server.metrics import RequestTimer
+from treadle.server.prometheus import RequestTimer
 from treadle.server.protocol import RequestError
 
 

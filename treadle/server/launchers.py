@@ -92,7 +92,7 @@ class CoreProcess:
     def __init__(self, prefetch: str | None = None, now: bool = False):
         from multiprocessing.connection import Pipe
 
-        from treadle.engine.core_main import BOOT
+        from treadle.engine.core_boot import BOOT
 
         self.conn, child = Pipe()
         sentinel, held = os.pipe()  # the child holds `held` open until it ends

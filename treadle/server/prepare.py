@@ -15,7 +15,7 @@ from treadle.engine.request import validate_prompt
 from treadle.server.chat_output import ChatOutput
 from treadle.server.engine_client import EngineClient
 from treadle.server.generation import Generation
-from treadle.server.metrics import ServerMetrics
+from treadle.server.prometheus import ServerMetrics
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
 from treadle.server.reasoning import reasoning_closed, starts_inside
 from treadle.server.tools import ToolSetup, family_of, prepare_messages, template_supports_tools, tool_setup

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 
-from treadle.config import EngineConfig
+from treadle.engine_config import EngineConfig
 from treadle.routing.kv_index import KVEventSubscriber
 from treadle.routing.policy import RoutingPolicy
 from treadle.server.engine_client import EngineClient, EngineDead

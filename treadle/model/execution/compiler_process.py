@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import replace
 
-from treadle.config import EngineConfig
+from treadle.engine_config import EngineConfig
 from treadle.model.execution.compiled import artefact_path, compile_class, configure_torch, decode_classes
 from treadle.model.execution.worker import ModelWorker
 from treadle.model.families.registry import restore_registry

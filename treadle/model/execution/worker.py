@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from treadle.config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from treadle.engine_config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from treadle.kv_layout import kv_layout
 from treadle.model.config import ModelConfig, ModelLoadError
 from treadle.model.execution.compiled import CompiledDecode

@@ -27,7 +27,7 @@ from treadle.server.api.reply_parts import PartStream, reply_parts
 from treadle.server.api.sse import stream_response
 from treadle.server.chat_output import is_json
 from treadle.server.generation import Generation, GenerationFailed
-from treadle.server.models import COMMAND_LINE, EMBEDDED, parse_keep_alive
+from treadle.server.model_hub import COMMAND_LINE, EMBEDDED, parse_keep_alive
 from treadle.server.prepare import LOAD_WAIT, Prepared, ServerState, prepare_chat, prepare_completion, prepare_renamed, require_ready, serving
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
 from treadle.server.tools import template_supports_tools

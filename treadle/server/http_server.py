@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from treadle.config import EngineConfig
+from treadle.engine_config import EngineConfig
 from treadle.server.app import ServerSettings, build_app
 from treadle.server.engine_client import EngineClient
 from treadle.server.launchers import LocalLauncher, SpareCore
-from treadle.server.models import Catalog, ModelHub, ModelSpec
+from treadle.server.model_hub import Catalog, ModelHub, ModelSpec
 
 log = logging.getLogger("treadle.server")
 

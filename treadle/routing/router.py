@@ -36,9 +36,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from treadle import __version__
-from treadle.router.prompts import PromptReader
 from treadle.routing.kv_index import KVEventSubscriber
 from treadle.routing.policy import RoutingPolicy
+from treadle.routing.prompts import PromptReader
 from treadle.server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
 from treadle.server.errors import error_response
 

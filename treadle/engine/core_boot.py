@@ -1,4 +1,8 @@
-"""The engine core process's entry point, as launchers.CoreProcess starts it:
+"""The engine core process's boot: the first code the child runs, as launchers.CoreProcess starts it.
+
+It imports nothing of treadle's or torch's before it has read its arguments, so that a replica's
+CPU affinity is set before torch starts its threads; the process itself is `core_process.py`
+(`run_engine_core`, `run_spare_core`). The command line:
 
     python -c BOOT SYS_PATH CONN SENTINEL MODE [PREFETCH]
 
@@ -14,7 +18,7 @@ anything is imported (a replica's CPU affinity is set before torch starts its th
 import os
 import sys
 
-BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from treadle.engine.core_main import main; main(sys.argv[2:])"
+BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from treadle.engine.core_boot import main; main(sys.argv[2:])"
 
 
 def main(argv: list[str]) -> None:

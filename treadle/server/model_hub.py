@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from treadle.config import EngineConfig
+from treadle.engine_config import EngineConfig
 from treadle.server.protocol import RequestError
 
 log = logging.getLogger("treadle.server")
@@ -200,7 +200,7 @@ class ModelHub:
     @classmethod
     def for_engine(cls, engine, name: str, path: str, chat_template: str | None = None) -> "ModelHub":
         """A one-model hub around an engine built elsewhere (build_app given an engine)."""
-        from treadle.config import EngineConfig
+        from treadle.engine_config import EngineConfig
 
         spec = ModelSpec(name, path, chat_template)
         hub = cls(Catalog([spec], include_default=False), lambda config: engine, EngineConfig(model=path), primary=name)

@@ -5,6 +5,7 @@ model of it, saved as an HF folder, must decode token for token as transformers 
 from the same weights run as Llama.
 """
 
+import importlib
 import json
 import os
 import shutil
@@ -66,7 +67,7 @@ def _edit_config(folder: str, **changes) -> None:
 @pytest.fixture
 def fresh_registry(monkeypatch):
     """The built-in registry, no plugin loaded; each test's registrations end with it."""
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.setattr(registry, "_plugins", {})
     monkeypatch.setattr(registry, "_classes", dict(registry._classes))
     monkeypatch.setattr(registry, "_plugins_loaded", False)
     monkeypatch.setattr(registry, "entry_points", lambda group: [])
@@ -96,6 +97,39 @@ def test_builtin_architectures_and_their_hf_class_names_are_the_llama_decoder(fr
         assert issubclass(resolve_model_class(arch), LlamaModel)
     assert resolve_model_class("Qwen3ForCausalLM") is resolve_model_class("qwen3") is not resolve_model_class("llama")
     assert not is_registered("gelu_llama")
+
+
+@pytest.mark.parametrize("target", registry.FAMILIES)
+def test_the_registry_reads_each_family_s_names_as_its_class_declares_them(target):
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    declared = {field: cls.__dict__.get(field, ()) for field in registry.NAME_FIELDS}
+    assert registry.declared_names(target) == declared
+    assert declared["hf_model_types"], f"{target} declares no model_type"
+    for arch in (name for names in declared.values() for name in names):
+        assert resolve_model_class(arch) is cls
+
+
+def test_a_family_s_names_are_its_own_not_its_parent_s(fresh_registry, tmp_path):
+    (tmp_path / "kin_family.py").write_text(
+        "from treadle.model.families.llama import LlamaModel\n\n\n"
+        "class Parent(LlamaModel):\n    hf_model_types = ('parent',)\n    gguf_architectures = ('parentfile',)\n\n\n"
+        'class Child(Parent):\n    """A child."""\n\n    hf_model_types = (\'child\',)  # its own\n'
+    )
+    fresh_registry.syspath_prepend(str(tmp_path))
+    assert registry.declared_names("kin_family:Child") == {"hf_model_types": ("child",), "hf_architectures": (), "gguf_architectures": ()}
+    assert registry.declared_names("kin_family:Parent")["gguf_architectures"] == ("parentfile",)
+
+
+def test_two_families_declaring_one_name_are_refused(fresh_registry, tmp_path):
+    (tmp_path / "twin_family.py").write_text(
+        "from treadle.model.families.llama import LlamaModel\n\n\nclass Twin(LlamaModel):\n    hf_model_types = ('llama',)\n"
+    )
+    fresh_registry.syspath_prepend(str(tmp_path))
+    fresh_registry.setattr(registry, "FAMILIES", (*registry.FAMILIES, "twin_family:Twin"))
+    fresh_registry.setattr(registry, "_builtin", None)
+    with pytest.raises(ModelLoadError, match=r"architecture 'llama': declared by treadle.model.families.llama:LlamaModel and twin_family:Twin"):
+        resolve_model_class("llama")
 
 
 def test_string_target_is_imported_on_first_lookup_only(fresh_registry, tmp_path):

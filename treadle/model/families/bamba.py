@@ -83,6 +83,10 @@ class BambaLayer(DecoderLayer):
 
 
 class BambaModel(LlamaModel):
+    hf_model_types = ("bamba",)
+    hf_architectures = ("BambaForCausalLM",)
+    gguf_architectures = ()  # llama.cpp writes Bamba files as "granitehybrid"
+
     layer_class = BambaLayer
 
     @classmethod

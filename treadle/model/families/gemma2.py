@@ -12,6 +12,10 @@ SLIDING_WINDOW_PATTERN = 2  # transformers' default and llama.cpp's fixed value 
 
 
 class Gemma2Model(Gemma3Model):
+    hf_model_types = ("gemma2",)
+    hf_architectures = ("Gemma2ForCausalLM",)
+    gguf_architectures = ("gemma2",)
+
     @classmethod
     def config_from_hf(cls, hf) -> Gemma3Config:
         cls._check_activation(hf)

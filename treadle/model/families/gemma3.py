@@ -56,6 +56,10 @@ class Gemma3Layer(DecoderLayer):
 
 
 class Gemma3Model(LlamaModel):
+    hf_model_types = ("gemma3_text",)
+    hf_architectures = ("Gemma3ForCausalLM",)
+    gguf_architectures = ("gemma3",)
+
     layer_class = Gemma3Layer
     gguf_permuted_qk = False
     mlp_activation = staticmethod(functools.partial(F.gelu, approximate="tanh"))

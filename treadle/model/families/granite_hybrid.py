@@ -62,6 +62,10 @@ class GraniteHybridLayer(BambaLayer):
 
 
 class GraniteHybridModel(BambaModel):
+    hf_model_types = ("granitemoehybrid",)
+    hf_architectures = ("GraniteMoeHybridForCausalLM",)
+    gguf_architectures = ("granitehybrid",)  # llama.cpp's name for Granite 4 and Bamba files
+
     layer_class = GraniteHybridLayer
     gguf_permuted_qk = True  # the converter permutes the attention layers' Q and K as for "llama"
     gguf_layer_tensors = {

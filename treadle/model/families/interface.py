@@ -1,7 +1,7 @@
 """What the runner may call on a model: the interface every model family implements.
 
-A family is one module with a subclass of `CausalLM` and one line in `registry.py` (or a plugin's
-`register_model`). The loaders ask the registered class to read its own hyperparameters
+A family is one module with a subclass of `CausalLM` that declares the names files call it by, and
+one line in `registry.py`'s FAMILIES (or a plugin's `register_model`). The loaders ask the registered class to read its own hyperparameters
 (`config_from_hf`, `config_from_gguf`; the defaults read a Llama-style file) and how llama.cpp names
 and lays out its tensors (`gguf_layer_tensors`, `gguf_permuted_qk`, `from_gguf_tensor`). The runner builds it as `cls(config, weights, dtype, device, batch_invariant=...)`
 (the constructor consumes `weights`: each is read from its file when taken, `deferred.DeferredWeight`, and its float32 copy freed once its stored form exists) and
@@ -28,6 +28,13 @@ class CausalLM:
     dtype: torch.dtype
     # whether `hidden_states` is implemented: embedding requests are refused otherwise
     provides_hidden_states: bool = False
+
+    # ---------------------------------------------------------------- the names files call it by
+    # Literals in the class body, each class its own (not inherited): registry.py reads them from
+    # the source without importing the family.
+    hf_model_types: tuple[str, ...] = ()  # config.json `model_type`s (the first: its canonical name)
+    hf_architectures: tuple[str, ...] = ()  # config.json `architectures` class names
+    gguf_architectures: tuple[str, ...] = ()  # GGUF `general.architecture`s
 
     # ---------------------------------------------------------------- reading the family's files
     # llama.cpp's names of a layer's tensors (after "blk.N.") -> the Hugging Face names the model takes

@@ -154,6 +154,10 @@ def check_weight_shapes(shapes: dict[str, tuple[int, ...]], weights: dict) -> No
 
 
 class LlamaModel(CausalLM):
+    hf_model_types = ("llama",)
+    hf_architectures = ("LlamaForCausalLM",)
+    gguf_architectures = ("llama",)
+
     provides_hidden_states = True
     gguf_permuted_qk = True  # llama.cpp's converter permutes Q and K of "llama" files
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
@@ -332,9 +336,17 @@ class MistralModel(LlamaModel):
     """Mistral: a Llama whose layers may attend within a sliding window (config.json's
     `sliding_window`; llama.cpp writes these files as "llama")."""
 
+    hf_model_types = ("mistral",)
+    hf_architectures = ("MistralForCausalLM",)
+    gguf_architectures = ()  # llama.cpp writes Mistral files as "llama"
+
 
 class Qwen2Model(LlamaModel):
     """Qwen2: bias on q, k and v; config.json's sliding window only with `use_sliding_window`."""
+
+    hf_model_types = ("qwen2",)
+    hf_architectures = ("Qwen2ForCausalLM",)
+    gguf_architectures = ("qwen2",)
 
     gguf_permuted_qk = False
 
@@ -346,6 +358,10 @@ class Qwen2Model(LlamaModel):
 
 class Qwen3Model(Qwen2Model):
     """Qwen3: RMSNorm on each head of q and k, no q/k/v bias."""
+
+    hf_model_types = ("qwen3",)
+    hf_architectures = ("Qwen3ForCausalLM",)
+    gguf_architectures = ("qwen3",)
 
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:

@@ -18,6 +18,10 @@ class MixtralLayer(DecoderLayer):
 
 
 class MixtralModel(MistralModel):
+    hf_model_types = ("mixtral",)
+    hf_architectures = ("MixtralForCausalLM",)
+    gguf_architectures = ()  # llama.cpp writes Mixtral files as "llama" with experts
+
     layer_class = MixtralLayer
 
     @staticmethod

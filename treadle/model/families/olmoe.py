@@ -9,6 +9,10 @@ from treadle.model.families.llama import LlamaModel
 
 
 class OlmoeModel(LlamaModel):
+    hf_model_types = ("olmoe",)
+    hf_architectures = ("OlmoeForCausalLM",)
+    gguf_architectures = ("olmoe",)
+
     gguf_permuted_qk = False
 
     @classmethod

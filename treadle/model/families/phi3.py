@@ -28,6 +28,10 @@ class Phi3Layer(DecoderLayer):
 
 
 class Phi3Model(LlamaModel):
+    hf_model_types = ("phi3",)
+    hf_architectures = ("Phi3ForCausalLM",)
+    gguf_architectures = ("phi3",)
+
     layer_class = Phi3Layer
     gguf_permuted_qk = False
     gguf_layer_tensors = {**LLAMA_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}

@@ -39,6 +39,10 @@ def _window(hf):
 
 
 class Qwen3MoeModel(Qwen3Model):
+    hf_model_types = ("qwen3_moe",)
+    hf_architectures = ("Qwen3MoeForCausalLM",)
+    gguf_architectures = ("qwen3moe",)
+
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         moe = hf_moe(hf, norm_topk=bool(hf.get("norm_topk_prob", False)), shared=False)
@@ -46,6 +50,10 @@ class Qwen3MoeModel(Qwen3Model):
 
 
 class Qwen2MoeModel(Qwen2Model):
+    hf_model_types = ("qwen2_moe",)
+    hf_architectures = ("Qwen2MoeForCausalLM",)
+    gguf_architectures = ("qwen2moe",)
+
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         moe = hf_moe(hf, norm_topk=bool(hf.get("norm_topk_prob", False)), shared=True)

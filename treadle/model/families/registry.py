@@ -1,18 +1,24 @@
 """Model classes by architecture name (vLLM's model registry).
 
 An architecture name is what a model file calls itself: GGUF's `general.architecture`, config.json's
-`model_type`, or one of config.json's `architectures` class names. Each maps to "package.module:Class",
-imported on first use, so the registry is plain strings that a child process can be handed
-(`registered_architectures` -> `restore_registry`).
+`model_type`, or one of config.json's `architectures` class names. A family class declares its own
+(`CausalLM.hf_model_types`, `hf_architectures`, `gguf_architectures`, as literals in its class body)
+and has one line in `FAMILIES`. The registry reads those declarations from the family's source
+without importing it (so the front end, which hands the table to its engine core, imports no torch),
+and imports a class on its first lookup: the table is plain strings, "package.module:Class", that a
+child process can be handed (`registered_architectures` -> `restore_registry`).
 
-A family is one module with a subclass of `interface.CausalLM` and one line here (`_registry`);
-plugins add architectures: a module named in TREADLE_PLUGINS (comma-separated) or an entry point of
+Plugins add architectures: a module named in TREADLE_PLUGINS (comma-separated) or an entry point of
 group `treadle.plugins` calls `register_model` when imported (an entry point's object is also called,
 if callable). Every lookup loads the plugins first, once per process.
 """
 
+import ast
+import functools
 import importlib
+import importlib.util
 import os
+import re
 from importlib.metadata import entry_points
 
 from treadle.model.config import ModelLoadError
@@ -20,59 +26,94 @@ from treadle.model.config import ModelLoadError
 PLUGINS_ENV = "TREADLE_PLUGINS"
 PLUGINS_GROUP = "treadle.plugins"
 
-# The built-in families: architecture name -> model class (each reads its own config: CausalLM).
-BUILTIN = {
-    "llama": "treadle.model.families.llama:LlamaModel",
-    "mistral": "treadle.model.families.llama:MistralModel",
-    "qwen2": "treadle.model.families.llama:Qwen2Model",
-    "qwen3": "treadle.model.families.llama:Qwen3Model",
-    "gemma2": "treadle.model.families.gemma2:Gemma2Model",
-    "gemma3": "treadle.model.families.gemma3:Gemma3Model",
-    "gemma3_text": "treadle.model.families.gemma3:Gemma3Model",
-    "phi3": "treadle.model.families.phi3:Phi3Model",
-    "qwen3_moe": "treadle.model.families.qwen_moe:Qwen3MoeModel",
-    "qwen3moe": "treadle.model.families.qwen_moe:Qwen3MoeModel",
-    "qwen2_moe": "treadle.model.families.qwen_moe:Qwen2MoeModel",
-    "qwen2moe": "treadle.model.families.qwen_moe:Qwen2MoeModel",
-    "mixtral": "treadle.model.families.mixtral:MixtralModel",
-    "olmoe": "treadle.model.families.olmoe:OlmoeModel",
-    "bamba": "treadle.model.families.bamba:BambaModel",
-    "granitemoehybrid": "treadle.model.families.granite_hybrid:GraniteHybridModel",
-    "granitehybrid": "treadle.model.families.granite_hybrid:GraniteHybridModel",  # llama.cpp's name for both hybrids' files
-}
-# config.json `architectures` class names of the built-in families -> their model_type.
-HF_CLASS_NAMES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "BambaForCausalLM": "bamba",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-}
-# Registered names no GGUF file carries: llama.cpp writes Mistral and Mixtral models as "llama",
-# Gemma 3's text model as "gemma3", the Qwen MoEs as "qwen2moe" / "qwen3moe", and class names are
-# config.json's.
-NOT_GGUF_ARCHITECTURES = (
-    "mistral",
-    "mixtral",
-    "gemma3_text",
-    "qwen2_moe",
-    "qwen3_moe",
-    "bamba",  # llama.cpp writes both as "granitehybrid"
-    "granitemoehybrid",
-    *HF_CLASS_NAMES,
+# The built-in families, one line each.
+FAMILIES = (
+    "treadle.model.families.llama:LlamaModel",
+    "treadle.model.families.llama:MistralModel",
+    "treadle.model.families.llama:Qwen2Model",
+    "treadle.model.families.llama:Qwen3Model",
+    "treadle.model.families.gemma2:Gemma2Model",
+    "treadle.model.families.gemma3:Gemma3Model",
+    "treadle.model.families.phi3:Phi3Model",
+    "treadle.model.families.qwen_moe:Qwen3MoeModel",
+    "treadle.model.families.qwen_moe:Qwen2MoeModel",
+    "treadle.model.families.mixtral:MixtralModel",
+    "treadle.model.families.olmoe:OlmoeModel",
+    "treadle.model.families.bamba:BambaModel",
+    "treadle.model.families.granite_hybrid:GraniteHybridModel",
 )
+NAME_FIELDS = ("hf_model_types", "hf_architectures", "gguf_architectures")
 
-_registry: dict[str, str] = {**BUILTIN, **{cls: BUILTIN[arch] for cls, arch in HF_CLASS_NAMES.items()}}
+
+@functools.cache
+def _module_source(module: str) -> tuple[str, str]:
+    origin = importlib.util.find_spec(module).origin
+    with open(origin) as f:
+        return origin, f.read()
+
+
+def declared_names(target: str) -> dict[str, tuple[str, ...]]:
+    """The names a family class declares in its own body (NAME_FIELDS -> tuple; an absent field is
+    empty: names are not inherited), read from its module's source without importing it: each is a
+    one-line tuple literal at the class body's indentation (tests check them against the classes)."""
+    module, _, qualname = target.partition(":")
+    origin, source = _module_source(module)
+    indent = "    " * qualname.count(".")
+    head = re.search(rf"^{indent}class {re.escape(qualname.rpartition('.')[2])}\b.*:$", source, re.M)
+    if head is None:
+        raise ModelLoadError(f"{target}: no class {qualname} in {origin}")
+    body = re.match(rf"(?:\n(?:{indent}    .*|[ \t]*))*", source[head.end() :]).group(0)
+    names = dict.fromkeys(NAME_FIELDS, ())
+    for m in re.finditer(rf"^{indent}    ({'|'.join(NAME_FIELDS)})\b[^=\n]*=\s*(\(.*\))", body, re.M):
+        names[m.group(1)] = tuple(ast.literal_eval(m.group(2)))
+    return names
+
+
+class _BuiltinTable:
+    """The built-in families' names, read once per process on first use."""
+
+    def __init__(self):
+        self.by_name: dict[str, str] = {}  # any architecture name -> "module:Class"
+        self.gguf: set[str] = set()  # the names a GGUF file carries
+        self.model_type_of_class: dict[str, str] = {}  # a config.json class name -> its family's model_type
+        for target in FAMILIES:
+            names = declared_names(target)
+            for field in NAME_FIELDS:
+                for name in names[field]:
+                    if self.by_name.setdefault(name, target) != target:
+                        raise ModelLoadError(f"architecture {name!r}: declared by {self.by_name[name]} and {target}")
+            self.gguf.update(names["gguf_architectures"])
+            for cls in names["hf_architectures"]:
+                self.model_type_of_class[cls] = names["hf_model_types"][0]
+
+
+_builtin: _BuiltinTable | None = None
+_plugins: dict[str, str] = {}  # registered by register_model (plugins, restored snapshots)
 _classes: dict[str, type] = {}  # imported targets, by "module:Class"
 _plugins_loaded = False
+
+
+def _table() -> _BuiltinTable:
+    global _builtin
+    if _builtin is None:
+        _builtin = _BuiltinTable()
+    return _builtin
+
+
+def _lookup(arch: str) -> str | None:
+    return _plugins.get(arch) or _table().by_name.get(arch)
+
+
+def gguf_architectures() -> list[str]:
+    """The names a GGUF file's `general.architecture` may carry: the built-in families' and every
+    registered plugin's."""
+    load_plugins()
+    return sorted(_table().gguf | set(_plugins))
+
+
+def hf_model_type(arch: str) -> str:
+    """A built-in family's config.json class name -> its model_type; any other name is itself."""
+    return _table().model_type_of_class.get(arch, arch)
 
 
 def register_model(arch: str, target: str | type) -> None:
@@ -87,31 +128,34 @@ def register_model(arch: str, target: str | type) -> None:
         target = f"{target.__module__}:{target.__qualname__}"
     elif ":" not in target:
         raise ValueError(f"register_model({arch!r}, {target!r}): expected 'package.module:Class'")
-    _registry[arch] = target
+    _plugins[arch] = target
 
 
 def is_registered(arch: str) -> bool:
     load_plugins()
-    return arch in _registry
+    return _lookup(arch) is not None
 
 
 def registered_architectures() -> dict[str, str]:
     """A snapshot, name -> "module:Class", to hand to another process."""
     load_plugins()
-    return dict(_registry)
+    return {**_table().by_name, **_plugins}
 
 
 def restore_registry(entries: dict[str, str]) -> None:
     """Apply a snapshot from `registered_architectures` (in a child process)."""
+    builtin = _table().by_name
     for arch, target in entries.items():
-        register_model(arch, target)
+        if builtin.get(arch) != target:
+            register_model(arch, target)
 
 
 def resolve_model_class(arch: str) -> type:
     load_plugins()
-    target = _registry.get(arch)
+    target = _lookup(arch)
     if target is None:
-        raise ModelLoadError(f"architecture {arch!r}: not registered (registered: {', '.join(sorted(_registry))})")
+        registered = sorted({*_table().by_name, *_plugins})
+        raise ModelLoadError(f"architecture {arch!r}: not registered (registered: {', '.join(registered)})")
     if target not in _classes:
         module_name, _, qualname = target.partition(":")
         try:

@@ -27,7 +27,7 @@ from treadle.model.config import (
     file_int,
     yarn_mscale,
 )
-from treadle.model.families.registry import NOT_GGUF_ARCHITECTURES, registered_architectures, resolve_model_class
+from treadle.model.families.registry import gguf_architectures, resolve_model_class
 from treadle.model.kernels import quant
 from treadle.model.kernels.quant import QuantizedTensor
 from treadle.model.layers.moe import ExpertWeights
@@ -156,7 +156,7 @@ class GGUFConfig:
 def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> ModelConfig:
     """The architecture's family reads its own hyperparameters (`CausalLM.config_from_gguf`)."""
     arch = meta.get("general.architecture")
-    supported = sorted(a for a in registered_architectures() if a not in NOT_GGUF_ARCHITECTURES)
+    supported = gguf_architectures()
     if arch not in supported:
         raise ModelLoadError(f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(supported)})")
     return resolve_model_class(arch).config_from_gguf(GGUFConfig(path, meta, arch, tensor_names))

@@ -9,7 +9,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from treadle.model.config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
-from treadle.model.families.registry import HF_CLASS_NAMES, is_registered, registered_architectures, resolve_model_class
+from treadle.model.families.registry import hf_model_type, is_registered, registered_architectures, resolve_model_class
 from treadle.text.tokenizer import read_json, tokenizer_from_hf_folder
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def _architecture(folder: str, cfg: dict) -> str:
         raise ModelLoadError(f"{folder}/config.json: architectures = {classes!r}: expected a list of class names")
     for name in classes:
         if is_registered(name):
-            return HF_CLASS_NAMES.get(name, name)
+            return hf_model_type(name)
     listed = f", architectures = {classes!r}" if classes else ""
     raise ModelLoadError(
         f"{folder}/config.json: model_type = {model_type!r}{listed}: unsupported architecture "

@@ -39,8 +39,8 @@ from treadle import __version__
 from treadle.routing.kv_index import KVEventSubscriber
 from treadle.routing.policy import RoutingPolicy
 from treadle.routing.prompts import PromptReader
-from treadle.server.app import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
 from treadle.server.errors import error_response
+from treadle.server.middleware import PROTECTED_PREFIXES, BodyGate, key_accepted, key_refused, presented_key
 
 log = logging.getLogger("treadle.router")
 

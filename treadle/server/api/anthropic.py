@@ -18,9 +18,10 @@ from pydantic import StrictBool, StrictInt, StrictStr
 
 from treadle.server.api.reply_parts import PartStream, ReplyPart, reply_parts
 from treadle.server.api.sse import sse, stream_response
+from treadle.server.checked_route import checked_router
 from treadle.server.errors import anthropic_body, anthropic_status
 from treadle.server.generation import Generation, GenerationFailed
-from treadle.server.prepare import Prepared, ServerState, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
+from treadle.server.prepare import Prepared, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
 from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from treadle.server.tools import tool_setup
 
@@ -56,34 +57,39 @@ class CountTokensRequest(StrictModel):
     cache_control: dict[str, Any] | None = None
 
 
-def register(app, server: ServerState) -> None:
-    @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request):
-        arrival = time.monotonic()
-        async with serving(server, body.model) as state:
-            chat = chat_request(body, state.settings.reasoning_parser is not None)
-            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-            generation = await prepared.start(state, new_id("msg", "_"), None, arrival)
-        if body.stream:
-            return stream_response(generation, stream(generation, prepared))
+router = checked_router()
 
-        def whole(choices):
-            (choice,) = choices
-            blocks = reply_parts(prepared.chat_output(), choice.text)
-            stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, blocks)
-            return _message(generation, [_content(b, True) for b in blocks], stop_reason, stop_sequence, generation.completion_tokens)
 
-        return await generation.reply(request, whole)
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    server = request.app.state.treadle
+    arrival = time.monotonic()
+    async with serving(server, body.model) as state:
+        chat = chat_request(body, state.settings.reasoning_parser is not None)
+        prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+        generation = await prepared.start(state, new_id("msg", "_"), None, arrival)
+    if body.stream:
+        return stream_response(generation, stream(generation, prepared))
 
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
-        async with serving(server, body.model) as state:
-            require_ready(state)
-            fields = body.model_dump(exclude_none=True)
-            chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
-            tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-            text = await asyncio.to_thread(chat_prompt, state, chat, tools)
-            return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
+    def whole(choices):
+        (choice,) = choices
+        blocks = reply_parts(prepared.chat_output(), choice.text)
+        stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, blocks)
+        return _message(generation, [_content(b, True) for b in blocks], stop_reason, stop_sequence, generation.completion_tokens)
+
+    return await generation.reply(request, whole)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    server = request.app.state.treadle
+    async with serving(server, body.model) as state:
+        require_ready(state)
+        fields = body.model_dump(exclude_none=True)
+        chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
+        tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        text = await asyncio.to_thread(chat_prompt, state, chat, tools)
+        return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
 
 
 # ---------------------------------------------------------------- request in

@@ -5,22 +5,25 @@ import time
 from fastapi import Request
 
 from treadle.server.api.sse import DONE, sse, stream_response
+from treadle.server.checked_route import checked_router
 from treadle.server.errors import openai_type
 from treadle.server.generation import Choice, Generation, GenerationFailed
-from treadle.server.prepare import Prepared, ServerState, prepare_chat, serving
+from treadle.server.prepare import Prepared, prepare_chat, serving
 from treadle.server.protocol import ChatCompletionRequest, error_body, new_id
 
+router = checked_router()
 
-def register(app, server: ServerState) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        arrival = time.monotonic()
-        async with serving(server, body.model) as state:
-            prepared = await prepare_chat(state, body)
-            generation = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
-        if body.stream:
-            return stream_response(generation, stream(generation, body, prepared))
-        return await generation.reply(request, lambda results: reply(generation, body, prepared, results))
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    server = request.app.state.treadle
+    arrival = time.monotonic()
+    async with serving(server, body.model) as state:
+        prepared = await prepare_chat(state, body)
+        generation = await prepared.start(state, new_id("chatcmpl"), body.cache_salt, arrival)
+    if body.stream:
+        return stream_response(generation, stream(generation, body, prepared))
+    return await generation.reply(request, lambda results: reply(generation, body, prepared, results))
 
 
 def error_event(e: GenerationFailed) -> str:

@@ -6,21 +6,24 @@ from fastapi import Request
 
 from treadle.server.api.chat_completions import error_event, top_logprobs
 from treadle.server.api.sse import DONE, sse, stream_response
+from treadle.server.checked_route import checked_router
 from treadle.server.generation import Choice, Generation, GenerationFailed
-from treadle.server.prepare import Prepared, ServerState, prepare_completion, serving
+from treadle.server.prepare import Prepared, prepare_completion, serving
 from treadle.server.protocol import CompletionRequest, new_id
 
+router = checked_router()
 
-def register(app, server: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        arrival = time.monotonic()
-        async with serving(server, body.model) as state:
-            prepared = await prepare_completion(state, body)
-            generation = await prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
-        if body.stream:
-            return stream_response(generation, stream(generation, body, prepared))
-        return await generation.reply(request, lambda results: reply(generation, body, prepared, results))
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    server = request.app.state.treadle
+    arrival = time.monotonic()
+    async with serving(server, body.model) as state:
+        prepared = await prepare_completion(state, body)
+        generation = await prepared.start(state, new_id("cmpl"), body.cache_salt, arrival)
+    if body.stream:
+        return stream_response(generation, stream(generation, body, prepared))
+    return await generation.reply(request, lambda results: reply(generation, body, prepared, results))
 
 
 def _prompt_text(generation: Generation, prepared: Prepared, index: int) -> str:

@@ -16,6 +16,7 @@ from pydantic import StrictInt, StrictStr
 
 from treadle.engine.request import validate_prompt
 from treadle.sampling_params import SamplingParams
+from treadle.server.checked_route import checked_router
 from treadle.server.generation import ClientGone, Generation, GenerationFailed
 from treadle.server.prepare import ServerState, check_token_ids, require_ready, serving
 from treadle.server.protocol import RequestError, StrictModel, new_id
@@ -29,28 +30,31 @@ class EmbeddingRequest(StrictModel):
     user: StrictStr | None = None  # a no-op, as in Chat Completions
 
 
-def register(app, server: ServerState) -> None:
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request):
-        if body.encoding_format not in ("float", "base64"):
-            raise RequestError(f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}", "encoding_format")
-        inp = body.input
-        if isinstance(inp, str) or (inp and all(isinstance(x, int) for x in inp)):
-            inp = [inp]
-        async with serving(server, body.model) as state:
-            vectors, prompt_tokens = await embed_texts(state, inp, body.dimensions, "input", request=request)
-        import numpy as np  # here: the front end loads numpy only if it serves embeddings
+router = checked_router()
 
-        data = []
-        for i, v in enumerate(vectors):
-            value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        return {
-            "object": "list",
-            "data": data,
-            "model": state.settings.served_model_name,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-        }
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request):
+    server = request.app.state.treadle
+    if body.encoding_format not in ("float", "base64"):
+        raise RequestError(f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}", "encoding_format")
+    inp = body.input
+    if isinstance(inp, str) or (inp and all(isinstance(x, int) for x in inp)):
+        inp = [inp]
+    async with serving(server, body.model) as state:
+        vectors, prompt_tokens = await embed_texts(state, inp, body.dimensions, "input", request=request)
+    import numpy as np  # here: the front end loads numpy only if it serves embeddings
+
+    data = []
+    for i, v in enumerate(vectors):
+        value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {
+        "object": "list",
+        "data": data,
+        "model": state.settings.served_model_name,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
 
 
 def matryoshka_dimensions(state: ServerState) -> list[int] | None:

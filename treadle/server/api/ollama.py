@@ -26,6 +26,7 @@ from treadle.server.api.embeddings import embed_texts
 from treadle.server.api.reply_parts import PartStream, reply_parts
 from treadle.server.api.sse import stream_response
 from treadle.server.chat_output import is_json
+from treadle.server.checked_route import checked_router
 from treadle.server.generation import Generation, GenerationFailed
 from treadle.server.model_hub import COMMAND_LINE, EMBEDDED, parse_keep_alive
 from treadle.server.prepare import LOAD_WAIT, Prepared, ServerState, prepare_chat, prepare_completion, prepare_renamed, require_ready, serving
@@ -109,166 +110,189 @@ class OllamaEmbedRequest(StrictModel):
     keep_alive: StrictStr | int | float | None = None
 
 
-def register(app, server: ServerState) -> None:
-    hub = server.hub
+router = checked_router()
 
-    @app.post("/api/chat")
-    async def chat(body: OllamaChatRequest, request: Request):
-        arrival = time.monotonic()
-        if not body.messages:  # Ollama: an empty conversation loads the model (keep_alive 0: unloads it)
-            return await _load_or_unload(server, body.model, body.keep_alive, {"message": {"role": "assistant", "content": ""}})
-        async with serving(server, body.model, body.keep_alive) as state:
-            name = state.settings.served_model_name
-            prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
-            generation = await prepared.start(state, new_id("ollama"), None, arrival)
-            generation.load_seconds = LOAD_WAIT.get()
-        return await _respond(generation, prepared, body.stream, request, chat=True, name=name)
 
-    @app.post("/api/generate")
-    async def generate(body: OllamaGenerateRequest, request: Request):
-        arrival = time.monotonic()
-        for field in ("suffix", "images", "template", "context"):
-            if getattr(body, field):
-                raise RequestError(f"{field} is not supported", field)
-        if not body.prompt and body.system is None:
-            return await _load_or_unload(server, body.model, body.keep_alive, {"response": ""})
-        async with serving(server, body.model, body.keep_alive) as state:
-            name = state.settings.served_model_name
-            if body.raw:
-                fields = dict(model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format))
-                prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
-            else:
-                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
-                chat = _chat_request(
-                    OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name
-                )
-                prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-            generation = await prepared.start(state, new_id("ollama"), None, arrival)
-            generation.load_seconds = LOAD_WAIT.get()
-        return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
+@router.post("/api/chat")
+async def chat(body: OllamaChatRequest, request: Request):
+    server = request.app.state.treadle
+    arrival = time.monotonic()
+    if not body.messages:  # Ollama: an empty conversation loads the model (keep_alive 0: unloads it)
+        return await _load_or_unload(server, body.model, body.keep_alive, {"message": {"role": "assistant", "content": ""}})
+    async with serving(server, body.model, body.keep_alive) as state:
+        name = state.settings.served_model_name
+        prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
+        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        generation.load_seconds = LOAD_WAIT.get()
+    return await _respond(generation, prepared, body.stream, request, chat=True, name=name)
 
-    @app.get("/api/tags")
-    async def tags():
-        return {"models": [_model_entry(spec) for spec in hub.catalog.specs()]}
 
-    @app.get("/api/ps")
-    async def ps():
-        out = []
-        for loaded in hub.describe():
-            entry = _model_entry(hub.catalog.lookup(loaded["name"]))
-            expires = loaded["expires_at"]
-            out.append(
-                {
-                    **entry,
-                    "size": loaded["rss_bytes"],
-                    "expires_at": _iso(expires) if expires is not None else "2318-01-01T00:00:00Z",  # Ollama's "forever"
-                    "size_vram": 0,
-                    "context_length": loaded["max_model_len"],
-                }
+@router.post("/api/generate")
+async def generate(body: OllamaGenerateRequest, request: Request):
+    server = request.app.state.treadle
+    arrival = time.monotonic()
+    for field in ("suffix", "images", "template", "context"):
+        if getattr(body, field):
+            raise RequestError(f"{field} is not supported", field)
+    if not body.prompt and body.system is None:
+        return await _load_or_unload(server, body.model, body.keep_alive, {"response": ""})
+    async with serving(server, body.model, body.keep_alive) as state:
+        name = state.settings.served_model_name
+        if body.raw:
+            fields = dict(model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format))
+            prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
+            chat = _chat_request(
+                OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name
             )
-        return {"models": out}
+            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        generation.load_seconds = LOAD_WAIT.get()
+    return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
 
-    @app.post("/api/show")
-    async def show(body: OllamaModelRequest):
-        spec = _spec(server, body.model or body.name)
-        info = describe_cached(spec.path)
-        entry = _model_entry(spec)
-        template = spec.chat_template or info.chat_template
-        loaded = hub.loaded.get(spec.name)
-        context = loaded.engine.max_model_len if loaded is not None and loaded.engine.ready else info.context_length
-        family = entry["details"]["family"]
-        capabilities = (
-            ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if server.settings.reasoning_parser else [])
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    server = request.app.state.treadle
+    hub = server.hub
+    return {"models": [_model_entry(spec) for spec in hub.catalog.specs()]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request):
+    server = request.app.state.treadle
+    hub = server.hub
+    out = []
+    for loaded in hub.describe():
+        entry = _model_entry(hub.catalog.lookup(loaded["name"]))
+        expires = loaded["expires_at"]
+        out.append(
+            {
+                **entry,
+                "size": loaded["rss_bytes"],
+                "expires_at": _iso(expires) if expires is not None else "2318-01-01T00:00:00Z",  # Ollama's "forever"
+                "size_vram": 0,
+                "context_length": loaded["max_model_len"],
+            }
         )
-        return {
-            "modelfile": "",
-            "parameters": "\n".join(f"{k} {json.dumps(v)}" for k, v in info.defaults.items()),
-            "license": info.license,
-            "template": template,
-            "details": entry["details"],
-            "model_info": {
-                "general.architecture": family,
-                "general.parameter_count": info.parameters or 0,
-                f"{family}.context_length": context,
-                "general.context_length": context,
-            },
-            "capabilities": capabilities,
-            "modified_at": entry["modified_at"],
-        }
+    return {"models": out}
 
-    @app.post("/api/embed")
-    async def embed(body: OllamaEmbedRequest):
-        arrival = time.monotonic()
-        if body.options:
-            raise RequestError(f"options.{sorted(body.options)[0]} is not supported for embeddings", "options")
-        inputs = [body.input] if isinstance(body.input, str) else body.input
-        async with serving(server, body.model, body.keep_alive) as state:
-            vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
-        return {
-            "model": body.model,
-            "embeddings": vectors,
-            "total_duration": _ns(time.monotonic() - arrival),
-            "load_duration": _ns(LOAD_WAIT.get()),
-            "prompt_eval_count": prompt_tokens,
-        }
 
-    @app.post("/api/pull")
-    async def pull(body: OllamaPullRequest):
-        store, ref = _store(hub), _required_name(body)
-        if not body.stream:
+@router.post("/api/show")
+async def show(body: OllamaModelRequest, request: Request):
+    server = request.app.state.treadle
+    hub = server.hub
+    spec = _spec(server, body.model or body.name)
+    info = describe_cached(spec.path)
+    entry = _model_entry(spec)
+    template = spec.chat_template or info.chat_template
+    loaded = hub.loaded.get(spec.name)
+    context = loaded.engine.max_model_len if loaded is not None and loaded.engine.ready else info.context_length
+    family = entry["details"]["family"]
+    capabilities = (
+        ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if server.settings.reasoning_parser else [])
+    )
+    return {
+        "modelfile": "",
+        "parameters": "\n".join(f"{k} {json.dumps(v)}" for k, v in info.defaults.items()),
+        "license": info.license,
+        "template": template,
+        "details": entry["details"],
+        "model_info": {
+            "general.architecture": family,
+            "general.parameter_count": info.parameters or 0,
+            f"{family}.context_length": context,
+            "general.context_length": context,
+        },
+        "capabilities": capabilities,
+        "modified_at": entry["modified_at"],
+    }
+
+
+@router.post("/api/embed")
+async def embed(body: OllamaEmbedRequest, request: Request):
+    server = request.app.state.treadle
+    arrival = time.monotonic()
+    if body.options:
+        raise RequestError(f"options.{sorted(body.options)[0]} is not supported for embeddings", "options")
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    async with serving(server, body.model, body.keep_alive) as state:
+        vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
+    return {
+        "model": body.model,
+        "embeddings": vectors,
+        "total_duration": _ns(time.monotonic() - arrival),
+        "load_duration": _ns(LOAD_WAIT.get()),
+        "prompt_eval_count": prompt_tokens,
+    }
+
+
+@router.post("/api/pull")
+async def pull(body: OllamaPullRequest, request: Request):
+    server = request.app.state.treadle
+    hub = server.hub
+    store, ref = _store(hub), _required_name(body)
+    if not body.stream:
+        manifest = await _pull(store, ref)
+        return {"status": "success", "model": manifest["name"]}
+
+    async def lines():
+        yield json.dumps({"status": "pulling manifest"}) + "\n"
+        try:
             manifest = await _pull(store, ref)
-            return {"status": "success", "model": manifest["name"]}
+        except RequestError as e:
+            yield json.dumps({"error": e.message}) + "\n"
+            return
+        for f in manifest["files"]:
+            yield (
+                json.dumps({"status": f"pulled {f['path']}", "digest": f"sha256:{f['sha256']}", "total": f["size"], "completed": f["size"]}) + "\n"
+            )
+        yield json.dumps({"status": "verifying sha256 digest"}) + "\n"
+        yield json.dumps({"status": "writing manifest"}) + "\n"
+        yield json.dumps({"status": "success"}) + "\n"
 
-        async def lines():
-            yield json.dumps({"status": "pulling manifest"}) + "\n"
-            try:
-                manifest = await _pull(store, ref)
-            except RequestError as e:
-                yield json.dumps({"error": e.message}) + "\n"
-                return
-            for f in manifest["files"]:
-                yield (
-                    json.dumps({"status": f"pulled {f['path']}", "digest": f"sha256:{f['sha256']}", "total": f["size"], "completed": f["size"]})
-                    + "\n"
-                )
-            yield json.dumps({"status": "verifying sha256 digest"}) + "\n"
-            yield json.dumps({"status": "writing manifest"}) + "\n"
-            yield json.dumps({"status": "success"}) + "\n"
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.delete("/api/delete")
-    async def delete(body: OllamaModelRequest):
-        from treadle.store import NotFound
+@router.delete("/api/delete")
+async def delete(body: OllamaModelRequest, request: Request):
+    server = request.app.state.treadle
+    hub = server.hub
+    from treadle.store import NotFound
 
-        store, name = _store(hub), _required_name(body)
-        spec = hub.catalog.lookup(name)
-        if spec is not None and spec.source in (COMMAND_LINE, EMBEDDED):
-            raise RequestError(f"model '{name}' is not in the store ({spec.source}): it cannot be deleted", "model")
-        try:
-            if spec is not None and spec.name in hub.loaded:
-                await hub.unload(spec.name)
-            await asyncio.to_thread(store.remove, name)
-        except NotFound:
-            raise RequestError(f"model '{name}' not found", "model", status=404) from None
-        return Response(status_code=200)
+    store, name = _store(hub), _required_name(body)
+    spec = hub.catalog.lookup(name)
+    if spec is not None and spec.source in (COMMAND_LINE, EMBEDDED):
+        raise RequestError(f"model '{name}' is not in the store ({spec.source}): it cannot be deleted", "model")
+    try:
+        if spec is not None and spec.name in hub.loaded:
+            await hub.unload(spec.name)
+        await asyncio.to_thread(store.remove, name)
+    except NotFound:
+        raise RequestError(f"model '{name}' not found", "model", status=404) from None
+    return Response(status_code=200)
 
-    @app.post("/api/copy")
-    async def copy(body: OllamaCopyRequest):
-        from treadle.store import NotFound, StoreError
 
-        store = _store(hub)
-        try:
-            await asyncio.to_thread(store.copy, body.source, body.destination)
-        except NotFound:
-            raise RequestError(f"model '{body.source}' not found", "source", status=404) from None
-        except StoreError as e:
-            raise RequestError(str(e), "destination") from None
-        return Response(status_code=200)
+@router.post("/api/copy")
+async def copy(body: OllamaCopyRequest, request: Request):
+    server = request.app.state.treadle
+    hub = server.hub
+    from treadle.store import NotFound, StoreError
 
-    @app.get("/api/version")
-    async def version():
-        return {"version": __version__}
+    store = _store(hub)
+    try:
+        await asyncio.to_thread(store.copy, body.source, body.destination)
+    except NotFound:
+        raise RequestError(f"model '{body.source}' not found", "source", status=404) from None
+    except StoreError as e:
+        raise RequestError(str(e), "destination") from None
+    return Response(status_code=200)
+
+
+@router.get("/api/version")
+async def version(request: Request):
+    return {"version": __version__}
 
 
 async def _load_or_unload(server: ServerState, model: str, keep_alive, fields: dict) -> dict:

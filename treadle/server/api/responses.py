@@ -18,6 +18,7 @@ from pydantic import StrictBool, StrictInt, StrictStr
 
 from treadle.server.api.reply_parts import PartStream, ReplyPart, complete_calls, reply_parts
 from treadle.server.api.sse import stream_response
+from treadle.server.checked_route import checked_router
 from treadle.server.generation import Generation, GenerationFailed
 from treadle.server.prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
 from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
@@ -70,42 +71,48 @@ class ResponseStore:
         return self.items.pop(response_id, None) is not None
 
 
-def register(app, server: ServerState) -> None:
-    store = ResponseStore(server.settings.max_stored_responses)
+router = checked_router()
 
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, request: Request):
-        arrival = time.monotonic()
-        history = []
-        if body.previous_response_id is not None:
-            found = store.get(body.previous_response_id)
-            if found is None:
-                raise RequestError(f"Previous response with id '{body.previous_response_id}' not found.", "previous_response_id", status=404)
-            history = found[1]
-        conversation = history + input_messages(body.input)
-        chat = chat_request(body, conversation)
-        async with serving(server, body.model) as state:
-            prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-            reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
-            generation = await prepared.start(state, reply.id, None, arrival)
-        if body.stream:
-            return stream_response(generation, reply.stream(generation, prepared))
-        return await generation.reply(
-            request, lambda choices: reply.final(generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason)
-        )
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        found = store.get(response_id)
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    server = request.app.state.treadle
+    store = request.app.state.responses
+    arrival = time.monotonic()
+    history = []
+    if body.previous_response_id is not None:
+        found = store.get(body.previous_response_id)
         if found is None:
-            raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
-        return found[0]
+            raise RequestError(f"Previous response with id '{body.previous_response_id}' not found.", "previous_response_id", status=404)
+        history = found[1]
+    conversation = history + input_messages(body.input)
+    chat = chat_request(body, conversation)
+    async with serving(server, body.model) as state:
+        prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
+        reply = _Reply(state, body, new_id("resp", "_"), conversation, store)
+        generation = await prepared.start(state, reply.id, None, arrival)
+    if body.stream:
+        return stream_response(generation, reply.stream(generation, prepared))
+    return await generation.reply(
+        request, lambda choices: reply.final(generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason)
+    )
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        if not store.delete(response_id):
-            raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
-        return {"id": response_id, "object": "response", "deleted": True}
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    store = request.app.state.responses
+    found = store.get(response_id)
+    if found is None:
+        raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
+    return found[0]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    store = request.app.state.responses
+    if not store.delete(response_id):
+        raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 # ---------------------------------------------------------------- request in

@@ -1,0 +1,46 @@
+"""/tokenize and /detokenize (vLLM's and llama.cpp's shapes)."""
+
+import asyncio
+
+from fastapi import Request
+
+from treadle.server.checked_route import checked_router
+from treadle.server.prepare import chat_template, check_token_ids, plain_messages, render_chat, require_ready, serving
+from treadle.server.protocol import DetokenizeRequest, RequestError, TokenizeRequest
+from treadle.server.tools import prepare_messages, template_supports_tools
+
+router = checked_router()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    state = request.app.state.treadle
+    async with serving(state, body.model) as served:
+        require_ready(served)
+        tok = served.engine.tokenizer
+        if body.content is not None:  # llama.cpp's shape
+            add = True if body.add_special is None else body.add_special
+            ids = tok.encode(body.content, add_special_tokens=add)
+            if body.with_pieces:
+                return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
+            return {"tokens": ids}
+        if body.messages is not None:
+            messages, _ = prepare_messages(plain_messages(body.messages), None, template_supports_tools(chat_template(served)))
+            text = await asyncio.to_thread(render_chat, served, messages, body.add_generation_prompt, None)
+            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        elif body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok.encode(body.prompt, add_special_tokens=add)
+        else:
+            raise RequestError("one of prompt, messages or content is required", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    state = request.app.state.treadle
+    async with serving(state, body.model) as served:
+        require_ready(served)
+        check_token_ids(served, body.tokens, "tokens")
+        text = served.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return {"prompt": text, "content": text}

@@ -159,3 +159,18 @@ def test_no_two_modules_share_a_base_name():
             if name.endswith(".py") and name != "__init__.py":
                 names[name].append(os.path.relpath(os.path.join(folder, name), os.path.dirname(ROOT)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_no_function_in_the_server_or_the_cli_is_longer_than_80_lines():
+    """Handlers and parsers stay findable and readable: one screen each."""
+    paths = [os.path.join(ROOT, "cli.py")] + [
+        os.path.join(folder, name) for folder, _, files in os.walk(os.path.join(ROOT, "server")) for name in files if name.endswith(".py")
+    ]
+    long = []
+    for path in paths:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{os.path.relpath(path, ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

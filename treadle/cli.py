@@ -322,14 +322,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; `command` (the subcommand about to run, if known): the benchmarks'
     subcommands are built only for `bench` (their modules load httpx and numpy, ~30 MB a server
     would carry for nothing)."""
-    # here rather than at the top: `treadle serve` starts its engine core before these (0.2 s)
-    from treadle.server.reasoning import PARSERS as REASONING_PARSERS
-    from treadle.server.tools import PARSERS as TOOL_PARSERS
-    from treadle.store.store import default_models_dir
+    from treadle.store.commands import add_store_parsers
 
     parser = argparse.ArgumentParser(prog="treadle", description="An LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_router_parser(sub)
+    add_store_parsers(sub)
+    bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    if command in (None, "bench"):
+        add_bench_parsers(bench_sub)
+    add_chat_parser(sub)
+    add_run_parser(sub)
+    return parser
 
+
+def add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (and the web chat)")
     srv.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
     srv.add_argument(
@@ -339,6 +348,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help=ENGINE_HELP["model"] + "; NAME=PATH serves one more model under NAME, loaded when a request names it (give it once per model)",
     )
+    _add_serve_model_args(srv)
+    _add_serve_address_args(srv)
+    _add_serve_replica_args(srv)
+    _add_serve_request_args(srv)
+    _add_serve_reply_args(srv)
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
+    srv.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero (default: 3)",
+    )
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
+    add_engine_args(srv, defaults={"compile": True, "decode_stall_ratio": 1.0})  # a server runs long enough to profit; its streams must not freeze
+    srv.set_defaults(func=cmd_serve)
+
+
+def _add_serve_model_args(srv) -> None:
+    """Which models a server answers to, when they load and unload, their generation defaults."""
+    from treadle.store.store import default_models_dir
+
     srv.add_argument(
         "--models-dir",
         nargs="?",
@@ -388,6 +418,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="generation defaults on top of every model's, as JSON in SamplingParams' names, e.g. '{\"temperature\": 0.5}' (default: none)",
     )
+
+
+def _add_serve_address_args(srv) -> None:
+    """Where it listens and the keys it asks for."""
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     srv.add_argument(
@@ -396,30 +430,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/*, /api/*, /tokenize, /detokenize, /stats; give it several times for several keys (default: $TREADLE_API_KEY, comma-separated, else none)",
     )
-    srv.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engine core processes (replicas) behind this one server, each with its share of the cores (default: 1)",
-    )
-    srv.add_argument(
-        "--data-parallel-backend",
-        choices=["mp", "ray"],
-        default="mp",
-        help="where the replicas run: child processes of this server (mp), or Ray actors placed on an existing Ray cluster (ray; see --ray-address) (default: mp)",
-    )
-    srv.add_argument(
-        "--ray-address",
-        default=None,
-        help="the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster `ray start` began on this machine)",
-    )
-    add_routing_args(srv, "replica")
-    srv.add_argument(
-        "--kv-events-port",
-        type=int,
-        default=None,
-        help="publish KV cache events (block stored / removed / all cleared, vLLM's ZMQ wire format) on --host at this port, the replay socket at the next one; /stats names them (default: off)",
-    )
+
+
+def _add_serve_request_args(srv) -> None:
+    """Logging and the limits on requests."""
     srv.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind the API key too (default: open, for scrapers)")
     srv.add_argument(
         "--log-requests", action="store_true", help="log each request's route and body at INFO (default: off; headers and keys are never logged)"
@@ -434,6 +448,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=256 * 1024,
         help="largest output constraint (JSON schema, regex, grammar) a request may send, in bytes (default: 262144)",
     )
+
+
+def _add_serve_reply_args(srv) -> None:
+    """How replies are read: tool calls, reasoning, stored responses, embeddings' pooling."""
+    # here rather than at the top: `treadle serve` starts its engine core before these (0.2 s)
+    from treadle.server.reasoning import PARSERS as REASONING_PARSERS
+    from treadle.server.tools import PARSERS as TOOL_PARSERS
+
     srv.add_argument(
         "--tool-call-parser",
         default="auto",
@@ -458,27 +480,37 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         choices=["last", "mean"],
         help="embeddings: the last token's final hidden state, or the mean over the input's tokens; normalized (default: last)",
     )
-    srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
+
+
+def _add_serve_replica_args(srv) -> None:
+    """Replicas (several engine cores behind one server) and where they run; KV events."""
     srv.add_argument(
-        "--max-engine-restarts",
+        "--data-parallel-size",
         type=int,
-        default=3,
-        help="restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero (default: 3)",
+        default=1,
+        help="engine core processes (replicas) behind this one server, each with its share of the cores (default: 1)",
     )
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    add_engine_args(srv, defaults={"compile": True, "decode_stall_ratio": 1.0})  # a server runs long enough to profit; its streams must not freeze
-    srv.set_defaults(func=cmd_serve)
+    srv.add_argument(
+        "--data-parallel-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="where the replicas run: child processes of this server (mp), or Ray actors placed on an existing Ray cluster (ray; see --ray-address) (default: mp)",
+    )
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster `ray start` began on this machine)",
+    )
+    add_routing_args(srv, "replica")
+    srv.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish KV cache events (block stored / removed / all cleared, vLLM's ZMQ wire format) on --host at this port, the replay socket at the next one; /stats names them (default: off)",
+    )
 
-    add_router_parser(sub)
-    from treadle.store.commands import add_store_parsers
 
-    add_store_parsers(sub)
-
-    bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    if command in (None, "bench"):
-        add_bench_parsers(bench_sub)
-
+def add_chat_parser(sub) -> None:
     chat = sub.add_parser("chat", help="chat with a model in the terminal (no server needed)")
     chat.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=ENGINE_HELP["model"])
     chat.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
@@ -487,6 +519,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     chat.set_defaults(func=cmd_chat)
 
+
+def add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="generate from one prompt, streaming to the terminal")
     run.add_argument("prompt", help="the prompt text")
     run.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
@@ -495,7 +529,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, 0 for greedy (default: 0.7)")
     add_engine_args(run)
     run.set_defaults(func=cmd_run)
-    return parser
 
 
 def add_bench_parsers(bench_sub) -> None:

@@ -22,91 +22,89 @@ class _EngineCollector:
     def collect(self):
         hub = self.hub
         named = hub.multi_model
-        families: dict[str, object] = {}
-        sources = []  # (labels, engine)
+        out = _Families()
         for name, entry in list(hub.loaded.items()):
             client = entry.engine
             model = {"model_name": name} if named else {}
             replicas = getattr(client, "replicas", None)
-            sources += [(model, client)] if not replicas else [({**model, "replica": str(i)}, r) for i, r in enumerate(replicas)]
-
-        def add(kind, name: str, doc: str, where: dict, value, **labels) -> None:
-            labels = {**where, **labels}
-            family = families.get(name)
-            if family is None:
-                family = families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
-            family.add_metric(list(labels.values()), value)
-
-        for where, engine in sources:
-            add("counter", "treadle:engine_restarts", "Restarts of the engine core process after it died.", where, engine.num_restarts)
-            s = engine.stats()
-            if "kv_blocks_total" not in s:
-                continue  # no snapshot yet: the core is loading
-            used = s["kv_blocks_total"] - s["kv_blocks_free"]
-            add("gauge", "treadle:num_requests_running", "Requests in the running batch.", where, s["num_running"])
-            add("gauge", "treadle:num_requests_waiting", "Requests waiting to be scheduled.", where, s["num_waiting"])
-            add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", where, used / s["kv_blocks_total"])
-            add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", where, used)
-            add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", where, s["kv_blocks_total"])
-            add(
-                "gauge",
-                "treadle:compiled_decode_classes",
-                "Decode batch-size classes running compiled graphs.",
-                where,
-                len(s["compiled_decode"]["ready"]),
-            )
-            for name, key, doc in (
-                ("treadle:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-                ("treadle:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-                ("treadle:num_preemptions", "num_preemptions", "Preemptions of running requests."),
-                ("treadle:prompt_tokens", "prompt_tokens_computed", "Prompt tokens run through the model."),
-                ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
-            ):
-                add("counter", name, doc, where, s[key])
-            for tier, t in (s.get("kv_tiers") or {}).items():  # the prefix cache's host and disk tiers
-                for name, key, kind, doc in (
-                    ("treadle:kv_tier_hits", "hits", "counter", "Prefix-cache blocks loaded back from a lower tier."),
-                    ("treadle:kv_tier_stored", "stored", "counter", "Blocks evicted from the KV pool kept in a lower tier."),
-                    ("treadle:kv_tier_evicted", "evicted", "counter", "Blocks a lower tier dropped for its budget."),
-                    (
-                        "treadle:kv_tier_load_seconds",
-                        "load_seconds",
-                        "counter",
-                        "Time spent loading blocks from a lower tier (disk: reads on its thread).",
-                    ),
-                    ("treadle:kv_tier_loads", "loads", "counter", "Blocks loaded from a lower tier (disk: files read)."),
-                    ("treadle:kv_tier_corrupt", "corrupt", "counter", "Disk-tier files that failed their checks (deleted, never loaded)."),
-                    ("treadle:kv_tier_bytes", "bytes", "gauge", "Bytes a lower tier holds."),
-                    ("treadle:kv_tier_blocks", "blocks", "gauge", "Blocks a lower tier holds."),
-                ):
-                    add(kind, name, doc, where, t[key], tier=tier)
-            spec = s.get("spec_decode")
-            if spec:
-                for name, key, doc in (
-                    ("treadle:spec_decode_num_drafts", "num_drafts", "Verifications: a request's proposed tokens checked in one step."),
-                    ("treadle:spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
-                    ("treadle:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
-                ):
-                    add("counter", name, doc, where, spec[key])
-                for pos, n in enumerate(spec["accepted_per_position"]):
-                    add(
-                        "counter",
-                        "treadle:spec_decode_num_accepted_tokens_per_pos",
-                        "Accepted proposed tokens by their position in the proposal.",
-                        where,
-                        n,
-                        position=str(pos),
-                    )
-        for name, entry in list(hub.loaded.items()):
-            client = entry.engine
-            for i in range(len(getattr(client, "replicas", None) or ())):
-                where = {**({"model_name": name} if named else {}), "replica": str(i)}
-                add("counter", "treadle:router_requests", "Requests routed to each replica.", where, client.router.routed.get(str(i), 0))
+            sources = [(model, client)] if not replicas else [({**model, "replica": str(i)}, r) for i, r in enumerate(replicas)]
+            for where, engine in sources:
+                out.add("counter", "treadle:engine_restarts", "Restarts of the engine core process after it died.", where, engine.num_restarts)
+                s = engine.stats()
+                if "kv_blocks_total" in s:  # else no snapshot yet: the core is loading
+                    _engine_series(out, where, s)
+            for i in range(len(replicas or ())):
+                where = {**model, "replica": str(i)}
+                out.add("counter", "treadle:router_requests", "Requests routed to each replica.", where, client.router.routed.get(str(i), 0))
         if named:
-            add("gauge", "treadle:models_loaded", "Models loaded (an engine core process each).", {}, len(hub.loaded))
-            add("counter", "treadle:model_loads", "Models loaded since the server started.", {}, hub.loads)
-            add("counter", "treadle:model_unloads", "Models unloaded (idle, evicted, or failed) since the server started.", {}, hub.unloads)
-        yield from families.values()
+            out.add("gauge", "treadle:models_loaded", "Models loaded (an engine core process each).", {}, len(hub.loaded))
+            out.add("counter", "treadle:model_loads", "Models loaded since the server started.", {}, hub.loads)
+            out.add("counter", "treadle:model_unloads", "Models unloaded (idle, evicted, or failed) since the server started.", {}, hub.unloads)
+        yield from out.families.values()
+
+
+class _Families:
+    """Metric families by name, each series added with its labels."""
+
+    def __init__(self):
+        self.families: dict[str, object] = {}
+
+    def add(self, kind, name: str, doc: str, where: dict, value, **labels) -> None:
+        labels = {**where, **labels}
+        family = self.families.get(name)
+        if family is None:
+            family = self.families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+
+
+# An engine's counters: (series, its key in the stats snapshot, help).
+ENGINE_COUNTERS = (
+    ("treadle:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("treadle:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("treadle:num_preemptions", "num_preemptions", "Preemptions of running requests."),
+    ("treadle:prompt_tokens", "prompt_tokens_computed", "Prompt tokens run through the model."),
+    ("treadle:generation_tokens", "generation_tokens", "Tokens generated."),
+)
+# The prefix cache's host and disk tiers, per tier: (series, key, kind, help).
+KV_TIER_SERIES = (
+    ("treadle:kv_tier_hits", "hits", "counter", "Prefix-cache blocks loaded back from a lower tier."),
+    ("treadle:kv_tier_stored", "stored", "counter", "Blocks evicted from the KV pool kept in a lower tier."),
+    ("treadle:kv_tier_evicted", "evicted", "counter", "Blocks a lower tier dropped for its budget."),
+    ("treadle:kv_tier_load_seconds", "load_seconds", "counter", "Time spent loading blocks from a lower tier (disk: reads on its thread)."),
+    ("treadle:kv_tier_loads", "loads", "counter", "Blocks loaded from a lower tier (disk: files read)."),
+    ("treadle:kv_tier_corrupt", "corrupt", "counter", "Disk-tier files that failed their checks (deleted, never loaded)."),
+    ("treadle:kv_tier_bytes", "bytes", "gauge", "Bytes a lower tier holds."),
+    ("treadle:kv_tier_blocks", "blocks", "gauge", "Blocks a lower tier holds."),
+)
+SPEC_DECODE_COUNTERS = (
+    ("treadle:spec_decode_num_drafts", "num_drafts", "Verifications: a request's proposed tokens checked in one step."),
+    ("treadle:spec_decode_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified."),
+    ("treadle:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
+)
+
+
+def _engine_series(out: _Families, where: dict, s: dict) -> None:
+    """One engine's gauges and counters from its stats snapshot `s`."""
+    used = s["kv_blocks_total"] - s["kv_blocks_free"]
+    out.add("gauge", "treadle:num_requests_running", "Requests in the running batch.", where, s["num_running"])
+    out.add("gauge", "treadle:num_requests_waiting", "Requests waiting to be scheduled.", where, s["num_waiting"])
+    out.add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", where, used / s["kv_blocks_total"])
+    out.add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", where, used)
+    out.add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", where, s["kv_blocks_total"])
+    ready = len(s["compiled_decode"]["ready"])
+    out.add("gauge", "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", where, ready)
+    for name, key, doc in ENGINE_COUNTERS:
+        out.add("counter", name, doc, where, s[key])
+    for tier, t in (s.get("kv_tiers") or {}).items():
+        for name, key, kind, doc in KV_TIER_SERIES:
+            out.add(kind, name, doc, where, t[key], tier=tier)
+    spec = s.get("spec_decode")
+    if spec:
+        for name, key, doc in SPEC_DECODE_COUNTERS:
+            out.add("counter", name, doc, where, spec[key])
+        for pos, n in enumerate(spec["accepted_per_position"]):
+            doc = "Accepted proposed tokens by their position in the proposal."
+            out.add("counter", "treadle:spec_decode_num_accepted_tokens_per_pos", doc, where, n, position=str(pos))
 
 
 class ServerMetrics:

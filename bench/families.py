@@ -5,10 +5,10 @@
                                       [--hidden 512] [--expert-size 256] [--tokens 48]
     python bench/families.py hybrid-prefix [--prefix 2048] [--suffix 32] [--layers 8] [--hidden 512]
 
-fidelity: for each architecture's tiny random model (tests/tiny_models.py, 2 layers, hidden 64,
-the float32 reference of tests/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
+fidelity: for each architecture's tiny random model (tests/support/tiny_models.py, 2 layers, hidden 64,
+the float32 reference of tests/e2e/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
 in float32, teacher-forced through the bf16 default (batch-invariant, prefix caching on) as
-tests/test_fast_paths.py does: mean KL(float32 || bf16) per token and greedy agreement. Random
+tests/e2e/test_fast_paths.py does: mean KL(float32 || bf16) per token and greedy agreement. Random
 weights at initializer_range 0.15 give flatter and noisier distributions than trained ones, so
 these figures bound the arithmetic's deviation rather than predict a real model's.
 
@@ -40,7 +40,7 @@ def fidelity(args) -> None:
     import torch
 
     from tests import test_fast_paths
-    from tests.tiny_models import save_hf_model
+    from tests.support.tiny_models import save_hf_model
     from treadle import LLM, SamplingParams
 
     test_fast_paths.NUM_TOKENS = args.tokens
@@ -65,7 +65,7 @@ def moe_step(args) -> None:
     import transformers
 
     from bench.peer_compare import cpu_description
-    from tests.tiny_models import tiny_tokenizer
+    from tests.support.tiny_models import tiny_tokenizer
     from treadle import LLM, SamplingParams
     from treadle.model.layers import moe
 
@@ -127,7 +127,7 @@ def hybrid_prefix(args) -> None:
     import transformers
 
     from bench.peer_compare import cpu_description
-    from tests.tiny_models import tiny_tokenizer
+    from tests.support.tiny_models import tiny_tokenizer
     from treadle import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)

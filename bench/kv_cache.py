@@ -34,8 +34,8 @@ def filler(tok, n: int, seed: int = 0) -> list[int]:
 
 
 def fidelity(args) -> None:
-    from tests.test_fast_paths import compare, forced_logprobs
-    from tests.test_reference import CHAT, PROMPTS
+    from tests.e2e.test_fast_paths import compare, forced_logprobs
+    from tests.e2e.test_reference import CHAT, PROMPTS
 
     ref_llm = LLM(args.model, max_model_len=2048)
     tok = ref_llm.tokenizer
@@ -137,7 +137,7 @@ def long(args) -> None:
 def flat(args) -> None:
     """`--requests` different prompts of `--tokens` tokens one after another, each to a few output
     tokens, in a `--budget` KV pool: the engine's resident set after each (the issue's memory check;
-    tests/test_long_context.py is its CI-sized form)."""
+    tests/e2e/test_long_context.py is its CI-sized form)."""
     from treadle.engine_config import parse_size
     from treadle.utils import process_memory
 

@@ -5,13 +5,13 @@
 For each type, `llama-quantize --allow-requantize --pure` (built as bench/peer_compare.py builds
 llama-server) makes a file from the embedded model; rows too short for a type are given
 llama.cpp's fallback type, and the table lists what the file holds. Then, for the 8 prompts of
-tests/test_reference.py (7 texts and a chat), 64 greedy tokens each:
+tests/e2e/test_reference.py (7 texts and a chat), 64 greedy tokens each:
 
 - float32: treadle's greedy tokens against transformers loading the same file (which dequantizes
-  it to float32), token for token under the near-tie rule of tests/reference.py, all 8 prompts in
+  it to float32), token for token under the near-tie rule of tests/support/reference.py, all 8 prompts in
   one batch and each alone;
 - bfloat16, the default path (the file's blocks, int8 activations, batch-invariant): the float32
-  continuation teacher-forced through it (tests/test_fast_paths.py), mean KL(float32 || bf16) per
+  continuation teacher-forced through it (tests/e2e/test_fast_paths.py), mean KL(float32 || bf16) per
   token and greedy agreement.
 """
 
@@ -41,8 +41,8 @@ def main() -> int:
 
     from bench.peer_compare import cpu_description, find_or_build_llama_tool
     from tests import test_fast_paths
-    from tests.reference import assert_matches_reference, hf_greedy
-    from tests.test_reference import CHAT, PROMPTS
+    from tests.support.reference import assert_matches_reference, hf_greedy
+    from tests.e2e.test_reference import CHAT, PROMPTS
     from treadle import LLM, SamplingParams
     from treadle.model.loading.default_model import default_model_path
 

@@ -20,7 +20,7 @@ At the end, the promises (each a line of the report, and the exit status):
   sampled every --sample-every requests, grows by less than 5% from the sample after the first
   1,000 requests (the baseline) to the end. Plotted to OUT/soak-memory.png.
 
-The suite runs a 500-request variant (tests/test_soak.py) through `run()`.
+The suite runs a 500-request variant (tests/e2e/test_soak.py) through `run()`.
 """
 
 import argparse

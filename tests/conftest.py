@@ -12,7 +12,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def no_request_reaches_the_500_handler():
     """A request that reaches a server's 500 handler is a bug whatever the test checks: fail the
     test during which it happened (any `treadle serve` the session started, shared ones included)."""
-    from tests.server_process import LIVE
+    from tests.support.server_process import LIVE
 
     for server in list(LIVE):
         server.internal_errors()  # what came before this test is not this test's
@@ -30,7 +30,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def server():
     """One real `treadle serve` (float32; two API keys, /metrics behind them, request bodies
     logged) for the server and bench tests."""
-    from tests.server_process import ServerProcess
+    from tests.support.server_process import ServerProcess
 
     s = ServerProcess("--api-key", KEY, "--api-key", SECOND_KEY, "--metrics-require-key", "--log-requests", "--max-num-seqs", "32")
     try:

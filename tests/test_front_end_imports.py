@@ -28,7 +28,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[2:
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    from tests.make_quant_files import tiny_model
+    from tests.support.make_quant_files import tiny_model
 
     model, tok = tiny_model()
     folder = tmp_path_factory.mktemp("hf_front_end")

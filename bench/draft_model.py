@@ -52,12 +52,23 @@ def main() -> int:
 
     def recording(self, step, requests, target_runner):
         out = original(self, step, requests, target_runner)
-        proposals.extend((s.req_id, s.start, list(s.token_ids[len(s.token_ids) - s.num_drafts :])) for s in step.scheduled if s.num_drafts)
+        proposals.extend(
+            (s.req_id, s.start, list(s.token_ids[len(s.token_ids) - s.num_drafts :]))
+            for s in step.scheduled
+            if s.num_drafts
+        )
         return out
 
     DraftModel.propose = recording
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=20))
-    by_id = {o.request_id: (list(o.prompt_token_ids) + o.outputs[0].token_ids, len(o.prompt_token_ids), o.outputs[0].logprobs) for o in outs}
+    by_id = {
+        o.request_id: (
+            list(o.prompt_token_ids) + o.outputs[0].token_ids,
+            len(o.prompt_token_ids),
+            o.outputs[0].logprobs,
+        )
+        for o in outs
+    }
     proposed = accepted = 0
     gaps = []
     for rid, start, drafts in proposals:

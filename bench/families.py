@@ -33,7 +33,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "bamba", "granitemoehybrid", "gemma2"]
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3",
+    "phi3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "bamba",
+    "granitemoehybrid",
+    "gemma2",
+]
 
 
 def fidelity(args) -> None:
@@ -50,7 +64,9 @@ def fidelity(args) -> None:
         with tempfile.TemporaryDirectory() as folder:
             save_hf_model(folder, arch, seed=ARCHS.index(arch) if arch in ARCHS else 0)
             g = torch.Generator().manual_seed(17)
-            prompts = [torch.randint(0, 260, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (8,), generator=g)]
+            prompts = [
+                torch.randint(0, 260, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (8,), generator=g)
+            ]
             ref_llm = LLM(folder, dtype="float32", max_model_len=256)
             outs = ref_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
             conts = [o.outputs[0].token_ids for o in outs]
@@ -113,12 +129,20 @@ def moe_step(args) -> None:
                 rows[(n, batch)] = ((t2 - t1) - (t1 - t0)) / args.tokens * 1000
                 print(f"  experts {n}, batch {batch}: {rows[(n, batch)]:.2f} ms per step", file=sys.stderr, flush=True)
             del llm
-    print(f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, experts of {args.expert_size}, top-{args.top_k}, bf16 default:\n")
-    print("| experts | " + " | ".join(f"step ms at {b} | ratio at {b} | distinct experts per layer-step at {b}" for b in args.batches) + " |")
+    print(
+        f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, experts of {args.expert_size}, top-{args.top_k}, bf16 default:\n"
+    )
+    print(
+        "| experts | "
+        + " | ".join(f"step ms at {b} | ratio at {b} | distinct experts per layer-step at {b}" for b in args.batches)
+        + " |"
+    )
     print("|---" * (1 + 3 * len(args.batches)) + "|")
     base = args.experts[0]
     for n in args.experts:
-        cells = " | ".join(f"{rows[(n, b)]:.2f} | {rows[(n, b)] / rows[(base, b)]:.2f} | {active[(n, b)]:.1f}" for b in args.batches)
+        cells = " | ".join(
+            f"{rows[(n, b)]:.2f} | {rows[(n, b)] / rows[(base, b)]:.2f} | {active[(n, b)]:.1f}" for b in args.batches
+        )
         print(f"| {n} | {cells} |")
 
 
@@ -168,7 +192,9 @@ def hybrid_prefix(args) -> None:
     print("| | TTFT ms | / cold |")
     print("|---|---|---|")
     print(f"| cold (nothing cached) | {cold * 1000:.0f} | 1.00 |")
-    print(f"| follow-up, prefix cached ({hits} tokens hit: KV and recurrent state) | {warm * 1000:.0f} | {warm / cold:.3f} |")
+    print(
+        f"| follow-up, prefix cached ({hits} tokens hit: KV and recurrent state) | {warm * 1000:.0f} | {warm / cold:.3f} |"
+    )
     print(f"| follow-up, prefix caching off | {uncached * 1000:.0f} | {uncached / cold:.3f} |")
 
 

@@ -91,7 +91,12 @@ def main() -> int:
         try:
             for i in range(args.runs):
                 alone.append(bench_throughput(seed=100 + i))
-                r = bench_serve(url, args.out, f"c16-run{i}", ["--max-concurrency", "16", "--num-prompts", "64", "--seed", str(100 + i)])
+                r = bench_serve(
+                    url,
+                    args.out,
+                    f"c16-run{i}",
+                    ["--max-concurrency", "16", "--num-prompts", "64", "--seed", str(100 + i)],
+                )
                 served.append(r["output_throughput"])
                 print(f"run {i}: engine alone {alone[-1]:.1f} tok/s, through HTTP {served[-1]:.1f} tok/s", flush=True)
         finally:
@@ -101,18 +106,34 @@ def main() -> int:
               f"{statistics.median(alone):.1f} tok/s, ratio {ratio:.3f}  (runs: {served} vs {alone})\n", flush=True)  # fmt: skip
 
     if 2 not in args.skip_part:
-        proc, url = start_server(["--max-num-seqs", "64", "--kv-cache-memory-bytes", "2G"], os.path.join(args.out, "server64.log"))
+        proc, url = start_server(
+            ["--max-num-seqs", "64", "--kv-cache-memory-bytes", "2G"], os.path.join(args.out, "server64.log")
+        )
         plain, with_lp, health = [], [], []
         try:
-            common = ["--backend", "openai-chat", "--max-concurrency", "64", "--num-prompts", "128", "--health-probe-interval", "0.1"]
+            common = [
+                "--backend",
+                "openai-chat",
+                "--max-concurrency",
+                "64",
+                "--num-prompts",
+                "128",
+                "--health-probe-interval",
+                "0.1",
+            ]
             for i in range(args.logprob_runs):
                 r = bench_serve(url, args.out, f"c64-plain-run{i}", [*common, "--seed", str(200 + 2 * i)])
                 plain.append(r["output_throughput"])
                 health.append(r["health_probe_latency_ms"])
-                r = bench_serve(url, args.out, f"c64-logprobs-run{i}", [*common, "--seed", str(201 + 2 * i), "--logprobs", "5"])
+                r = bench_serve(
+                    url, args.out, f"c64-logprobs-run{i}", [*common, "--seed", str(201 + 2 * i), "--logprobs", "5"]
+                )
                 with_lp.append(r["output_throughput"])
                 health.append(r["health_probe_latency_ms"])
-                print(f"run {i}: plain {plain[-1]:.1f} tok/s, logprobs 5 {with_lp[-1]:.1f} tok/s; /health {health[-2]} / {health[-1]}", flush=True)
+                print(
+                    f"run {i}: plain {plain[-1]:.1f} tok/s, logprobs 5 {with_lp[-1]:.1f} tok/s; /health {health[-2]} / {health[-1]}",
+                    flush=True,
+                )
         finally:
             stop(proc)
         ratio = statistics.median(with_lp) / statistics.median(plain)

@@ -29,7 +29,9 @@ from treadle.engine.block_pool import extend_block_hashes  # noqa: E402
 
 def filler(tok, n: int, seed: int = 0) -> list[int]:
     """About n tokens of varied text (a long document)."""
-    words = " ".join(f"line {seed}-{i}: the quick brown fox {i * 7 % 13} jumps over {i % 11} lazy dogs." for i in range(n // 8 + 16))
+    words = " ".join(
+        f"line {seed}-{i}: the quick brown fox {i * 7 % 13} jumps over {i % 11} lazy dogs." for i in range(n // 8 + 16)
+    )
     return tok.encode(words)[:n]
 
 
@@ -47,7 +49,9 @@ def fidelity(args) -> None:
     del ref_llm
     int8 = LLM(args.model, max_model_len=2048, kv_cache_dtype="int8")
     kl, agreement = compare(int8, reference)
-    print(f"int8 KV against bf16 KV, {len(prompts)} prompts x {args.tokens} tokens: mean KL {kl:.5f}, greedy agreement {agreement:.1%}")
+    print(
+        f"int8 KV against bf16 KV, {len(prompts)} prompts x {args.tokens} tokens: mean KL {kl:.5f}, greedy agreement {agreement:.1%}"
+    )
 
 
 def decode(args) -> None:
@@ -71,7 +75,10 @@ def decode(args) -> None:
             t0 = time.perf_counter()
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1 + args.steps, ignore_eos=True))
             many = time.perf_counter() - t0
-            print(f"  context {ctx}: prefill {prefill:.1f} s, decode TPOT {(many - one) / args.steps * 1000:.1f} ms", flush=True)
+            print(
+                f"  context {ctx}: prefill {prefill:.1f} s, decode TPOT {(many - one) / args.steps * 1000:.1f} ms",
+                flush=True,
+            )
         del llm
 
 
@@ -115,7 +122,13 @@ def long(args) -> None:
     from treadle.utils import process_memory
 
     for kv in args.kv or ("auto",):
-        llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_dtype=kv, kv_cache_memory_bytes=parse_size(args.budget), max_num_seqs=1)
+        llm = LLM(
+            args.model,
+            max_model_len=args.max_model_len,
+            kv_cache_dtype=kv,
+            kv_cache_memory_bytes=parse_size(args.budget),
+            max_num_seqs=1,
+        )
         prompt = filler(llm.tokenizer, args.max_model_len - 256, seed=7)
         t = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -142,7 +155,13 @@ def flat(args) -> None:
     from treadle.utils import process_memory
 
     kv = (args.kv or ["auto"])[0]
-    llm = LLM(args.model, max_model_len=args.tokens + 64, kv_cache_dtype=kv, kv_cache_memory_bytes=parse_size(args.budget), max_num_seqs=1)
+    llm = LLM(
+        args.model,
+        max_model_len=args.tokens + 64,
+        kv_cache_dtype=kv,
+        kv_cache_memory_bytes=parse_size(args.budget),
+        max_num_seqs=1,
+    )
     rss = []
     for i in range(args.requests):
         prompt = filler(llm.tokenizer, args.tokens, seed=100 + i)  # a different document each time: no prefix hits
@@ -180,7 +199,14 @@ def tiers(args) -> None:
         folder = tempfile.mkdtemp(prefix="treadle-kv-bench-")
         length = args.prefix + 256
         # a pool that holds the prefix once, so that other prompts of the same size evict it
-        llm = LLM(args.model, max_model_len=length, kv_cache_dir=folder, kv_offload_bytes=args.host_bytes, kv_cache_dtype=kv, max_num_seqs=4)
+        llm = LLM(
+            args.model,
+            max_model_len=length,
+            kv_cache_dir=folder,
+            kv_offload_bytes=args.host_bytes,
+            kv_cache_dtype=kv,
+            max_num_seqs=4,
+        )
         tok = llm.tokenizer
         question = tok.encode(" Summarize the above in one line.")
         prompt = filler(tok, args.prefix) + question
@@ -193,7 +219,10 @@ def tiers(args) -> None:
 
         cold, _ = ttft(prompt)
         pool, hit = ttft(prompt[:-1] + tok.encode(" Again."))
-        print(f"KV {kv}, prefix {args.prefix} tokens: cold TTFT {cold:.2f} s; pool hit {pool:.3f} s ({pool / cold:.4f}x, {hit} tokens)", flush=True)
+        print(
+            f"KV {kv}, prefix {args.prefix} tokens: cold TTFT {cold:.2f} s; pool hit {pool:.3f} s ({pool / cold:.4f}x, {hit} tokens)",
+            flush=True,
+        )
         blocks = llm.stats()["kv_blocks_total"]
         others = 0
         while True:  # other documents until the prefix's first block left the pool
@@ -215,7 +244,15 @@ def tiers(args) -> None:
             os.sync()
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3\n")
-        code = RESTART.format(root=os.path.join(HERE, ".."), here=HERE, model=args.model, len=length, dir=folder, kv=kv, prefix=args.prefix)
+        code = RESTART.format(
+            root=os.path.join(HERE, ".."),
+            here=HERE,
+            model=args.model,
+            len=length,
+            dir=folder,
+            kv=kv,
+            prefix=args.prefix,
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
         restart, hit = float(out[0]), int(out[1])
         print(f"  after a restart, from disk: {restart:.3f} s ({restart / cold:.4f}x, {hit} tokens)", flush=True)
@@ -231,13 +268,22 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=16384)
     parser.add_argument("--host-bytes", type=int, default=2 << 30)
-    parser.add_argument("--kv", nargs="+", default=None, help="KV dtypes (decode: auto and int8; long: auto; llama: auto = f16, int8 = q8_0)")
+    parser.add_argument(
+        "--kv",
+        nargs="+",
+        default=None,
+        help="KV dtypes (decode: auto and int8; long: auto; llama: auto = f16, int8 = q8_0)",
+    )
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--budget", default="448M", help="long: --kv-cache-memory-bytes")
-    parser.add_argument("--drop-caches", action="store_true", help="tiers: empty the OS page cache before the restart (root)")
+    parser.add_argument(
+        "--drop-caches", action="store_true", help="tiers: empty the OS page cache before the restart (root)"
+    )
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}; {os.cpu_count()} cores", flush=True)
-    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long, "llama": llama, "flat": flat}[args.what](args)
+    {"fidelity": fidelity, "decode": decode, "tiers": tiers, "long": long, "llama": llama, "flat": flat}[args.what](
+        args
+    )
     return 0
 
 

@@ -35,7 +35,13 @@ PROMPT = "Write one sentence about the sea."
 
 def first_token_seconds(url: str, model: str) -> float:
     """From sending a streamed chat request to its first content delta."""
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
     t = time.perf_counter()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -109,7 +115,12 @@ def measure_llama_server(gguf: str, ctx: int, repetitions: int) -> list[float]:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
             wait_healthy(url, proc)
-            body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0, "stream": True}
+            body = {
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+            }
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: ") and '"content":"' in line:
@@ -123,7 +134,9 @@ def measure_llama_server(gguf: str, ctx: int, repetitions: int) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="the GGUF loaded as the second model (default: the embedded model's file)")
+    ap.add_argument(
+        "--model", default=None, help="the GGUF loaded as the second model (default: the embedded model's file)"
+    )
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=4096, help="tokens of KV both servers get")
     ap.add_argument("--skip-llama-server", action="store_true")
@@ -136,14 +149,20 @@ def main() -> int:
     arch = meta["general.architecture"]
     heads = meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
-    kv_bytes = 2 * meta[f"{arch}.block_count"] * args.ctx * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
-    print(f"CPU: {cpu_description()}\nfile: {gguf} ({os.path.getsize(gguf) / 1e6:.1f} MB), KV {args.ctx} tokens ({kv_bytes / 1e6:.1f} MB)")
+    kv_bytes = (
+        2 * meta[f"{arch}.block_count"] * args.ctx * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
+    )
+    print(
+        f"CPU: {cpu_description()}\nfile: {gguf} ({os.path.getsize(gguf) / 1e6:.1f} MB), KV {args.ctx} tokens ({kv_bytes / 1e6:.1f} MB)"
+    )
     runs = measure_treadle(gguf, kv_bytes, args.repetitions)
     mb = lambda key: spread([r[key] / 1e6 for r in runs], 0)  # noqa: E731
     print("\n| treadle, second model | median (min-max) |\n|---|---|")
     print(f"| request sent -> first token (s) | {spread([r['first_token_s'] for r in runs], 2)} |")
     print(f"| of which the core's load (s) | {spread([r['load_s'] for r in runs], 2)} |")
-    print(f"| server RSS before / loaded / after unload (MB) | {mb('rss_before')} / {mb('rss_loaded')} / {mb('rss_after')} |")
+    print(
+        f"| server RSS before / loaded / after unload (MB) | {mb('rss_before')} / {mb('rss_loaded')} / {mb('rss_after')} |"
+    )
     print(f"| its core's RSS; its weights + KV (MB) | {mb('core_rss')}; {mb('weights_kv')} |")
     drops = [(r["rss_loaded"] - r["rss_after"]) / r["weights_kv"] for r in runs]
     print(f"| RSS given back / (weights + KV) | {spread(drops, 2)} |")

@@ -78,7 +78,18 @@ def find_or_build_llama_tool(target: str) -> str:
     sdist = os.path.join(CACHE, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")
     if not os.path.exists(sdist):
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", CACHE],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                CACHE,
+            ],
             check=True,
         )
     with tarfile.open(sdist) as t:
@@ -93,7 +104,10 @@ def cpu_description() -> str:
     """The CPU and the vector units that matter here (AVX-512 VNNI, BF16, AMX)."""
     with open("/proc/cpuinfo") as f:
         text = f.read()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), platform.processor())
+    name = next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
     flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
     units = [u for u in ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if u in flags]
     return f"{name} ({', '.join(units) or 'no AVX-512 VNNI / AMX'})"
@@ -125,7 +139,9 @@ def treadle_serve_command(gguf: str, port: int, extra: list[str]) -> list[str]:
     arch = meta["general.architecture"]
     heads = meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
-    kv_bytes = 2 * meta[f"{arch}.block_count"] * 16384 * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
+    kv_bytes = (
+        2 * meta[f"{arch}.block_count"] * 16384 * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
+    )
     return [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(port), "--max-num-seqs", "16",
             "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", "16", "--threads", "2", *extra]  # fmt: skip
 
@@ -155,7 +171,9 @@ def wait_compiled(url: str, timeout: float = 1200) -> None:
         if status["state"] != "compiling":
             break
         time.sleep(2)
-    print(f"treadle compiled decode steps: {status['state']} {status['ready']} after {time.time() - t:.0f} s", flush=True)
+    print(
+        f"treadle compiled decode steps: {status['state']} {status['ready']} after {time.time() - t:.0f} s", flush=True
+    )
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -247,7 +265,9 @@ def main() -> int:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-bench", action="store_true")
     ap.add_argument("--treadle-args", default="", help="extra flags for treadle serve")
-    ap.add_argument("--repetitions", type=int, default=3, help="sweeps (fresh prompts each): min / median / max of each figure")
+    ap.add_argument(
+        "--repetitions", type=int, default=3, help="sweeps (fresh prompts each): min / median / max of each figure"
+    )
     args = ap.parse_args()
 
     from treadle.model.loading.default_model import default_model_path
@@ -257,7 +277,22 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     t_port, l_port = free_ports(2)
     treadle_cmd = treadle_serve_command(gguf, t_port, args.treadle_args.split())
-    llama_cmd = [llama_server, "-m", gguf, "--port", str(l_port), "-np", "16", "-c", "16384", "-kvu", "-cram", "0", "-t", "2"]
+    llama_cmd = [
+        llama_server,
+        "-m",
+        gguf,
+        "--port",
+        str(l_port),
+        "-np",
+        "16",
+        "-c",
+        "16384",
+        "-kvu",
+        "-cram",
+        "0",
+        "-t",
+        "2",
+    ]
     print("machine:", platform.platform(), f"{os.cpu_count()} cores;", cpu_description())
     print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB")
     print("treadle:", " ".join(treadle_cmd))
@@ -278,7 +313,12 @@ def main() -> int:
         wait_compiled(f"http://127.0.0.1:{t_port}")
         for run in range(args.repetitions):
             # each repetition its own prompts (seed) and folder; servers alternate first per level inside a sweep
-            servers = ["--server", f"treadle=http://127.0.0.1:{t_port}", "--server", f"llama.cpp=http://127.0.0.1:{l_port}"]
+            servers = [
+                "--server",
+                f"treadle=http://127.0.0.1:{t_port}",
+                "--server",
+                f"llama.cpp=http://127.0.0.1:{l_port}",
+            ]
             if run % 2:
                 servers = servers[2:] + servers[:2]
             sweep = [sys.executable, "-m", "treadle", "bench", "sweep", *servers,
@@ -329,7 +369,9 @@ def main() -> int:
         f"KV pool {memory['treadle KV pool']:.0f} MB, file {memory['file']:.1f} MB: the gate file + KV + 400 MB = "
         f"{memory['file'] + memory['treadle KV pool'] + 400:.0f} MB"
     )
-    print(f"load (start to healthy, each alone): treadle {load_s['treadle']:.1f} s, llama-server {load_s['llama.cpp']:.1f} s")
+    print(
+        f"load (start to healthy, each alone): treadle {load_s['treadle']:.1f} s, llama-server {load_s['llama.cpp']:.1f} s"
+    )
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(memory, f)
 
@@ -337,7 +379,13 @@ def main() -> int:
         bench = find_or_build_llama_tool("llama-bench")
         cmd = [bench, "-m", gguf, "-n", "128", "-p", "0", "-t", "2", "-o", "json"]
         print("\n" + " ".join(cmd), flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(bench)))
+        out = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            check=False,
+            env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(bench)),
+        )
         try:
             tg = json.loads(out.stdout)[0]
             print(f"llama-bench tg128: {tg['avg_ts']:.1f} tok/s, {1000 / tg['avg_ts']:.2f} ms per token")

@@ -71,7 +71,9 @@ def compare_compiled(engine, steps: int, dynamic: bool) -> None:
         for _ in range(2):
             e_med, e_p10 = timed(lambda i: eager(*inputs), steps)
             c_med, c_p10 = timed(lambda i: compiled(*inputs), steps)
-            print(f"forward alone: eager median {e_med:.2f} ms, p10 {e_p10:.2f} ms; compiled median {c_med:.2f} ms, p10 {c_p10:.2f} ms")
+            print(
+                f"forward alone: eager median {e_med:.2f} ms, p10 {e_p10:.2f} ms; compiled median {c_med:.2f} ms, p10 {c_p10:.2f} ms"
+            )
 
 
 def main():
@@ -85,7 +87,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=15, help="rows of the profile table (0: time only, no profile)")
     ap.add_argument(
-        "--compiled", action="store_true", help="build the engine with compile=True and wait for its compiled decode graphs before timing"
+        "--compiled",
+        action="store_true",
+        help="build the engine with compile=True and wait for its compiled decode graphs before timing",
     )
     ap.add_argument(
         "--compile",
@@ -108,19 +112,25 @@ def main():
     if args.prefill:
 
         def one_step(i):
-            engine.add_request(f"p{i}", [(i * 131 + j) % 40000 + 100 for j in range(args.prefill)], greedy, cache_salt=str(i))
+            engine.add_request(
+                f"p{i}", [(i * 131 + j) % 40000 + 100 for j in range(args.prefill)], greedy, cache_salt=str(i)
+            )
             engine.step()
             engine.abort_request(f"p{i}")
             engine.step()
 
         one_step(-1)
         med, p10 = timed(one_step, args.steps)
-        print(f"prefill of {args.prefill} tokens: median {med:.1f} ms, p10 {p10:.1f} ms ({args.prefill / med * 1000:.0f} tok/s at the median)")
+        print(
+            f"prefill of {args.prefill} tokens: median {med:.1f} ms, p10 {p10:.1f} ms ({args.prefill / med * 1000:.0f} tok/s at the median)"
+        )
         step = one_step
     else:
         for i in range(args.batch):
             engine.add_request(f"d{i}", [(i * 131 + j) % 40000 + 100 for j in range(args.context)], greedy)
-        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        while engine.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        ):
             engine.step()
         step = lambda i: engine.step()  # noqa: E731
         med, p10 = timed(step, args.steps)

@@ -41,8 +41,8 @@ def main() -> int:
 
     from bench.peer_compare import cpu_description, find_or_build_llama_tool
     from tests import test_fast_paths
-    from tests.support.reference import assert_matches_reference, hf_greedy
     from tests.e2e.test_reference import CHAT, PROMPTS
+    from tests.support.reference import assert_matches_reference, hf_greedy
     from treadle import LLM, SamplingParams
     from treadle.model.loading.default_model import default_model_path
 
@@ -51,14 +51,19 @@ def main() -> int:
     quantize = find_or_build_llama_tool("llama-quantize")
     os.makedirs(args.out, exist_ok=True)
     print("CPU:", cpu_description(), flush=True)
-    print("| file type | tensors held (MB) | float32 vs transformers, batched / alone | near-ties crossed | bf16 mean KL | bf16 greedy agreement |")
+    print(
+        "| file type | tensors held (MB) | float32 vs transformers, batched / alone | near-ties crossed | bf16 mean KL | bf16 greedy agreement |"
+    )
     print("|---|---|---|---|---|---|")
     for kind in args.types:
         path = os.path.join(args.out, f"default-{kind}.gguf")
         if not os.path.exists(path):
             env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(quantize))
             subprocess.run(
-                [quantize, "--allow-requantize", "--pure", default_model_path(), path, kind, "2"], check=True, capture_output=True, env=env
+                [quantize, "--allow-requantize", "--pure", default_model_path(), path, kind, "2"],
+                check=True,
+                capture_output=True,
+                env=env,
             )
         held = collections.Counter()
         for t in gguf.GGUFReader(path).tensors:
@@ -68,13 +73,21 @@ def main() -> int:
         started = time.perf_counter()
         llm = LLM(path, dtype="float32", max_model_len=1024)
         tok = llm.tokenizer
-        prompts = [tok.encode(t) for t in PROMPTS.values()] + [tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)]
+        prompts = [tok.encode(t) for t in PROMPTS.values()] + [
+            tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+        ]
         greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         folder, name = os.path.split(os.path.abspath(path))
         hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
         def cont(prefix, n, llm=llm):
-            return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+            return (
+                llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+                .outputs[0]
+                .token_ids
+                if n
+                else []
+            )
 
         ties, verdict = 0, "equal"
         batched = llm.generate(prompts, greedy)
@@ -82,7 +95,9 @@ def main() -> int:
             for ids, out in zip(prompts, batched):
                 ref, rows = hf_greedy(hf, ids, args.tokens)
                 ties += assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)
-                ties += assert_matches_reference(ids, llm.generate([ids], greedy)[0].outputs[0].token_ids, ref, rows, cont)
+                ties += assert_matches_reference(
+                    ids, llm.generate([ids], greedy)[0].outputs[0].token_ids, ref, rows, cont
+                )
         except AssertionError as e:
             verdict = f"DIFFERENT: {e}"
         del hf

@@ -34,7 +34,12 @@ def one_path(args) -> None:
     weights = []
     for t in reader.tensors:
         if t.tensor_type.name in quant.TYPES and len(t.shape) == 2 and t.name != "token_embd.weight":
-            weights.append((t.name.split(".", 2)[-1], quant.QuantizedTensor(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]))))
+            weights.append(
+                (
+                    t.name.split(".", 2)[-1],
+                    quant.QuantizedTensor(t.tensor_type.name, np.asarray(t.data), int(t.shape[0])),
+                )
+            )
     total = sum(w.nbytes() for _, w in weights)
     print(f"{quant.isa()} on {cpu_description()}, {args.threads} threads: {len(weights)} weights, {total / 1e6:.0f} MB")
     for m in args.rows:
@@ -58,7 +63,9 @@ def one_path(args) -> None:
             for w in ws:
                 w.matmul(x)
         per = (time.perf_counter() - start) / (args.repeat * len(ws))
-        print(f"    {name:24s} {kind:6s} {str(shape):14s} x{len(ws):<3d} {per * 1e3:7.3f} ms  {ws[0].nbytes() / per / 1e9:5.1f} GB/s")
+        print(
+            f"    {name:24s} {kind:6s} {str(shape):14s} x{len(ws):<3d} {per * 1e3:7.3f} ms  {ws[0].nbytes() / per / 1e9:5.1f} GB/s"
+        )
 
 
 def main() -> int:
@@ -76,7 +83,18 @@ def main() -> int:
     from treadle.model.kernels import quant
 
     for isa in args.isa or quant.supported_isas():
-        cmd = [sys.executable, __file__, "--one", "--model", args.model, "--threads", str(args.threads), "--repeat", str(args.repeat), "--rows"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            "--model",
+            args.model,
+            "--threads",
+            str(args.threads),
+            "--repeat",
+            str(args.repeat),
+            "--rows",
+        ]
         subprocess.run([*cmd, *map(str, args.rows)], env=dict(os.environ, TREADLE_QUANT_ISA=isa), check=True)
     return 0
 

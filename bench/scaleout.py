@@ -78,7 +78,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run of the script)")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "scaleout-8turns.json"))
     ap.add_argument("--work-dir", default="/tmp/treadle-scaleout")
-    ap.add_argument("--shared-system", action="store_true", help="part 4 too: conversations sharing only the default system prompt")
+    ap.add_argument(
+        "--shared-system", action="store_true", help="part 4 too: conversations sharing only the default system prompt"
+    )
     ap.add_argument("--only-shared-system", action="store_true", help="part 4 alone")
     args = ap.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
@@ -110,7 +112,13 @@ def main() -> int:
         "16",
     ]
     replicas = ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)]
-    results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "blocks_per_replica": args.blocks_per_replica, "turns": args.turns, "runs": {}}
+    results = {
+        "cpu": cpu_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "blocks_per_replica": args.blocks_per_replica,
+        "turns": args.turns,
+        "runs": {},
+    }
     if args.shared_system or args.only_shared_system:
         shared_system(args, multiturn, results)
     if args.only_shared_system:
@@ -125,7 +133,9 @@ def main() -> int:
             stop(proc)
     # the seed workload on the default KV pool: N=2 x 1 thread (cache_aware) against N=1 x 2 threads
     for name, flags in (
-        () if args.only_multiturn else (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"]))
+        ()
+        if args.only_multiturn
+        else (("seed N=2x1", ["--data-parallel-size", "2", "--threads", "1"]), ("seed N=1x2", ["--threads", "2"]))
     ):
         proc, url = start(flags, os.path.join(args.work_dir, f"server-{name[5:]}.log"))
         try:
@@ -144,7 +154,9 @@ def main() -> int:
         results["ratios"]["random throughput cache_aware / round_robin"] = (
             runs["random cache_aware"]["output_throughput"] / runs["random round_robin"]["output_throughput"]
         )
-        results["ratios"]["seed throughput N=2x1 / N=1x2"] = runs["seed N=2x1"]["output_throughput"] / runs["seed N=1x2"]["output_throughput"]
+        results["ratios"]["seed throughput N=2x1 / N=1x2"] = (
+            runs["seed N=2x1"]["output_throughput"] / runs["seed N=1x2"]["output_throughput"]
+        )
     return write(results, args.out)
 
 
@@ -159,11 +171,17 @@ def shared_system(args, multiturn: list[str], results: dict) -> None:
     """Part 4: conversations whose only shared prefix is the template's default system prompt."""
     import httpx
 
-    flags = [*multiturn[: multiturn.index("--multiturn-system-prompt-tokens")], *multiturn[multiturn.index("--multiturn-system-prompt-tokens") + 2 :]]
+    flags = [
+        *multiturn[: multiturn.index("--multiturn-system-prompt-tokens")],
+        *multiturn[multiturn.index("--multiturn-system-prompt-tokens") + 2 :],
+    ]
     flags += ["--multiturn-system-prompt-tokens", "0"]
     runs = results["runs"]
     for name, server in (
-        ("shared-system N=2x1", ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)]),
+        (
+            "shared-system N=2x1",
+            ["--data-parallel-size", "2", "--threads", "1", "--num-kv-blocks", str(args.blocks_per_replica)],
+        ),
         ("shared-system N=1x1", ["--threads", "1", "--num-kv-blocks", str(2 * args.blocks_per_replica)]),
     ):
         proc, url = start(server, os.path.join(args.work_dir, f"server-{name[-5:]}.log"))
@@ -174,7 +192,8 @@ def shared_system(args, multiturn: list[str], results: dict) -> None:
         finally:
             stop(proc)
     results["ratios"] = {
-        "shared-system throughput N=2x1 / N=1x1": runs["shared-system N=2x1"]["output_throughput"] / runs["shared-system N=1x1"]["output_throughput"]
+        "shared-system throughput N=2x1 / N=1x1": runs["shared-system N=2x1"]["output_throughput"]
+        / runs["shared-system N=1x1"]["output_throughput"]
     }
 
 

@@ -38,7 +38,11 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="treadle-peak-") as out:
-        proc = subprocess.Popen(treadle_serve_command(gguf, port, args.treadle_args.split()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            treadle_serve_command(gguf, port, args.treadle_args.split()),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait_healthy(url, proc)
             import urllib.request

@@ -48,7 +48,13 @@ PREFIXES = [
     "Story so far: a lighthouse keeper on a small island keeps a log of every ship that passes, the weather, "
     "and the birds that land on the gallery rail each morning. " * 3,
 ]
-QUESTIONS = ["What comes next?", "Summarize it in one line.", "Name three details.", "Continue the text.", "Why does it matter?"]
+QUESTIONS = [
+    "What comes next?",
+    "Summarize it in one line.",
+    "Name three details.",
+    "Continue the text.",
+    "Why does it matter?",
+]
 STOPS = [".", ",", " the", "\n"]
 
 
@@ -103,7 +109,12 @@ def _request(rng: random.Random, model: str, context: int) -> tuple[str, str, di
     prefix = rng.choice(PREFIXES)
     question = rng.choice(QUESTIONS)
     max_tokens = rng.randint(4, 24)
-    body = {"model": model, "max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randint(0, 1000)}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "seed": rng.randint(0, 1000),
+    }
     expect = {"max_tokens": max_tokens, "stops": None, "n": 1, "stream": False, "disconnect": False}
     if roll < 0.20:  # disconnect mid-stream
         body["stream"], body["max_tokens"], body["ignore_eos"] = True, 64, True
@@ -151,7 +162,9 @@ def _check_choices(choices: dict[int, dict], expect: dict, report: Report, i: in
             elif reason not in ("stop", "length"):
                 report.fail(i, kind, f"finish_reason {reason!r}")
         elif reason != "length" or (tokens is not None and tokens != expect["max_tokens"]):
-            report.fail(i, kind, f"finish_reason {reason!r} after {tokens} tokens, expected length after {expect['max_tokens']}")
+            report.fail(
+                i, kind, f"finish_reason {reason!r} after {tokens} tokens, expected length after {expect['max_tokens']}"
+            )
 
 
 def _one(client: httpx.Client, i: int, spec, report: Report, lock: threading.Lock) -> None:
@@ -198,9 +211,14 @@ def _one(client: httpx.Client, i: int, spec, report: Report, lock: threading.Loc
             status = r.status_code
             if status == 200:
                 reply = r.json()
-                per_choice = None if reply["usage"]["completion_tokens"] % expect["n"] else reply["usage"]["completion_tokens"] // expect["n"]
+                per_choice = (
+                    None
+                    if reply["usage"]["completion_tokens"] % expect["n"]
+                    else reply["usage"]["completion_tokens"] // expect["n"]
+                )
                 choices = {
-                    c["index"]: {"text": _text_of(c, chat), "finish_reason": c["finish_reason"], "tokens": per_choice} for c in reply["choices"]
+                    c["index"]: {"text": _text_of(c, chat), "finish_reason": c["finish_reason"], "tokens": per_choice}
+                    for c in reply["choices"]
                 }
                 _check_choices(choices, expect, report, i, kind)
         if expect.get("status") != "4xx" and status != 200:
@@ -226,7 +244,9 @@ def wait_idle(client: httpx.Client, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = stats(client)
-        if (s.get("num_running", 0) == 0 and s.get("num_waiting", 0) == 0 and s.get("kv_blocks_used", 0) == 0) or time.monotonic() > deadline:
+        if (
+            s.get("num_running", 0) == 0 and s.get("num_waiting", 0) == 0 and s.get("kv_blocks_used", 0) == 0
+        ) or time.monotonic() > deadline:
             return s
         time.sleep(0.2)
 
@@ -317,7 +337,19 @@ def main() -> int:
     url, pid = args.url, args.pid
     if url is None:
         port = free_port()
-        cmd = [sys.executable, "-m", "treadle", "serve", "--port", str(port), "--num-kv-blocks", "40", "--max-num-seqs", "16", *args.server_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "treadle",
+            "serve",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "40",
+            "--max-num-seqs",
+            "16",
+            *args.server_args,
+        ]
         print("server:", " ".join(cmd), flush=True)
         proc = subprocess.Popen(cmd, stdout=open(os.path.join(args.out, "server.log"), "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
         url, pid = f"http://127.0.0.1:{port}", proc.pid
@@ -326,14 +358,18 @@ def main() -> int:
             while stats(c).get("compiled_decode", {}).get("state") == "compiling":
                 time.sleep(2)
     try:
-        report = run(url, args.requests, args.concurrency, pid, seed=args.seed, sample_every=args.sample_every, progress=True)
+        report = run(
+            url, args.requests, args.concurrency, pid, seed=args.seed, sample_every=args.sample_every, progress=True
+        )
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
     baseline = min(1000, args.requests // 2)
     results = promises(report, baseline)
-    title = f"soak: {report.requests} requests, concurrency {args.concurrency}, {cpu_name()}, {time.strftime('%Y-%m-%d')}"
+    title = (
+        f"soak: {report.requests} requests, concurrency {args.concurrency}, {cpu_name()}, {time.strftime('%Y-%m-%d')}"
+    )
     if report.memory:
         plot(report, os.path.join(args.out, "soak-memory.png"), title)
     with open(os.path.join(args.out, "soak.json"), "w") as f:

@@ -41,19 +41,32 @@ def main() -> int:
     ap.add_argument("--editing-prompts", type=int, default=12)
     ap.add_argument("--out", default="bench-results/spec")
     ap.add_argument("--skip-part", type=int, action="append", default=[], help="1, 2 or 3")
-    ap.add_argument("--server-args", default="", help="more flags for both servers, e.g. '--no-batch-invariant --compile'")
+    ap.add_argument(
+        "--server-args", default="", help="more flags for both servers, e.g. '--no-batch-invariant --compile'"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores, {cpu_name()}", flush=True)
     common_args = ["--max-num-seqs", "16", *args.server_args.split()]
     plain, plain_url = start_server(common_args, os.path.join(args.out, "plain.log"))
-    spec, spec_url = start_server([*common_args, "--speculative-config", args.config], os.path.join(args.out, "spec.log"))
+    spec, spec_url = start_server(
+        [*common_args, "--speculative-config", args.config], os.path.join(args.out, "spec.log")
+    )
     for url in (plain_url, spec_url):  # with --compile: measure the servers their compiled graphs make
         wait_compiled(url)
     parts = {
         1: (
             "editing, 1 user",
-            ["--dataset-name", "editing", "--backend", "openai-chat", "--max-concurrency", "1", "--num-prompts", str(args.editing_prompts)],
+            [
+                "--dataset-name",
+                "editing",
+                "--backend",
+                "openai-chat",
+                "--max-concurrency",
+                "1",
+                "--num-prompts",
+                str(args.editing_prompts),
+            ],
             2.0,
         ),
         2: ("random, 1 user", [*RANDOM, "--max-concurrency", "1", "--num-prompts", "6"], 0.97),

@@ -55,9 +55,13 @@ def main() -> int:
     servers = {}
     try:
         servers["treadle"] = start_server(["--max-num-seqs", "4"], log("treadle"))
-        servers["treadle+spec"] = start_server(["--max-num-seqs", "4", "--speculative-config", args.config], log("treadle-spec"))
+        servers["treadle+spec"] = start_server(
+            ["--max-num-seqs", "4", "--speculative-config", args.config], log("treadle-spec")
+        )
         servers["llama.cpp"] = start_llama(binary, gguf, [], log("llama"))
-        servers["llama.cpp+spec"] = start_llama(binary, gguf, ["--spec-type", args.llama_spec_type, *args.llama_spec_args.split()], log("llama-spec"))
+        servers["llama.cpp+spec"] = start_llama(
+            binary, gguf, ["--spec-type", args.llama_spec_type, *args.llama_spec_args.split()], log("llama-spec")
+        )
         editing = ["--dataset-name", "editing", "--backend", "openai-chat", "--max-concurrency", "1",
                    "--num-prompts", str(args.editing_prompts), "--num-warmups", "1", "--tokenizer", gguf]  # fmt: skip
         results = {name: [] for name in servers}
@@ -85,7 +89,9 @@ def main() -> int:
         print(f"| {name} | {tok_s} | {tpot} | {', '.join(str(r['total_output_tokens']) for r in rows)} |")
     for peer in ("treadle", "llama.cpp"):
         ratios = [b / a for a, b in zip(tps(peer), tps(peer + "+spec"))]
-        print(f"{peer}: with / without speculation {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
+        print(
+            f"{peer}: with / without speculation {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})"
+        )
     ratios = [t / lc for t, lc in zip(tps("treadle+spec"), tps("llama.cpp+spec"))]
     print(f"treadle+spec / llama.cpp+spec: {', '.join(f'{x:.2f}' for x in ratios)}")
     with open(os.path.join(args.out, "summary.json"), "w") as f:

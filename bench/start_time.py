@@ -60,7 +60,10 @@ def start(cmd: list[str], port: int, cwd: str, env: dict, stats: bool) -> tuple[
         if stats:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=5) as r:
                 m = json.load(r)["memory"]
-            memory = {k: m[k] / 2**20 for k in ("rss_bytes", "peak_rss_bytes", "front_end_rss_bytes", "front_end_peak_rss_bytes")}
+            memory = {
+                k: m[k] / 2**20
+                for k in ("rss_bytes", "peak_rss_bytes", "front_end_rss_bytes", "front_end_peak_rss_bytes")
+            }
         return seconds, memory
     finally:
         proc.terminate()
@@ -87,14 +90,31 @@ def main() -> int:
     print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB; KV pool {kv / 1e6:.0f} MB", flush=True)
     times: dict[str, list[float]] = {name: [] for name in [*servers, *(["llama-server"] if llama else [])]}
     memory: dict[str, dict] = {}
-    for run in range(-1, args.runs):  # round -1: each treadle started once unmeasured (its kernels built the first time)
+    for run in range(
+        -1, args.runs
+    ):  # round -1: each treadle started once unmeasured (its kernels built the first time)
         order = list(times) if run % 2 == 0 else list(reversed(times))
         for name in order:
             if run < 0 and name == "llama-server":
                 continue
             port = free_port()
             if name == "llama-server":
-                cmd = [llama, "-m", gguf, "--port", str(port), "-np", "16", "-c", "16384", "-kvu", "-cram", "0", "-t", "2"]
+                cmd = [
+                    llama,
+                    "-m",
+                    gguf,
+                    "--port",
+                    str(port),
+                    "-np",
+                    "16",
+                    "-c",
+                    "16384",
+                    "-kvu",
+                    "-cram",
+                    "0",
+                    "-t",
+                    "2",
+                ]
                 seconds, _ = start(cmd, port, HERE, dict(os.environ), False)
             else:
                 tree = servers[name]

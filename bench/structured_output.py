@@ -48,7 +48,18 @@ def main() -> int:
                 url,
                 args.out,
                 "c1-mixed",
-                ["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1", "--structured-output-ratio", "0.5", "--num-warmups", "1"],
+                [
+                    "--max-concurrency",
+                    "1",
+                    "--num-prompts",
+                    "8",
+                    "--seed",
+                    "1",
+                    "--structured-output-ratio",
+                    "0.5",
+                    "--num-warmups",
+                    "1",
+                ],
             )
             print(f"\n1 user: median TPOT constrained {tpot(one, 'constrained'):.2f} ms, unconstrained {tpot(one, 'unconstrained'):.2f} ms, "
                   f"ratio {tpot(one, 'constrained') / tpot(one, 'unconstrained'):.3f}\n", flush=True)  # fmt: skip
@@ -64,7 +75,11 @@ def main() -> int:
                         [*common, "--seed", str(10 + 2 * i), "--structured-output-ratio", "0.5", "--num-warmups", "1"],
                     )
                 )
-                plain.append(bench_serve(url, args.out, f"c16-plain-{i}", [*common, "--seed", str(11 + 2 * i), "--num-warmups", "1"]))
+                plain.append(
+                    bench_serve(
+                        url, args.out, f"c16-plain-{i}", [*common, "--seed", str(11 + 2 * i), "--num-warmups", "1"]
+                    )
+                )
                 print(f"16 users, pair {i}: TPOT constrained {tpot(mixed[-1], 'constrained'):.2f} ms, unconstrained beside them "
                       f"{tpot(mixed[-1], 'unconstrained'):.2f} ms, with none constrained {plain[-1]['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
             c = statistics.median(tpot(r, "constrained") for r in mixed)
@@ -86,7 +101,11 @@ def main() -> int:
             misses, cached = [], []
             for i in range(args.pairs):
                 # warm: the one schema compiles in the warm-up request, before the measured run; fresh prompts in each run
-                cached.append(bench_serve(url, args.out, f"c8-cached-{i}", [*common, "--seed", str(20 + 2 * i), "--num-warmups", "1"]))
+                cached.append(
+                    bench_serve(
+                        url, args.out, f"c8-cached-{i}", [*common, "--seed", str(20 + 2 * i), "--num-warmups", "1"]
+                    )
+                )
                 misses.append(
                     bench_serve(
                         url,
@@ -111,7 +130,10 @@ def main() -> int:
             for stat in ("median", "p99"):
                 a = statistics.median(r["structured_output"]["unconstrained"][f"{stat}_itl_ms"] for r in misses)
                 b = statistics.median(r["structured_output"]["unconstrained"][f"{stat}_itl_ms"] for r in cached)
-                print(f"unconstrained {stat} ITL with 20 compiles {a:.2f} ms vs without {b:.2f} ms: ratio {a / b:.3f}", flush=True)
+                print(
+                    f"unconstrained {stat} ITL with 20 compiles {a:.2f} ms vs without {b:.2f} ms: ratio {a / b:.3f}",
+                    flush=True,
+                )
     finally:
         stop(proc)
     return 0

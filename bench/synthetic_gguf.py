@@ -158,7 +158,9 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--qwen2", action="store_true", help="Qwen2.5 0.5B's shape (sets the widths), biases and vocabulary size")
+    ap.add_argument(
+        "--qwen2", action="store_true", help="Qwen2.5 0.5B's shape (sets the widths), biases and vocabulary size"
+    )
     ap.add_argument("--out", default="bench-results/synthetic")
     args = ap.parse_args()
     if args.qwen2:

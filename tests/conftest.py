@@ -32,7 +32,9 @@ def server():
     logged) for the server and bench tests."""
     from tests.support.server_process import ServerProcess
 
-    s = ServerProcess("--api-key", KEY, "--api-key", SECOND_KEY, "--metrics-require-key", "--log-requests", "--max-num-seqs", "32")
+    s = ServerProcess(
+        "--api-key", KEY, "--api-key", SECOND_KEY, "--metrics-require-key", "--log-requests", "--max-num-seqs", "32"
+    )
     try:
         s.wait_healthy()
         yield s
@@ -101,14 +103,19 @@ def make_llm():
         # here (quantized tensors stay the file's blocks, as the model uses them)
         files = original(model)
         return dataclasses.replace(
-            files, weights={k: v if isinstance(v, (QuantizedTensor, ExpertWeights)) else v.float() for k, v in files.weights.items()}
+            files,
+            weights={
+                k: v if isinstance(v, (QuantizedTensor, ExpertWeights)) else v.float() for k, v in files.weights.items()
+            },
         )
 
     original = model_worker.load_model_files
     cached = functools.lru_cache(maxsize=4)(load_once)
     # engines consume the weight dicts they are given: hand each one its own dict (same tensors)
     # (keyed by the files' contents too: the patch lasts the session, and a test may rewrite a folder's config.json)
-    model_worker.load_model_files = lambda model: dataclasses.replace(files := cached(model, version_of(model)), weights=dict(files.weights))
+    model_worker.load_model_files = lambda model: dataclasses.replace(
+        files := cached(model, version_of(model)), weights=dict(files.weights)
+    )
 
     def build(**kwargs):
         kwargs.setdefault("dtype", "float32")

@@ -8,7 +8,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def chat():
-    child = pexpect.spawn(sys.executable, ["-m", "treadle", "chat", "--dtype", "float32", "--max-num-seqs", "4"], encoding="utf-8", timeout=120)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "treadle", "chat", "--dtype", "float32", "--max-num-seqs", "4"],
+        encoding="utf-8",
+        timeout=120,
+    )
     child.expect("loaded in")
     child.expect(">>> ")
     yield child

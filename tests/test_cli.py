@@ -21,7 +21,12 @@ def prebuilt(monkeypatch):
 def test_the_served_model_is_found_as_the_parser_finds_it(tmp_path, prebuilt):
     model = str(tmp_path / "m.gguf")
     shutil.copy(default_model_path(), model)
-    for argv in (["serve", model], ["serve", "--model", model, "--port", "8001"], ["serve", f"--model={model}"], ["serve", "-m", model]):
+    for argv in (
+        ["serve", model],
+        ["serve", "--model", model, "--port", "8001"],
+        ["serve", f"--model={model}"],
+        ["serve", "-m", model],
+    ):
         prebuilt.clear()
         cli._prebuild_tokenizer(argv)
         assert prebuilt == [model], argv

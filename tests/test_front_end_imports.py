@@ -47,7 +47,9 @@ def test_the_front_ends_start_loads_no_tensor_library(source, request):
 
 def test_the_bench_commands_are_still_there():
     """Built only for `treadle bench` (their modules load numpy and httpx)."""
-    out = subprocess.run([sys.executable, "-m", "treadle", "bench", "sweep", "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "treadle", "bench", "sweep", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--concurrency" in out.stdout
 
@@ -69,10 +71,15 @@ def test_the_engine_cores_load_leaves_what_the_front_end_does():
     structured-output request only), while the front end has jinja2 loaded before its first chat
     request."""
     out = subprocess.run(
-        [sys.executable, "-c", CORE_SCRIPT, default_model_path(), "jinja2", "gguf", "tokenizers"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CORE_SCRIPT, default_model_path(), "jinja2", "gguf", "tokenizers"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
-    out = subprocess.run([sys.executable, "-c", SCRIPT, default_model_path(), "jinja2"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, default_model_path(), "jinja2"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "jinja2" in json.loads(out.stdout.strip().splitlines()[-1])

@@ -127,27 +127,42 @@ def test_families_import_layers_the_interface_the_config_and_the_gguf_names_only
         "treadle.model.loading.gguf_names",
         "treadle.kv_layout",
     )
-    wrong = sorted(f"{m} -> {t}" for m, ts in imports_of("treadle.model.families").items() for t in ts if not under(t, *allowed))
+    wrong = sorted(
+        f"{m} -> {t}" for m, ts in imports_of("treadle.model.families").items() for t in ts if not under(t, *allowed)
+    )
     assert wrong == []
 
 
 def test_loading_reaches_a_family_only_through_the_registry_and_the_interface():
     gateway = ("treadle.model.families.registry", "treadle.model.families.interface")
     wrong = sorted(
-        f"{m} -> {t}" for m, ts in imports_of("treadle.model.loading").items() for t in ts if under(t, "treadle.model.families") and t not in gateway
+        f"{m} -> {t}"
+        for m, ts in imports_of("treadle.model.loading").items()
+        for t in ts
+        if under(t, "treadle.model.families") and t not in gateway
     )
     assert wrong == []
 
 
 def test_text_imports_of_the_model_only_the_gguf_reader_and_the_load_error():
     allowed = ("treadle.model.loading.gguf_file", "treadle.model.config")
-    wrong = sorted(f"{m} -> {t}" for m, ts in imports_of("treadle.text").items() for t in ts if under(t, "treadle.model") and t not in allowed)
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, ts in imports_of("treadle.text").items()
+        for t in ts
+        if under(t, "treadle.model") and t not in allowed
+    )
     assert wrong == []
 
 
 def test_the_rules_find_a_wrong_import():
-    graph = {"treadle.model.families.llama": {"treadle.model.execution.runner"}, "treadle.text.tokenizer": {"treadle.engine.core"}}
-    assert imports_of("treadle.model.families", graph) == {"treadle.model.families.llama": {"treadle.model.execution.runner"}}
+    graph = {
+        "treadle.model.families.llama": {"treadle.model.execution.runner"},
+        "treadle.text.tokenizer": {"treadle.engine.core"},
+    }
+    assert imports_of("treadle.model.families", graph) == {
+        "treadle.model.families.llama": {"treadle.model.execution.runner"}
+    }
     assert under("treadle.engine.core", "treadle.engine") and not under("treadle.engine_config", "treadle.engine")
 
 
@@ -164,7 +179,10 @@ def test_no_two_modules_share_a_base_name():
 def test_no_function_in_the_server_or_the_cli_is_longer_than_80_lines():
     """Handlers and parsers stay findable and readable: one screen each."""
     paths = [os.path.join(ROOT, "cli.py")] + [
-        os.path.join(folder, name) for folder, _, files in os.walk(os.path.join(ROOT, "server")) for name in files if name.endswith(".py")
+        os.path.join(folder, name)
+        for folder, _, files in os.walk(os.path.join(ROOT, "server"))
+        for name in files
+        if name.endswith(".py")
     ]
     long = []
     for path in paths:

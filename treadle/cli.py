@@ -60,7 +60,10 @@ def add_limit_args(parser) -> None:
     defaults = {f.name: f.default for f in fields(ServerSettings)}
     for name, text in LIMIT_HELP.items():
         parser.add_argument(
-            "--" + name.replace("_", "-"), type=type(defaults[name]), default=defaults[name], help=f"{text} (default: {defaults[name]})"
+            "--" + name.replace("_", "-"),
+            type=type(defaults[name]),
+            default=defaults[name],
+            help=f"{text} (default: {defaults[name]})",
         )
 
 
@@ -269,7 +272,10 @@ def add_router_parser(sub) -> None:
     from treadle.server.reasoning import PARSERS as REASONING_PARSERS
     from treadle.server.tools import PARSERS as TOOL_PARSERS
 
-    r = sub.add_parser("router", help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached")
+    r = sub.add_parser(
+        "router",
+        help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached",
+    )
     r.add_argument(
         "--model",
         "-m",
@@ -297,10 +303,27 @@ def add_router_parser(sub) -> None:
         help="the key sent to the workers instead of the client's, and with the router's own health checks of their /stats: needed when the workers have --api-key (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)",
     )
     add_routing_args(r, "worker")
-    r.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between health checks of each worker (default: 2)")
-    r.add_argument("--chat-template", default=None, help="the workers' --chat-template, if they have one (default: the model's)")
-    r.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS, help="the workers' --tool-call-parser (default: auto)")
-    r.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help="the workers' --reasoning-parser (default: off)")
+    r.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=2.0,
+        help="seconds between health checks of each worker (default: 2)",
+    )
+    r.add_argument(
+        "--chat-template", default=None, help="the workers' --chat-template, if they have one (default: the model's)"
+    )
+    r.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_PARSERS,
+        help="the workers' --tool-call-parser (default: auto)",
+    )
+    r.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="the workers' --reasoning-parser (default: off)",
+    )
     defaults = {f.name: f.default for f in fields(ServerSettings)}
     r.add_argument(
         "--max-request-bytes",
@@ -329,7 +352,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_router_parser(sub)
     add_store_parsers(sub)
-    bench = sub.add_parser("bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: serve (a server, like vllm bench serve), sweep, throughput (engine alone)"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     if command in (None, "bench"):
         add_bench_parsers(bench_sub)
@@ -346,22 +371,32 @@ def add_serve_parser(sub) -> None:
         "-m",
         action="append",
         default=None,
-        help=ENGINE_HELP["model"] + "; NAME=PATH serves one more model under NAME, loaded when a request names it (give it once per model)",
+        help=ENGINE_HELP["model"]
+        + "; NAME=PATH serves one more model under NAME, loaded when a request names it (give it once per model)",
     )
     _add_serve_model_args(srv)
     _add_serve_address_args(srv)
     _add_serve_replica_args(srv)
     _add_serve_request_args(srv)
     _add_serve_reply_args(srv)
-    srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 10)",
+    )
     srv.add_argument(
         "--max-engine-restarts",
         type=int,
         default=3,
         help="restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero (default: 3)",
     )
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    add_engine_args(srv, defaults={"compile": True, "decode_stall_ratio": 1.0})  # a server runs long enough to profit; its streams must not freeze
+    srv.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)"
+    )
+    add_engine_args(
+        srv, defaults={"compile": True, "decode_stall_ratio": 1.0}
+    )  # a server runs long enough to profit; its streams must not freeze
     srv.set_defaults(func=cmd_serve)
 
 
@@ -434,13 +469,27 @@ def _add_serve_address_args(srv) -> None:
 
 def _add_serve_request_args(srv) -> None:
     """Logging and the limits on requests."""
-    srv.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind the API key too (default: open, for scrapers)")
     srv.add_argument(
-        "--log-requests", action="store_true", help="log each request's route and body at INFO (default: off; headers and keys are never logged)"
+        "--metrics-require-key",
+        action="store_true",
+        help="put /metrics behind the API key too (default: open, for scrapers)",
     )
-    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model file or folder name)")
-    srv.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)")
-    srv.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)")
+    srv.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log each request's route and body at INFO (default: off; headers and keys are never logged)",
+    )
+    srv.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: the model file or folder name)"
+    )
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja2 chat template (file or text) instead of the model's (default: the model's)",
+    )
+    srv.add_argument(
+        "--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503 (default: 1024)"
+    )
     add_limit_args(srv)
     srv.add_argument(
         "--max-schema-bytes",
@@ -536,10 +585,14 @@ def add_bench_parsers(bench_sub) -> None:
     from treadle.bench.sweep import add_sweep_args, cmd_bench_sweep
     from treadle.bench.throughput import add_throughput_args, cmd_bench_throughput
 
-    b_serve = bench_sub.add_parser("serve", help="drive an OpenAI-compatible server; vllm bench serve's flags and report")
+    b_serve = bench_sub.add_parser(
+        "serve", help="drive an OpenAI-compatible server; vllm bench serve's flags and report"
+    )
     add_serve_args(b_serve)
     b_serve.set_defaults(func=cmd_bench_serve)
-    b_sweep = bench_sub.add_parser("sweep", help="bench serve over concurrency levels for named servers; CSV, JSON, plots")
+    b_sweep = bench_sub.add_parser(
+        "sweep", help="bench serve over concurrency levels for named servers; CSV, JSON, plots"
+    )
     add_serve_args(b_sweep)
     add_sweep_args(b_sweep)
     b_sweep.set_defaults(func=cmd_bench_sweep, num_prompts=None, save_result=True, result_dir="bench-results")

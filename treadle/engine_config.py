@@ -30,20 +30,28 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         depth = self.suffix_decoding_max_tree_depth
         if not _is_int(depth) or not 2 <= depth <= MAX_TREE_DEPTH:
-            raise ValueError(f"speculative_config.suffix_decoding_max_tree_depth must be an integer in [2, {MAX_TREE_DEPTH}], got {depth!r}")
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_tree_depth must be an integer in [2, {MAX_TREE_DEPTH}], got {depth!r}"
+            )
         cached = self.suffix_decoding_max_cached_requests
         if not _is_int(cached) or cached < 0:
-            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}"
+            )
         factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
         if not _is_number(factor) or factor <= 0:
             raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
         if not _is_number(prob) or not 0 <= prob <= 1:
-            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+            raise ValueError(
+                f"speculative_config.suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}"
+            )
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = min(depth, MAX_SPECULATIVE_TOKENS) if self.method == "suffix" else 4
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or v < 1):
@@ -81,7 +89,9 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         method = value.get("method", "ngram")
         for prefix, owner in (("prompt_lookup_", "ngram"), ("suffix_decoding_", "suffix")):
             stray = sorted(k for k in value if k.startswith(prefix))
@@ -159,7 +169,13 @@ class EngineConfig:
     max_lora_rank: int = 64  # an adapter of a higher rank is refused
 
     def __post_init__(self):
-        for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 1), ("max_lora_rank", 1)):
+        for name, low in (
+            ("block_size", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("max_loras", 1),
+            ("max_lora_rank", 1),
+        ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if self.decode_stall_ratio is not None and self.decode_stall_ratio < 0:
@@ -225,7 +241,9 @@ def parse_size(text: str) -> int:
 
 
 def add_engine_args(
-    parser: argparse.ArgumentParser, skip=("model", "kv_events_endpoint", "cpu_affinity", "lora_modules"), defaults: dict | None = None
+    parser: argparse.ArgumentParser,
+    skip=("model", "kv_events_endpoint", "cpu_affinity", "lora_modules"),
+    defaults: dict | None = None,
 ) -> None:
     """One flag per EngineConfig field, with its default taken from the dataclass (or `defaults`)."""
     for f in fields(EngineConfig):

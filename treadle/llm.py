@@ -16,7 +16,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         unknown = sorted(set(engine_args) - set(ENGINE_FIELDS))
         if unknown:
-            raise TypeError(f"LLM() got unknown engine argument(s) {', '.join(unknown)} (known: {', '.join(ENGINE_FIELDS)})")
+            raise TypeError(
+                f"LLM() got unknown engine argument(s) {', '.join(unknown)} (known: {', '.join(ENGINE_FIELDS)})"
+            )
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(self.config)
 
@@ -27,7 +29,9 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *, cache_salt=None, lora=None) -> list[RequestOutput]:
+    def generate(
+        self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *, cache_salt=None, lora=None
+    ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or a list of token-id lists. lora: the name of a
         loaded LoRA adapter (`lora_modules={NAME: PATH}` or `load_lora`) for every prompt, or one
         name or None per prompt (one batch serves them all)."""
@@ -52,7 +56,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)
+            for c in conversations
+        ]
         # The template writes any BOS itself.
         return self._run(prompts, params, add_special_tokens=False)
 
@@ -77,7 +84,11 @@ class LLM:
         engine = self.engine
         ids = []
         for prompt, p, name in zip(prompts, params, loras):
-            ids.append(engine.add_request(None, prompt, p, cache_salt=cache_salt, add_special_tokens=add_special_tokens, lora_name=name))
+            ids.append(
+                engine.add_request(
+                    None, prompt, p, cache_salt=cache_salt, add_special_tokens=add_special_tokens, lora_name=name
+                )
+            )
         results = {rid: None for rid in ids}
         pending = set(ids)
         while pending:

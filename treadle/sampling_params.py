@@ -27,9 +27,15 @@ class StructuredOutputsParams:
             given.append("json_object")
         if len(given) != 1:
             named = ", ".join(given) if given else "none"
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object (got {named})")
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object (got {named})"
+            )
         if self.choice is not None:
-            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+            if (
+                not isinstance(self.choice, list)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         if isinstance(self.json, str):
             try:
@@ -49,7 +55,9 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """The canonical text of the constraint (the compiled-grammar cache key). JSON key order is
         kept: it is the order the properties are generated in."""
-        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(self.kind, True)
+        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(
+            self.kind, True
+        )
         return self.kind + ":" + json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
     def text_size(self) -> int:
@@ -112,13 +120,21 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             check(math.isfinite(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)}")
-        check(all(math.isfinite(v) for v in (self.logit_bias or {}).values()), "logit_bias", "values must be finite numbers")
+        check(
+            all(math.isfinite(v) for v in (self.logit_bias or {}).values()),
+            "logit_bias",
+            "values must be finite numbers",
+        )
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (off), 0 (off) or at least 1, got {self.top_k}")
+        check(
+            self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (off), 0 (off) or at least 1, got {self.top_k}"
+        )
         check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        check(
+            self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}"
+        )
         check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -126,7 +142,9 @@ class SamplingParams:
             f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}",
         )
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(
+            -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
+        )
         check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", f"must fit in 64 bits, got {self.seed}")

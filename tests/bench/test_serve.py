@@ -10,7 +10,14 @@ import pytest
 
 from tests.conftest import KEY
 from treadle.bench.datasets import BenchRequest, LocalTokenizer, exact_text, prefix_repetition_dataset, random_dataset
-from treadle.bench.metrics import RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput, percentile_stats
+from treadle.bench.metrics import (
+    RequestResult,
+    class_metrics,
+    compute_metrics,
+    health_probe_stats,
+    parse_goodput,
+    percentile_stats,
+)
 from treadle.bench.serve import (
     add_serve_args,
     bench_serve,
@@ -21,7 +28,14 @@ from treadle.bench.serve import (
     send_request,
     server_counters,
 )
-from treadle.bench.structured import DEFAULT_SCHEMA, check_structured_args, distinct_schemas, request_schemas, schema_bytes, structured_flags
+from treadle.bench.structured import (
+    DEFAULT_SCHEMA,
+    check_structured_args,
+    distinct_schemas,
+    request_schemas,
+    schema_bytes,
+    structured_flags,
+)
 from treadle.bench.sweep import plot_sweep
 
 VLLM_KEYS = [
@@ -80,7 +94,11 @@ def test_single_token_requests_have_no_tpot():
 def test_health_probe_stats():
     stats = health_probe_stats([0.001 * i for i in range(1, 101)], failed=2)
     assert stats["n"] == 100 and stats["failed"] == 2
-    assert stats["p50"] == pytest.approx(50.5) and stats["p99"] == pytest.approx(99.01) and stats["max"] == pytest.approx(100.0)
+    assert (
+        stats["p50"] == pytest.approx(50.5)
+        and stats["p99"] == pytest.approx(99.01)
+        and stats["max"] == pytest.approx(100.0)
+    )
     assert health_probe_stats([], 0) == {"n": 0, "failed": 0, "p50": None, "p99": None, "max": None}
 
 
@@ -107,7 +125,9 @@ def test_logprobs_request_fields(backend, logprobs, expected):
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1), backend == "openai-chat", args)
+            return await send_request(
+                client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1), backend == "openai-chat", args
+            )
 
     assert asyncio.run(go()).success
     assert {k: sent[0][k] for k in ("logprobs", "top_logprobs") if k in sent[0]} == expected
@@ -129,7 +149,9 @@ def test_structured_selection_is_deterministic_per_seed(tmp_path):
     assert [s is not None for s in schemas] == flags and all(s in (None, DEFAULT_SCHEMA) for s in schemas)
     args = serve_args("--structured-output-ratio", "0.3", "--structured-output-distinct-schemas", "3")
     constrained = [json.dumps(s) for s in request_schemas(args, 400, seed=1) if s is not None]
-    assert constrained[:3] * (len(constrained) // 3) == constrained[: len(constrained) // 3 * 3]  # three schemas in turn
+    assert (
+        constrained[:3] * (len(constrained) // 3) == constrained[: len(constrained) // 3 * 3]
+    )  # three schemas in turn
     assert len(set(constrained)) == 3
     (tmp_path / "s.json").write_text('{"type": "array"}')
     args = serve_args("--structured-output-ratio", "1", "--structured-output-schema", str(tmp_path / "s.json"))
@@ -147,7 +169,9 @@ def test_distinct_schemas_are_unique_sized_and_valid():
     for s in schemas:
         Draft202012Validator.check_schema(s)
         assert 5000 <= schema_bytes(s) < 5050
-        assert s["required"] == ["items"] and s["properties"]["items"] == DEFAULT_SCHEMA["properties"]["items"]  # still cannot close
+        assert (
+            s["required"] == ["items"] and s["properties"]["items"] == DEFAULT_SCHEMA["properties"]["items"]
+        )  # still cannot close
     assert len({json.dumps(s) for s in distinct_schemas(3, 0, seed=7)}) == 3  # unique even when small
 
 
@@ -157,7 +181,14 @@ def test_distinct_schemas_are_unique_sized_and_valid():
         ["--structured-output-ratio", "1.5"],
         ["--structured-output-distinct-schemas", "2"],
         ["--structured-output-ratio", "0.5", "--structured-output-schema-bytes", "100"],
-        ["--structured-output-ratio", "0.5", "--structured-output-distinct-schemas", "2", "--structured-output-schema", "s.json"],
+        [
+            "--structured-output-ratio",
+            "0.5",
+            "--structured-output-distinct-schemas",
+            "2",
+            "--structured-output-schema",
+            "s.json",
+        ],
     ],
 )
 def test_structured_flags_that_would_be_ignored_are_refused(argv):
@@ -180,7 +211,9 @@ def test_schema_request_field_and_class_metrics(capsys):
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             plain = await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1), False, args)
-            constrained = await send_request(client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1, DEFAULT_SCHEMA), False, args)
+            constrained = await send_request(
+                client, "http://test/v1/x", "m", BenchRequest("hi", 2, 1, DEFAULT_SCHEMA), False, args
+            )
             return plain, constrained, await server_counters(client, "http://test/stats")
 
     plain, constrained, counters = asyncio.run(go())
@@ -278,7 +311,15 @@ def bench_args(server, **kw):
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_live_bench_serve_against_treadle(server, backend, tmp_path):
-    args = bench_args(server, backend=backend, random_input_len=32, random_output_len=12, num_prompts=6, max_concurrency=3, ignore_eos=True)
+    args = bench_args(
+        server,
+        backend=backend,
+        random_input_len=32,
+        random_output_len=12,
+        num_prompts=6,
+        max_concurrency=3,
+        ignore_eos=True,
+    )
     result = bench_serve(args)
     assert result["failed"] == 0 and result["completed"] == 6
     assert result["total_output_tokens"] == 6 * 12
@@ -309,7 +350,9 @@ def test_live_logprobs_and_health_probe(server, backend, capsys):
         health_probe_interval=0.02,
     )
     result = bench_serve(args)
-    assert result["failed"] == 0 and result["completed"] == 4, result["errors"]  # the server accepted the logprobs fields
+    assert result["failed"] == 0 and result["completed"] == 4, result[
+        "errors"
+    ]  # the server accepted the logprobs fields
     assert result["logprobs"] == 3
     health = result["health_probe_latency_ms"]
     assert health["n"] > 0 and health["failed"] == 0
@@ -335,7 +378,10 @@ def test_live_structured_output_ratio_splits_the_report(server, tmp_path, capsys
     so = result["structured_output"]
     assert so["constrained"]["completed"] == n_constrained and so["unconstrained"]["completed"] == 6 - n_constrained
     assert so["constrained"]["completed"] + so["unconstrained"]["completed"] == result["completed"] == 6
-    assert so["constrained"]["total_output_tokens"] + so["unconstrained"]["total_output_tokens"] == result["total_output_tokens"]
+    assert (
+        so["constrained"]["total_output_tokens"] + so["unconstrained"]["total_output_tokens"]
+        == result["total_output_tokens"]
+    )
     # each constrained request compiled its grammar or found it cached; two distinct schemas: two misses at least
     assert so["grammars_compiled"] + so["grammar_cache_hits"] == n_constrained and so["grammars_compiled"] >= 2
     # the schema cannot close: constrained requests run to max_tokens without ignore_eos
@@ -352,7 +398,13 @@ def test_server_tokenizer_gives_the_same_lengths(server):
 
 def test_sweep_plots_are_written(tmp_path):
     rows = [
-        {"server": s, "concurrency": c, "output_throughput": c * k, "median_tpot_ms": 10.0 * c, "per_user_tok_s": 100.0 / c}
+        {
+            "server": s,
+            "concurrency": c,
+            "output_throughput": c * k,
+            "median_tpot_ms": 10.0 * c,
+            "per_user_tok_s": 100.0 / c,
+        }
         for s, k in (("a", 1.0), ("b", 2.0))
         for c in (1, 2, 4)
     ]
@@ -388,14 +440,25 @@ def test_multiturn_turns_send_the_actual_earlier_replies(monkeypatch):
             return httpx.Response(200, json={"prefix_cache_queries": 100 * n, "prefix_cache_hits": 40 * n})
         body = json.loads(request.content)
         sent.append(body["messages"])
-        chunk = {"choices": [{"index": 0, "delta": {"content": f"reply-{len(sent)}"}}], "usage": {"completion_tokens": 1, "prompt_tokens": 2}}
+        chunk = {
+            "choices": [{"index": 0, "delta": {"content": f"reply-{len(sent)}"}}],
+            "usage": {"completion_tokens": 1, "prompt_tokens": 2},
+        }
         return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
 
     real_client = httpx.AsyncClient
-    monkeypatch.setattr(serve_module.httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    monkeypatch.setattr(
+        serve_module.httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw)
+    )
     requests = multiturn_dataset(Tok(), conversations=3, turns=3, turn_tokens=5, system_tokens=7, output_len=4, seed=1)
-    assert len(requests) == 9 and len({r.system for r in requests}) == 3 and all(len(r.system) == 7 and len(r.prompt) == 5 for r in requests)
-    args = serve_args("--dataset-name", "multiturn", "--max-concurrency", "2", "--disable-tqdm", "--base-url", "http://test")
+    assert (
+        len(requests) == 9
+        and len({r.system for r in requests}) == 3
+        and all(len(r.system) == 7 and len(r.prompt) == 5 for r in requests)
+    )
+    args = serve_args(
+        "--dataset-name", "multiturn", "--max-concurrency", "2", "--disable-tqdm", "--base-url", "http://test"
+    )
     result = asyncio.run(run_benchmark(args, requests, "m"))
     assert result["completed"] == 9 and result["endpoint"] == "/v1/chat/completions"
     by_system = {}
@@ -408,7 +471,9 @@ def test_multiturn_turns_send_the_actual_earlier_replies(monkeypatch):
         for earlier, later in zip(turns, turns[1:]):
             assert later[: len(earlier)] == earlier
             reply = later[len(earlier)]
-            assert reply["role"] == "assistant" and reply["content"] == f"reply-{sent.index(earlier) + 1}"  # that request's own reply
+            assert (
+                reply["role"] == "assistant" and reply["content"] == f"reply-{sent.index(earlier) + 1}"
+            )  # that request's own reply
     assert result["total_input_tokens"] == 3 * (
         (7 + 5) + (7 + 5 + 1 + 5) + (7 + 5 + 1 + 5 + 1 + 5)
     )  # the whole conversation sent, its replies included
@@ -421,4 +486,6 @@ def test_live_multiturn_hits_the_prefix_cache(server):
                       multiturn_system_prompt_tokens=64, random_output_len=6, max_concurrency=2, ignore_eos=True)  # fmt: skip
     result = bench_serve(args)
     assert result["failed"] == 0 and result["completed"] == 9
-    assert result["prefix_cache_hit_tokens"] > 0 and 0 < result["prefix_cache_hit_rate"] < 1  # later turns find their history
+    assert (
+        result["prefix_cache_hit_tokens"] > 0 and 0 < result["prefix_cache_hit_rate"] < 1
+    )  # later turns find their history

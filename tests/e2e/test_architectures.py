@@ -47,7 +47,11 @@ def test_random_model_matches_transformers(tiny, source):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def cont(prefix, n):
-        return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+        return (
+            llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+            if n
+            else []
+        )
 
     ps = prompts()
     together = llm.generate(ps, params)
@@ -87,7 +91,9 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tmp_path,
 
     monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)  # a hybrid's checkpoints every 8 tokens
     model = save_hf_model(str(tmp_path), arch, seed=FORCED.index(arch) + 20)
-    llm = LLM(str(tmp_path), dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=40, max_num_batched_tokens=8)
+    llm = LLM(
+        str(tmp_path), dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=40, max_num_batched_tokens=8
+    )
     g = torch.Generator().manual_seed(11)
     heads = [torch.randint(0, 260, (20,), generator=g).tolist() for _ in range(3)]
     batch = [h + torch.randint(0, 260, (n,), generator=g).tolist() for h in heads for n in (5, 11)]

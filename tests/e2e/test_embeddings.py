@@ -8,11 +8,23 @@ import torch
 
 from treadle import LLM
 
-TEXTS = ["The cat sat on the mat.", "A kitten rested on the rug while the rain fell outside.", "Stock markets fell sharply today."]
+TEXTS = [
+    "The cat sat on the mat.",
+    "A kitten rested on the rug while the rain fell outside.",
+    "Stock markets fell sharply today.",
+]
 TRIPLES = [  # anchor, paraphrase, unrelated
     ("The cat sat on the mat.", "A cat was sitting on the rug.", "The stock market fell sharply today."),
-    ("How do I reset my password?", "What is the way to change my login password?", "The recipe needs two cups of flour."),
-    ("It is raining heavily outside.", "There is a downpour out there right now.", "She bought a new laptop yesterday."),
+    (
+        "How do I reset my password?",
+        "What is the way to change my login password?",
+        "The recipe needs two cups of flour.",
+    ),
+    (
+        "It is raining heavily outside.",
+        "There is a downpour out there right now.",
+        "She bought a new laptop yesterday.",
+    ),
     ("Paris is the capital of France.", "France's capital city is Paris.", "I forgot to water the plants."),
     ("The meeting was moved to Friday.", "We rescheduled the meeting for Friday.", "Bananas are rich in potassium."),
     ("The soup is too salty.", "There is too much salt in this soup.", "Our team won the football match."),

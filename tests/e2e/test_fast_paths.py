@@ -35,7 +35,9 @@ def forced_logprobs(llm: LLM, prompts: list[list[int]], continuations: list[list
                 assert engine.kv.allocate_slots(r, n)
                 start = r.num_computed_tokens
                 table = engine.kv.block_table(r.request_id)
-                batch.scheduled.append(ScheduledRequest(r.request_id, r.all_token_ids[start:], start, table, [r.request_id]))
+                batch.scheduled.append(
+                    ScheduledRequest(r.request_id, r.all_token_ids[start:], start, table, [r.request_id])
+                )
             logits, order, _ = engine.runner.compute_logits(batch)
             for j, i in enumerate(order):
                 rows[i].append(torch.log_softmax(logits[j], dim=-1))

@@ -111,7 +111,10 @@ def test_a_greedy_steps_argmax_alone_gives_the_tokens_of_its_logits(invariant, a
     assert calls, "no step took the argmax path"
     assert_same(fast, alone[:4], "argmax alone, batched")
     n = len(calls)
-    mixed = llm.generate(PROMPTS[:3] + [PROMPTS[3]], [GREEDY] * 3 + [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)])
+    mixed = llm.generate(
+        PROMPTS[:3] + [PROMPTS[3]],
+        [GREEDY] * 3 + [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)],
+    )
     assert len(calls) == n  # a row asking for logprobs: every step of the batch takes the logits
     assert_same(tokens(mixed), alone[:4], "logits, a neighbour with logprobs")
     f32 = make_llm(dtype="float32")
@@ -140,9 +143,17 @@ def test_every_weight_has_one_stored_form(invariant):
     model = invariant().engine.runner.model
     linears = [x for layer in model.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     # the default model is Q4_1 with a Q8_0 embedding: every product reads the file's blocks
-    assert all(len(x.parts) == 1 and isinstance(x.parts[0], QuantizedTensor) and x.parts[0].kind == "Q4_1" for x in linears)
-    assert model.lm_head.parts == [model.embed] and model.embed.kind == "Q8_0"  # tied: one tensor serves the lookup and the head
-    assert set(model.weight_bytes()) == {"Q4_1", "Q8_0", "bfloat16"}  # norms in the dtype (the rotary tables are derived, not weights)
+    assert all(
+        len(x.parts) == 1 and isinstance(x.parts[0], QuantizedTensor) and x.parts[0].kind == "Q4_1" for x in linears
+    )
+    assert (
+        model.lm_head.parts == [model.embed] and model.embed.kind == "Q8_0"
+    )  # tied: one tensor serves the lookup and the head
+    assert set(model.weight_bytes()) == {
+        "Q4_1",
+        "Q8_0",
+        "bfloat16",
+    }  # norms in the dtype (the rotary tables are derived, not weights)
 
 
 def test_preemption_and_recompute_do_not_change_the_tokens(invariant, alone):
@@ -208,7 +219,9 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
             jobs = [pool.submit(complete, i, s) for i in range(4) for s in (False, True)]
             got = [j.result() for j in jobs]
         for n, text in enumerate(got):
-            assert text == want[n // 2], f"prompt {n // 2} {'streamed' if n % 2 else 'not streamed'}, served concurrently"
+            assert text == want[n // 2], (
+                f"prompt {n // 2} {'streamed' if n % 2 else 'not streamed'}, served concurrently"
+            )
         assert complete(0, True) == want[0]  # again, its prefix cached
         # the four dialects in the defaults, sent together: one greedy answer in all of them
         question = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -230,12 +243,20 @@ def test_served_in_bf16_streamed_and_concurrent_equal_the_solo_run(alone):
             ),
             "ollama": (
                 "/api/chat",
-                {"model": "SmolLM2-135M-Instruct", "messages": question, "stream": False, "options": {"num_predict": 24, "temperature": 0}},
+                {
+                    "model": "SmolLM2-135M-Instruct",
+                    "messages": question,
+                    "stream": False,
+                    "options": {"num_predict": 24, "temperature": 0},
+                },
                 lambda r: r["message"]["content"],
             ),
         }
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            replies = {k: pool.submit(lambda c: c[2](httpx.post(server.url + c[0], json=c[1], timeout=120).json()), c) for k, c in calls.items()}
+            replies = {
+                k: pool.submit(lambda c: c[2](httpx.post(server.url + c[0], json=c[1], timeout=120).json()), c)
+                for k, c in calls.items()
+            }
             texts = {k: f.result() for k, f in replies.items()}
         assert len(set(texts.values())) == 1 and texts["chat"], texts
         stats = httpx.get(server.url + "/stats").json()

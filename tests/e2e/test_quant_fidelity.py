@@ -56,7 +56,11 @@ def test_llama_quantize_file_matches_transformers_on_its_dequantization(kind):
     assert set(weights) <= {kind, "float32"} and weights[kind] > 0
 
     def cont(prefix, n):
-        return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+        return (
+            llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+            if n
+            else []
+        )
 
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ps = prompts()
@@ -124,10 +128,16 @@ def test_hf_folder_quantized_at_load_matches_transformers_on_the_blocks(hf_folde
     llm = LLM(folder, dtype="float32", quantization=quantization, max_model_len=256, block_size=8)
     weights = llm.stats()["memory"]["weights_by_type"]
     assert set(weights) == {kind, "float32"}
-    assert weights[kind] == sum(v.nbytes() for v in blocks.values() if hasattr(v, "blocks"))  # every matrix, embedding included
+    assert weights[kind] == sum(
+        v.nbytes() for v in blocks.values() if hasattr(v, "blocks")
+    )  # every matrix, embedding included
 
     def cont(prefix, n):
-        return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+        return (
+            llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+            if n
+            else []
+        )
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for ids, out in zip(prompts(), llm.generate(prompts(), params)):
@@ -152,8 +162,12 @@ def test_a_long_steps_mlp_in_row_slices_gives_the_same_bits(monkeypatch, dtype):
     quantized weight's kernels compute each row alone, so the logprobs are the same to the bit."""
     from treadle.model.families import llama
 
-    monkeypatch.setenv("TREADLE_DECODER_KERNEL", "0")  # the layers' Python, whose MLP this slices (decoder.c slices its own: test_decoder_kernel.py)
-    llm = LLM(os.path.join(FOLDER, "Q4_K.gguf"), dtype=dtype, max_model_len=256, block_size=8, enable_prefix_caching=False)
+    monkeypatch.setenv(
+        "TREADLE_DECODER_KERNEL", "0"
+    )  # the layers' Python, whose MLP this slices (decoder.c slices its own: test_decoder_kernel.py)
+    llm = LLM(
+        os.path.join(FOLDER, "Q4_K.gguf"), dtype=dtype, max_model_len=256, block_size=8, enable_prefix_caching=False
+    )
     ids = prompts()[0]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
 

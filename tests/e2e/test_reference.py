@@ -57,7 +57,9 @@ def test_all_prompts_in_one_mixed_batch_match_transformers(llm, cases):
     outs = llm.generate([prompts[n] for n in names], [greedy(NUM_TOKENS - i) for i in range(len(names))])
     for i, (name, out) in enumerate(zip(names, outs)):
         ref, rows = refs[name]
-        assert_matches_reference(prompts[name], out.outputs[0].token_ids, ref[: NUM_TOKENS - i], rows, continuation(llm))
+        assert_matches_reference(
+            prompts[name], out.outputs[0].token_ids, ref[: NUM_TOKENS - i], rows, continuation(llm)
+        )
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
@@ -77,7 +79,13 @@ def test_speculative_decoding_matches_transformers(make_llm, cases):
     prompts, refs = cases
     names = list(prompts)
     for config in (
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False},
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+            "adaptive": False,
+        },
         {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
     ):
         spec = make_llm(speculative_config=config)

@@ -38,7 +38,11 @@ def shared_prefix_prompts() -> list[list[int]]:
     longer than any window)."""
     g = torch.Generator().manual_seed(3)
     heads = [torch.randint(0, 260, (28,), generator=g).tolist() for _ in range(4)]
-    return [h + torch.randint(0, 260, (int(n),), generator=g).tolist() for h in heads for n in torch.randint(2, 18, (2,), generator=g)]
+    return [
+        h + torch.randint(0, 260, (int(n),), generator=g).tolist()
+        for h in heads
+        for n in torch.randint(2, 18, (2,), generator=g)
+    ]
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -50,7 +54,12 @@ def test_windows_under_chunking_prefix_hits_and_preemption_match_transformers(ti
     # a pool too small for all eight at once: Mistral's requests hold ~8 blocks each, Gemma's ~20
     blocks = {"mistral": 30, "gemma2": 60, "gemma3": 60}[arch]
     llm = LLM(
-        folder if source == "hf" else path, dtype="float32", block_size=BLOCK, max_model_len=128, num_kv_blocks=blocks, max_num_batched_tokens=8
+        folder if source == "hf" else path,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=128,
+        num_kv_blocks=blocks,
+        max_num_batched_tokens=8,
     )
     prompts = shared_prefix_prompts()
     llm.generate(prompts[::2], GREEDY)  # the first of each pair: its blocks cached
@@ -169,7 +178,9 @@ def test_longrope_takes_its_long_factors_where_the_engine_goes_past_the_original
     from treadle.model.config import RopeConfig
     from treadle.model.layers.rotary import rope_inverse_frequencies
 
-    rope = RopeConfig(scaling_type="longrope", original_max_position=128, short_factor=[1.0, 2.0], long_factor=[3.0, 5.0])
+    rope = RopeConfig(
+        scaling_type="longrope", original_max_position=128, short_factor=[1.0, 2.0], long_factor=[3.0, 5.0]
+    )
     base = rope_inverse_frequencies(RopeConfig(), 4)
     assert torch.allclose(rope_inverse_frequencies(rope, 4, 128), base / torch.tensor([1.0, 2.0]))
     assert torch.allclose(rope_inverse_frequencies(rope, 4, 129), base / torch.tensor([3.0, 5.0]))

@@ -21,7 +21,11 @@ def test_a_short_soak_keeps_every_promise():
     try:
         server.wait_healthy()
         report = soak.run(server.url, REQUESTS, concurrency=8, server_pid=server.proc.pid, sample_every=125)
-        assert report.requests == REQUESTS and report.by_kind.get("invalid", 0) > 20 and report.by_kind.get("disconnect", 0) > 20
+        assert (
+            report.requests == REQUESTS
+            and report.by_kind.get("invalid", 0) > 20
+            and report.by_kind.get("disconnect", 0) > 20
+        )
         results = soak.promises(report, baseline_after=REQUESTS // 2, max_growth=0.10)
         assert all(ok for _, ok, _ in results), results
         assert server.proc.poll() is None and "Traceback" not in server.output()

@@ -157,12 +157,15 @@ def test_abort_frees_blocks_and_reports_abort(llm):
 def test_max_tokens_min_tokens_and_eos(llm):
     out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
     assert len(out.token_ids) <= 5
-    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=64))[0]
+    chat = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=64)
+    )[0]
     c = chat.outputs[0]
     assert c.finish_reason == "stop" and c.token_ids[-1] == llm.tokenizer.eos_token_id
     assert "<|im_end|>" not in c.text
     forced = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=64, min_tokens=len(c.token_ids) + 3)
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=64, min_tokens=len(c.token_ids) + 3),
     )[0].outputs[0]
     assert len(forced.token_ids) >= len(c.token_ids) + 3
     # banned, not only kept from ending it: no EOS among the tokens min_tokens holds (the greedy
@@ -189,7 +192,9 @@ def test_logit_bias_and_penalties_change_the_choice(llm):
     assert biased != base
     forced = llm.generate(["The capital of France is"], greedy(3, logit_bias={42: 100}))[0].outputs[0].token_ids
     assert forced == [42, 42, 42]
-    penalised = llm.generate(["The capital of France is"], greedy(3, logit_bias={42: 5}, frequency_penalty=2.0, presence_penalty=2.0))
+    penalised = llm.generate(
+        ["The capital of France is"], greedy(3, logit_bias={42: 5}, frequency_penalty=2.0, presence_penalty=2.0)
+    )
     assert penalised[0].outputs[0].token_ids.count(42) < 3
 
 

@@ -30,7 +30,9 @@ STORY = "The old lighthouse keeper climbed the stairs every evening, counting ea
 
 
 def sample_messages():
-    params = P.params_to_dict(SamplingParams(n=2, temperature=0.5, stop=["x"], logit_bias={5: -1.0}, seed=2**63, logprobs=3))
+    params = P.params_to_dict(
+        SamplingParams(n=2, temperature=0.5, stop=["x"], logit_bias={5: -1.0}, seed=2**63, logprobs=3)
+    )
     return [
         P.EngineCoreRequest("r1", [1, 2, 3], params, cache_salt="salt"),
         P.EngineCoreRequest("r2", [7], P.params_to_dict(SamplingParams())),
@@ -93,7 +95,11 @@ def test_the_runner_needs_nothing_but_the_plain_step(make_llm, dtype):
         runner.execute = execute
     assert [[c.token_ids for c in o.outputs] for o in wired] == [[c.token_ids for c in o.outputs] for o in direct]
     assert wired[1].outputs[0].logprobs == direct[1].outputs[0].logprobs
-    assert any(len(s.scheduled) > 1 for s in seen) and any(s.new_requests for s in seen) and any(s.finished_req_ids for s in seen)
+    assert (
+        any(len(s.scheduled) > 1 for s in seen)
+        and any(s.new_requests for s in seen)
+        and any(s.finished_req_ids for s in seen)
+    )
     assert runner.requests == {}  # the runner forgot every finished request
 
 
@@ -137,8 +143,17 @@ def test_failed_step_fails_its_request_and_poisons_no_cache(faulty, llm):
 
 
 def test_failed_step_ends_a_stream_with_an_error_event_and_the_engine_goes_on(faulty):
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", faulty.url + "/v1/completions", json=body, timeout=60) as r:  # steps 10, 11, then 12 fails
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", faulty.url + "/v1/completions", json=body, timeout=60
+    ) as r:  # steps 10, 11, then 12 fails
         assert r.status_code == 200
         events = list(sse(r))
     assert events[-1] == "DONE"
@@ -192,7 +207,9 @@ def test_kill_9_of_the_core_fails_in_flight_requests_and_it_comes_back(faulty):
     plain = results["plain"]
     assert plain.status_code == 503 and "SIGKILL" in plain.json()["error"]["message"]
     health = httpx.get(faulty.url + "/health")
-    assert health.status_code == 503 and health.json()["status"] == "restarting" and "SIGKILL" in health.json()["reason"]
+    assert (
+        health.status_code == 503 and health.json()["status"] == "restarting" and "SIGKILL" in health.json()["reason"]
+    )
     faulty.wait_healthy(60)
     # a fresh core process, which counts its own steps: its step 1 fails again by injection
     assert "injected failure of step 1" in complete(faulty, "Hello").json()["error"]["message"]
@@ -226,7 +243,9 @@ def test_a_step_that_fails_every_time_gets_the_core_replaced():
             time.sleep(0.2)
             r = httpx.get(s.url + "/stats")
             stats = r.json() if r.status_code == 200 else {}  # 503 while the new core loads
-        assert stats["engine_pid"] != first and stats["engine_restarts"] == 1  # (the new core fails the same way: same env)
+        assert (
+            stats["engine_pid"] != first and stats["engine_restarts"] == 1
+        )  # (the new core fails the same way: same env)
     finally:
         s.stop()
 
@@ -256,13 +275,19 @@ def test_a_registered_architecture_is_served_by_treadle_serve(tmp_path, with_plu
         s.wait_healthy()
         prompt = [5, 60, 61, 99, 200, 17, 3]
         r = httpx.post(
-            s.url + "/v1/completions", json={"model": "gelu", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60
+            s.url + "/v1/completions",
+            json={"model": "gelu", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            timeout=60,
         )
         assert r.status_code == 200
-        local = LLM(folder, dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        local = LLM(folder, dtype="float32").generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )[0]
         local = local.outputs[0]
         assert local.token_ids == hf_greedy(reference, prompt, 12)[0]  # the plugin's model, not Llama
-        assert r.json()["choices"][0]["text"] == local.text and r.json()["usage"]["completion_tokens"] == len(local.token_ids)
+        assert r.json()["choices"][0]["text"] == local.text and r.json()["usage"]["completion_tokens"] == len(
+            local.token_ids
+        )
     finally:
         s.stop()
 

@@ -83,7 +83,11 @@ def test_stored_and_removed_blocks_are_published_with_their_chained_hashes(engin
     stored_hashes = [h for e in stored for h in e.block_hashes]
     want = chain(first)
     assert stored_hashes[:3] == want  # the prompt's full blocks, in order, hashed as the engine does
-    assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == want[0] and stored[1].token_ids == first[BLOCK : 2 * BLOCK]
+    assert (
+        stored[0].parent_block_hash is None
+        and stored[1].parent_block_hash == want[0]
+        and stored[1].token_ids == first[BLOCK : 2 * BLOCK]
+    )
     assert all(e.block_size == BLOCK and e.medium == "CPU" for e in stored)
     salted_event = next(e for e in stored if e.block_hashes == chain(salted, "tenant-a")[:1])
     assert salted_event.extra_keys == [("tenant-a",)] and chain(salted, "tenant-a") != chain(salted)

@@ -30,7 +30,13 @@ def page(i: int, size: int = 1000) -> bytearray:
 
 
 def disk(root, budget=1 << 20, identity=b"A" * 32, page_bytes=1000, events=None) -> DiskTier:
-    return DiskTier(str(root), identity, budget, page_bytes, (lambda *e: events.append(e)) if events is not None else (lambda *e: None))
+    return DiskTier(
+        str(root),
+        identity,
+        budget,
+        page_bytes,
+        (lambda *e: events.append(e)) if events is not None else (lambda *e: None),
+    )
 
 
 def read_now(tier: DiskTier, k: bytes):
@@ -137,7 +143,9 @@ def test_blocks_restored_from_a_tier_give_the_recomputed_tokens(make_llm, tmp_pa
     tiers = llm.engine.kv.tiers
     tiers.flush()
     full = (len(prompt) - 1) // BLOCK * BLOCK
-    pooled = sum(1 for h in extend_block_hashes([], prompt, BLOCK) if llm.engine.kv.pool.get_cached_block(h) is not None)
+    pooled = sum(
+        1 for h in extend_block_hashes([], prompt, BLOCK) if llm.engine.kv.pool.get_cached_block(h) is not None
+    )
     assert pooled < full // BLOCK  # the pool lost (some of) the prompt's blocks
     warm, hit = hit_tokens(llm, prompt)
     assert warm == cold
@@ -184,7 +192,9 @@ def test_a_restarted_engine_loads_the_disk_tier_and_skips_a_corrupt_block(make_l
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_bfloat16_default_restored_blocks_give_the_recomputed_tokens(make_llm, kv_dtype):
-    llm = make_llm(dtype="auto", num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_offload_bytes=64 << 20, kv_cache_dtype=kv_dtype)
+    llm = make_llm(
+        dtype="auto", num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_offload_bytes=64 << 20, kv_cache_dtype=kv_dtype
+    )
     tok = llm.tokenizer
     prompt = long_prompt(tok, 3, 22)
     cold, _ = hit_tokens(llm, prompt)
@@ -206,7 +216,11 @@ def test_a_slow_disk_holds_only_the_request_that_reads_it(make_llm, tmp_path, mo
     monkeypatch.setenv("TREADLE_KV_DISK_READ_DELAY", "0.15")  # 20 blocks: three seconds of reads
     llm = make_llm(num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_cache_dir=str(tmp_path))
     engine = llm.engine
-    engine.add_request("stream", tok.encode("Count from one to a thousand:"), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    engine.add_request(
+        "stream",
+        tok.encode("Count from one to a thousand:"),
+        SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+    )
     for _ in range(3):
         engine.step()
     engine.add_request("reader", prompt, GREEDY)
@@ -351,7 +365,12 @@ def test_the_disk_folder_is_another_for_another_compute_dtype(make_llm, tmp_path
     values): they never read each other's pages."""
     folders = {
         make_llm(
-            kv_cache_dtype="int8", dtype=d, batch_invariant=False, num_kv_blocks=POOL_BLOCKS, max_model_len=440, kv_cache_dir=str(tmp_path)
+            kv_cache_dtype="int8",
+            dtype=d,
+            batch_invariant=False,
+            num_kv_blocks=POOL_BLOCKS,
+            max_model_len=440,
+            kv_cache_dir=str(tmp_path),
         ).engine.kv.tiers.disk.folder
         for d in ("float32", "bfloat16")
     }

@@ -144,7 +144,10 @@ def test_prefill_cap_applies_only_while_a_request_decodes():
     first = make("first", 40)
     s.add_request(first)
     assert pairs(run_step(s, prefill_cap=8)) == [("first", 40)]  # nothing decodes: the whole budget
-    late, later = Request("late", None, list(range(500, 530)), SamplingParams()), Request("later", None, list(range(600, 610)), SamplingParams())
+    late, later = (
+        Request("late", None, list(range(500, 530)), SamplingParams()),
+        Request("later", None, list(range(600, 610)), SamplingParams()),
+    )
     s.add_request(late)
     s.add_request(later)
     # first decodes: the prompts share 8 tokens per step, oldest first, chunked across steps

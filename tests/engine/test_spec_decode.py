@@ -30,7 +30,13 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 
 def test_config_takes_vllm_keys_and_names_what_is_wrong():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
-    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.adaptive) == ("ngram", 3, 2, 4, True)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.adaptive) == (
+        "ngram",
+        3,
+        2,
+        4,
+        True,
+    )
     assert SpeculativeConfig.parse({"model": "/m/draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
     assert SpeculativeConfig.parse(None) is None
     for bad, words in [
@@ -50,14 +56,25 @@ def test_config_takes_vllm_keys_and_names_what_is_wrong():
     ]:
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
-    c = SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0.2})
-    assert (c.num_speculative_tokens, c.suffix_decoding_max_tree_depth, c.suffix_decoding_min_token_prob) == (16, 16, 0.2)
+    c = SpeculativeConfig.parse(
+        {"method": "suffix", "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0.2}
+    )
+    assert (c.num_speculative_tokens, c.suffix_decoding_max_tree_depth, c.suffix_decoding_min_token_prob) == (
+        16,
+        16,
+        0.2,
+    )
     assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24  # vLLM: the tree's depth
 
 
 def brute_count(seqs: dict, depth: int, pattern: list) -> int:
     """How many suffixes (cut to depth tokens) of the sequences start with the pattern."""
-    return sum(s[i : i + depth][: len(pattern)] == pattern for s in seqs.values() for i in range(len(s)) if len(s) - i >= len(pattern))
+    return sum(
+        s[i : i + depth][: len(pattern)] == pattern
+        for s in seqs.values()
+        for i in range(len(s))
+        if len(s) - i >= len(pattern)
+    )
 
 
 def test_suffix_tree_counts_every_pattern_as_brute_force_does():
@@ -116,7 +133,13 @@ from tests.e2e.test_invariance import PROMPTS, chat  # noqa: E402
 from treadle import SamplingParams  # noqa: E402
 from treadle.engine.block_pool import hash_block_tokens  # noqa: E402
 
-FORCED = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+FORCED = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 # text that repeats (proposals right) beside text that does not (proposals wrong)
 REPEATING = [
     chat("Repeat this sentence three times: the quick brown fox jumps over the lazy dog."),
@@ -142,7 +165,11 @@ def check_counts(llm) -> dict:
     s = llm.stats()["spec_decode"]
     assert s["num_drafts"] > 0 and 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]  # accepted and rejected ones
     per_pos = s["accepted_per_position"]
-    assert sum(per_pos) == s["num_accepted_tokens"] and all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[0] <= s["num_drafts"]
+    assert (
+        sum(per_pos) == s["num_accepted_tokens"]
+        and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+        and per_pos[0] <= s["num_drafts"]
+    )
     assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"])
     assert llm.stats()["kv_blocks_used"] == 0
     return s
@@ -163,12 +190,16 @@ def test_greedy_tokens_are_those_without_speculation_alone_and_batched(engines, 
 
 def test_seeded_sampling_and_logprobs_are_those_without_speculation(engines):
     plain, spec = engines
-    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, seed=11, n=2, max_tokens=40, logprobs=2, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.95, top_k=40, seed=11, n=2, max_tokens=40, logprobs=2, ignore_eos=True
+    )
     want, got = plain.generate(REPEATING, params), spec.generate(REPEATING, params)
     for w, g in zip(want, got):
         for cw, cg in zip(w.outputs, g.outputs):
             assert cg.token_ids == cw.token_ids
-            assert [{t: lp.logprob for t, lp in d.items()} for d in cg.logprobs] == [{t: lp.logprob for t, lp in d.items()} for d in cw.logprobs]
+            assert [{t: lp.logprob for t, lp in d.items()} for d in cg.logprobs] == [
+                {t: lp.logprob for t, lp in d.items()} for d in cw.logprobs
+            ]
     check_counts(spec)
 
 
@@ -183,9 +214,12 @@ def test_stops_inside_an_accepted_run_end_the_output_there(engines):
         SamplingParams(temperature=0, max_tokens=64, min_tokens=30),
     ):
         want, got = plain.generate(prompt, params)[0].outputs[0], spec.generate(prompt, params)[0].outputs[0]
-        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (want.text, want.token_ids, want.finish_reason, want.stop_reason), (
-            params
-        )
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text,
+            want.token_ids,
+            want.finish_reason,
+            want.stop_reason,
+        ), params
     assert spec.stats()["kv_blocks_used"] == 0
 
 
@@ -194,7 +228,11 @@ PEOPLE = {
     "properties": {
         "people": {
             "type": "array",
-            "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]},
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+            },
         }
     },
     "required": ["people"],
@@ -246,7 +284,9 @@ def test_a_walk_past_the_end_of_sequence_leaves_the_requests_matcher_as_it_was(e
         assert matcher.consume_token(t)
 
     def allowed(words):
-        return set(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: grammars.vocab_size]).tolist())
+        return set(
+            np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: grammars.vocab_size]).tolist()
+        )
 
     before = np.empty(grammars.mask_words, dtype=np.int32)
     grammars.fill_mask(matcher, before)
@@ -273,7 +313,11 @@ def test_suffix_decoding_gives_the_same_tokens_and_proposes_earlier_outputs(make
     """Suffix decoding (batched with preemption, then alone): the tokens are those without
     speculation; the second time round each request's proposals also come from the global tree,
     which holds its first run's output, so nearly all of them are accepted."""
-    spec = make_llm(dtype="bfloat16", speculative_config={"method": "suffix", "num_speculative_tokens": 8, "adaptive": False}, num_kv_blocks=24)
+    spec = make_llm(
+        dtype="bfloat16",
+        speculative_config={"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
+        num_kv_blocks=24,
+    )
     assert token_ids(spec.generate(REPEATING, GREEDY)) == alone
     assert spec.stats()["num_preemptions"] > 0
     first = check_counts(spec)
@@ -281,7 +325,9 @@ def test_suffix_decoding_gives_the_same_tokens_and_proposes_earlier_outputs(make
     assert [token_ids(spec.generate([p], GREEDY))[0] for p in REPEATING] == alone
     second = check_counts(spec)
     first_rate = first["num_accepted_tokens"] / first["num_draft_tokens"]
-    second_rate = (second["num_accepted_tokens"] - first["num_accepted_tokens"]) / (second["num_draft_tokens"] - first["num_draft_tokens"])
+    second_rate = (second["num_accepted_tokens"] - first["num_accepted_tokens"]) / (
+        second["num_draft_tokens"] - first["num_draft_tokens"]
+    )
     assert first_rate < 0.7 and second_rate > 0.9, (first_rate, second_rate)
 
 
@@ -333,7 +379,9 @@ def homogeneity_p(a: collections.Counter, b: collections.Counter) -> float:
             e = (oa + ob) * n / (na + nb)
             stat += (o - e) ** 2 / e
     df = len(cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def test_unseeded_sampling_keeps_the_target_distribution(engines, reference_continuations, make_llm, monkeypatch):
@@ -346,7 +394,10 @@ def test_unseeded_sampling_keeps_the_target_distribution(engines, reference_cont
     want, got = reference_continuations, continuations(spec)
     after = spec.stats()["spec_decode"]
     assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
-    assert after["num_draft_tokens"] - before["num_draft_tokens"] > after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert (
+        after["num_draft_tokens"] - before["num_draft_tokens"]
+        > after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    )
     assert len(want) >= 4 and homogeneity_p(want, got) > 0.01
 
     from treadle.model.execution import runner as runner_module
@@ -410,17 +461,24 @@ def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, refer
     classic bug, is rejected by the same test."""
     plain, _ = engines
     drafted = perturbed_draft(make_llm, gguf_path)
-    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, seed=11, n=2, max_tokens=16, logprobs=2, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.95, top_k=40, seed=11, n=2, max_tokens=16, logprobs=2, ignore_eos=True
+    )
     want, got = plain.generate(REPEATING[:2], params), drafted.generate(REPEATING[:2], params)
     for w, g in zip(want, got):
         for cw, cg in zip(w.outputs, g.outputs):
             assert cg.token_ids == cw.token_ids
-            assert [{t: lp.logprob for t, lp in d.items()} for d in cg.logprobs] == [{t: lp.logprob for t, lp in d.items()} for d in cw.logprobs]
+            assert [{t: lp.logprob for t, lp in d.items()} for d in cg.logprobs] == [
+                {t: lp.logprob for t, lp in d.items()} for d in cw.logprobs
+            ]
     check_counts(drafted)
     before = drafted.stats()["spec_decode"]
     reference, sampled = reference_continuations, continuations(drafted)
     after = drafted.stats()["spec_decode"]
-    accepted, proposed = after["num_accepted_tokens"] - before["num_accepted_tokens"], after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted, proposed = (
+        after["num_accepted_tokens"] - before["num_accepted_tokens"],
+        after["num_draft_tokens"] - before["num_draft_tokens"],
+    )
     assert 0 < accepted < proposed
     assert homogeneity_p(reference, sampled) > 0.01
 
@@ -431,7 +489,9 @@ def test_draft_model_sampling_is_the_targets(make_llm, gguf_path, engines, refer
         tokens = torch.tensor([t for _, t, _ in rows])
         q = torch.stack([qr for _, _, qr in rows])
         p = probs[j_idx]
-        keep = torch.rand(len(rows), generator=sampler.generator) * q.gather(1, tokens[:, None]).squeeze(1) < p.gather(1, tokens[:, None]).squeeze(1)
+        keep = torch.rand(len(rows), generator=sampler.generator) * q.gather(1, tokens[:, None]).squeeze(1) < p.gather(
+            1, tokens[:, None]
+        ).squeeze(1)
         chosen[j_idx] = torch.where(keep, tokens, sampler.inverse_cdf(p))
 
     monkeypatch.setattr(Verification, "rejection_sample", from_p_on_rejection)
@@ -458,7 +518,9 @@ def test_draft_model_proposals_under_a_grammar_are_the_grammars(make_llm, gguf_p
     s = check_counts(drafted)
     assert s["num_accepted_tokens"] > 40 and s["grammar_refused_draft_tokens"] == 0
     comma = drafted.tokenizer.encode(",")[0]
-    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[0-9]{1,3}", "after_token": comma})
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs={"regex": "[0-9]{1,3}", "after_token": comma}
+    )
     before = drafted.stats()["spec_decode"]["num_drafts"]
     assert token_ids(drafted.generate([REPEATING[1]], params)) == token_ids(plain.generate([REPEATING[1]], params))
     assert drafted.stats()["spec_decode"]["num_drafts"] > before

@@ -64,13 +64,25 @@ def test_schema_set_finishes_and_validates_in_mixed_batches(make_llm):
     llm = make_llm(dtype="bfloat16")
     reqs = []
     for i, (prompt, schema) in enumerate(SCHEMAS):
-        reqs.append((chat_prompt(llm, prompt + " Answer in JSON."), SamplingParams(seed=i, max_tokens=512, structured_outputs={"json": schema})))
+        reqs.append(
+            (
+                chat_prompt(llm, prompt + " Answer in JSON."),
+                SamplingParams(seed=i, max_tokens=512, structured_outputs={"json": schema}),
+            )
+        )
         if i % 8 == 0:
             reqs.append((chat_prompt(llm, prompt), SamplingParams(temperature=0, max_tokens=64)))
     outs = run(llm, reqs)
-    constrained = [(o[0], s) for o, (_, sp) in zip(outs, reqs) if sp.structured_outputs is not None for s in [sp.structured_outputs.json]]
+    constrained = [
+        (o[0], s)
+        for o, (_, sp) in zip(outs, reqs)
+        if sp.structured_outputs is not None
+        for s in [sp.structured_outputs.json]
+    ]
     stopped = [(o, s) for o, s in constrained if o["finish_reason"] == "stop"]
-    assert len(stopped) >= 0.9 * len(constrained), [o["text"][-60:] for o, _ in constrained if o["finish_reason"] != "stop"]
+    assert len(stopped) >= 0.9 * len(constrained), [
+        o["text"][-60:] for o, _ in constrained if o["finish_reason"] != "stop"
+    ]
     bad = [o["text"] for o, s in stopped if not validates(o["text"], s)]
     assert not bad, bad
     assert llm.engine.core.kv.pool.num_free_blocks == llm.engine.core.kv.pool.num_blocks  # cached blocks are free
@@ -90,7 +102,9 @@ def test_unconstrained_output_that_fits_is_unchanged(llm):
     # end, where the grammar allows only EOS
     few_shot = 'Person records:\n{"name": "Ann", "age": 41}\n{"name": "Tom", "age": 35}\n'
     free = run(llm, [(few_shot, SamplingParams(temperature=0, max_tokens=20))])[0][0]
-    fixed = run(llm, [(few_shot, SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json": PERSON}))])[0][0]
+    fixed = run(llm, [(few_shot, SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json": PERSON}))])[
+        0
+    ][0]
     first_line = free["text"].split("\n")[0]
     assert validates(first_line, PERSON)
     assert fixed["text"] == first_line and fixed["finish_reason"] == "stop"
@@ -103,9 +117,15 @@ def test_regex_choice_grammar_and_choices_with_seeds(llm):
     forms = {
         "regex": ({"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}", t)),
         "choice": ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
-        "grammar": ({"grammar": 'root ::= "Answer: " ("yes" | "no") "."'}, lambda t: t in ("Answer: yes.", "Answer: no.")),
+        "grammar": (
+            {"grammar": 'root ::= "Answer: " ("yes" | "no") "."'},
+            lambda t: t in ("Answer: yes.", "Answer: no."),
+        ),
     }
-    reqs = [(prompt, SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=40, structured_outputs=so)) for so, _ in forms.values()]
+    reqs = [
+        (prompt, SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=40, structured_outputs=so))
+        for so, _ in forms.values()
+    ]
     first = run(llm, reqs)
     again = run(llm, reqs[::-1])[::-1]  # other neighbours, other order: the seeds decide
     for (name, (_, ok)), out, out2 in zip(forms.items(), first, again):
@@ -121,11 +141,21 @@ def test_preempted_constrained_requests_stay_valid(make_llm):
     llm = make_llm(num_kv_blocks=16, block_size=16)
     schema = {
         "type": "object",
-        "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 20, "maxItems": 20}},
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                "minItems": 20,
+                "maxItems": 20,
+            }
+        },
         "required": ["items"],
     }
     reqs = [
-        (chat_prompt(llm, f"List {20 + i} small numbers."), SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema}))
+        (
+            chat_prompt(llm, f"List {20 + i} small numbers."),
+            SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema}),
+        )
         for i in range(4)
     ]
     outs = run(llm, reqs)
@@ -142,9 +172,13 @@ def test_logprobs_stop_strings_and_max_tokens_with_a_grammar(llm):
     so = {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 50}}
     out = run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=2, structured_outputs=so))])[0][0]
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 12 and out["text"].startswith("[")
-    stopped = run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[","], structured_outputs=so))])[0][0]
+    stopped = run(llm, [(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[","], structured_outputs=so))])[0][
+        0
+    ]
     assert stopped["finish_reason"] == "stop" and "," not in stopped["text"] and stopped["text"].startswith("[")
-    res = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, structured_outputs=so))[0].outputs[0]
+    res = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, structured_outputs=so))[
+        0
+    ].outputs[0]
     assert len(res.logprobs) == 5 and all(len(lp) >= 1 for lp in res.logprobs)
 
 
@@ -179,7 +213,10 @@ def test_grammars_compile_off_the_step_loop_and_are_cached(make_llm, monkeypatch
     eng = llm.engine
     so = {"choice": ["alpha", "beta"]}
     waiting = eng.add_request(
-        "w", chat_prompt(llm, "Pick one."), SamplingParams(temperature=0, max_tokens=5, structured_outputs=so), add_special_tokens=False
+        "w",
+        chat_prompt(llm, "Pick one."),
+        SamplingParams(temperature=0, max_tokens=5, structured_outputs=so),
+        add_special_tokens=False,
     )
     eng.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=6))
     got = {"free": 0, "w": 0}
@@ -223,7 +260,10 @@ def test_a_grammar_that_cannot_go_on_ends_its_request_as_a_client_error(make_llm
     llm = make_llm()
     eng = llm.engine
     eng.add_request(
-        "g", chat_prompt(llm, "Hi"), SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json_object": True}), add_special_tokens=False
+        "g",
+        chat_prompt(llm, "Hi"),
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs={"json_object": True}),
+        add_special_tokens=False,
     )
     eng.add_request("free", "Once upon a time", SamplingParams(temperature=0, max_tokens=8))
     outs = []
@@ -231,7 +271,12 @@ def test_a_grammar_that_cannot_go_on_ends_its_request_as_a_client_error(make_llm
         for d in eng.step():
             outs.append(d)
             req = eng.core.requests.get("g")
-            if req is not None and req.matcher is not None and req.num_output_tokens >= 2 and not isinstance(req.matcher, GivesUp):
+            if (
+                req is not None
+                and req.matcher is not None
+                and req.num_output_tokens >= 2
+                and not isinstance(req.matcher, GivesUp)
+            ):
                 req.matcher = GivesUp(req.matcher)
     failed = [d for d in outs if d.request_id == "g" and d.finished]
     assert failed and failed[0].client_error and "cannot continue" in failed[0].error
@@ -275,7 +320,9 @@ class Pet(BaseModel):
 
 
 def test_openai_parse_returns_a_parsed_object(client):
-    r = client.chat.completions.parse(model=MODEL, messages=chat("Describe a pet as JSON."), response_format=Pet, temperature=0, max_tokens=120)
+    r = client.chat.completions.parse(
+        model=MODEL, messages=chat("Describe a pet as JSON."), response_format=Pet, temperature=0, max_tokens=120
+    )
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop"
 
@@ -289,13 +336,21 @@ def test_json_object_streamed_equals_non_streamed(client):
         max_tokens=150,
     )
     whole = client.chat.completions.create(**kw).choices[0]
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
-    assert whole.finish_reason == "stop" and whole.message.content == streamed and isinstance(json.loads(streamed), dict)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices
+    )
+    assert (
+        whole.finish_reason == "stop" and whole.message.content == streamed and isinstance(json.loads(streamed), dict)
+    )
 
 
 def test_vllm_and_llama_cpp_forms(client, http):
     r = client.chat.completions.create(
-        model=MODEL, messages=chat("Is water wet?"), max_tokens=10, temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+        model=MODEL,
+        messages=chat("Is water wet?"),
+        max_tokens=10,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert r.choices[0].message.content in ("yes", "no")
     r = client.chat.completions.create(
@@ -308,7 +363,13 @@ def test_vllm_and_llama_cpp_forms(client, http):
         extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}},
     )
     assert all(re.fullmatch("[A-Z]{3}-[0-9]{4}", c.message.content) for c in r.choices)
-    body = {"model": MODEL, "prompt": "The answer is", "max_tokens": 5, "temperature": 0, "grammar": 'root ::= " yes" | " no"'}
+    body = {
+        "model": MODEL,
+        "prompt": "The answer is",
+        "max_tokens": 5,
+        "temperature": 0,
+        "grammar": 'root ::= " yes" | " no"',
+    }
     assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] in (" yes", " no")
     schema = {
         "type": "object",
@@ -344,7 +405,10 @@ def test_vllm_and_llama_cpp_forms(client, http):
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "wide", "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}},
+                    "json_schema": {
+                        "name": "wide",
+                        "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}},
+                    },
                 }
             },
             "response_format.json_schema.schema",
@@ -360,9 +424,16 @@ def test_bad_constraints_are_400_before_any_stream(http, change, param, words, s
 
 
 def test_server_counts_grammar_cache_hits(http):
-    body = {"model": MODEL, "messages": chat("Pick."), "max_tokens": 4, "structured_outputs": {"choice": ["one", "two", "three"]}}
+    body = {
+        "model": MODEL,
+        "messages": chat("Pick."),
+        "max_tokens": 4,
+        "structured_outputs": {"choice": ["one", "two", "three"]},
+    }
     for _ in range(2):
         assert http.post("/v1/chat/completions", json=body).status_code == 200
     stats = http.get("/stats").json()
-    assert stats["grammars_compiled"] >= 1 and stats["grammar_cache_hits"] >= 1 and stats["num_waiting_for_grammar"] == 0
+    assert (
+        stats["grammars_compiled"] >= 1 and stats["grammar_cache_hits"] >= 1 and stats["num_waiting_for_grammar"] == 0
+    )
     assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0

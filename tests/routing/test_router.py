@@ -27,7 +27,15 @@ def cluster(tmp_path_factory):
     write_seed_hf(folder)
     workers = [
         ServerProcess(
-            folder, "--kv-events-port", str(free_port_pair()), "--max-model-len", "256", "--served-model-name", "tiny", "--api-key", WORKER_KEY
+            folder,
+            "--kv-events-port",
+            str(free_port_pair()),
+            "--max-model-len",
+            "256",
+            "--served-model-name",
+            "tiny",
+            "--api-key",
+            WORKER_KEY,
         )
         for _ in range(2)
     ]
@@ -37,7 +45,16 @@ def cluster(tmp_path_factory):
             w.wait_healthy()
         # health checks every 6 s: the dead-worker test's requests right after a kill must reach the
         # router before it notices (at 2 s a busy machine lost that race)
-        args = ["--model", folder, "--api-key", ROUTER_KEY, "--worker-api-key", WORKER_KEY, "--health-check-interval", "6"]
+        args = [
+            "--model",
+            folder,
+            "--api-key",
+            ROUTER_KEY,
+            "--worker-api-key",
+            WORKER_KEY,
+            "--health-check-interval",
+            "6",
+        ]
         for w in workers:
             args += ["--worker", w.url]
         router = RouterProcess(*args)
@@ -58,19 +75,33 @@ def post(router, path: str, body: dict, key: str = ROUTER_KEY) -> httpx.Response
 
 
 def complete(router, prompt, max_tokens: int = 2, **extra) -> httpx.Response:
-    r = post(router, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+    r = post(
+        router,
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+    )
     assert r.status_code == 200, r.text
     return r
 
 
 def test_keys_at_the_router_and_for_the_workers(cluster):
     _, workers, router = cluster
-    assert post(router, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}, key="wrong").status_code == 401
-    assert post(router, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}, key=WORKER_KEY).status_code == 401
+    assert (
+        post(router, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}, key="wrong").status_code
+        == 401
+    )
+    assert (
+        post(router, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}, key=WORKER_KEY).status_code
+        == 401
+    )
     r = post(router, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200 and r.headers["x-treadle-worker"] in {w.url for w in workers}
     # a client mistake is the worker's own answer, passed on
-    bad = post(router, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3})
+    bad = post(
+        router,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+    )
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
 
 
@@ -89,7 +120,10 @@ def test_prompts_go_where_their_prefix_is_cached_and_the_prediction_holds(cluste
         assert cached == 3 * BLOCK and int(r.headers["x-treadle-predicted-cached-tokens"]) == cached
     # a cache_salt makes another chain of hashes: nothing is predicted, nothing is cached
     r = complete(router, first + tokens(5, BLOCK), cache_salt="tenant-b")
-    assert r.headers["x-treadle-predicted-cached-tokens"] == "0" and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (
+        r.headers["x-treadle-predicted-cached-tokens"] == "0"
+        and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    )
 
 
 def test_chat_prompts_are_hashed_through_the_chat_template(cluster):
@@ -98,11 +132,18 @@ def test_chat_prompts_are_hashed_through_the_chat_template(cluster):
     _, _, router = cluster
     system = "You are a router test. " * 3
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "first question here"}]
-    one = post(router, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
+    one = post(
+        router, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+    )
     assert one.status_code == 200, one.text
     time.sleep(0.5)
-    messages += [{"role": "assistant", "content": one.json()["choices"][0]["message"]["content"]}, {"role": "user", "content": "and a second one"}]
-    two = post(router, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0})
+    messages += [
+        {"role": "assistant", "content": one.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and a second one"},
+    ]
+    two = post(
+        router, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0}
+    )
     assert two.headers["x-treadle-worker"] == one.headers["x-treadle-worker"]
     cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 2 * BLOCK and int(two.headers["x-treadle-predicted-cached-tokens"]) == cached
@@ -115,7 +156,9 @@ def test_outputs_through_the_router_equal_one_engine(cluster):
     folder, _, router = cluster
     prompts = [tokens(s, 20 + 7 * s) for s in range(10, 14)]
     llm = LLM(folder, dtype="float32", compile=False, max_model_len=256)
-    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    expected = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ]
     for p, want in zip(prompts, expected):
         r = complete(router, p, max_tokens=12, ignore_eos=True)
         assert r.json()["choices"][0]["text"] == want and r.json()["usage"]["completion_tokens"] == 12
@@ -138,13 +181,17 @@ def test_predictions_hold_within_a_block_under_concurrent_load(cluster):
     for b in bases:
         complete(router, b)
     time.sleep(0.5)
-    prompts = [b + tokens(40 + 3 * i + j, BLOCK) for i, b in enumerate(bases) for j in range(2)] + [tokens(60 + s, 2 * BLOCK) for s in range(3)]
+    prompts = [b + tokens(40 + 3 * i + j, BLOCK) for i, b in enumerate(bases) for j in range(2)] + [
+        tokens(60 + s, 2 * BLOCK) for s in range(3)
+    ]
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(lambda p: complete(router, p, max_tokens=4), prompts))
     for r in replies:
         cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert abs(int(r.headers["x-treadle-predicted-cached-tokens"]) - cached) <= BLOCK, (r.headers, cached)
-    assert sum(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies[:6]) >= 6 * 2 * BLOCK  # the follow-ups found their bases
+    assert (
+        sum(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies[:6]) >= 6 * 2 * BLOCK
+    )  # the follow-ups found their bases
 
 
 def test_router_metrics_and_stats(cluster):
@@ -156,7 +203,9 @@ def test_router_metrics_and_stats(cluster):
     line = next(x for x in metrics.splitlines() if x.startswith("treadle_router:routed_prefix_hit_tokens_sum"))
     assert float(line.split()[-1]) >= 2 * 3 * BLOCK
     stats = httpx.get(router.url + "/stats", headers={"Authorization": f"Bearer {ROUTER_KEY}"}, timeout=10).json()
-    assert stats["routing_policy"] == "cache_aware" and all(w["healthy"] and w["kv_events_endpoint"] for w in stats["workers"])
+    assert stats["routing_policy"] == "cache_aware" and all(
+        w["healthy"] and w["kv_events_endpoint"] for w in stats["workers"]
+    )
 
 
 def test_a_dead_worker_costs_no_request_and_the_router_says_so(cluster):
@@ -170,7 +219,9 @@ def test_a_dead_worker_costs_no_request_and_the_router_says_so(cluster):
         assert r.headers["x-treadle-worker"] == workers[1].url
     assert httpx.get(router.url + "/health", timeout=5).status_code == 200
     metrics = httpx.get(router.url + "/metrics", timeout=10).text
-    retried = next(x for x in metrics.splitlines() if x.startswith(f'treadle_router:retries_total{{worker="{victim.url}"}}'))
+    retried = next(
+        x for x in metrics.splitlines() if x.startswith(f'treadle_router:retries_total{{worker="{victim.url}"}}')
+    )
     assert float(retried.split()[-1]) >= 1
     workers[1].stop()
     deadline = time.time() + 20

@@ -84,7 +84,9 @@ def test_completions_prompt_shapes_and_echo(client, http):
 
 
 def test_n_choices(client):
-    r = client.chat.completions.create(model=MODEL, messages=chat("Name a fruit."), n=2, temperature=1.0, seed=3, max_tokens=12)
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat("Name a fruit."), n=2, temperature=1.0, seed=3, max_tokens=12
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.message.content for c in r.choices)
     assert r.usage.completion_tokens >= 2
@@ -99,7 +101,9 @@ def test_stop_string(client):
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=chat("Hi!"), temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat("Hi!"), temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
@@ -132,7 +136,12 @@ def test_usage_reports_cached_prefix(client):
 def test_include_usage_chunk(client):
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=chat("Hi!"), temperature=0, max_tokens=5, stream=True, stream_options={"include_usage": True}
+            model=MODEL,
+            messages=chat("Hi!"),
+            temperature=0,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
@@ -150,7 +159,12 @@ def test_sixteen_concurrent_streams(client, http):
 
     def one(i):
         stream = client.completions.create(
-            model=MODEL, prompt=f"Story number {i}:", temperature=0, max_tokens=24, stream=True, extra_body={"ignore_eos": True}
+            model=MODEL,
+            prompt=f"Story number {i}:",
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
         text, reasons = "", []
         for c in stream:
@@ -167,7 +181,9 @@ def test_sixteen_concurrent_streams(client, http):
     watcher.join()
     assert all(reasons == ["length"] and text for text, reasons in results)
     assert max(running_seen) >= 2
-    solo = client.completions.create(model=MODEL, prompt="Story number 3:", temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+    solo = client.completions.create(
+        model=MODEL, prompt="Story number 3:", temperature=0, max_tokens=24, extra_body={"ignore_eos": True}
+    )
     assert results[3][0] == solo.choices[0].text
 
 
@@ -219,7 +235,10 @@ BAD_CHAT = [
     ({"temperature": float("inf")}, None),
     ({"min_tokens": 10, "max_tokens": 4}, "min_tokens"),
     ({"n": 0}, "n"),
-    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    (
+        {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+    ),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
 ]
 
@@ -229,7 +248,9 @@ def test_bad_chat_parameters_are_400(http, change, param):
     body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 4, **change}
     # json.dumps writes NaN / Infinity literals, as some clients do; httpx's json= would refuse them
     raw = json.dumps(body).encode()
-    assert_error(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}), 400, param)
+    assert_error(
+        http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}), 400, param
+    )
 
 
 def test_bad_completion_inputs_are_400(http):
@@ -281,7 +302,10 @@ def test_auth_scope(server):
         bad.models.list()
     for key in (KEY, SECOND_KEY):  # --api-key given twice: either opens everything
         for path in ("/v1/models", "/stats", "/metrics"):
-            assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {key}"}).status_code == 200, (key, path)
+            assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {key}"}).status_code == 200, (
+                key,
+                path,
+            )
     for near in (KEY[:-1], KEY + "x", f"{KEY},{SECOND_KEY}", f"{KEY} {SECOND_KEY}"):
         assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {near}"}), 401)
 
@@ -304,7 +328,11 @@ def test_api_keys_from_flags_or_the_environment():
 
 
 def test_disconnect_mid_stream_frees_everything(server, http):
-    before = metric(http, "treadle:request_success_total", '{finished_reason="abort"}') if "abort" in http.get("/metrics").text else 0
+    before = (
+        metric(http, "treadle:request_success_total", '{finished_reason="abort"}')
+        if "abort" in http.get("/metrics").text
+        else 0
+    )
     with httpx.stream(
         "POST",
         server.url + "/v1/completions",
@@ -405,7 +433,10 @@ def test_limits_on_what_a_client_controls_are_clear_errors(http):
         r = http.post("/v1/chat/completions", json={**base, **extra})
         assert_error(r, 400, param)
         assert flag in r.json()["error"]["message"]
-    ok = http.post("/v1/chat/completions", json={**base, "n": 2, "stop": ["x" * 256] * 16, "logit_bias": {str(i): 0 for i in range(1024)}})
+    ok = http.post(
+        "/v1/chat/completions",
+        json={**base, "n": 2, "stop": ["x" * 256] * 16, "logit_bias": {str(i): 0 for i in range(1024)}},
+    )
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop": ["a"] * 17})
     assert_error(r, 400, "stop")
@@ -417,7 +448,9 @@ def test_limits_on_what_a_client_controls_are_clear_errors(http):
             yield big[i : i + 65536]
 
     assert_error(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
-    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200  # still serving
+    assert (
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+    )  # still serving
 
 
 LOOPING_TEMPLATE = (
@@ -457,12 +490,16 @@ def test_concurrent_requests_per_key_beyond_the_limit_are_429(limited):
             assert busy.headers["retry-after"] == "1" and "--max-concurrent-per-key" in busy.json()["error"]["message"]
             assert httpx.post(s.url + "/v1/completions", json=body, headers=auth["two"], timeout=60).status_code == 200
         deadline = time.time() + 30  # the stream's end is noticed at its next token
-        while (r := httpx.post(s.url + "/v1/completions", json=body, headers=auth["one"], timeout=60)).status_code == 429 and time.time() < deadline:
+        while (
+            r := httpx.post(s.url + "/v1/completions", json=body, headers=auth["one"], timeout=60)
+        ).status_code == 429 and time.time() < deadline:
             time.sleep(0.1)
         assert r.status_code == 200
 
 
-def _raw_request(s, path: str, body: bytes, key: str, declared: int | None = None, rcvbuf: int | None = None) -> socket.socket:
+def _raw_request(
+    s, path: str, body: bytes, key: str, declared: int | None = None, rcvbuf: int | None = None
+) -> socket.socket:
     """A request written by hand on a plain socket (the body possibly shorter than declared)."""
     sock = socket.socket()
     if rcvbuf is not None:
@@ -496,7 +533,10 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_never_admitted(limited):
     assert 1.5 < waited < 20
     assert _stats(s, "two")["requests_received"] == received
     r = httpx.post(
-        s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60
+        s.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": "Bearer two"},
+        timeout=60,
     )
     assert r.status_code == 200  # a body sent at once is served
 
@@ -511,7 +551,15 @@ def test_a_stream_whose_client_stops_reading_is_aborted(limited):
     # 64 choices with 20 logprobs each: about a megabyte a second, so that the kernel's socket
     # buffers (some MB on loopback) fill within seconds
     body = json.dumps(
-        {"model": MODEL, "prompt": "Once upon a time", "n": 64, "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": 20}
+        {
+            "model": MODEL,
+            "prompt": "Once upon a time",
+            "n": 64,
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 20,
+        }
     ).encode()
     with _raw_request(s, "/v1/completions", body, "two", rcvbuf=4096) as sock:
         sock.settimeout(30)
@@ -525,7 +573,10 @@ def test_a_stream_whose_client_stops_reading_is_aborted(limited):
         assert _stats(s, "two")["num_running"] == 0
         assert time.monotonic() - start < 30
         r = httpx.post(
-            s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60
+            s.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+            headers={"Authorization": "Bearer two"},
+            timeout=60,
         )
         assert r.status_code == 200  # the stream's slot under --max-concurrent-per-key 1 is free
 
@@ -538,7 +589,13 @@ def test_a_looping_chat_template_is_a_400_and_the_server_keeps_serving(limited):
     looping = {"model": MODEL, "messages": chat("loop forever"), "max_tokens": 1}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         start = time.monotonic()
-        pending = pool.submit(httpx.post, s.url + "/v1/chat/completions", json=looping, headers={"Authorization": "Bearer one"}, timeout=60)
+        pending = pool.submit(
+            httpx.post,
+            s.url + "/v1/chat/completions",
+            json=looping,
+            headers={"Authorization": "Bearer one"},
+            timeout=60,
+        )
         time.sleep(0.5)
         slowest = 0.0
         while not pending.done():
@@ -550,7 +607,12 @@ def test_a_looping_chat_template_is_a_400_and_the_server_keeps_serving(limited):
     assert_error(r, 400, "messages")
     assert "ran longer than 5 s" in r.json()["error"]["message"]
     assert 4.5 < time.monotonic() - start < 30 and slowest < 2
-    ok = httpx.post(s.url + "/v1/chat/completions", json={**looping, "messages": chat("hi")}, headers={"Authorization": "Bearer two"}, timeout=60)
+    ok = httpx.post(
+        s.url + "/v1/chat/completions",
+        json={**looping, "messages": chat("hi")},
+        headers={"Authorization": "Bearer two"},
+        timeout=60,
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -563,18 +625,29 @@ def test_the_engine_core_publishes_kv_events_where_stats_says(limited):
     s = limited
     stats = _stats(s, "two")
     port = int(stats["kv_events_endpoint"].rsplit(":", 1)[1])
-    assert stats["kv_events_endpoint"] == f"tcp://127.0.0.1:{port}" and stats["kv_events_replay_endpoint"] == f"tcp://127.0.0.1:{port + 1}"
+    assert (
+        stats["kv_events_endpoint"] == f"tcp://127.0.0.1:{port}"
+        and stats["kv_events_replay_endpoint"] == f"tcp://127.0.0.1:{port + 1}"
+    )
     prompt = httpx.post(
         s.url + "/tokenize",
         json={"prompt": "The lighthouse keeper wrote down every ship that passed the island, " * 3},
         headers={"Authorization": "Bearer two"},
     ).json()["tokens"]
     r = httpx.post(
-        s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, headers={"Authorization": "Bearer two"}, timeout=60
+        s.url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+        headers={"Authorization": "Bearer two"},
+        timeout=60,
     )
     assert r.status_code == 200
     first = hash_block_tokens(None, prompt[:16])
     deadline = time.time() + 10
-    while not any(first in e.block_hashes for _, b in replay(stats["kv_events_replay_endpoint"]) for e in b.events if hasattr(e, "block_hashes")):
+    while not any(
+        first in e.block_hashes
+        for _, b in replay(stats["kv_events_replay_endpoint"])
+        for e in b.events
+        if hasattr(e, "block_hashes")
+    ):
         assert time.time() < deadline, "the prompt's first block was not announced"
         time.sleep(0.1)

@@ -20,7 +20,13 @@ from tests.server.test_app import chat, http  # noqa: F401 (fixture)
 from treadle.server.protocol import SERVER_OWNED_TEMPLATE_KEYS, find_invalid_unicode
 
 LONE = "\ud800"
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d"}}},
+    },
+}
 
 
 def post_raw(http, path: str, body: dict):
@@ -37,15 +43,31 @@ def error_message(resp) -> str:
 # (route, body with the surrogate, the parameter the 400 names)
 CASES = [
     ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi" + LONE)}, "messages.0.content"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": LONE}]}, "messages.0.name"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": LONE}]},
+        "messages.0.name",
+    ),
     ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "stop": ["a", LONE]}, "stop.1"),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": chat("hi"), "tools": [json.loads(json.dumps(TOOL).replace('"d"', json.dumps("d" + LONE)))]},
+        {
+            "model": MODEL,
+            "messages": chat("hi"),
+            "tools": [json.loads(json.dumps(TOOL).replace('"d"', json.dumps("d" + LONE)))],
+        },
         "tools.0.function.parameters.properties.x.description",
     ),
-    ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "chat_template_kwargs": {"x": LONE}}, "chat_template_kwargs.x"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "chat_template_kwargs": {LONE: 1}}, "chat_template_kwargs"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": chat("hi"), "chat_template_kwargs": {"x": LONE}},
+        "chat_template_kwargs.x",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": chat("hi"), "chat_template_kwargs": {LONE: 1}},
+        "chat_template_kwargs",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": LONE + "x"}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["ok", "x" + LONE]}, "prompt.1"),
     ("/v1/responses", {"model": MODEL, "input": "x" + LONE}, "input"),
@@ -72,35 +94,55 @@ def test_a_lone_surrogate_is_a_400_naming_the_parameter(http, path, body, param)
 
 
 def test_a_surrogate_pair_is_a_character_and_passes(http):
-    resp = post_raw(http, "/v1/chat/completions", {"model": MODEL, "messages": chat("a smile \U0001f600"), "max_tokens": 2, "temperature": 0})
+    resp = post_raw(
+        http,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": chat("a smile \U0001f600"), "max_tokens": 2, "temperature": 0},
+    )
     assert resp.status_code == 200, resp.text
     assert "\\ud83d\\ude00" in json.dumps({"x": "\U0001f600"})  # it did travel as an escaped pair
 
 
 def test_the_finder_names_keys_and_nested_values():
-    assert find_invalid_unicode({"a": [{"b": "ok"}, {"c": "x" + LONE}]}) == ("a.1.c", "a lone surrogate (U+D800) at position 1")
+    assert find_invalid_unicode({"a": [{"b": "ok"}, {"c": "x" + LONE}]}) == (
+        "a.1.c",
+        "a lone surrogate (U+D800) at position 1",
+    )
     assert find_invalid_unicode({"a": {LONE: 1}})[0] == "a"
     assert find_invalid_unicode({"a": ["ok", 1, None, {"\U0001f600": "\U0001f600"}]}) is None
 
 
 @pytest.mark.parametrize("key", sorted(SERVER_OWNED_TEMPLATE_KEYS))
 def test_template_kwargs_may_not_name_what_the_renderer_sets(http, key):
-    resp = http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("hi"), "chat_template_kwargs": {key: "x"}})
+    resp = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": chat("hi"), "chat_template_kwargs": {key: "x"}}
+    )
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
-    assert err["param"] == "chat_template_kwargs" and err["message"].startswith(f"chat_template_kwargs.{key}: set by the server"), err
+    assert err["param"] == "chat_template_kwargs" and err["message"].startswith(
+        f"chat_template_kwargs.{key}: set by the server"
+    ), err
 
 
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=20)  # surrogates and control characters too
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | ANY_TEXT,
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | ANY_TEXT,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ANY_TEXT, inner, max_size=3),
     max_leaves=8,
 )
-KEYS = st.sampled_from(sorted(SERVER_OWNED_TEMPLATE_KEYS) + ["enable_thinking", "documents", "date_string", "x"]) | ANY_TEXT
+KEYS = (
+    st.sampled_from(sorted(SERVER_OWNED_TEMPLATE_KEYS) + ["enable_thinking", "documents", "date_string", "x"])
+    | ANY_TEXT
+)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(kwargs=st.dictionaries(KEYS, JSON_VALUES, max_size=4))
 def test_arbitrary_template_kwargs_render_or_are_refused_never_a_500(http, kwargs):
     """Any JSON object as chat_template_kwargs (surrogates and control characters included) is
@@ -127,14 +169,22 @@ def test_the_500_guard_sees_the_handlers_record_and_not_a_logged_body(caplog):
     class Engine:  # no tokenizer: /tokenize raises AttributeError, a bug the 500 handler takes
         ready, state, reason = True, "ready", None
 
-    app = build_app(Engine(), ServerSettings(served_model_name="m", model_root=".", log_requests=True))  # bodies logged, as in tests
+    app = build_app(
+        Engine(), ServerSettings(served_model_name="m", model_root=".", log_requests=True)
+    )  # bodies logged, as in tests
 
     async def call():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t") as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t"
+        ) as client:
             return await client.post("/tokenize", json={"prompt": INTERNAL_ERROR_MARK})
 
     with caplog.at_level(logging.INFO, logger="treadle.server"):
         assert asyncio.run(call()).status_code == 500
     lines = [logging.Formatter(LOG_FORMAT).format(r).splitlines()[0] for r in caplog.records]
-    assert [line for line in lines if is_internal_error(line)] == [line for line in lines if line.startswith("ERROR")] != []
+    assert (
+        [line for line in lines if is_internal_error(line)]
+        == [line for line in lines if line.startswith("ERROR")]
+        != []
+    )
     assert any(INTERNAL_ERROR_MARK in line and not is_internal_error(line) for line in lines)  # the logged body

@@ -27,7 +27,9 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def ray_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     ray = shutil.which("ray", path=os.path.dirname(sys.executable))
-    return subprocess.run([ray, *args], env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120, check=check)
+    return subprocess.run(
+        [ray, *args], env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120, check=check
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,11 @@ def cluster(tmp_path_factory):
 def wait_all_ready(server, timeout: float = 120) -> dict:
     deadline = time.time() + timeout
     while True:
-        stats = httpx.get(server.url + "/stats", timeout=10).json() if httpx.get(server.url + "/health", timeout=10).status_code == 200 else {}
+        stats = (
+            httpx.get(server.url + "/stats", timeout=10).json()
+            if httpx.get(server.url + "/health", timeout=10).status_code == 200
+            else {}
+        )
         if stats.get("replicas") and all(r["ready"] for r in stats["replicas"]):
             return stats
         assert time.time() < deadline, server.output()[-3000:]
@@ -63,7 +69,9 @@ def wait_all_ready(server, timeout: float = 120) -> dict:
 def live_treadle_actors(dashboard: str) -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")]) if a.class_name == "RayEngineCore"]
+    return [
+        a for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")]) if a.class_name == "RayEngineCore"
+    ]
 
 
 def test_the_replicas_are_ray_actors_and_route_by_cache(cluster):
@@ -84,7 +92,9 @@ def test_outputs_equal_one_engine(cluster):
     folder = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["root"]
     prompts = [tokens(s, 17 + 9 * s) for s in range(6, 10)]
     llm = LLM(folder, dtype="float32", compile=False, max_model_len=256)
-    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    want = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    ]
     assert [complete(server, p, 10)["choices"][0]["text"] for p in prompts] == want
 
 

@@ -109,14 +109,23 @@ def test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic(
     entry = next(m for m in httpx.get(multi.url + "/api/ps").json()["models"] if m["name"] == TINY)
     assert entry["size"] > 0 and entry["expires_at"] < "2300"
     assert wait_for(lambda: TINY not in loaded(multi), 15)  # no request arrived meanwhile
-    r = httpx.post(multi.url + "/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}, timeout=120)
+    r = httpx.post(
+        multi.url + "/api/generate",
+        json={"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}},
+        timeout=120,
+    )
     assert r.json()["load_duration"] > 0  # it was loaded for this request
     pid = httpx.get(multi.url + "/stats", params={"model": "tiny"}).json()["engine_pid"]
     r = httpx.post(multi.url + "/api/generate", json={"model": "tiny", "keep_alive": 0})
     assert r.status_code == 200 and r.json()["done_reason"] == "unload"
     assert TINY not in loaded(multi)
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)  # its process, and with it its memory, is gone
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False, "options": {"num_predict": 2}}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "options": {"num_predict": 2},
+    }
     assert httpx.post(multi.url + "/api/chat", json={**chat, "keep_alive": -1}, timeout=120).status_code == 200
     entry = next(m for m in httpx.get(multi.url + "/api/ps").json()["models"] if m["name"] == TINY)
     assert entry["expires_at"].startswith("2318")  # Ollama's forever
@@ -142,14 +151,18 @@ def test_a_spare_engine_core_takes_the_next_model_and_another_is_started(multi):
     assert complete(multi, "tiny", [1, 2, 3], max_tokens=2).status_code == 200
     pid = httpx.get(multi.url + "/stats", params={"model": "tiny"}).json()["engine_pid"]
     assert pid in waiting  # the spare became tiny's engine core
-    assert wait_for(lambda: spare_bytes() > 100 << 20 and children(multi.proc.pid) - waiting - {pid}, 60)  # and a new one waits
+    assert wait_for(
+        lambda: spare_bytes() > 100 << 20 and children(multi.proc.pid) - waiting - {pid}, 60
+    )  # and a new one waits
 
 
 def test_the_least_recently_used_idle_model_is_evicted_past_max_loaded(multi):
     for name in ("tiny", MODEL, "tiny-limited"):
         r = complete(multi, name, [1, 2, 3], max_tokens=2)
         assert r.status_code == 200, r.text
-    assert sorted(loaded(multi)) == sorted([f"{MODEL}:latest", "tiny-limited:latest"])  # tiny was the least recently used
+    assert sorted(loaded(multi)) == sorted(
+        [f"{MODEL}:latest", "tiny-limited:latest"]
+    )  # tiny was the least recently used
     r = complete(multi, MODEL, [1, 2, 3], max_tokens=2)
     r = complete(multi, "tiny", [1, 2, 3], max_tokens=2)
     assert sorted(loaded(multi)) == sorted([f"{MODEL}:latest", TINY])
@@ -170,7 +183,10 @@ def test_unknown_models_are_404_in_each_dialect(multi):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(multi.url + "/api/chat", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404 and r.json()["error"] == "model 'nope' not found"
-    r = httpx.post(multi.url + "/v1/messages", json={"model": "nope", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        multi.url + "/v1/messages",
+        json={"model": "nope", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 404 and r.json()["type"] == "error"
 
 
@@ -209,7 +225,16 @@ def test_ollama_pull_show_copy_delete_against_the_store(multi, store_dir):
 def budget_server(store_dir):
     """--memory-budget that holds the default model or the tiny one, not both (their engine cores
     measured ~410 MB and ~300 MB resident on 2 cores)."""
-    yield from running("--models-dir", store_dir["dir"], "--memory-budget", "580M", "--kv-cache-memory-bytes", "32M", "--max-model-len", "512")
+    yield from running(
+        "--models-dir",
+        store_dir["dir"],
+        "--memory-budget",
+        "580M",
+        "--kv-cache-memory-bytes",
+        "32M",
+        "--max-model-len",
+        "512",
+    )
 
 
 def test_the_memory_budget_counts_every_engine_core_and_evicts_by_least_recent_use(budget_server):

@@ -60,7 +60,9 @@ def test_every_route_conforms_to_the_openapi_document_under_generated_requests(t
         assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-2000:]
         assert "generated" in summary and "API Operations" in summary
         if keyed:  # the same routes without the key: each a documented 401
-            assert schemathesis(server.url, "--phases", "fuzzing", "--max-examples", "3", workdir=tmp_path).returncode == 0
+            assert (
+                schemathesis(server.url, "--phases", "fuzzing", "--max-examples", "3", workdir=tmp_path).returncode == 0
+            )
         assert server.proc.poll() is None and httpx.get(server.url + "/health", timeout=10).status_code == 200
         assert "Traceback" not in server.output()
     finally:
@@ -84,7 +86,10 @@ def test_the_document_names_every_reply_and_every_stream():
                 ref = ok["application/json"]["schema"]["$ref"]
                 assert ref.split("/")[-1] in spec["components"]["schemas"], (method, path)
             streams[(method, path)] = sorted(set(ok) - {"application/json"})
-            assert "422" not in op["responses"] and ("400" in op["responses"] or "requestBody" not in op), (method, path)
+            assert "422" not in op["responses"] and ("400" in op["responses"] or "requestBody" not in op), (
+                method,
+                path,
+            )
     assert streams[("post", "/v1/chat/completions")] == ["text/event-stream"]
     assert streams[("post", "/v1/messages")] == ["text/event-stream"]
     assert streams[("post", "/api/chat")] == ["application/x-ndjson"]

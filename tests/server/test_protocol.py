@@ -66,14 +66,20 @@ EFFECT = {
 }
 
 
-@pytest.mark.parametrize("model,refused", [(ChatCompletionRequest, REFUSED_CHAT), (CompletionRequest, REFUSED_COMPLETION)])
+@pytest.mark.parametrize(
+    "model,refused", [(ChatCompletionRequest, REFUSED_CHAT), (CompletionRequest, REFUSED_COMPLETION)]
+)
 def test_every_field_is_classified(model, refused):
     for name in model.model_fields:
         classes = [name in NO_OP_FIELDS, name in refused, name in EFFECT]
-        assert sum(classes) == 1, f"{model.__name__}.{name}: neither refused, nor a documented no-op, nor tested for its effect"
+        assert sum(classes) == 1, (
+            f"{model.__name__}.{name}: neither refused, nor a documented no-op, nor tested for its effect"
+        )
     for name, where in EFFECT.items():
         module, test = where.split("::")
-        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), f"{name}: {where} does not exist"
+        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), (
+            f"{name}: {where} does not exist"
+        )
 
 
 @pytest.mark.parametrize("field,value", sorted(REFUSED_CHAT.items()))
@@ -84,11 +90,20 @@ def test_refused_chat_fields_are_400_naming_them(http, field, value):
 
 @pytest.mark.parametrize("field,value", sorted(REFUSED_COMPLETION.items()))
 def test_refused_completion_fields_are_400_naming_them(http, field, value):
-    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}), 400, field)
+    assert_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}), 400, field
+    )
 
 
 def test_no_op_fields_are_accepted(http):
-    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto"}
+    body = {
+        "model": MODEL,
+        "messages": chat("hi"),
+        "max_tokens": 2,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+    }
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
@@ -138,10 +153,16 @@ def test_penalties_and_bias_change_the_greedy_text(http):
 def test_continue_final_message_continues_the_assistant_text(http):
     messages = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Red, green and"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
-    assert_error(http.post("/v1/chat/completions", json={**body, "continue_final_message": True}), 400, "continue_final_message")
-    cont = http.post("/v1/chat/completions", json={**body, "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert_error(
+        http.post("/v1/chat/completions", json={**body, "continue_final_message": True}), 400, "continue_final_message"
+    )
+    cont = http.post(
+        "/v1/chat/completions", json={**body, "continue_final_message": True, "add_generation_prompt": False}
+    ).json()
     # the same text as completing the rendered conversation cut after "Red, green and"
-    ids = http.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    ids = http.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False}).json()[
+        "tokens"
+    ]
     rendered = http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
     cut = rendered[: rendered.rindex("Red, green and") + len("Red, green and")]
     raw = complete(http, prompt=cut, add_special_tokens=False)
@@ -173,22 +194,33 @@ def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
 
         plain = prompt_tokens()
         assert prompt_tokens(chat_template_kwargs={"greeting": "Good morning, dear friend. "}) > plain + 3
-        bos = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": True}, timeout=30).json()["count"]
-        without = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": False}, timeout=30).json()["count"]
+        bos = httpx.post(
+            server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": True}, timeout=30
+        ).json()["count"]
+        without = httpx.post(
+            server.url + "/tokenize", json={"prompt": "hi", "add_special_tokens": False}, timeout=30
+        ).json()["count"]
         assert prompt_tokens(add_special_tokens=True) - plain == bos - without  # what the tokenizer adds, if anything
         # the dialects' thinking switches reach the template as enable_thinking (the prompts are
         # shorter than a block: nothing comes from the prefix cache)
         assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain + 3
-        for route, body in [("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}), ("/api/generate", {"prompt": "hi"})]:
+        for route, body in [
+            ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/api/generate", {"prompt": "hi"}),
+        ]:
             counts = [
                 httpx.post(
-                    server.url + route, json={"model": MODEL, "stream": False, "options": {"num_predict": 1}, **body, **kw}, timeout=60
+                    server.url + route,
+                    json={"model": MODEL, "stream": False, "options": {"num_predict": 1}, **body, **kw},
+                    timeout=60,
                 ).json()["prompt_eval_count"]
                 for kw in ({}, {"think": False})
             ]
             assert counts[1] > counts[0] + 3 and counts[0] == plain, (route, counts)
         count = lambda **kw: httpx.post(
-            server.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}, timeout=30
+            server.url + "/v1/messages/count_tokens",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw},
+            timeout=30,
         ).json()["input_tokens"]
         assert count(thinking={"type": "disabled"}) > count() + 3 and count() == plain
     finally:
@@ -333,10 +365,14 @@ def test_every_dialect_field_is_classified(model):
     _, _, effect, refused, no_op = DIALECTS[model]
     for name in model.model_fields:
         classes = [name in no_op, name in refused, name in effect]
-        assert sum(classes) == 1, f"{model.__name__}.{name}: neither refused, nor a documented no-op, nor tested for its effect"
+        assert sum(classes) == 1, (
+            f"{model.__name__}.{name}: neither refused, nor a documented no-op, nor tested for its effect"
+        )
     for name, where in effect.items():
         module, test = where.split("::")
-        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), f"{name}: {where} does not exist"
+        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), (
+            f"{name}: {where} does not exist"
+        )
 
 
 @pytest.mark.parametrize("model", list(DIALECTS), ids=lambda m: m.__name__)

@@ -25,7 +25,9 @@ def server(tmp_path_factory):
     try:
         s.wait_healthy()
         deadline = time.time() + 60
-        while not all(r["ready"] for r in httpx.get(s.url + "/stats", timeout=10).json().get("replicas", [{"ready": False}])):
+        while not all(
+            r["ready"] for r in httpx.get(s.url + "/stats", timeout=10).json().get("replicas", [{"ready": False}])
+        ):
             assert time.time() < deadline
             time.sleep(0.2)
         yield s
@@ -40,7 +42,10 @@ def test_stats_and_metrics_speak_per_replica(server):
     assert len({r["engine_pid"] for r in stats["replicas"]}) == 2
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     for i in ("0", "1"):
-        assert f'treadle:num_requests_running{{replica="{i}"}}' in metrics and f'treadle:kv_blocks_total{{replica="{i}"}}' in metrics
+        assert (
+            f'treadle:num_requests_running{{replica="{i}"}}' in metrics
+            and f'treadle:kv_blocks_total{{replica="{i}"}}' in metrics
+        )
 
 
 def test_a_shared_prefix_goes_where_it_is_cached_and_the_prediction_holds(server):
@@ -133,7 +138,9 @@ def test_a_replica_killed_mid_run_loses_no_request_and_leaks_no_block(server):
     deadline = time.time() + 90
     while True:
         stats = httpx.get(server.url + "/stats", timeout=10).json()
-        if all(r["ready"] for r in stats["replicas"]) and all(r["num_running"] == 0 and r["kv_blocks_used"] == 0 for r in stats["replicas"]):
+        if all(r["ready"] for r in stats["replicas"]) and all(
+            r["num_running"] == 0 and r["kv_blocks_used"] == 0 for r in stats["replicas"]
+        ):
             break
         assert time.time() < deadline, [(r["ready"], r["num_running"], r["kv_blocks_used"]) for r in stats["replicas"]]
         time.sleep(0.2)

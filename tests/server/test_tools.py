@@ -17,14 +17,20 @@ WEATHER = {
         "description": "Get current temperature at a location.",
         "parameters": {
             "type": "object",
-            "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "properties": {
+                "location": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
             "required": ["location"],
         },
     },
 }
 SEARCH = {
     "type": "function",
-    "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}},
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
 }
 TOOLS = tool_setup([WEATHER, SEARCH], "auto", None).by_name()
 
@@ -35,7 +41,10 @@ RECORDED = [
         '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "search", "arguments": {"q": "weather tomorrow"}}\n</tool_call>',
         None,
-        [("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}), ("search", {"q": "weather tomorrow"})],
+        [
+            ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
+            ("search", {"q": "weather tomorrow"}),
+        ],
     ),
     (
         "hermes",  # Hermes-3: a sentence first
@@ -79,7 +88,12 @@ RECORDED = [
         None,
         [("get_current_temperature", {"location": "Oslo"})],
     ),
-    (None, '{"name": "get_current_temperature", "arguments": {"unit": "kelvin"}}', "same", []),  # arguments fail the schema
+    (
+        None,
+        '{"name": "get_current_temperature", "arguments": {"unit": "kelvin"}}',
+        "same",
+        [],
+    ),  # arguments fail the schema
     (None, '{"name": "launch_rockets", "arguments": {}}', "same", []),  # not a declared tool
     ("hermes", "The capital of France is Paris.", "same", []),
     (None, '{"answer": 42}', "same", []),
@@ -124,13 +138,20 @@ def test_forced_array_streams_names_then_arguments():
     assert scan_forced_array(text[:30]) == [("search", "", False)]
     part = text[:42]
     assert part.endswith('"a,') and scan_forced_array(part) == [("search", '{"q": "a,', False)]
-    assert scan_forced_array(text) == [("search", '{"q": "a, b"}', True), ("get_current_temperature", '{"location": "X"}', True)]
+    assert scan_forced_array(text) == [
+        ("search", '{"q": "a, b"}', True),
+        ("get_current_temperature", '{"location": "X"}', True),
+    ]
     setup = tool_setup([WEATHER, SEARCH], "required", None)
     deltas = _streamed(text, None, setup, 9)
-    assert deltas[0]["tool_calls"][0]["function"] == {"name": "search", "arguments": ""} and deltas[0]["tool_calls"][0]["id"].startswith("call_")
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "search", "arguments": ""} and deltas[0]["tool_calls"][0][
+        "id"
+    ].startswith("call_")
     out = ChatOutput(setup, None, None)
     msg = out.message(text)
-    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == ['{"q": "a, b"}', '{"location": "X"}'] and msg["content"] is None
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == ['{"q": "a, b"}', '{"location": "X"}'] and msg[
+        "content"
+    ] is None
     assert out.finish_reason("stop") == "tool_calls"
 
 
@@ -148,7 +169,12 @@ def test_required_grammar_is_an_array_of_declared_calls():
     import jsonschema
 
     jsonschema.validate([{"name": "search", "arguments": {"q": "x"}}], schema)
-    for bad in ([], [{"name": "nope", "arguments": {}}], [{"name": "search", "arguments": {}}], [{"name": "search", "arguments": {"q": "x"}}] * 2):
+    for bad in (
+        [],
+        [{"name": "nope", "arguments": {}}],
+        [{"name": "search", "arguments": {}}],
+        [{"name": "search", "arguments": {"q": "x"}}] * 2,
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
@@ -160,7 +186,12 @@ def test_required_grammar_is_an_array_of_declared_calls():
         (None, None, True, "parallel_tool_calls"),
         ([{"type": "retrieval"}], None, None, "tools[0].type"),
         ([{"type": "function", "function": {"name": "has space"}}], None, None, "tools[0].function.name"),
-        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, None, "tools[0].function.parameters"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            None,
+            None,
+            "tools[0].function.parameters",
+        ),
         ([{"type": "function", "function": {"name": "f", "extra": 1}}], None, None, "tools[0].function"),
         ([SEARCH, SEARCH], None, None, "tools[1].function.name"),
         ([SEARCH], "sometimes", None, "tool_choice"),
@@ -181,7 +212,9 @@ def test_history_renders_natively_or_as_text():
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}],
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
+            ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "x is 4"},
     ]
@@ -193,7 +226,9 @@ def test_history_renders_natively_or_as_text():
     assert json.loads(text[2]["content"]) == {"name": "search", "arguments": {"q": "x"}}
     assert text[3] == {"role": "user", "content": "Result of call_1: x is 4"}
     with pytest.raises(RequestError):
-        prepare_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "s", "arguments": "{bad"}}]}], setup, True)
+        prepare_messages(
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "s", "arguments": "{bad"}}]}], setup, True
+        )
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 1000])
@@ -214,7 +249,10 @@ def test_reasoning_split_whole_and_streamed(pieces):
                 got[kind] += piece
         assert (got["reasoning"], got["content"]) == want, text
     msg = ChatOutput(None, None, False).message(reply)
-    assert msg["reasoning"] == msg["reasoning_content"] == "\nThe user wants a number.\n" and msg["content"] == "\n\nThe answer is 4."
+    assert (
+        msg["reasoning"] == msg["reasoning_content"] == "\nThe user wants a number.\n"
+        and msg["content"] == "\n\nThe answer is 4."
+    )
 
 
 def test_where_reasoning_starts():

@@ -99,7 +99,15 @@ def sse(content: str) -> str:
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
         {"choices": [{"index": 0, "delta": {"content": content[:40]}, "finish_reason": None}]},
         {"choices": [{"index": 0, "delta": {"content": content[40:]}, "finish_reason": "stop"}]},
-        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35, "prompt_tokens_details": {"cached_tokens": 0}}},
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": 30,
+                "total_tokens": 35,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        },
     ]
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
@@ -107,7 +115,10 @@ def sse(content: str) -> str:
 def test_model_output_cannot_inject_html(server, browser):
     page = browser.new_page(viewport={"width": 390, "height": 760})  # a phone-sized window
     page.add_init_script(f"localStorage.setItem('treadle.apiKey', {json.dumps(KEY)})")
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=200, content_type="text/event-stream", body=sse(EVIL)))
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=sse(EVIL)),
+    )
     page.goto(server.url + "/")
     page.fill("#input", "say something nasty")
     page.press("#input", "Enter")

@@ -110,7 +110,9 @@ def test_a_killed_pull_leaves_nothing_listed_and_the_next_one_resumes(hub, files
     # 10% the bytes-served bound allows (with 64 KiB chunks one chunk in flight was 17% of this file)
     hub.chunk, hub.delay = 8192, 0.01
     env = {**os.environ}
-    proc = subprocess.Popen([sys.executable, "-m", "treadle", "pull", f"hf://{REPO}:F32", "-q"], env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treadle", "pull", f"hf://{REPO}:F32", "-q"], env=env, stderr=subprocess.PIPE
+    )
     partial = tmp_path / "store" / ".partial"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -162,7 +164,13 @@ def test_a_folder_repository_with_its_generation_defaults_and_license(hub, files
     assert "temperature 0.6" in capsys.readouterr().out.splitlines()
     # Ollama-style parameters of the store's own override the model's
     ModelStore().set_parameters("tiny-llama", {"temperature": 0.2, "num_predict": 64})
-    assert ModelStore().info("tiny-llama").defaults == {"temperature": 0.2, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 64}
+    assert ModelStore().info("tiny-llama").defaults == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 64,
+    }
     with pytest.raises(ValueError, match="mirostat"):
         ModelStore().set_parameters("tiny-llama", {"mirostat": 1})
 
@@ -183,7 +191,12 @@ def test_local_import_copy_and_remove(files, tmp_path, capsys):
     assert main(["pull", files["Q8_0"], "--name", "mine", "--models-dir", store]) == 0
     assert main(["pull", files["folder"], "--models-dir", store]) == 0
     assert main(["cp", "mine", "mine:copy", "--models-dir", store]) == 0
-    assert main(["cp", "mine", "mine:cold", "--param", "temperature=0.2", "--param", 'stop=["END"]', "--models-dir", store]) == 0
+    assert (
+        main(
+            ["cp", "mine", "mine:cold", "--param", "temperature=0.2", "--param", 'stop=["END"]', "--models-dir", store]
+        )
+        == 0
+    )
     assert ModelStore(store).info("mine:cold").defaults == {"temperature": 0.2, "stop": ["END"]}
     assert main(["cp", "mine", "mine:bad", "--param", "mirostat=1", "--models-dir", store]) == 1
     assert "mirostat" in capsys.readouterr().err

@@ -78,7 +78,14 @@ class FakeHub:
         url = urlparse(h.path)
         path = unquote(url.path)
         with self.lock:
-            self.requests.append({"method": h.command, "path": path, "range": h.headers.get("Range"), "auth": h.headers.get("Authorization")})
+            self.requests.append(
+                {
+                    "method": h.command,
+                    "path": path,
+                    "range": h.headers.get("Range"),
+                    "auth": h.headers.get("Authorization"),
+                }
+            )
         parts = path.strip("/").split("/")
         if parts[:2] == ["api", "models"] and "tree" in parts:
             i = parts.index("tree")

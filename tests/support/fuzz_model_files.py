@@ -272,7 +272,9 @@ def gguf_mutation(st, seed: bytes):
         kind = draw(st.sampled_from(["field", "field", "field", "bytes", "truncate"]))
         if kind == "field":
             f = draw(st.sampled_from(fields))
-            original = struct.unpack_from(f.fmt, data, f.offset)[0] if f.offset + struct.calcsize(f.fmt) <= len(data) else 0
+            original = (
+                struct.unpack_from(f.fmt, data, f.offset)[0] if f.offset + struct.calcsize(f.fmt) <= len(data) else 0
+            )
             value = draw(_number_for(st, f.fmt, original))
             if f.offset + struct.calcsize(f.fmt) <= len(data):
                 struct.pack_into(f.fmt, data, f.offset, value)
@@ -321,7 +323,10 @@ def gguf_metadata_mutation(st, keys: list[str], token_count: int):
     )
     lists = st.one_of(
         st.tuples(st.just(T.INT32), st.lists(st.integers(-2, token_count + 2), min_size=1, max_size=token_count + 2)),
-        st.tuples(st.just(T.STRING), st.lists(st.sampled_from(["", "a", "a b", "Ġ t", "<|im_end|>", "x y z"]), min_size=1, max_size=8)),
+        st.tuples(
+            st.just(T.STRING),
+            st.lists(st.sampled_from(["", "a", "a b", "Ġ t", "<|im_end|>", "x y z"]), min_size=1, max_size=8),
+        ),
         st.tuples(st.just(T.FLOAT32), st.lists(st.sampled_from(FLOATS), min_size=1, max_size=8)),
     )
     entry = st.one_of(
@@ -333,8 +338,18 @@ def gguf_metadata_mutation(st, keys: list[str], token_count: int):
 
 
 def _json_values(st):
-    scalars = st.none() | st.booleans() | st.sampled_from(INTERESTING + [-1, -(2**63)]).map(int) | st.sampled_from(FLOATS[:7]) | st.text(max_size=12)
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.sampled_from(INTERESTING + [-1, -(2**63)]).map(int)
+        | st.sampled_from(FLOATS[:7])
+        | st.text(max_size=12)
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=6,
+    )
 
 
 def hf_mutation(st, folder: str):
@@ -355,9 +370,15 @@ def hf_mutation(st, folder: str):
         cut = new_len = None
         body_edits = []
         for _ in range(draw(st.integers(1, 3))):
-            kind = draw(st.sampled_from(["config", "config", "config_drop", "dtype", "shape", "offsets", "header_len", "bytes", "truncate"]))
+            kind = draw(
+                st.sampled_from(
+                    ["config", "config", "config_drop", "dtype", "shape", "offsets", "header_len", "bytes", "truncate"]
+                )
+            )
             if kind == "config":
-                key = draw(st.sampled_from(sorted(cfg) + ["head_dim", "rope_scaling", "sliding_window", "quantization_config"]))
+                key = draw(
+                    st.sampled_from(sorted(cfg) + ["head_dim", "rope_scaling", "sliding_window", "quantization_config"])
+                )
                 cfg[key] = draw(values | _number_for(st, "<q", cfg.get(key) if isinstance(cfg.get(key), int) else 0))
                 steps.append(f"config {key} = {cfg[key]!r}")
             elif kind == "config_drop" and cfg:
@@ -366,7 +387,9 @@ def hf_mutation(st, folder: str):
                 steps.append(f"config drops {key}")
             elif kind == "dtype":
                 name = draw(st.sampled_from(names))
-                hdr[name]["dtype"] = draw(st.sampled_from(["F16", "BF16", "F64", "I8", "U8", "I64", "BOOL", "F8_E4M3", "XX", ""]) | values)
+                hdr[name]["dtype"] = draw(
+                    st.sampled_from(["F16", "BF16", "F64", "I8", "U8", "I64", "BOOL", "F8_E4M3", "XX", ""]) | values
+                )
                 steps.append(f"{name} dtype = {hdr[name]['dtype']!r}")
             elif kind == "shape":
                 name = draw(st.sampled_from(names))
@@ -389,7 +412,9 @@ def hf_mutation(st, folder: str):
                 steps.append(f"safetensors truncated at {cut}")
         text = json.dumps(hdr, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
-        data = bytearray(struct.pack("<Q", len(text) if new_len is None else new_len) + text + weights[8 + header_len :])
+        data = bytearray(
+            struct.pack("<Q", len(text) if new_len is None else new_len) + text + weights[8 + header_len :]
+        )
         for at, chunk in body_edits:
             data[at : at + len(chunk)] = chunk
         if cut is not None:
@@ -417,12 +442,18 @@ def _worker(conn) -> None:
             return
         path, size = job
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        resource.setrlimit(resource.RLIMIT_AS, (min(_address_space() + size + MEMORY_MARGIN, hard if hard > 0 else 1 << 62), hard))
+        resource.setrlimit(
+            resource.RLIMIT_AS, (min(_address_space() + size + MEMORY_MARGIN, hard if hard > 0 else 1 << 62), hard)
+        )
         try:
             llm = LLM(path, dtype="float32", num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=64, seed=0)
             out = llm.generate([[1]], SamplingParams(max_tokens=1, temperature=0))
             tokens = out[0].outputs[0].token_ids
-            result = ("ok", f"{len(tokens)} token(s)") if len(tokens) == 1 else ("error", f"answered {len(tokens)} tokens to a 1-token request")
+            result = (
+                ("ok", f"{len(tokens)} token(s)")
+                if len(tokens) == 1
+                else ("error", f"answered {len(tokens)} tokens to a 1-token request")
+            )
             del llm
         except ModelLoadError as e:
             result = ("load_error", str(e))
@@ -460,7 +491,11 @@ class Loader:
         if self._proc is None or not self._proc.is_alive():
             self._start()
             timeout += 60  # the worker imports torch first
-        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) if os.path.isdir(path) else os.path.getsize(path)
+        size = (
+            sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+            if os.path.isdir(path)
+            else os.path.getsize(path)
+        )
         self._conn.send((path, size))
         if self._conn.poll(timeout):
             try:
@@ -504,7 +539,10 @@ def run(fmt: str, examples: int, seed: int | None, loader: Loader, workdir: str,
 
         meta = read_metadata(seed_path)
         overrides = gguf_metadata_mutation(st, sorted(meta), len(meta["tokenizer.ggml.tokens"]))
-        strategy = st.one_of(gguf_mutation(st, seed_bytes), overrides.map(lambda o: (o, [f"metadata {o[0]} = {o[1] and o[1].name} {o[2]!r:.80}"])))
+        strategy = st.one_of(
+            gguf_mutation(st, seed_bytes),
+            overrides.map(lambda o: (o, [f"metadata {o[0]} = {o[1] and o[1].name} {o[2]!r:.80}"])),
+        )
     else:
         seed_dir = os.path.join(workdir, "seed-hf")
         write_seed_hf(seed_dir)
@@ -570,7 +608,9 @@ def main() -> int:
                 print(f"  {n:5d} x {text[:160]}")
             for steps, outcome, detail in result["failures"]:
                 status = 1
-                print(f"  {outcome}: {'; '.join(steps)}\n    {detail.strip().splitlines()[-1] if detail.strip() else ''}")
+                print(
+                    f"  {outcome}: {'; '.join(steps)}\n    {detail.strip().splitlines()[-1] if detail.strip() else ''}"
+                )
     finally:
         loader.close()
     return status

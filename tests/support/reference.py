@@ -51,7 +51,13 @@ def greedy_continuation(llm):
     def cont(prefix, n):
         if not n:
             return []
-        return llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+        return (
+            llm.generate([{"prompt_token_ids": prefix}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[
+                0
+            ]
+            .outputs[0]
+            .token_ids
+        )
 
     return cont
 

@@ -6,9 +6,9 @@ control characters, noncharacters."""
 import schemathesis
 from hypothesis import strategies as st
 
-ODD = st.sampled_from(["\ud800", "x\udfffy", "\ud83d", "\x00", "a\x1b[0m", "\u0085\u2028", "\ufffe\uffff", "\U0010ffff"]) | st.text(
-    st.characters(exclude_categories=()), min_size=1, max_size=6
-)
+ODD = st.sampled_from(
+    ["\ud800", "x\udfffy", "\ud83d", "\x00", "a\x1b[0m", "\u0085\u2028", "\ufffe\uffff", "\U0010ffff"]
+) | st.text(st.characters(exclude_categories=()), min_size=1, max_size=6)
 
 
 def _string_paths(value, path=()):

@@ -6,7 +6,13 @@ STRICT = {"additionalProperties": False}
 
 
 def obj(props: dict, required: list | None = None, **extra) -> dict:
-    return {"type": "object", "properties": props, "required": list(props) if required is None else required, **STRICT, **extra}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props) if required is None else required,
+        **STRICT,
+        **extra,
+    }
 
 
 S = {"type": "string"}
@@ -15,18 +21,38 @@ N = {"type": "number"}
 B = {"type": "boolean"}
 
 SCHEMAS = [
-    ("Describe a person named Alice who is 30 years old.", obj({"name": S, "age": {**I, "minimum": 0, "maximum": 150}})),
-    ("Give the capital of France and its population.", obj({"city": S, "country": S, "population": {**I, "minimum": 0}})),
+    (
+        "Describe a person named Alice who is 30 years old.",
+        obj({"name": S, "age": {**I, "minimum": 0, "maximum": 150}}),
+    ),
+    (
+        "Give the capital of France and its population.",
+        obj({"city": S, "country": S, "population": {**I, "minimum": 0}}),
+    ),
     ("List three fruits.", obj({"fruits": {"type": "array", "items": S, "minItems": 3, "maxItems": 3}})),
     ("Rate the movie Inception.", obj({"title": S, "rating": {**N, "minimum": 0, "maximum": 10}, "recommended": B})),
     (
         "What is the weather like today?",
-        obj({"condition": {"enum": ["sunny", "cloudy", "rainy", "snowy"]}, "temperature_c": {**I, "minimum": -60, "maximum": 60}}),
+        obj(
+            {
+                "condition": {"enum": ["sunny", "cloudy", "rainy", "snowy"]},
+                "temperature_c": {**I, "minimum": -60, "maximum": 60},
+            }
+        ),
     ),
-    ("Create a user account for bob.", obj({"username": {**S, "pattern": "^[a-z][a-z0-9_]{2,15}$"}, "email": {**S, "format": "email"}})),
+    (
+        "Create a user account for bob.",
+        obj({"username": {**S, "pattern": "^[a-z][a-z0-9_]{2,15}$"}, "email": {**S, "format": "email"}}),
+    ),
     (
         "Schedule a meeting for next Monday.",
-        obj({"topic": S, "date": {**S, "format": "date"}, "attendees": {"type": "array", "items": S, "minItems": 1, "maxItems": 4}}),
+        obj(
+            {
+                "topic": S,
+                "date": {**S, "format": "date"},
+                "attendees": {"type": "array", "items": S, "minItems": 1, "maxItems": 4},
+            }
+        ),
     ),
     (
         "Describe a book.",
@@ -34,10 +60,19 @@ SCHEMAS = [
     ),
     (
         "Give a color in RGB.",
-        obj({"r": {**I, "minimum": 0, "maximum": 255}, "g": {**I, "minimum": 0, "maximum": 255}, "b": {**I, "minimum": 0, "maximum": 255}}),
+        obj(
+            {
+                "r": {**I, "minimum": 0, "maximum": 255},
+                "g": {**I, "minimum": 0, "maximum": 255},
+                "b": {**I, "minimum": 0, "maximum": 255},
+            }
+        ),
     ),
     ("Is the sky blue? Answer with a reason.", obj({"answer": B, "reason": {**S, "maxLength": 80}})),
-    ("Describe a laptop for sale.", obj({"model": S, "price": {**N, "exclusiveMinimum": 0, "maximum": 10000}, "in_stock": B}, ["model", "price"])),
+    (
+        "Describe a laptop for sale.",
+        obj({"model": S, "price": {**N, "exclusiveMinimum": 0, "maximum": 10000}, "in_stock": B}, ["model", "price"]),
+    ),
     (
         "Describe a shape.",
         {
@@ -54,19 +89,36 @@ SCHEMAS = [
             **obj({"company": S, "address": {"$ref": "#/$defs/address"}}),
         },
     ),
-    ("Log an event with a unique id.", obj({"id": {**S, "format": "uuid"}, "level": {"enum": ["debug", "info", "warning", "error"]}, "message": S})),
-    ("Record a server.", obj({"hostname": S, "ip": {**S, "format": "ipv4"}, "port": {**I, "minimum": 1, "maximum": 65535}})),
+    (
+        "Log an event with a unique id.",
+        obj({"id": {**S, "format": "uuid"}, "level": {"enum": ["debug", "info", "warning", "error"]}, "message": S}),
+    ),
+    (
+        "Record a server.",
+        obj({"hostname": S, "ip": {**S, "format": "ipv4"}, "port": {**I, "minimum": 1, "maximum": 65535}}),
+    ),
     ("Give a timestamp for a deployment.", obj({"service": S, "deployed_at": {**S, "format": "date-time"}})),
     (
         "Describe a pet.",
         obj(
-            {"name": S, "species": {"enum": ["dog", "cat", "bird", "fish"]}, "age": {**I, "minimum": 0, "maximum": 40}, "nickname": S},
+            {
+                "name": S,
+                "species": {"enum": ["dog", "cat", "bird", "fish"]},
+                "age": {**I, "minimum": 0, "maximum": 40},
+                "nickname": S,
+            },
             ["name", "species"],
         ),
     ),
     (
         "Give the score of a football match.",
-        obj({"home": S, "away": S, "score": {"type": "array", "items": {**I, "minimum": 0, "maximum": 20}, "minItems": 2, "maxItems": 2}}),
+        obj(
+            {
+                "home": S,
+                "away": S,
+                "score": {"type": "array", "items": {**I, "minimum": 0, "maximum": 20}, "minItems": 2, "maxItems": 2},
+            }
+        ),
     ),
     (
         "Describe a recipe.",
@@ -97,19 +149,39 @@ SCHEMAS = [
     (
         "Describe a tree of two nodes.",
         {
-            "$defs": {"node": obj({"value": I, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, ["value"])},
+            "$defs": {
+                "node": obj(
+                    {"value": I, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+                    ["value"],
+                )
+            },
             "$ref": "#/$defs/node",
         },
     ),
     (
         "Give a flight booking.",
-        obj({"from": {**S, "pattern": "^[A-Z]{3}$"}, "to": {**S, "pattern": "^[A-Z]{3}$"}, "passengers": {**I, "minimum": 1, "maximum": 9}}),
+        obj(
+            {
+                "from": {**S, "pattern": "^[A-Z]{3}$"},
+                "to": {**S, "pattern": "^[A-Z]{3}$"},
+                "passengers": {**I, "minimum": 1, "maximum": 9},
+            }
+        ),
     ),
     ("Return an HTTP status.", obj({"code": {"enum": [200, 201, 400, 404, 500]}, "ok": B})),
-    ("Give coordinates of London.", obj({"lat": {**N, "minimum": -90, "maximum": 90}, "lon": {**N, "minimum": -180, "maximum": 180}})),
+    (
+        "Give coordinates of London.",
+        obj({"lat": {**N, "minimum": -90, "maximum": 90}, "lon": {**N, "minimum": -180, "maximum": 180}}),
+    ),
     (
         "Describe a task in a todo list.",
-        obj({"task": S, "done": B, "priority": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 3}, {"type": "null"}]}}),
+        obj(
+            {
+                "task": S,
+                "done": B,
+                "priority": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 3}, {"type": "null"}]},
+            }
+        ),
     ),
     (
         "Give a short poem title and its lines.",
@@ -122,12 +194,34 @@ SCHEMAS = [
     ),
     (
         "Describe an employee.",
-        obj({"name": S, "department": {"enum": ["engineering", "sales", "support"]}, "manager": {"anyOf": [S, {"type": "null"}]}}),
+        obj(
+            {
+                "name": S,
+                "department": {"enum": ["engineering", "sales", "support"]},
+                "manager": {"anyOf": [S, {"type": "null"}]},
+            }
+        ),
     ),
-    ("Give a version number of a software release.", obj({"name": S, "version": {**S, "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"}, "stable": B})),
-    ("Describe a car.", obj({"make": S, "model": S, "year": {**I, "minimum": 1900, "maximum": 2030}, "electric": B}, ["make", "model"])),
+    (
+        "Give a version number of a software release.",
+        obj({"name": S, "version": {**S, "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"}, "stable": B}),
+    ),
+    (
+        "Describe a car.",
+        obj({"make": S, "model": S, "year": {**I, "minimum": 1900, "maximum": 2030}, "electric": B}, ["make", "model"]),
+    ),
     (
         "Give a set of tags for a blog post.",
-        obj({"post": S, "tags": {"type": "array", "items": {"enum": ["python", "ml", "web", "data"]}, "minItems": 1, "maxItems": 3}}),
+        obj(
+            {
+                "post": S,
+                "tags": {
+                    "type": "array",
+                    "items": {"enum": ["python", "ml", "web", "data"]},
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
+            }
+        ),
     ),
 ]

@@ -142,15 +142,30 @@ def hf_config(arch: str, vocab_size: int):
         experts = dict(num_experts_per_tok=2, **{"num_local_experts" if arch == "mixtral" else "num_experts": 8})
         if arch == "qwen3_moe":
             return transformers.Qwen3MoeConfig(
-                **common, **experts, head_dim=16, moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1e6
+                **common,
+                **experts,
+                head_dim=16,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+                tie_word_embeddings=False,
+                rope_theta=1e6,
             )
         if arch == "qwen2_moe":
             return transformers.Qwen2MoeConfig(
-                **common, **experts, moe_intermediate_size=32, shared_expert_intermediate_size=48, tie_word_embeddings=False, rope_theta=1e6
+                **common,
+                **experts,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                tie_word_embeddings=False,
+                rope_theta=1e6,
             )
         if arch == "mixtral":
-            return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, **experts, tie_word_embeddings=False, rope_theta=1e6)
-        return transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, **experts, pad_token_id=0, tie_word_embeddings=False, rope_theta=1e4)
+            return transformers.MixtralConfig(
+                **{**common, "intermediate_size": 32}, **experts, tie_word_embeddings=False, rope_theta=1e6
+            )
+        return transformers.OlmoeConfig(
+            **{**common, "intermediate_size": 32}, **experts, pad_token_id=0, tie_word_embeddings=False, rope_theta=1e4
+        )
     raise ValueError(arch)
 
 
@@ -169,7 +184,10 @@ def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    if arch in ("bamba", "granitemoehybrid"):  # long memory: decays near 1 (transformers' init forgets within a few tokens), so a wrong state shows
+    if arch in (
+        "bamba",
+        "granitemoehybrid",
+    ):  # long memory: decays near 1 (transformers' init forgets within a few tokens), so a wrong state shows
         with torch.no_grad():
             for layer in model.model.layers:
                 if getattr(layer, "mamba", None) is not None:
@@ -300,7 +318,9 @@ def write_gguf(
 
     _write_tokenizer(w, tok, pre, tokenizer_model)
 
-    rope_factors = _llama3_rope_factors(cfg, head_dim) if arch == "llama" and rope.get("rope_type") == "llama3" else None
+    rope_factors = (
+        _llama3_rope_factors(cfg, head_dim) if arch == "llama" and rope.get("rope_type") == "llama3" else None
+    )
     if rope_factors is not None:
         w.add_tensor("rope_freqs.weight", rope_factors)
     for name, tensor in _stacked_experts(model.state_dict()).items():
@@ -320,7 +340,11 @@ def write_gguf(
             continue
         if arch == "qwen2moe" and name.endswith("shared_expert_gate.weight"):
             data = data.reshape(-1)  # llama.cpp keeps it as a vector
-        if quantize is not None and name.startswith("model.layers.") and (name.endswith("proj.weight") or ".experts." in name):
+        if (
+            quantize is not None
+            and name.startswith("model.layers.")
+            and (name.endswith("proj.weight") or ".experts." in name)
+        ):
             w.add_tensor(name_in_file, gguf.quants.quantize(data, quantize), raw_dtype=quantize)
             continue
         w.add_tensor(name_in_file, data)
@@ -344,7 +368,14 @@ def _write_tokenizer(w, tok: Tokenizer, pre: str = "default", tokenizer_model: s
     w.add_chat_template(CHATML)
 
 
-_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT = {
+    "gate_proj": "gate_proj",
+    "up_proj": "up_proj",
+    "down_proj": "down_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}
 
 
 def _stacked_experts(state: dict) -> dict:
@@ -457,7 +488,11 @@ def write_hybrid_gguf(path: str, model, tok: Tokenizer) -> None:
 
     cfg = model.config
     bamba = "BambaForCausalLM" in cfg.architectures
-    layer_types = ["attention" if i in cfg.attn_layer_indices else "mamba" for i in range(cfg.num_hidden_layers)] if bamba else cfg.layer_types
+    layer_types = (
+        ["attention" if i in cfg.attn_layer_indices else "mamba" for i in range(cfg.num_hidden_layers)]
+        if bamba
+        else cfg.layer_types
+    )
     attention = [i for i, t in enumerate(layer_types) if t in ("attention", "full_attention")]
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     heads, d_head = cfg.mamba_n_heads, getattr(cfg, "mamba_d_head", None)
@@ -516,8 +551,15 @@ def write_hybrid_gguf(path: str, model, tok: Tokenizer) -> None:
                 kind = rest.split(".")[1]
                 data = t.float().numpy()
                 if kind in ("q_proj", "k_proj"):
-                    data = llama_cpp_permute(data, cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads)
-                put(b + {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}[kind] + ".weight", data)
+                    data = llama_cpp_permute(
+                        data, cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads
+                    )
+                put(
+                    b
+                    + {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}[kind]
+                    + ".weight",
+                    data,
+                )
             elif rest.startswith("mamba."):
                 kind = rest.removeprefix("mamba.")
                 if kind == "A_log":
@@ -532,7 +574,12 @@ def write_hybrid_gguf(path: str, model, tok: Tokenizer) -> None:
                     put(b + {"in_proj.weight": "ssm_in.weight", "out_proj.weight": "ssm_out.weight", "conv1d.bias": "ssm_conv1d.bias",
                              "dt_bias": "ssm_dt.bias"}[kind], t)  # fmt: skip
             elif rest.startswith("feed_forward."):  # Bamba's MLP
-                put(b + {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[rest.split(".")[1]] + ".weight", t)
+                put(
+                    b
+                    + {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[rest.split(".")[1]]
+                    + ".weight",
+                    t,
+                )
             elif rest == "shared_mlp.input_linear.weight":
                 gate, up = t.chunk(2, dim=0)
                 put(b + f"ffn_gate{shexp}.weight", gate)

@@ -38,7 +38,10 @@ HUGE = [
     ("{{ 'x'.ljust(1000000000) }}", "at most"),
     ("{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "string"),
     ("{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "sum"),
-    ("{% set ns = namespace(l=[1]) %}{% for i in range(60) %}{% set ns.l = ns.l * 2 %}{% endfor %}", "repetition of 2097152 items"),
+    (
+        "{% set ns = namespace(l=[1]) %}{% for i in range(60) %}{% set ns.l = ns.l * 2 %}{% endfor %}",
+        "repetition of 2097152 items",
+    ),
     ("{{ ('x' * 10000)|replace('', 'y' * 10000) }}", "replacement"),
     ("{{ (range(60000)|list)|join('x' * 4000) }}", "join"),
     ("{{ ('\t' * 100000).expandtabs(4000) }}", "tabs"),
@@ -95,15 +98,21 @@ def test_output_is_bounded_and_ordinary_templates_still_work():
         render("{% for %}", MESSAGES)
     with pytest.raises(ValueError, match="TemplateError: no system role"):
         render("{{ raise_exception('no system role') }}", MESSAGES)
-    numbers = (
-        "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} {% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
-    )
+    numbers = "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} {% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
     assert render(numbers, MESSAGES) == "5000 [1, 2] 10000 100000   ab  |"
-    assert render("{{ messages|tojson(indent=2) }}", MESSAGES) == '[\n  {\n    "role": "user",\n    "content": "hi"\n  }\n]'
-    assert render("{{ messages|tojson(separators=(',', ':')) }}", MESSAGES) == '[{"role":"user","content":"hi"}]'  # Kimi-K2's
+    assert (
+        render("{{ messages|tojson(indent=2) }}", MESSAGES)
+        == '[\n  {\n    "role": "user",\n    "content": "hi"\n  }\n]'
+    )
+    assert (
+        render("{{ messages|tojson(separators=(',', ':')) }}", MESSAGES) == '[{"role":"user","content":"hi"}]'
+    )  # Kimi-K2's
     assert (
         render("{{ 'Knowledge cutoff: 20240601, %s' % 'today' }} {{ '{} 1234567'.format(7) }}", MESSAGES)
         == "Knowledge cutoff: 20240601, today 7 1234567"
     )
     big = "y" * (MAX_CHARS // 2)  # a long conversation is not a huge value
-    assert len(render("{% for m in messages %}{{ m.content ~ '|' }}{% endfor %}", {"messages": [{"content": big}]})) == len(big) + 1
+    assert (
+        len(render("{% for m in messages %}{{ m.content ~ '|' }}{% endfor %}", {"messages": [{"content": big}]}))
+        == len(big) + 1
+    )

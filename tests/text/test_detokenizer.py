@@ -72,4 +72,6 @@ def test_failing_chat_template_is_a_value_error(llm):
     with pytest.raises(ValueError, match="chat template failed"):
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{{ 1 + 'a' }}")
     with pytest.raises(ValueError, match="roles must alternate"):
-        llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{{ raise_exception('roles must alternate') }}")
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], chat_template="{{ raise_exception('roles must alternate') }}"
+        )

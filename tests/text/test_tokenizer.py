@@ -141,7 +141,9 @@ def test_space_prefix_after_special_tokens_as_llama_cpp(ours, spm_gguf):
     """llama.cpp prefixes a space to each text fragment after a special token."""
     _, sp = spm_gguf
     eos = sp.id_to_piece(sp.eos_id())
-    assert ours.encode(f"hi{eos}there", add_special_tokens=False) == sp.encode("hi") + [sp.eos_id()] + sp.encode("there")
+    assert ours.encode(f"hi{eos}there", add_special_tokens=False) == sp.encode("hi") + [sp.eos_id()] + sp.encode(
+        "there"
+    )
 
 
 def test_the_derived_merges_are_cached_per_file_and_a_bad_cache_is_derived_again(spm_gguf, tmp_path, monkeypatch):
@@ -185,7 +187,9 @@ def test_a_first_start_derives_the_merges_without_numpy(spm_gguf, tmp_path):
     later start)."""
     path, _ = spm_gguf
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", FIRST_START, path], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_START, path], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
@@ -221,7 +225,11 @@ def test_a_sentencepiece_vocabulary_keeps_no_word_cache(spm_gguf, tmp_path):
     assert _growth_encoding(ours.backend, texts()) < 2
     hf = tokenizer_from_hf_folder(str(folder), {})
     assert _growth_encoding(hf.backend, texts()) < 2
-    assert hf.encode(TEXTS[0], add_special_tokens=False) == ours.encode(TEXTS[0], add_special_tokens=False) == sp.encode(TEXTS[0])
+    assert (
+        hf.encode(TEXTS[0], add_special_tokens=False)
+        == ours.encode(TEXTS[0], add_special_tokens=False)
+        == sp.encode(TEXTS[0])
+    )
 
 
 def test_a_files_tokenizer_reads_its_metadata_once_and_keeps_none_of_it(spm_gguf, tmp_path, monkeypatch):
@@ -343,7 +351,10 @@ def test_merges_from_scores_follow_the_rule_ties_included():
     types = [1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 3, 1, 1, 1, 1]
     expected = _plain_merges_from_scores(tokens, scores, types)
     assert expected[:3] == ["a b", "b c", "c a"] and all(m.count(" ") == 1 for m in expected)
-    assert _merge_strings(tokens, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)})) == expected
+    assert (
+        _merge_strings(tokens, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)}))
+        == expected
+    )
 
 
 def test_a_byte_level_merge_of_a_piece_with_a_space_is_left_out(tmp_path):
@@ -374,5 +385,9 @@ def test_a_sentencepiece_file_with_its_own_merges_tokenizes_as_sentencepiece_in_
     _, sp = spm_gguf
     tokens, scores, types = _vocabulary(sp)
     path = str(tmp_path / "spm-merges.gguf")
-    _write_spm_gguf(path, sp, _merge_strings(tokens, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)})))
+    _write_spm_gguf(
+        path,
+        sp,
+        _merge_strings(tokens, _merges_from_scores(tokens, scores, types, {t: i for i, t in enumerate(tokens)})),
+    )
     assert load_tokenizer(path).encode(text) == [sp.bos_id()] + sp.encode(text)

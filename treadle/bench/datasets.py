@@ -125,7 +125,10 @@ def random_dataset(tok, num, input_len, output_len, range_ratio=0.0, prefix_len=
 def prefix_repetition_dataset(tok, num, prefix_len, suffix_len, num_prefixes, output_len, seed=0) -> list[BenchRequest]:
     rng = random.Random(seed)
     pool = tok.sample_ids()
-    prefixes = [exact_text(tok, [rng.choice(pool) for _ in range(prefix_len)], prefix_len, rng, pool) for _ in range(num_prefixes)]
+    prefixes = [
+        exact_text(tok, [rng.choice(pool) for _ in range(prefix_len)], prefix_len, rng, pool)
+        for _ in range(num_prefixes)
+    ]
     out = []
     for i in range(num):
         suffix = exact_text(tok, [rng.choice(pool) for _ in range(suffix_len)], suffix_len, rng, pool)
@@ -196,7 +199,9 @@ def editing_dataset(tok, num, seed=0, min_tokens=80, max_tokens=600) -> list[Ben
                 segment = _source_segment(lines, node)
                 text = textwrap.dedent(segment) if segment else None
                 if text and "\t" not in text:
-                    names = sorted({a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")})
+                    names = sorted(
+                        {a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")}
+                    )
                     functions.append((text, names))
     rng = random.Random(seed)
     rng.shuffle(functions)
@@ -221,10 +226,14 @@ def _source_segment(lines: list[str], node) -> str:
     if first == last:
         return " " * len(head[: node.col_offset].decode()) + head[node.col_offset : node.end_col_offset].decode()
     tail = lines[last].encode()[: node.end_col_offset].decode()
-    return "".join([" " * len(head[: node.col_offset].decode()) + head[node.col_offset :].decode(), *lines[first + 1 : last], tail])
+    return "".join(
+        [" " * len(head[: node.col_offset].decode()) + head[node.col_offset :].decode(), *lines[first + 1 : last], tail]
+    )
 
 
-def multiturn_dataset(tok, conversations: int, turns: int, turn_tokens: int, system_tokens: int, output_len: int, seed=0) -> list[BenchRequest]:
+def multiturn_dataset(
+    tok, conversations: int, turns: int, turn_tokens: int, system_tokens: int, output_len: int, seed=0
+) -> list[BenchRequest]:
     """Conversations of `turns` user messages of `turn_tokens` tokens each after a system prompt of
     `system_tokens` tokens (each conversation its own, random text as the random dataset's).
     The requests come conversation by conversation, turn by turn; the run (serve.py) sends each
@@ -235,16 +244,32 @@ def multiturn_dataset(tok, conversations: int, turns: int, turn_tokens: int, sys
     pool = tok.sample_ids()
     out = []
     for c in range(conversations):
-        system = exact_text(tok, [rng.choice(pool) for _ in range(system_tokens)], system_tokens, rng, pool) if system_tokens else None
+        system = (
+            exact_text(tok, [rng.choice(pool) for _ in range(system_tokens)], system_tokens, rng, pool)
+            if system_tokens
+            else None
+        )
         for t in range(turns):
             text = exact_text(tok, [rng.choice(pool) for _ in range(turn_tokens)], turn_tokens, rng, pool)
-            out.append(BenchRequest(text, turn_tokens, output_len, conversation=c, turn=t, system=system, system_len=system_tokens if system else 0))
+            out.append(
+                BenchRequest(
+                    text,
+                    turn_tokens,
+                    output_len,
+                    conversation=c,
+                    turn=t,
+                    system=system,
+                    system_len=system_tokens if system else 0,
+                )
+            )
     return out
 
 
 def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> None:
     """The dataset flags of `vllm bench serve`, shared by bench serve and bench throughput."""
-    p.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt", "editing", "multiturn"], default="random")
+    p.add_argument(
+        "--dataset-name", choices=["random", "prefix_repetition", "sharegpt", "editing", "multiturn"], default="random"
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--random-input-len", type=int, default=input_len)
@@ -257,17 +282,31 @@ def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> No
     p.add_argument("--prefix-repetition-output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument(
-        "--multiturn-conversations", type=int, default=16, help="multiturn: conversations (each a chain of turns; --max-concurrency of them at once)"
+        "--multiturn-conversations",
+        type=int,
+        default=16,
+        help="multiturn: conversations (each a chain of turns; --max-concurrency of them at once)",
     )
     p.add_argument("--multiturn-turns", type=int, default=4, help="multiturn: user turns per conversation")
     p.add_argument("--multiturn-turn-tokens", type=int, default=64, help="multiturn: tokens of each new user message")
-    p.add_argument("--multiturn-system-prompt-tokens", type=int, default=256, help="multiturn: tokens of each conversation's own system prompt")
+    p.add_argument(
+        "--multiturn-system-prompt-tokens",
+        type=int,
+        default=256,
+        help="multiturn: tokens of each conversation's own system prompt",
+    )
 
 
 def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
     if args.dataset_name == "random":
         return random_dataset(
-            tok, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len, seed
+            tok,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            seed,
         )
     if args.dataset_name == "prefix_repetition":
         return prefix_repetition_dataset(

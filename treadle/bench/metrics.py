@@ -74,7 +74,9 @@ def tpot(r: RequestResult) -> float | None:
     return (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else None
 
 
-def compute_metrics(results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict[str, float]) -> dict:
+def compute_metrics(
+    results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict[str, float]
+) -> dict:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
@@ -115,7 +117,9 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
     return m
 
 
-def class_metrics(results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict[str, float]) -> dict:
+def class_metrics(
+    results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict[str, float]
+) -> dict:
     """compute_metrics for the constrained and the unconstrained requests apart, each over the
     whole run's duration, so that the two classes' throughputs add up to the run's."""
     return {

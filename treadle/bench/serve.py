@@ -14,11 +14,21 @@ import numpy as np
 from tqdm import tqdm
 
 from treadle.bench.datasets import BenchRequest, LocalTokenizer, ServerTokenizer, add_dataset_args, build_dataset
-from treadle.bench.metrics import METRIC_TITLES, RequestResult, class_metrics, compute_metrics, health_probe_stats, parse_goodput
+from treadle.bench.metrics import (
+    METRIC_TITLES,
+    RequestResult,
+    class_metrics,
+    compute_metrics,
+    health_probe_stats,
+    parse_goodput,
+)
 from treadle.bench.structured import base_schema, check_structured_args, request_schemas
 
 GRAMMAR_COUNTERS = ("grammars_compiled", "grammar_cache_hits")  # treadle's GET /stats
-SERVER_COUNTERS = GRAMMAR_COUNTERS + ("prefix_cache_queries", "prefix_cache_hits")  # prompt tokens looked up, and found cached
+SERVER_COUNTERS = GRAMMAR_COUNTERS + (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)  # prompt tokens looked up, and found cached
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -58,12 +68,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="cycle over K generated schemas, new per seed: grammar cache misses",
     )
     p.add_argument(
-        "--structured-output-schema-bytes", type=int, default=0, metavar="B", help="each generated schema's size in bytes (its JSON as sent)"
+        "--structured-output-schema-bytes",
+        type=int,
+        default=0,
+        metavar="B",
+        help="each generated schema's size in bytes (its JSON as sent)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--health-probe-interval", type=float, default=None, metavar="SECONDS", help="GET /health this often while the load runs; report its latency"
+        "--health-probe-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="GET /health this often while the load runs; report its latency",
     )
     p.add_argument("--goodput", nargs="+", default=None, metavar="SLO", help="ttft:MS tpot:MS e2el:MS")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
@@ -82,7 +100,9 @@ def headers(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, chat: bool, args) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, chat: bool, args
+) -> RequestResult:
     payload = {
         "model": model,
         "max_tokens": req.output_len,
@@ -103,7 +123,11 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
         payload["prompt"] = req.prompt
         if args.logprobs is not None:
             payload["logprobs"] = args.logprobs
-    result = RequestResult(prompt_len=req.prompt_len, structured=req.schema is not None, turn=req.turn if req.conversation is not None else None)
+    result = RequestResult(
+        prompt_len=req.prompt_len,
+        structured=req.schema is not None,
+        turn=req.turn if req.conversation is not None else None,
+    )
     pieces = []
     start = time.perf_counter()
     result.start = start
@@ -148,7 +172,9 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
     return result
 
 
-async def probe_health(client: httpx.AsyncClient, url: str, interval: float, stop: asyncio.Event) -> tuple[list[float], int]:
+async def probe_health(
+    client: httpx.AsyncClient, url: str, interval: float, stop: asyncio.Event
+) -> tuple[list[float], int]:
     """GET url every `interval` seconds until `stop` is set: (round-trip seconds of each 200, failures)."""
     latencies, failed = [], 0
     while not stop.is_set():
@@ -181,14 +207,19 @@ async def server_counters(client: httpx.AsyncClient, url: str) -> dict:
     if "workers" in stats:  # treadle router
         per = [w.get("stats") or {} for w in stats["workers"]]
         return {
-            k: sum(s[k] for s in per if isinstance(s.get(k), int)) if any(isinstance(s.get(k), int) for s in per) else None for k in SERVER_COUNTERS
+            k: sum(s[k] for s in per if isinstance(s.get(k), int))
+            if any(isinstance(s.get(k), int) for s in per)
+            else None
+            for k in SERVER_COUNTERS
         }
     return {k: stats.get(k) for k in SERVER_COUNTERS}
 
 
 def counter_deltas(before: dict, after: dict) -> dict:
     """What each counter grew by over the run; None unless the server reported it at both ends."""
-    return {k: after[k] - before[k] if isinstance(before[k], int) and isinstance(after[k], int) else None for k in before}
+    return {
+        k: after[k] - before[k] if isinstance(before[k], int) and isinstance(after[k], int) else None for k in before
+    }
 
 
 def prefix_cache_section(deltas: dict) -> dict:
@@ -197,7 +228,9 @@ def prefix_cache_section(deltas: dict) -> dict:
     return {"prefix_cache_queried_tokens": queries, "prefix_cache_hit_tokens": hits, "prefix_cache_hit_rate": rate}
 
 
-async def warm_up(client: httpx.AsyncClient, url: str, model: str, requests: list[BenchRequest], chat: bool, args) -> None:
+async def warm_up(
+    client: httpx.AsyncClient, url: str, model: str, requests: list[BenchRequest], chat: bool, args
+) -> None:
     """--num-warmups requests before the clock starts. When the run has constrained requests, every
     warm-up carries the base schema: the server's one-time grammar set-up happens here, and the
     run's distinct schemas (if any) stay uncompiled, so that the run sees every one of their misses."""
@@ -224,7 +257,9 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
     limit = args.max_concurrency or len(requests) or 1
     semaphore = asyncio.Semaphore(limit)
     timeout = httpx.Timeout(None, connect=30)
-    async with httpx.AsyncClient(headers=headers(args), timeout=timeout, limits=httpx.Limits(max_connections=limit + 4)) as client:
+    async with httpx.AsyncClient(
+        headers=headers(args), timeout=timeout, limits=httpx.Limits(max_connections=limit + 4)
+    ) as client:
         await warm_up(client, url, model, requests, chat, args)
         bar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
 
@@ -245,7 +280,9 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
                     history.append({"role": "user", "content": req.prompt})
                     sent_tokens += req.prompt_len
                     req.messages = list(history)
-                    r = await send_request(client, url, model, dataclasses.replace(req, prompt_len=sent_tokens), chat, args)
+                    r = await send_request(
+                        client, url, model, dataclasses.replace(req, prompt_len=sent_tokens), chat, args
+                    )
                     out.append(r)
                     if bar:
                         bar.update(1)
@@ -253,7 +290,9 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
                         for later in turns[i + 1 :]:
                             out.append(
                                 RequestResult(
-                                    prompt_len=later.prompt_len, turn=later.turn, error=f"an earlier turn of its conversation failed: {r.error}"
+                                    prompt_len=later.prompt_len,
+                                    turn=later.turn,
+                                    error=f"an earlier turn of its conversation failed: {r.error}",
                                 )
                             )
                         break
@@ -266,14 +305,18 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         stop = asyncio.Event()
         probe = None
         if args.health_probe_interval:
-            probe = asyncio.create_task(probe_health(client, base_url(args) + "/health", args.health_probe_interval, stop))
+            probe = asyncio.create_task(
+                probe_health(client, base_url(args) + "/health", args.health_probe_interval, stop)
+            )
         start = time.perf_counter()
         tasks = []
         units = conversations(requests) if args.dataset_name == "multiturn" else [[r] for r in requests]
         for unit, gap in zip(units, _arrival_gaps(len(units), args.request_rate, args.burstiness, args.seed)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(conversation(unit) if unit[0].conversation is not None else _one(limited(unit[0]))))
+            tasks.append(
+                asyncio.create_task(conversation(unit) if unit[0].conversation is not None else _one(limited(unit[0])))
+            )
         results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - start
         stop.set()
@@ -336,7 +379,9 @@ def multiturn_section(results: list[RequestResult]) -> dict:
     return {"ttft_by_turn": by_turn}
 
 
-def structured_section(args, results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict, grammars: dict) -> dict:
+def structured_section(
+    args, results: list[RequestResult], duration: float, percentiles: list[float], goodput: dict, grammars: dict
+) -> dict:
     """The result's structured-output part: the flags, the server's grammar counters over the run,
     and the metrics of the constrained and the unconstrained requests apart."""
     return {
@@ -423,7 +468,10 @@ def print_structured(so: dict, args) -> None:
     """The server's grammar counters over the run, then each class's throughput and latencies."""
     print(_rule("Structured Output"))
     print(_num("Constrained request ratio:", so["ratio"]))
-    for key, title in (("grammars_compiled", "Grammars compiled (server):"), ("grammar_cache_hits", "Grammar cache hits (server):")):
+    for key, title in (
+        ("grammars_compiled", "Grammars compiled (server):"),
+        ("grammar_cache_hits", "Grammar cache hits (server):"),
+    ):
         print(_line(title, "n/a" if so[key] is None else so[key]))
     for name in ("constrained", "unconstrained"):
         m = so[name]

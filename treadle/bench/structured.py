@@ -14,7 +14,9 @@ import random
 # unconstrained one instead of finishing early once its JSON is complete.
 DEFAULT_SCHEMA = {
     "type": "object",
-    "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 1000}},
+    "properties": {
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 1000}
+    },
     "required": ["items"],
 }
 PADDING_TYPES = ("integer", "string", "boolean", "number")
@@ -61,11 +63,15 @@ def base_schema(args) -> dict:
 def check_structured_args(args) -> None:
     """Refuse flag combinations that would otherwise be silently ignored."""
     if not 0.0 <= args.structured_output_ratio <= 1.0:
-        raise SystemExit(f"treadle bench: --structured-output-ratio must be in [0, 1], got {args.structured_output_ratio}")
+        raise SystemExit(
+            f"treadle bench: --structured-output-ratio must be in [0, 1], got {args.structured_output_ratio}"
+        )
     if args.structured_output_schema_bytes and not args.structured_output_distinct_schemas:
         raise SystemExit("treadle bench: --structured-output-schema-bytes needs --structured-output-distinct-schemas")
     if args.structured_output_distinct_schemas and args.structured_output_schema:
-        raise SystemExit("treadle bench: --structured-output-distinct-schemas generates its schemas; drop --structured-output-schema")
+        raise SystemExit(
+            "treadle bench: --structured-output-distinct-schemas generates its schemas; drop --structured-output-schema"
+        )
     given = args.structured_output_schema or args.structured_output_distinct_schemas
     if given and not args.structured_output_ratio:
         raise SystemExit("treadle bench: the structured-output schema flags need --structured-output-ratio > 0")

@@ -15,7 +15,9 @@ COLUMNS = [
 
 
 def add_sweep_args(p) -> None:
-    p.add_argument("--server", action="append", required=True, metavar="NAME=URL", help="a server to measure (repeatable)")
+    p.add_argument(
+        "--server", action="append", required=True, metavar="NAME=URL", help="a server to measure (repeatable)"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--plot-title", default=None)
 
@@ -87,9 +89,21 @@ def plot_sweep(rows, out_dir: str, title: str | None) -> list[str]:
     servers = sorted({r["server"] for r in rows}, key=[r["server"] for r in rows].index)
     paths = []
     specs = [
-        ("output_throughput_vs_concurrency.png", "concurrency", "output_throughput", "concurrent requests", "output tokens/s (all users)"),
+        (
+            "output_throughput_vs_concurrency.png",
+            "concurrency",
+            "output_throughput",
+            "concurrent requests",
+            "output tokens/s (all users)",
+        ),
         ("tpot_vs_concurrency.png", "concurrency", "median_tpot_ms", "concurrent requests", "median TPOT (ms)"),
-        ("total_vs_per_user.png", "per_user_tok_s", "output_throughput", "tokens/s per user (1000 / median TPOT)", "output tokens/s (all users)"),
+        (
+            "total_vs_per_user.png",
+            "per_user_tok_s",
+            "output_throughput",
+            "tokens/s per user (1000 / median TPOT)",
+            "output tokens/s (all users)",
+        ),
     ]
     for filename, x, y, xlabel, ylabel in specs:
         fig, ax = plt.subplots(figsize=(6, 4))

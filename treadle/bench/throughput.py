@@ -9,7 +9,9 @@ def add_throughput_args(p) -> None:
     add_dataset_args(p, input_len=128, output_len=256, num_prompts=16)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS (default: ignore it)")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the dataset")
-    p.add_argument("--compare-transformers", action="store_true", help="also run transformers (static batch) on the same prompts")
+    p.add_argument(
+        "--compare-transformers", action="store_true", help="also run transformers (static batch) on the same prompts"
+    )
 
 
 def cmd_bench_throughput(args) -> int:
@@ -30,7 +32,9 @@ def cmd_bench_throughput(args) -> int:
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"treadle ({llm.engine.dtype}): {len(reqs)} requests in {elapsed:.2f} s")
-    print(f"  requests/s {len(reqs) / elapsed:.2f}   output tok/s {n_out / elapsed:.1f}   total tok/s {(n_in + n_out) / elapsed:.1f}")
+    print(
+        f"  requests/s {len(reqs) / elapsed:.2f}   output tok/s {n_out / elapsed:.1f}   total tok/s {(n_in + n_out) / elapsed:.1f}"
+    )
     if args.compare_transformers:
         _transformers(args, llm, prompts, [r.output_len for r in reqs])
     return 0
@@ -58,7 +62,11 @@ def _transformers(args, llm, prompts, output_lens) -> None:
     n = max(output_lens)
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
         elapsed = time.perf_counter() - start
     n_out = (out.shape[1] - width) * len(prompts)
-    print(f"transformers static batch ({dtype}): output tok/s {n_out / elapsed:.1f} ({elapsed:.2f} s; not continuous batching)")
+    print(
+        f"transformers static batch ({dtype}): output tok/s {n_out / elapsed:.1f} ({elapsed:.2f} s; not continuous batching)"
+    )

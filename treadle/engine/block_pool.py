@@ -32,7 +32,11 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids, block_size: int, cac
     while (len(hashes) + 1) * block_size <= len(token_ids):
         i = len(hashes)
         hashes.append(
-            hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size], cache_salt if i == 0 else None)
+            hash_block_tokens(
+                hashes[-1] if hashes else None,
+                token_ids[i * block_size : (i + 1) * block_size],
+                cache_salt if i == 0 else None,
+            )
         )
     return hashes
 
@@ -105,7 +109,15 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: Block, block_hash: BlockHash, parent: BlockHash | None = None, token_ids=(), extra=None, group: int = 0) -> bool:
+    def cache_block(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        parent: BlockHash | None = None,
+        token_ids=(),
+        extra=None,
+        group: int = 0,
+    ) -> bool:
         """Give a full block its identity in its group's index, unless another block there already
         holds that content. (`parent`, `token_ids` and `extra` are what the hash was made of, for the event.)"""
         index = self.indexes[group]
@@ -114,7 +126,15 @@ class BlockPool:
         block.block_hash, block.group = block_hash, group
         index[block_hash] = block
         if self.events is not None and group == 0:
-            self.events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), extra_keys=None if extra is None else [(extra,)]))
+            self.events.append(
+                BlockStored(
+                    [block_hash],
+                    parent,
+                    list(token_ids),
+                    len(token_ids),
+                    extra_keys=None if extra is None else [(extra,)],
+                )
+            )
         return True
 
     def uncache_block(self, block: Block) -> None:

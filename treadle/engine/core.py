@@ -82,8 +82,19 @@ class EngineCore:
         self.max_model_len, self.eos_token_ids = w.max_model_len, w.eos_token_ids
         self.model_name = MODEL_NAME if config.model is None else os.path.basename(os.path.normpath(config.model))
         # a hybrid's prefix hits also need its recurrent states at their ends: checkpoints of them
-        checkpoints = StateCheckpoints(w.num_state_checkpoints) if self.model_config.recurrent and w.num_state_checkpoints else None
-        self.kv = KVCacheManager(w.num_blocks, config.block_size, config.enable_prefix_caching, w.runner.layout, checkpoints, self._make_tiers())
+        checkpoints = (
+            StateCheckpoints(w.num_state_checkpoints)
+            if self.model_config.recurrent and w.num_state_checkpoints
+            else None
+        )
+        self.kv = KVCacheManager(
+            w.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            w.runner.layout,
+            checkpoints,
+            self._make_tiers(),
+        )
         self.kv_events = None
         if config.kv_events_endpoint:
             from treadle.engine.kv_events import KVEventPublisher
@@ -95,7 +106,9 @@ class EngineCore:
         spec = config.speculative_config
         self.spec = None
         if spec is not None:
-            self.spec = SpeculationPolicy(spec, self.step_cost, self.max_model_len, self.draft.max_position if self.draft else None)
+            self.spec = SpeculationPolicy(
+                spec, self.step_cost, self.max_model_len, self.draft.max_position if self.draft else None
+            )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -106,7 +119,9 @@ class EngineCore:
             max_loras=config.max_loras,
         )
         # structured output: grammars compile on a thread while their requests wait (never in a step)
-        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, config.max_grammar_compile_seconds)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, config.max_grammar_compile_seconds
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}  # every unfinished choice, by its own id
         self._new_for_runner: list[NewRequestData] = []
@@ -139,7 +154,9 @@ class EngineCore:
         if cfg.kv_cache_dir:
             path = resolve_model_path(cfg.model)
             files = (
-                [os.path.join(path, f) for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))] if os.path.isdir(path) else [path]
+                [os.path.join(path, f) for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))]
+                if os.path.isdir(path)
+                else [path]
             )
             layout = self.runner.layout
             k = self.runner.kv_pairs[0][0]
@@ -265,7 +282,9 @@ class EngineCore:
         """Requests whose grammars have compiled join the scheduler's queue and are told so (the
         front end answers only then); a grammar that failed, or is still compiling past
         max_grammar_compile_seconds, ends its request as the request's own error."""
-        for rid, matchers, error in self.structured.take_finished(self.groups, idle=not self.scheduler.has_unfinished()):
+        for rid, matchers, error in self.structured.take_finished(
+            self.groups, idle=not self.scheduler.has_unfinished()
+        ):
             if error is not None:
                 self._refuse_grammar(rid, error, outputs)
                 continue
@@ -354,7 +373,9 @@ class EngineCore:
                     s.sample_ids = [c.request_id for c in group.children if not c.is_finished]
                     group.forked = True
         for req, n in self.scheduler.scheduled:
-            self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+            self.prompt_tokens_computed += max(
+                0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens
+            )
         started = time.perf_counter()
         try:
             # the draft's distributions are tensors: the draft and the target share a process
@@ -363,7 +384,9 @@ class EngineCore:
             if self.draft is not None:
                 proposals, draft_probs = self.draft.propose(step, self.requests, self.runner, self.structured.compiler)
                 fill_proposals(step, proposals)
-            step.grammar_masks, refused = self.structured.masks(step, self.requests)  # after the draft: its proposals are the rows' tokens
+            step.grammar_masks, refused = self.structured.masks(
+                step, self.requests
+            )  # after the draft: its proposals are the rows' tokens
             if self.spec is not None:
                 self.spec.grammar_refused += refused
             results = self.runner.execute(step, draft_probs) if draft_probs else self.runner.execute(step)
@@ -377,7 +400,9 @@ class EngineCore:
                 self.kv.tiers.disk.put(key, page)
         decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) - s.num_drafts == 1)
         drafts = sum(s.num_drafts for s in step.scheduled)
-        self.step_cost.observe(time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows - drafts, drafts)
+        self.step_cost.observe(
+            time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows - drafts, drafts
+        )
         self.scheduler.update_after_step()
         self.num_steps += 1
         self.consecutive_failed_steps = 0
@@ -407,7 +432,9 @@ class EngineCore:
         # a block copy of the step (a forked choice's partial block) may not have been made either
         copied_to = {dst for _, dst in step.block_copies}
         if copied_to:
-            failed_groups |= {r.group_id for r in self.requests.values() if copied_to & self.kv.held_blocks(r.request_id)}
+            failed_groups |= {
+                r.group_id for r in self.requests.values() if copied_to & self.kv.held_blocks(r.request_id)
+            }
         for gid in failed_groups:
             for child in list(self.groups[gid].children):
                 if child.is_finished:

@@ -18,7 +18,18 @@ import sys
 
 import zmq
 
-from treadle.engine.messages import Abort, Codec, CoreOutputs, EngineCoreRequest, LoadFailed, LoadLora, LoraReply, Ready, Shutdown, UnloadLora
+from treadle.engine.messages import (
+    Abort,
+    Codec,
+    CoreOutputs,
+    EngineCoreRequest,
+    LoadFailed,
+    LoadLora,
+    LoraReply,
+    Ready,
+    Shutdown,
+    UnloadLora,
+)
 from treadle.engine_config import EngineConfig
 from treadle.utils import end_with_parent
 
@@ -41,7 +52,9 @@ def quiet_openmp_waits() -> None:
         os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
 
 
-def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str, in_actor: bool = False) -> None:
+def run_engine_core(
+    config: EngineConfig, registry: dict[str, str], in_addr: str, out_addr: str, log_level: str, in_actor: bool = False
+) -> None:
     """Entry point of the engine core process (launchers.CoreProcess, engine/core_main.py), or of a Ray actor's call
     (in_actor: Ray owns the process, its signals and its logging)."""
     if not in_actor:
@@ -76,7 +89,11 @@ def run_engine_core(config: EngineConfig, registry: dict[str, str], in_addr: str
         out.close()
         ctx.term()
         sys.exit(LOAD_FAILED_EXIT)
-    out.send(codec.encode(Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name, core.stats())))
+    out.send(
+        codec.encode(
+            Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name, core.stats())
+        )
+    )
     try:
         _serve(core, inp, out, codec)
     finally:
@@ -151,5 +168,8 @@ def _serve(core, inp, out, codec: Codec) -> None:
             out.send(codec.encode(CoreOutputs(outputs, stats)))
             last_stats = stats
         if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-            log.error("%d steps in a row failed: exiting so that a fresh engine core replaces this one", core.consecutive_failed_steps)
+            log.error(
+                "%d steps in a row failed: exiting so that a fresh engine core replaces this one",
+                core.consecutive_failed_steps,
+            )
             sys.exit(1)

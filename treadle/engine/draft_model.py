@@ -43,7 +43,9 @@ class DraftModel:
         self.device = runner.device
 
     @torch.inference_mode()
-    def propose(self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    def propose(
+        self, step: StepInput, requests: dict, target_runner: ModelRunner, grammars
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """The draft's proposals for the step's placeholders (each verifying request's last
         num_drafts tokens), request id -> tokens, also set as the requests' `spec_token_ids`; and
         the distributions the unseeded sampling requests' proposals were drawn from (request id ->
@@ -76,7 +78,11 @@ class DraftModel:
                 lead += 1
             start = max(start, lead * bs)
             written.update(table[b] for b in range(-(-start // bs), end // bs))
-            first.append(ScheduledRequest(s.req_id, req.all_token_ids[start:end], start, [table], [s.req_id] if s.num_drafts else []))
+            first.append(
+                ScheduledRequest(
+                    s.req_id, req.all_token_ids[start:end], start, [table], [s.req_id] if s.num_drafts else []
+                )
+            )
             req.draft_num_computed = end
         if not first:
             return {}, {}
@@ -108,7 +114,10 @@ class DraftModel:
             active = [(s, req) for s, req in active if s.num_drafts > j + 1]
             if not active:
                 break
-            rows = [ScheduledRequest(s.req_id, [drafts[s.req_id][j]], s.start + 1 + j, s.block_ids[:1], [s.req_id]) for s, _ in active]
+            rows = [
+                ScheduledRequest(s.req_id, [drafts[s.req_id][j]], s.start + 1 + j, s.block_ids[:1], [s.req_id])
+                for s, _ in active
+            ]
             logits = self.runner.compute_logits(StepInput(rows))[0]
         for s, req in work:
             req.spec_token_ids = drafts[s.req_id]
@@ -133,7 +142,9 @@ class DraftModel:
             rows.append(i)
         return (rows, torch.stack(allowed)) if rows else None
 
-    def _draw(self, logits: torch.Tensor, active: list, drafts: dict, dists: dict, noise: dict, constrained=None) -> list[int]:
+    def _draw(
+        self, logits: torch.Tensor, active: list, drafts: dict, dists: dict, noise: dict, constrained=None
+    ) -> list[int]:
         """One proposal per active request from the draft's logits rows (in `active`'s order)."""
         views = [HistoryWithDrafts(req, drafts[s.req_id]) if drafts[s.req_id] else req for s, req in active]
         if constrained is not None:

@@ -108,7 +108,11 @@ class KVCacheManager:
             for medium, key, stored in self.tiers.take_events():
                 if key[-1] == 0:  # group 0's, as the pool's events
                     h = key[:-1]
-                    events.append(BlockStored([h], None, [], self.block_size, medium=medium) if stored else BlockRemoved([h], medium=medium))
+                    events.append(
+                        BlockStored([h], None, [], self.block_size, medium=medium)
+                        if stored
+                        else BlockRemoved([h], medium=medium)
+                    )
         return events
 
     def take_moves(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, object]]]:
@@ -214,7 +218,10 @@ class KVCacheManager:
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
         state_slot = None
         while n:
-            if all(all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n]) for g in sliding):
+            if all(
+                all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n])
+                for g in sliding
+            ):
                 if self.checkpoints is None:
                     break
                 state_slot = self.checkpoints.find(hashes[n - 1])
@@ -251,7 +258,10 @@ class KVCacheManager:
         total = first_query + num_new_tokens
         wanted = -(-total // bs)
         # a hit's pages from a lower tier each need a fresh block
-        needs = [max(0, wanted - len(table) - len(hits)) + sum(isinstance(b, TierPage) for b in hits) for table, hits in zip(tables, hit_blocks)]
+        needs = [
+            max(0, wanted - len(table) - len(hits)) + sum(isinstance(b, TierPage) for b in hits)
+            for table, hits in zip(tables, hit_blocks)
+        ]
         # Hits with ref_count 0 are still in the free queue but cannot be handed out as new blocks.
         reserved = sum(1 for hits in hit_blocks for b in hits if isinstance(b, Block) and b.ref_count == 0)
         if sum(needs) > self.pool.num_free_blocks - reserved:
@@ -310,7 +320,9 @@ class KVCacheManager:
             parent, extra = (hashes[i - 1], None) if i else (None, req.cache_salt)
             for g, table in enumerate(tables):
                 block = table[i]
-                if block is not None and self.pool.cache_block(block, hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs], extra, g):
+                if block is not None and self.pool.cache_block(
+                    block, hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs], extra, g
+                ):
                     self.step_hashed.append(block)
         self.num_hashed_blocks[req.request_id] = full
 

@@ -74,7 +74,9 @@ class KVEventPublisher:
     on free ports (a Ray-placed replica; `endpoint` and `replay_endpoint` name them); or
     ipc://PATH, the replay socket at ipc://PATH-replay (replicas inside one server)."""
 
-    def __init__(self, endpoint: str, *, data_parallel_rank: int | None = None, buffer_steps: int = 10_000, topic: str = ""):
+    def __init__(
+        self, endpoint: str, *, data_parallel_rank: int | None = None, buffer_steps: int = 10_000, topic: str = ""
+    ):
         import zmq
 
         self._rank = data_parallel_rank

@@ -327,7 +327,13 @@ class DiskTier:
         if ok:
             magic, identity, stored_key, length, crc = HEADER.unpack_from(data)
             payload = memoryview(data)[HEADER.size :]
-            ok = magic == MAGIC and identity == self.identity and stored_key == key and length == self.page_bytes and zlib.crc32(payload) == crc
+            ok = (
+                magic == MAGIC
+                and identity == self.identity
+                and stored_key == key
+                and length == self.page_bytes
+                and zlib.crc32(payload) == crc
+            )
         if not ok:
             log.warning("KV disk tier: %s failed its checks (truncated, corrupt or not this model's): deleted", path)
             self._forget(key, corrupt=True)
@@ -404,7 +410,14 @@ class KVTiers:
     """The host and disk tiers and the pages staged for waiting requests; used by the KV cache
     manager (lookups, the pages to save and load) on the step loop's thread only."""
 
-    def __init__(self, host_bytes: int, disk_root: str | None = None, disk_bytes: int = 0, identity: bytes = b"", page_bytes: int = 0):
+    def __init__(
+        self,
+        host_bytes: int,
+        disk_root: str | None = None,
+        disk_bytes: int = 0,
+        identity: bytes = b"",
+        page_bytes: int = 0,
+    ):
         """host_bytes: the host tier's budget (0: none); disk_root: the disk tier's folder (None: none),
         disk_bytes its budget (EngineConfig holds both defaults)."""
         # (medium, key, stored?) since take_events, once record_events() was called (deque.append is

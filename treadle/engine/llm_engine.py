@@ -82,7 +82,9 @@ class LLMEngine:
         text, token_ids = self.encode_prompt(prompt, add_special_tokens)
         self.validate_prompt(token_ids, params)
         if params.structured_outputs is not None:
-            self.core.structured.compiler.compile(params.structured_outputs)  # a grammar that cannot compile: ValueError now
+            self.core.structured.compiler.compile(
+                params.structured_outputs
+            )  # a grammar that cannot compile: ValueError now
         self.processor.add_request(request_id, text, token_ids, params)
         salt = lora_cache_salt(self.lora_digests.get(lora_name) if lora_name else None, cache_salt)
         self.core.add_request(EngineCoreRequest(request_id, token_ids, params_to_dict(params), salt, lora_name))

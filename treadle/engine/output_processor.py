@@ -36,7 +36,9 @@ class ChoiceState:
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, choices):
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, choices
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -57,11 +59,19 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         # one token's text, for logprobs: the same ids come back step after step
-        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False)
+        )
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         choices = [
-            ChoiceState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens), params.logprobs is not None)
+            ChoiceState(
+                i,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                params.logprobs is not None,
+            )
             for i in range(params.n)
         ]
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, choices)

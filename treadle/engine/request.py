@@ -65,7 +65,9 @@ class Request(TokenHistory):
         return self.status == RequestStatus.FINISHED
 
     def __repr__(self) -> str:
-        return f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
 
 
 def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
@@ -76,7 +78,9 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(token_ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, which leaves no room to generate")
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, which leaves no room to generate"
+        )
     if params.logit_bias and any(not 0 <= t < vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
     if any(not 0 <= t < vocab_size for t in params.stop_token_ids):

@@ -113,7 +113,9 @@ class Scheduler:
         # No admissions in a step that had to preempt: memory is short.
         adapters = {r.lora for r in self.running if r.lora}
         skipped = []  # requests for one adapter too many, or waiting for disk: they keep their place for a later step
-        while self.waiting and min(budget, prompt_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting and min(budget, prompt_budget) > 0 and not preempted and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             if req.lora and req.lora not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.popleft())
@@ -151,7 +153,9 @@ class Scheduler:
         table = self.kv.block_table(req.request_id)
         tokens = req.all_token_ids[start:end] + list(drafts)
         saves = self.kv.checkpoint_saves(req, start, end)
-        out.scheduled.append(ScheduledRequest(req.request_id, tokens, start, table, samples, len(drafts), restore, saves))
+        out.scheduled.append(
+            ScheduledRequest(req.request_id, tokens, start, table, samples, len(drafts), restore, saves)
+        )
         self.scheduled.append((req, num_new))
 
     def _preempt(self, req: Request) -> None:
@@ -164,7 +168,9 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update_from_output(self, step: StepInput, results: dict[str, list[SampledToken]], requests: dict[str, Request]) -> list[CoreOutput]:
+    def update_from_output(
+        self, step: StepInput, results: dict[str, list[SampledToken]], requests: dict[str, Request]
+    ) -> list[CoreOutput]:
         """After a step ran (and `update_after_step`): every sampling choice's output. The other
         choices of an n > 1 request that sampled their first token from its prompt's last row
         fork from it first. A choice that finishes is finished here; `take_finished` hands it on."""
@@ -185,7 +191,14 @@ class Scheduler:
         and one more), each checked in turn: a stop inside the run ends the output there."""
         num_cached = max(0, req.num_cached_tokens)
         if req.params.pooling is not None:  # an embedding request: its vector, and it is done
-            out = CoreOutput(req.group_id, req.index, [], finish_reason="stop", num_cached_tokens=num_cached, embedding=sampled[0].embedding)
+            out = CoreOutput(
+                req.group_id,
+                req.index,
+                [],
+                finish_reason="stop",
+                num_cached_tokens=num_cached,
+                embedding=sampled[0].embedding,
+            )
             self.finish(req, "stop")
             return out
         logprobs = [] if sampled[0].logprobs is not None else None
@@ -224,7 +237,9 @@ class Scheduler:
             out.finish_reason = "stop"
         elif grammar_done:
             out.finish_reason = "stop"
-        elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        elif (
+            p.max_tokens is not None and req.num_output_tokens >= p.max_tokens
+        ) or req.num_tokens >= self.max_model_len:
             out.finish_reason = "length"
         if out.finish_reason is not None:
             self.finish(req, out.finish_reason)

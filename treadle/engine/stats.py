@@ -12,12 +12,23 @@ def memory(worker, tiers=None) -> dict:
     parts = worker.memory()
     rss = status.get("VmRSS")
     parts["lora_bytes"] = worker.runner.lora_bytes()
-    parts["kv_offload_bytes"] = tiers.host.nbytes if tiers is not None and tiers.host is not None else 0  # the host tier's pages
+    parts["kv_offload_bytes"] = (
+        tiers.host.nbytes if tiers is not None and tiers.host is not None else 0
+    )  # the host tier's pages
     # the pool's resident pages, not its size: its blocks become resident as they are first written
     held = (
-        parts["weights_bytes"] + parts["kv_cache_resident_bytes"] + parts["compiled_graphs_bytes"] + parts["lora_bytes"] + parts["kv_offload_bytes"]
+        parts["weights_bytes"]
+        + parts["kv_cache_resident_bytes"]
+        + parts["compiled_graphs_bytes"]
+        + parts["lora_bytes"]
+        + parts["kv_offload_bytes"]
     )
-    return {**parts, "other_bytes": None if rss is None else rss - held, "rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM")}
+    return {
+        **parts,
+        "other_bytes": None if rss is None else rss - held,
+        "rss_bytes": rss,
+        "peak_rss_bytes": status.get("VmHWM"),
+    }
 
 
 def snapshot(core) -> dict:
@@ -45,7 +56,10 @@ def snapshot(core) -> dict:
         "compiled_decode": core.worker.compile_status(),
         "batch_invariant": core.worker.batch_invariant,
         "spec_decode": core.spec.stats() if core.spec is not None else None,
-        "step_cost": {**core.step_cost.snapshot(), "prefill_cap": core.step_cost.prefill_cap(config.decode_stall_ratio)},
+        "step_cost": {
+            **core.step_cost.snapshot(),
+            "prefill_cap": core.step_cost.prefill_cap(config.decode_stall_ratio),
+        },
         "architecture": core.model_config.architecture,
         "num_waiting_for_grammar": core.structured.num_waiting,
         "grammars_compiled": core.structured.compiler.compiled,

@@ -83,7 +83,9 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 tok = self._tokenizer
-                self._ll_tokenizer = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab_size, eos_token=sorted(tok.stop_token_ids))
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    tok.backend.to_str(), n_vocab=self.vocab_size, eos_token=sorted(tok.stop_token_ids)
+                )
             return self._ll_tokenizer
 
     def compile(self, so: StructuredOutputsParams):
@@ -173,7 +175,13 @@ class MatcherWalk:
         return words, refused
 
 
-_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "grammar",
+}
 
 
 GRAMMAR_THREAD_NICE = 10
@@ -237,7 +245,9 @@ class StructuredOutputManager:
         if so.key() in self._too_slow:
             return self.slow_error()
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="treadle-grammar", initializer=lower_thread_priority)
+            self._pool = ThreadPoolExecutor(
+                GRAMMAR_THREADS, thread_name_prefix="treadle-grammar", initializer=lower_thread_priority
+            )
         future = self._pool.submit(lambda: [self.compiler.compile(so) for _ in range(n)])
         self._awaiting[request_id] = AwaitedGrammar(future, time.monotonic(), so.key())
         return None

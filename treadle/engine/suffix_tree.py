@@ -158,7 +158,9 @@ class SuffixTree:
             idx += 1
         return node, idx
 
-    def speculate(self, context, max_tokens: int, max_spec_factor: float, min_token_prob: float) -> tuple[list[int], float]:
+    def speculate(
+        self, context, max_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> tuple[list[int], float]:
         """The most likely continuation of the context: for each pattern length m (its last m
         tokens, shortest first, while they occur), follow the most frequent continuation while its
         estimated probability (the product of count ratios along the way) stays >= min_token_prob,

@@ -91,8 +91,12 @@ class ModelConfig:
     def windows(self) -> list[int | None]:
         """Every attention layer's sliding window (None: full attention); a hybrid's recurrent
         layers have no KV and are not listed."""
-        windows = list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
-        return windows if self.layer_types is None else [w for w, t in zip(windows, self.layer_types) if t == "attention"]
+        windows = (
+            list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
+        )
+        return (
+            windows if self.layer_types is None else [w for w, t in zip(windows, self.layer_types) if t == "attention"]
+        )
 
     @property
     def recurrent(self) -> bool:
@@ -160,14 +164,18 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
             f"{where}: {keys.get('num_kv_heads')} = {config.num_kv_heads}: does not divide {keys.get('num_heads')} = {config.num_heads}"
         )
     if config.head_dim % 2:
-        raise ModelLoadError(f"{where}: {keys.get('head_dim')} = {config.head_dim}: rotary embeddings need an even head size")
+        raise ModelLoadError(
+            f"{where}: {keys.get('head_dim')} = {config.head_dim}: rotary embeddings need an even head size"
+        )
     config.rms_norm_eps = file_float(where, keys.get("rms_norm_eps", "rms_norm_eps"), config.rms_norm_eps)
     rope = config.rope
     rope.theta = file_float(where, keys.get("rope_theta", "rope_theta"), rope.theta)
     rope.factor = file_float(where, keys.get("rope_factor", "rope factor"), rope.factor)
     rope.low_freq_factor = file_float(where, "rope low_freq_factor", rope.low_freq_factor)
     rope.high_freq_factor = file_float(where, "rope high_freq_factor", rope.high_freq_factor)
-    rope.original_max_position = file_int(where, "rope original_max_position_embeddings", rope.original_max_position, 1, 1 << 40)
+    rope.original_max_position = file_int(
+        where, "rope original_max_position_embeddings", rope.original_max_position, 1, 1 << 40
+    )
     if rope.rotary_dim is not None and not (2 <= rope.rotary_dim <= config.head_dim and rope.rotary_dim % 2 == 0):
         raise ModelLoadError(
             f"{where}: partial_rotary_factor gives {rope.rotary_dim} rotated dimensions of {config.head_dim}: expected an even number in 2..head_dim"
@@ -176,7 +184,11 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
         dim = rope.rotary_dim or config.head_dim
         for name in ("short_factor", "long_factor"):
             values = getattr(rope, name)
-            if not isinstance(values, list) or len(values) != dim // 2 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+            if (
+                not isinstance(values, list)
+                or len(values) != dim // 2
+                or not all(isinstance(v, (int, float)) and v > 0 for v in values)
+            ):
                 raise ModelLoadError(f"{where}: rope_scaling {name}: expected {dim // 2} positive numbers")
         rope.attention_factor = file_float(where, "rope_scaling attention_factor", rope.attention_factor)
     if rope.scaling_type == "yarn":
@@ -188,7 +200,9 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
     if config.clip_qkv is not None:
         config.clip_qkv = file_float(where, keys.get("clip_qkv", "clip_qkv"), config.clip_qkv)
     if rope.scaling_type == "llama3" and rope.low_freq_factor == rope.high_freq_factor:
-        raise ModelLoadError(f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: llama3 scaling divides by their difference")
+        raise ModelLoadError(
+            f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: llama3 scaling divides by their difference"
+        )
     return config
 
 
@@ -196,7 +210,15 @@ def check_moe(where: str, config: ModelConfig, keys: dict[str, str]) -> None:
     moe = config.moe
     moe.num_experts = file_int(where, keys.get("num_experts", "num_experts"), moe.num_experts, 1, 1 << 12)
     moe.top_k = file_int(where, keys.get("top_k", "num_experts_per_tok"), moe.top_k, 1, moe.num_experts)
-    moe.expert_size = file_int(where, keys.get("expert_size", "moe_intermediate_size"), moe.expert_size, *LIMITS["intermediate_size"])
-    moe.shared_size = file_int(where, keys.get("shared_size", "shared_expert_intermediate_size"), moe.shared_size, 0, LIMITS["intermediate_size"][1])
+    moe.expert_size = file_int(
+        where, keys.get("expert_size", "moe_intermediate_size"), moe.expert_size, *LIMITS["intermediate_size"]
+    )
+    moe.shared_size = file_int(
+        where,
+        keys.get("shared_size", "shared_expert_intermediate_size"),
+        moe.shared_size,
+        0,
+        LIMITS["intermediate_size"][1],
+    )
     if moe.sparse_layers is not None and len(moe.sparse_layers) != config.num_layers:
         raise ModelLoadError(f"{where}: sparse layers: {len(moe.sparse_layers)} given for {config.num_layers} layers")

@@ -32,7 +32,11 @@ class Choice:
 
 class RoutingPolicy:
     def __init__(
-        self, policy: str = "cache_aware", balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5, cache_threshold: float = 0.5
+        self,
+        policy: str = "cache_aware",
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        cache_threshold: float = 0.5,
     ):
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -45,7 +49,9 @@ class RoutingPolicy:
         self.routed: dict[str, int] = {}  # requests given to each worker so far
         self._turn = itertools.count()
 
-    def choose(self, loads: dict[str, int], prompt_token_ids: list[int] | None, block_size: int, cache_salt: str | None = None) -> Choice:
+    def choose(
+        self, loads: dict[str, int], prompt_token_ids: list[int] | None, block_size: int, cache_salt: str | None = None
+    ) -> Choice:
         """`loads`: each candidate (ready) worker's requests in flight, in a stable order; a
         prompt of None (the router could not tokenize it) is routed by load alone."""
         choice = self._choose(loads, prompt_token_ids, block_size, cache_salt)
@@ -64,7 +70,9 @@ class RoutingPolicy:
             return Choice(least, self._predicted(least, prompt_token_ids, block_size, cache_salt))
         matched = self.index.match(prompt_block_hashes(prompt_token_ids, block_size, cache_salt))
         order = {w: i for i, w in enumerate(workers)}
-        best = max(workers, key=lambda w: (matched.get(w, 0), -loads[w], -self.routed.get(w, 0), -order[w]))  # no match: spread
+        best = max(
+            workers, key=lambda w: (matched.get(w, 0), -loads[w], -self.routed.get(w, 0), -order[w])
+        )  # no match: spread
         hit = cached_tokens(matched.get(best, 0), len(prompt_token_ids), block_size)
         if hit < self.cache_threshold * len(prompt_token_ids):  # too little of it cached to matter
             return Choice(least, cached_tokens(matched.get(least, 0), len(prompt_token_ids), block_size))

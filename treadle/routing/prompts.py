@@ -35,7 +35,14 @@ class RoutedPrompt:
 
 
 class PromptReader:
-    def __init__(self, tokenizer, *, chat_template: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        chat_template: str | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
+    ):
         settings = ServerSettings(
             served_model_name="", model_root="", chat_template=chat_template, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             max_n=1 << 30, max_logprobs=1 << 30, max_stop_strings=1 << 30, max_stop_length=1 << 30, max_logit_bias=1 << 30, max_messages=1 << 30,
@@ -66,7 +73,12 @@ class PromptReader:
             prepared = await prepare_completion(self.state, body)
             return RoutedPrompt(prepared.prompts[0][1], body.cache_salt)
         if path == "/v1/messages":
-            return await self._chat(anthropic.chat_request(anthropic.MessagesRequest(**data), self.state.settings.reasoning_parser is not None), None)
+            return await self._chat(
+                anthropic.chat_request(
+                    anthropic.MessagesRequest(**data), self.state.settings.reasoning_parser is not None
+                ),
+                None,
+            )
         if path == "/api/chat":
             body = ollama.OllamaChatRequest(**data)
             return await self._chat(ollama._chat_request(body, body.model), None) if body.messages else None
@@ -74,8 +86,12 @@ class PromptReader:
             body = ollama.OllamaGenerateRequest(**data)
             if body.raw or not body.prompt:
                 return None
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
-            chat = ollama.OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think)
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}
+            ]
+            chat = ollama.OllamaChatRequest(
+                model=body.model, messages=messages, format=body.format, options=body.options, think=body.think
+            )
             return await self._chat(ollama._chat_request(chat, body.model), None)
         if path == "/v1/responses":
             body = responses.ResponsesRequest(**data)

@@ -46,10 +46,29 @@ log = logging.getLogger("treadle.router")
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504, 529})  # the worker could not take it: another may
 HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer", "upgrade", "proxy-authorization"}
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "host",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+    }
 )
 GENERATION_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat", "/api/generate", "/v1/responses", "/v1/embeddings", "/api/embed"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/api/chat",
+        "/api/generate",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/api/embed",
+    }
 )
 HIT_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -99,25 +118,48 @@ class Router:
     def __init__(self, settings: RouterSettings, prompts: PromptReader):
         self.settings = settings
         self.prompts = prompts
-        self.policy = RoutingPolicy(settings.policy, settings.balance_abs_threshold, settings.balance_rel_threshold, settings.cache_threshold)
+        self.policy = RoutingPolicy(
+            settings.policy, settings.balance_abs_threshold, settings.balance_rel_threshold, settings.cache_threshold
+        )
         self.workers = {url: Worker(url) for url in (u.rstrip("/") for u in settings.workers)}
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self.registry = CollectorRegistry()
-        self.m_requests = Counter("treadle_router:requests", "Requests sent to each worker (retries included).", ["worker"], registry=self.registry)
+        self.m_requests = Counter(
+            "treadle_router:requests",
+            "Requests sent to each worker (retries included).",
+            ["worker"],
+            registry=self.registry,
+        )
         self.m_retries = Counter(
-            "treadle_router:retries", "Requests tried again on another worker, by the worker that failed them.", ["worker"], registry=self.registry
+            "treadle_router:retries",
+            "Requests tried again on another worker, by the worker that failed them.",
+            ["worker"],
+            registry=self.registry,
         )
         self.m_unroutable = Counter(
-            "treadle_router:unroutable_requests", "Requests refused because no healthy worker could take them.", registry=self.registry
+            "treadle_router:unroutable_requests",
+            "Requests refused because no healthy worker could take them.",
+            registry=self.registry,
         )
         self.m_hits = Histogram("treadle_router:routed_prefix_hit_tokens", "Cached prompt tokens predicted at the chosen worker, per routed request.", buckets=HIT_BUCKETS, registry=self.registry)  # fmt: skip
         self.m_hit_tokens = Counter(
-            "treadle_router:routed_prefix_hit_tokens_by_worker", "Cached prompt tokens predicted, by worker.", ["worker"], registry=self.registry
+            "treadle_router:routed_prefix_hit_tokens_by_worker",
+            "Cached prompt tokens predicted, by worker.",
+            ["worker"],
+            registry=self.registry,
         )
-        self.m_healthy = Gauge("treadle_router:worker_healthy", "1 while the worker passes its health check.", ["worker"], registry=self.registry)
+        self.m_healthy = Gauge(
+            "treadle_router:worker_healthy",
+            "1 while the worker passes its health check.",
+            ["worker"],
+            registry=self.registry,
+        )
         self.m_in_flight = Gauge(
-            "treadle_router:worker_requests_in_flight", "Requests in flight at each worker, from this router.", ["worker"], registry=self.registry
+            "treadle_router:worker_requests_in_flight",
+            "Requests in flight at each worker, from this router.",
+            ["worker"],
+            registry=self.registry,
         )
         for url in self.workers:
             self.m_healthy.labels(url).set(0)
@@ -127,7 +169,8 @@ class Router:
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            timeout=httpx.Timeout(None, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         await asyncio.gather(*(self.check(w) for w in self.workers.values()))
         self._health_task = asyncio.create_task(self._health_loop())
@@ -188,7 +231,9 @@ class Router:
             log.info("worker %s: KV events from %s", w.url, endpoint)
             w.subscriber = KVEventSubscriber(self.policy.index, w.url, endpoint, replay).start()
         elif self.policy.policy == "cache_aware":
-            log.warning("worker %s publishes no KV events (start it with --kv-events-port): routed by load alone", w.url)
+            log.warning(
+                "worker %s publishes no KV events (start it with --kv-events-port): routed by load alone", w.url
+            )
 
     def _unhealthy(self, w: Worker, reason: str) -> None:
         if w.healthy:
@@ -221,20 +266,26 @@ class Router:
         tried: set[str] = set() if only is None else {u for u in self.workers if u not in {w.url for w in only}}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if self.settings.worker_api_key:
-            headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-api-key")} | self.worker_headers()
+            headers = {
+                k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-api-key")
+            } | self.worker_headers()
         last_error = "no worker is healthy"
         while True:
             picked = self._pick(tried, prompt)
             if picked is None:
                 self.m_unroutable.inc()
-                return error_response(path, 503, f"no worker could take the request: {last_error}", headers={"Retry-After": "1"})
+                return error_response(
+                    path, 503, f"no worker could take the request: {last_error}", headers={"Retry-After": "1"}
+                )
             w, predicted = picked
             tried.add(w.url)
             self._enter(w)
             self.m_requests.labels(w.url).inc()
             url = w.url + path + (f"?{request.url.query}" if request.url.query else "")
             try:
-                upstream = await self.client.send(self.client.build_request(request.method, url, content=body, headers=headers), stream=True)
+                upstream = await self.client.send(
+                    self.client.build_request(request.method, url, content=body, headers=headers), stream=True
+                )
             except httpx.TransportError as e:
                 self._leave(w)
                 last_error = f"{w.url}: {type(e).__name__}: {e}"
@@ -251,11 +302,17 @@ class Router:
             if predicted is not None:
                 self.m_hits.observe(predicted)
                 self.m_hit_tokens.labels(w.url).inc(predicted)
-            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding"}
+            out_headers = {
+                k: v
+                for k, v in upstream.headers.items()
+                if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding"
+            }
             out_headers["x-treadle-worker"] = w.url
             if predicted is not None:
                 out_headers["x-treadle-predicted-cached-tokens"] = str(predicted)
-            return PassThrough(upstream, lambda w=w: self._leave(w), status_code=upstream.status_code, headers=out_headers)
+            return PassThrough(
+                upstream, lambda w=w: self._leave(w), status_code=upstream.status_code, headers=out_headers
+            )
 
     def _enter(self, w: Worker) -> None:
         w.in_flight += 1
@@ -270,7 +327,9 @@ class Router:
         found = []
         for w in self.healthy:
             try:
-                r = await self.client.get(f"{w.url}/v1/responses/{response_id}", headers=self.worker_headers(), timeout=10)
+                r = await self.client.get(
+                    f"{w.url}/v1/responses/{response_id}", headers=self.worker_headers(), timeout=10
+                )
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
@@ -323,7 +382,12 @@ def build_router_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(
-        title="treadle router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None, lifespan=asynccontextmanager(lifespan)
+        title="treadle router",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=asynccontextmanager(lifespan),
     )
     keys = [k.encode() for k in settings.api_keys]
     app.add_middleware(BodyGate, limit=settings.max_request_bytes, timeout=settings.request_body_timeout)
@@ -339,7 +403,9 @@ def build_router_app(router: Router) -> FastAPI:
         n = len(router.healthy)
         if not n:
             reasons = {w.url: w.reason for w in router.workers.values()}
-            return JSONResponse({"status": "unavailable", "reason": "no worker is healthy", "workers": reasons}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "reason": "no worker is healthy", "workers": reasons}, status_code=503
+            )
         return {"status": "ok", "healthy_workers": n, "workers": len(router.workers)}
 
     @app.get("/version")
@@ -388,7 +454,9 @@ def _previous_response_id(body: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def run_router(settings: RouterSettings, prompts: PromptReader, *, host: str, port: int, log_level: str = "info") -> int:
+def run_router(
+    settings: RouterSettings, prompts: PromptReader, *, host: str, port: int, log_level: str = "info"
+) -> int:
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

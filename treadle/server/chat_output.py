@@ -41,7 +41,9 @@ class ChatOutput:
         if self.reasoning is not None:
             reasoning = "".join(d.get("reasoning", "") for d in deltas) or None
             msg["reasoning"] = msg["reasoning_content"] = reasoning
-        calls = [c for c in self.tools.calls if is_json(c.arguments)] if self.tools is not None else []  # not one cut short
+        calls = (
+            [c for c in self.tools.calls if is_json(c.arguments)] if self.tools is not None else []
+        )  # not one cut short
         if calls:
             msg["tool_calls"] = [c.as_openai() for c in calls]
             msg["content"] = content or None

@@ -10,7 +10,9 @@ from fastapi.routing import APIRoute
 from treadle.server.errors import dialect_of
 from treadle.server.protocol import RequestError, find_invalid_unicode
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of U+D800-U+DFFF (or a literal backslash before one)
+_SURROGATE_ESCAPE = re.compile(
+    rb"\\u[dD][89a-fA-F]"
+)  # JSON's escape of U+D800-U+DFFF (or a literal backslash before one)
 
 
 def as_json(request: Request) -> None:
@@ -20,7 +22,9 @@ def as_json(request: Request) -> None:
     says JSON, so the header is set before it looks."""
     kind = request.headers.get("content-type", "")
     if request.method in ("POST", "PUT", "DELETE", "PATCH") and not kind.split(";")[0].strip().endswith("json"):
-        request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + [(b"content-type", b"application/json")]
+        request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + [
+            (b"content-type", b"application/json")
+        ]
         request.__dict__.pop("_headers", None)  # starlette caches the parsed headers
 
 

@@ -49,7 +49,15 @@ class EngineDead(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window: float = 600.0, log_level: str = "info", launcher=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        max_restarts: int = 3,
+        restart_window: float = 600.0,
+        log_level: str = "info",
+        launcher=None,
+    ):
         self.config = config
         self.launcher = launcher or LocalLauncher()  # where the core runs (launchers.py)
         self.max_restarts = max_restarts
@@ -130,7 +138,9 @@ class EngineClient:
         self._recv_sock.setsockopt(zmq.RCVHWM, 0)
         self._recv_sock.setsockopt(zmq.LINGER, 0)
         self._recv_sock.bind(out_bind)
-        in_addr, out_addr = (sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self._send_sock, self._recv_sock))  # tcp://HOST:* named
+        in_addr, out_addr = (
+            sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self._send_sock, self._recv_sock)
+        )  # tcp://HOST:* named
         proc = self.launcher.launch(self.config, registered_architectures(), in_addr, out_addr, self.log_level)
         self._proc = proc
         self._adds_sent = 0
@@ -189,7 +199,9 @@ class EngineClient:
         while self._restart_times and now - self._restart_times[0] > self.restart_window:
             self._restart_times.popleft()
         if len(self._restart_times) >= self.max_restarts:
-            self._fail(f"{reason}; {len(self._restart_times)} restarts within {self.restart_window:.0f} s already, giving up")
+            self._fail(
+                f"{reason}; {len(self._restart_times)} restarts within {self.restart_window:.0f} s already, giving up"
+            )
             self.launcher.close()
             return
         self._restart_times.append(now)
@@ -284,8 +296,18 @@ class EngineClient:
 
     def stats(self) -> dict:
         front = process_memory()
-        memory = {**self._stats.get("memory", {}), "front_end_rss_bytes": front.get("VmRSS"), "front_end_peak_rss_bytes": front.get("VmHWM")}
-        return {**self._stats, "memory": memory, "num_waiting": self.num_waiting, "engine_pid": self.pid, "engine_restarts": self.num_restarts}
+        memory = {
+            **self._stats.get("memory", {}),
+            "front_end_rss_bytes": front.get("VmRSS"),
+            "front_end_peak_rss_bytes": front.get("VmHWM"),
+        }
+        return {
+            **self._stats,
+            "memory": memory,
+            "num_waiting": self.num_waiting,
+            "engine_pid": self.pid,
+            "engine_restarts": self.num_restarts,
+        }
 
     def add_request(
         self,
@@ -327,7 +349,9 @@ class EngineClient:
         try:
             error = await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise EngineDead(f"the engine core did not answer the adapter {op} of {name!r} in {timeout:.0f} s") from None
+            raise EngineDead(
+                f"the engine core did not answer the adapter {op} of {name!r} in {timeout:.0f} s"
+            ) from None
         finally:
             self._lora_replies.pop((op, name), None)
         if error is not None:

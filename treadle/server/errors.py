@@ -50,11 +50,16 @@ def anthropic_status(status: int) -> int:
 def anthropic_body(status: int, message: str) -> dict:
     return {
         "type": "error",
-        "error": {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"), "message": message},
+        "error": {
+            "type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+            "message": message,
+        },
     }
 
 
-def error_response(path: str, status: int, message: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
+def error_response(
+    path: str, status: int, message: str, param: str | None = None, code=None, headers=None
+) -> JSONResponse:
     dialect = dialect_of(path)
     if dialect == "anthropic":
         status = anthropic_status(status)

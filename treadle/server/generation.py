@@ -73,7 +73,9 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, state, request_id: str, prompts: list[list[int]], params: list, cache_salt: str | None, arrival: float):
+    def __init__(
+        self, state, request_id: str, prompts: list[list[int]], params: list, cache_salt: str | None, arrival: float
+    ):
         self.state = state
         self.engine = state.engine
         self.id = request_id
@@ -126,7 +128,12 @@ class Generation:
                 "input" if self.params[0].pooling else "prompt",
             )
         if engine.num_waiting + len(self.prompts) > limit:
-            raise RequestError("too many requests are waiting; retry later", status=503, code="queue_full", headers={"Retry-After": "1"})
+            raise RequestError(
+                "too many requests are waiting; retry later",
+                status=503,
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
         try:
             q: asyncio.Queue = asyncio.Queue()
             lora = self.state.lora
@@ -199,7 +206,13 @@ class Generation:
         deltas = []
         for c in out.outputs:
             d = Delta(
-                base + c.index, c.text, list(c.token_ids), list(zip(c.token_ids, c.logprobs or [])), c.finish_reason, c.stop_reason, c.embedding
+                base + c.index,
+                c.text,
+                list(c.token_ids),
+                list(zip(c.token_ids, c.logprobs or [])),
+                c.finish_reason,
+                c.stop_reason,
+                c.embedding,
             )
             if d.finish_reason:
                 self.reasons[d.index] = d.finish_reason

@@ -91,7 +91,10 @@ def serve(
     loaded takes; with --models the hub's spare (refilled once a model is ready), else used once."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     if models is None:
-        models = ModelOptions(settings.served_model_name, [ModelSpec(settings.served_model_name, settings.model_root, settings.chat_template)])
+        models = ModelOptions(
+            settings.served_model_name,
+            [ModelSpec(settings.served_model_name, settings.model_root, settings.chat_template)],
+        )
     replicas = data_parallel_size > 1 or (routing or {}).get("backend") == "ray"
     if early_core is not None and (replicas or engine_config.cpu_affinity):  # cores it cannot become
         early_core.drop()
@@ -103,8 +106,12 @@ def serve(
         if replicas:
             from treadle.server.replicas import ReplicaSet
 
-            return ReplicaSet(config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level)
-        return EngineClient(config, max_restarts=max_engine_restarts, log_level=log_level, launcher=LocalLauncher(first))
+            return ReplicaSet(
+                config, data_parallel_size, **(routing or {}), max_restarts=max_engine_restarts, log_level=log_level
+            )
+        return EngineClient(
+            config, max_restarts=max_engine_restarts, log_level=log_level, launcher=LocalLauncher(first)
+        )
 
     store = None
     if models.models_dir is not None:
@@ -119,7 +126,9 @@ def serve(
     for name, path in models.lora_modules.items():
         hub.add_startup_adapter(name, path)
     app = build_app(hub, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False
+    )
     server = GracefulServer(config, app.state.treadle, shutdown_timeout)
 
     fatal_errors: list[str] = []

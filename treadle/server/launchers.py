@@ -300,7 +300,9 @@ def _node_host() -> str:
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive")), None)
+    address = next(
+        (n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive")), None
+    )
     address = address or ray.util.get_node_ip_address()
     return f"[{address}]" if ":" in address else address
 
@@ -316,7 +318,9 @@ def connect_ray(address: str | None) -> float:
         try:
             ray.init(address=address or "auto", namespace="treadle", log_to_driver=True, configure_logging=False)
         except ConnectionError as e:
-            raise ValueError(f"cannot join the Ray cluster at {address or 'auto'}: {e} (start one with `ray start --head`)") from None
+            raise ValueError(
+                f"cannot join the Ray cluster at {address or 'auto'}: {e} (start one with `ray start --head`)"
+            ) from None
     return ray.cluster_resources().get("CPU", 0.0)
 
 
@@ -339,7 +343,9 @@ class RayLauncher:
             import uuid
 
             name = f"treadle-engine-core-{self.index}-{uuid.uuid4().hex[:8]}"  # several servers may share a cluster
-            options = dict(num_cpus=self.num_cpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", name=name)
+            options = dict(
+                num_cpus=self.num_cpus, max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", name=name
+            )
             self.actor = ray.remote(RayEngineCore).options(**options).remote()
             log.info("replica %d: a Ray actor with %g CPUs", self.index, self.num_cpus)
         return RayCore(self.actor, self.actor.run.remote(config, registry, in_addr, out_addr, log_level))

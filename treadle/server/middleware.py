@@ -63,7 +63,9 @@ class BodyGate:
         await self.app(scope, replay, send)
 
     def _too_large(self, size: int) -> str:
-        return f"the request body is {size} bytes or more; this server accepts at most {self.limit} (--max-request-bytes)"
+        return (
+            f"the request body is {size} bytes or more; this server accepts at most {self.limit} (--max-request-bytes)"
+        )
 
     async def _refuse(self, scope, receive, send, status: int, message: str) -> None:
         await error_response(scope["path"], status, message, headers={"Connection": "close"})(scope, receive, send)
@@ -84,7 +86,9 @@ class ConcurrencyLimit:
         key = (presented_key(Request(scope)) or "") if self.keyed else ""
         if self.in_flight.get(key, 0) >= self.limit:
             who = "this API key" if self.keyed else "this server"
-            message = f"{who} already has {self.limit} requests in flight (--max-concurrent-per-key); retry when one ends"
+            message = (
+                f"{who} already has {self.limit} requests in flight (--max-concurrent-per-key); retry when one ends"
+            )
             response = error_response(scope["path"], 429, message, headers={"Retry-After": "1"})
             return await response(scope, receive, send)
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
@@ -133,7 +137,11 @@ def key_accepted(keys: list[bytes], token: str | None) -> bool:
 
 
 def key_refused(path: str):
-    hint = "'Authorization: Bearer <key>' or 'x-api-key: <key>'" if dialect_of(path) == "anthropic" else "'Authorization: Bearer <key>'"
+    hint = (
+        "'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+        if dialect_of(path) == "anthropic"
+        else "'Authorization: Bearer <key>'"
+    )
     return error_response(path, 401, f"invalid or missing API key (send {hint})", code="invalid_api_key")
 
 

@@ -233,7 +233,11 @@ class ModelHub:
         would slow that load down on a small machine) and where the budget has room for it."""
         if self.spare is None or not all(e.ready.is_set() for e in self.loaded.values()):
             return
-        if self.memory_budget is not None and self.spare.rss() == 0 and self.memory_in_use() + SPARE_ESTIMATE > self.memory_budget:
+        if (
+            self.memory_budget is not None
+            and self.spare.rss() == 0
+            and self.memory_in_use() + SPARE_ESTIMATE > self.memory_budget
+        ):
             return
         self.spare.fill()
 
@@ -246,7 +250,9 @@ class ModelHub:
     def resolve_name(self, name: str | None) -> ModelSpec:
         if name is None:
             if self.primary is None:
-                raise RequestError("model is required: this server serves several models (GET /v1/models lists them)", "model")
+                raise RequestError(
+                    "model is required: this server serves several models (GET /v1/models lists them)", "model"
+                )
             name = self.primary
         spec = self.catalog.lookup(name)
         if spec is None:
@@ -261,7 +267,10 @@ class ModelHub:
         if adapter is not None:
             state = await self.acquire(adapter.base, keep_alive)
             return replace(
-                state, settings=replace(state.settings, served_model_name=adapter.name), lora=(adapter.name, adapter.digest), base=adapter.base
+                state,
+                settings=replace(state.settings, served_model_name=adapter.name),
+                lora=(adapter.name, adapter.digest),
+                base=adapter.base,
             )
         spec = self.resolve_name(name)
         seconds = parse_keep_alive(keep_alive) if keep_alive is not None else None
@@ -273,10 +282,14 @@ class ModelHub:
                 await entry.engine.start()
             entry.users += 1
         try:
-            if not (entry.startup and entry.engine.state == "loading"):  # the command line's model answers 503 while the server starts, as ever
+            if not (
+                entry.startup and entry.engine.state == "loading"
+            ):  # the command line's model answers 503 while the server starts, as ever
                 await entry.ready.wait()
             if entry.failed is not None:
-                raise RequestError(f"model `{spec.name}` failed to load: {entry.failed}", "model", status=503, code="model_load_failed")
+                raise RequestError(
+                    f"model `{spec.name}` failed to load: {entry.failed}", "model", status=503, code="model_load_failed"
+                )
         except BaseException:
             entry.users -= 1
             raise
@@ -302,7 +315,10 @@ class ModelHub:
         from treadle.model.layers.lora import adapter_digest, read_adapter_config
 
         if base is None and self.primary is None:
-            raise RequestError("LoRA adapters need a base model: name it (base_model_name) or start the server with --model", "base_model_name")
+            raise RequestError(
+                "LoRA adapters need a base model: name it (base_model_name) or start the server with --model",
+                "base_model_name",
+            )
         base = self.resolve_name(base).name  # a 404 for an unknown base
         if name in self.adapters or self.catalog.lookup(name) is not None:
             raise RequestError(f"the name {name!r} is already in use by a model or adapter", "lora_name")
@@ -337,7 +353,9 @@ class ModelHub:
     async def unload_adapter(self, name: str) -> None:
         adapter = self.adapters.get(name)
         if adapter is None:
-            raise RequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name", status=404, code="model_not_found")
+            raise RequestError(
+                f"no LoRA adapter named {name!r} is loaded", "lora_name", status=404, code="model_not_found"
+            )
         async with self._adapter_lock:
             del self.adapters[name]
             entry = self.loaded.get(adapter.base)
@@ -371,7 +389,9 @@ class ModelHub:
             entry.failed = message
             entry.ready.set()
             if fatal:
-                self.on_fatal(message)  # the command line's model cannot load, or died too often: the server ends, as a one-model server always did
+                self.on_fatal(
+                    message
+                )  # the command line's model cannot load, or died too often: the server ends, as a one-model server always did
                 return
             log.error("model %s: %s", spec.name, message)
             asyncio.get_running_loop().create_task(self._unload(entry, "failed"))
@@ -386,7 +406,9 @@ class ModelHub:
     def _estimate(self, spec: ModelSpec) -> int:
         """The memory a model will take once loaded: its files, its KV budget, a runtime."""
         if os.path.isdir(spec.path):
-            files = sum(os.path.getsize(os.path.join(spec.path, n)) for n in os.listdir(spec.path) if n.endswith(".safetensors"))
+            files = sum(
+                os.path.getsize(os.path.join(spec.path, n)) for n in os.listdir(spec.path) if n.endswith(".safetensors")
+            )
         else:
             files = os.path.getsize(spec.path) if os.path.exists(spec.path) else 0
         kv = self.engine_config.kv_cache_memory_bytes or 1024**3

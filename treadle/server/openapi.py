@@ -35,7 +35,12 @@ REASONS = {
 MEDIA_SCHEMAS = {
     "text/event-stream": {
         "type": "object",
-        "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
         "required": ["data"],
     },
     "application/x-ndjson": {"type": "object"},
@@ -49,7 +54,11 @@ REQUEST_EXAMPLES = {
     ("POST", "/v1/chat/completions"): {"messages": _CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2},
     ("POST", "/v1/completions"): {"prompt": "Once upon a time", "max_tokens": 8, "logprobs": 2},
     ("POST", "/v1/responses"): {"input": "Say hello.", "max_output_tokens": 8},
-    ("POST", "/v1/messages"): {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "system": "Be brief."},
+    ("POST", "/v1/messages"): {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "system": "Be brief.",
+    },
     ("POST", "/v1/messages/count_tokens"): {"messages": [{"role": "user", "content": "Say hello."}]},
     ("POST", "/v1/embeddings"): {"input": ["hello", "world"]},
     ("POST", "/api/chat"): {"messages": _CHAT, "options": {"num_predict": 8}},
@@ -101,13 +110,20 @@ def openapi_document(app) -> dict[str, Any]:
         if entry["dialect"] == "anthropic":  # Anthropic's clients send these; accepted, not required
             operation.setdefault("parameters", []).extend(
                 {"name": name, "in": "header", "required": False, "schema": {"type": "string"}, "description": text}
-                for name, text in (("anthropic-version", "accepted, any version"), ("anthropic-beta", "accepted and ignored"))
+                for name, text in (
+                    ("anthropic-version", "accepted, any version"),
+                    ("anthropic-beta", "accepted and ignored"),
+                )
             )
         example = REQUEST_EXAMPLES.get((method, path))
         body = operation.get("requestBody", {}).get("content", {}).get("application/json")
         if example is not None and body is not None:
             example = {"model": app.state.treadle.settings.served_model_name, **example}
-            examples = {"whole": {"value": {**example, "stream": False}}} if (method, path) in STREAMED else {"request": {"value": example}}
+            examples = (
+                {"whole": {"value": {**example, "stream": False}}}
+                if (method, path) in STREAMED
+                else {"request": {"value": example}}
+            )
             if (method, path) in STREAMED:
                 examples["streamed"] = {"value": {**example, "stream": True}}
             body["examples"] = examples

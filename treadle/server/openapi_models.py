@@ -116,7 +116,9 @@ class OpenAIErrorDetail(BaseModel):
     message: str
     type: str = Field(description="errors.OPENAI_TYPES by status: BadRequestError, NotFoundError, ...")
     param: str | None = Field(description="the request parameter at fault, or null")
-    code: int | str | None = Field(description="the HTTP status when no code is given, else a code such as model_not_found; a string within streams")
+    code: int | str | None = Field(
+        description="the HTTP status when no code is given, else a code such as model_not_found; a string within streams"
+    )
 
 
 class OpenAIError(BaseModel):
@@ -284,7 +286,9 @@ class ResponseFunctionCall(BaseModel):
     arguments: str = Field(description="the arguments as JSON text")
 
 
-ResponseOutputItem = Annotated[ResponseOutputMessage | ResponseReasoningItem | ResponseFunctionCall, Field(discriminator="type")]
+ResponseOutputItem = Annotated[
+    ResponseOutputMessage | ResponseReasoningItem | ResponseFunctionCall, Field(discriminator="type")
+]
 
 
 class ResponseError(BaseModel):
@@ -335,7 +339,9 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["completed", "incomplete", "failed", "in_progress"] = Field(description="in_progress only within a stream")
+    status: Literal["completed", "incomplete", "failed", "in_progress"] = Field(
+        description="in_progress only within a stream"
+    )
     error: ResponseError | None
     incomplete_details: ResponseIncompleteDetails | None
     instructions: str | None
@@ -352,7 +358,9 @@ class ResponseObject(BaseModel):
     tools: list[dict[str, Any]] = Field(description="the request's tools as given")
     top_p: float
     truncation: Literal["disabled"]
-    usage: ResponseUsage | None = Field(description="an object in every finished response; null only within a stream's early events")
+    usage: ResponseUsage | None = Field(
+        description="an object in every finished response; null only within a stream's early events"
+    )
     user: str | None
     metadata: dict[str, Any]
 
@@ -427,10 +435,14 @@ class AnthropicToolUseBlock(BaseModel):
     type: Literal["tool_use"]
     id: str
     name: str
-    input: Any = Field(description="the parsed arguments: an object, unless a tool's schema asks for another JSON value")
+    input: Any = Field(
+        description="the parsed arguments: an object, unless a tool's schema asks for another JSON value"
+    )
 
 
-AnthropicContentBlock = Annotated[AnthropicTextBlock | AnthropicThinkingBlock | AnthropicToolUseBlock, Field(discriminator="type")]
+AnthropicContentBlock = Annotated[
+    AnthropicTextBlock | AnthropicThinkingBlock | AnthropicToolUseBlock, Field(discriminator="type")
+]
 
 
 class AnthropicUsage(BaseModel):
@@ -450,7 +462,9 @@ class AnthropicMessage(BaseModel):
     role: Literal["assistant"]
     model: str
     content: list[AnthropicContentBlock]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = Field(description="null only in a stream's message_start")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = Field(
+        description="null only in a stream's message_start"
+    )
     stop_sequence: str | None
     usage: AnthropicUsage
 
@@ -474,7 +488,9 @@ class OllamaToolCallFunction(BaseModel):
     """A tool call's function: its name and parsed arguments."""
 
     name: str
-    arguments: Any = Field(description="the parsed arguments: an object, unless a tool's schema asks for another JSON value")
+    arguments: Any = Field(
+        description="the parsed arguments: an object, unless a tool's schema asks for another JSON value"
+    )
 
 
 class OllamaToolCall(BaseModel):
@@ -659,7 +675,9 @@ class Stats(BaseModel):
     memory_budget_bytes: int | None
     model_loads: int
     model_unloads: int
-    spare_core_bytes: int = 0  # the resident set of the started engine core waiting for the next model (counted in the budget)
+    spare_core_bytes: int = (
+        0  # the resident set of the started engine core waiting for the next model (counted in the budget)
+    )
     spare_core_ready: bool = False  # whether that core's start-up (Python, torch, the model code) is done
     memory: StatsMemory | None = None
     num_waiting: int | None = None
@@ -737,7 +755,14 @@ _GENERATE = [400, 404, 499, 500, 503]
 GLOBAL_ERRORS = [404, 405, 500]
 
 
-def _route(ok, dialect: str, errors: list[int], media: list[str] | None = None, error_bodies: dict | None = None, in_schema: bool = True) -> dict:
+def _route(
+    ok,
+    dialect: str,
+    errors: list[int],
+    media: list[str] | None = None,
+    error_bodies: dict | None = None,
+    in_schema: bool = True,
+) -> dict:
     error_bodies = error_bodies or {}
     return {
         "ok": ok,
@@ -770,7 +795,9 @@ ROUTES: dict[tuple[str, str], dict] = {
     # ---------------------------------------------------------------- plain endpoints (app.py)
     ("GET", "/health"): _route(Health, "plain", [503] + _GATE, error_bodies={503: Health}),
     ("GET", "/version"): _route(Version, "plain", _GATE),
-    ("GET", "/metrics"): _route(None, "plain", [401] + _GATE, media=["text/plain"]),  # 401 only with --metrics-require-key
+    ("GET", "/metrics"): _route(
+        None, "plain", [401] + _GATE, media=["text/plain"]
+    ),  # 401 only with --metrics-require-key
     ("GET", "/stats"): _route(Stats, "plain", [400, 404, 503] + _KEYED + _GATE),  # 404: ?model= names no model
     ("POST", "/tokenize"): _route(TokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
     ("POST", "/detokenize"): _route(DetokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
@@ -780,9 +807,13 @@ ROUTES: dict[tuple[str, str], dict] = {
     ("POST", "/v1/chat/completions"): _route(
         ChatCompletion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
     ),
-    ("POST", "/v1/completions"): _route(Completion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("POST", "/v1/completions"): _route(
+        Completion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
+    ),
     # 404 also for an unknown previous_response_id
-    ("POST", "/v1/responses"): _route(ResponseObject, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499),
+    ("POST", "/v1/responses"): _route(
+        ResponseObject, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
+    ),
     ("GET", "/v1/responses/{response_id}"): _route(ResponseObject, "openai", [404] + _KEYED + _GATE),
     ("DELETE", "/v1/responses/{response_id}"): _route(ResponseDeleted, "openai", [404] + _KEYED + _GATE),
     # 499 here is a RequestError: OpenAI's error body, not an empty one
@@ -792,19 +823,37 @@ ROUTES: dict[tuple[str, str], dict] = {
     ("POST", "/v1/embeddings"): _route(EmbeddingList, "openai", [400, 404, 499, 500, 503] + _KEYED + _GATE),
     # ---------------------------------------------------------------- Anthropic
     ("POST", "/v1/messages"): _route(
-        AnthropicMessage, "anthropic", _anthropic(_GENERATE) + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
+        AnthropicMessage,
+        "anthropic",
+        _anthropic(_GENERATE) + _KEYED + _GATE,
+        media=["text/event-stream"],
+        error_bodies=_EMPTY_499,
     ),
-    ("POST", "/v1/messages/count_tokens"): _route(AnthropicTokenCount, "anthropic", _anthropic([400, 404, 503]) + _KEYED + _GATE),
+    ("POST", "/v1/messages/count_tokens"): _route(
+        AnthropicTokenCount, "anthropic", _anthropic([400, 404, 503]) + _KEYED + _GATE
+    ),
     # ---------------------------------------------------------------- Ollama (stream defaults to true)
-    ("POST", "/api/chat"): _route(OllamaChatResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499),
+    ("POST", "/api/chat"): _route(
+        OllamaChatResponse,
+        "ollama",
+        _GENERATE + _KEYED + _GATE,
+        media=["application/x-ndjson"],
+        error_bodies=_EMPTY_499,
+    ),
     ("POST", "/api/generate"): _route(
-        OllamaGenerateResponse, "ollama", _GENERATE + _KEYED + _GATE, media=["application/x-ndjson"], error_bodies=_EMPTY_499
+        OllamaGenerateResponse,
+        "ollama",
+        _GENERATE + _KEYED + _GATE,
+        media=["application/x-ndjson"],
+        error_bodies=_EMPTY_499,
     ),
     ("GET", "/api/tags"): _route(OllamaTags, "ollama", _KEYED + _GATE),
     ("GET", "/api/ps"): _route(OllamaPs, "ollama", _KEYED + _GATE),
     ("POST", "/api/show"): _route(OllamaShow, "ollama", [400, 404, 503] + _KEYED + _GATE),
     # the model store (400 also where the server has no --models-dir); delete and copy answer an empty 200
-    ("POST", "/api/pull"): _route(OllamaPullStatus, "ollama", [400, 404] + _KEYED + _GATE, media=["application/x-ndjson"]),
+    ("POST", "/api/pull"): _route(
+        OllamaPullStatus, "ollama", [400, 404] + _KEYED + _GATE, media=["application/x-ndjson"]
+    ),
     ("DELETE", "/api/delete"): _route(None, "ollama", [400, 404] + _KEYED + _GATE),
     ("POST", "/api/copy"): _route(None, "ollama", [400, 404] + _KEYED + _GATE),
     # no 499: embed_texts gets no request to watch here
@@ -815,5 +864,7 @@ ROUTES: dict[tuple[str, str], dict] = {
     ("HEAD", "/openapi.json"): _route(None, "plain", _GATE, in_schema=False),
     # the web chat: FileResponse / StaticFiles (a Range request may get 206, or 416 in text/plain)
     ("GET", "/"): _route(None, "plain", [416] + _GATE, media=["text/html"], error_bodies={416: None}, in_schema=False),
-    ("GET", "/static/{path}"): _route(None, "plain", [404, 416] + _GATE, media=["*/*"], error_bodies={416: None}, in_schema=False),
+    ("GET", "/static/{path}"): _route(
+        None, "plain", [404, 416] + _GATE, media=["*/*"], error_bodies={416: None}, in_schema=False
+    ),
 }

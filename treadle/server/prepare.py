@@ -42,12 +42,16 @@ class ServerSettings:
     max_messages: int = 1024
     max_concurrent_per_key: int = 0  # requests in flight per API key (global without keys); 0: no limit
     request_body_timeout: float = 30.0  # seconds for a request's whole body to arrive; past it a 408
-    max_stream_buffer_bytes: int = 1024 * 1024  # a stream's bytes not yet taken by its client; past it the stream is aborted
+    max_stream_buffer_bytes: int = (
+        1024 * 1024
+    )  # a stream's bytes not yet taken by its client; past it the stream is aborted
     tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
     reasoning_parser: str | None = None  # qwen3, deepseek_r1
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
     pooling: str = "last"  # embeddings: the last token's final hidden state, or the mean of all
-    generation_config: str = "auto"  # auto: the model's own generation defaults apply where a request is silent; vllm: none
+    generation_config: str = (
+        "auto"  # auto: the model's own generation defaults apply where a request is silent; vllm: none
+    )
     override_generation_config: dict = field(default_factory=dict)  # on top of the model's (SamplingParams' names)
 
 
@@ -88,7 +92,9 @@ class ServerState:
         return self.lifecycle.in_flight
 
 
-LOAD_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar("load_wait", default=0.0)  # seconds this request waited for its model to load
+LOAD_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "load_wait", default=0.0
+)  # seconds this request waited for its model to load
 
 
 @asynccontextmanager
@@ -163,9 +169,13 @@ def generation_defaults(settings: ServerSettings, path: str) -> dict:
 def model_state(server: ServerState, spec, engine) -> ServerState:
     """One model's state: the server's settings with its name, root and template; its defaults;
     the server's metrics and lifecycle."""
-    settings = replace(server.settings, served_model_name=spec.name, model_root=spec.path, chat_template=spec.chat_template)
+    settings = replace(
+        server.settings, served_model_name=spec.name, model_root=spec.path, chat_template=spec.chat_template
+    )
     server.metrics.attach(engine)
-    return ServerState(engine, settings, server.metrics, server.lifecycle, server.hub, generation_defaults(settings, spec.path))
+    return ServerState(
+        engine, settings, server.metrics, server.lifecycle, server.hub, generation_defaults(settings, spec.path)
+    )
 
 
 def model_card(server: ServerState, spec) -> ModelCard:
@@ -174,7 +184,13 @@ def model_card(server: ServerState, spec) -> ModelCard:
 
     entry = server.hub.loaded.get(spec.name)
     if entry is not None and entry.engine.ready:
-        return ModelCard(id=spec.name, root=spec.path, max_model_len=entry.engine.max_model_len, loaded=True, generation_config=entry.state.defaults)
+        return ModelCard(
+            id=spec.name,
+            root=spec.path,
+            max_model_len=entry.engine.max_model_len,
+            loaded=True,
+            generation_config=entry.state.defaults,
+        )
     length = describe_cached(spec.path).context_length
     return ModelCard(
         id=spec.name,
@@ -189,7 +205,12 @@ def require_ready(state: ServerState) -> None:
     engine = state.engine
     if not engine.ready:
         if engine.state == "restarting":
-            raise RequestError(f"the engine is restarting: {engine.reason}", status=503, code="engine_restarting", headers={"Retry-After": "1"})
+            raise RequestError(
+                f"the engine is restarting: {engine.reason}",
+                status=503,
+                code="engine_restarting",
+                headers={"Retry-After": "1"},
+            )
         raise RequestError("the model is still loading", status=503, code="model_loading", headers={"Retry-After": "5"})
     if state.draining:
         raise RequestError("the server is shutting down", status=503, code="shutting_down")
@@ -212,7 +233,9 @@ def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
 def chat_template(state: ServerState) -> str:
     template = state.settings.chat_template or state.engine.tokenizer.chat_template
     if not template:
-        raise RequestError("this model has no chat template; use /v1/completions or start the server with --chat-template", "messages")
+        raise RequestError(
+            "this model has no chat template; use /v1/completions or start the server with --chat-template", "messages"
+        )
     return template
 
 
@@ -228,7 +251,9 @@ def plain_messages(messages) -> list[dict]:
 
 def render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> str:
     try:
-        return state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template(state), **(kwargs or {}))
+        return state.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt, chat_template(state), **(kwargs or {})
+        )
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
 
@@ -245,7 +270,9 @@ def _open_final_message(text: str, final: str) -> str:
     with (an end-of-turn token, a newline) is dropped."""
     end = text.rfind(final)
     if end < 0:
-        raise RequestError("continue_final_message: the chat template changed the final message's text", "continue_final_message")
+        raise RequestError(
+            "continue_final_message: the chat template changed the final message's text", "continue_final_message"
+        )
     return text[: end + len(final)]
 
 
@@ -253,7 +280,10 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
     engine = state.engine
     room = engine.max_model_len - len(ids)
     if room < 1:
-        raise RequestError(f"the prompt has {len(ids)} tokens; this model's maximum context length is {engine.max_model_len}", prompt_param)
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens; this model's maximum context length is {engine.max_model_len}",
+            prompt_param,
+        )
     if requested is not None and requested > room:
         raise RequestError(
             f"this model's maximum context length is {engine.max_model_len} tokens; the prompt has {len(ids)} "
@@ -283,18 +313,28 @@ def check_limits(settings: ServerSettings, params, logprobs_param: str) -> None:
     stops = params.stop_strings
     over(len(stops), settings.max_stop_strings, "stop", "stop strings", "--max-stop-strings")
     if stops:
-        over(max(len(x) for x in stops), settings.max_stop_length, "stop", "characters in a stop string", "--max-stop-length")
+        over(
+            max(len(x) for x in stops),
+            settings.max_stop_length,
+            "stop",
+            "characters in a stop string",
+            "--max-stop-length",
+        )
     over(len(params.logit_bias or {}), settings.max_logit_bias, "logit_bias", "entries", "--max-logit-bias")
 
 
-def _constrain(state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None) -> str | None:
+def _constrain(
+    state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None
+) -> str | None:
     """The request's output constraint (a structured-output parameter, or the tool_choice's call)
     on every prompt's params, after reasoning if it is on; the parameter that carried it. Only its
     size is checked here: the engine core compiles it (Prepared.start waits for that verdict)."""
     found = body.structured()
     if tool_constraint is not None:
         if found is not None:
-            raise RequestError(f"{found[1].split('.')[0]} cannot be combined with a tool_choice that forces a call", "tool_choice")
+            raise RequestError(
+                f"{found[1].split('.')[0]} cannot be combined with a tool_choice that forces a call", "tool_choice"
+            )
         found = (tool_constraint, "tools")
     if found is None:
         return None
@@ -311,8 +351,12 @@ def _constrain(state: ServerState, body, params: list, tool_constraint=None, aft
 def chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolSetup | None) -> str:
     """The conversation rendered through the chat template (tools as the template or the fallback
     prompt takes them)."""
-    messages, tool_kwargs = prepare_messages(plain_messages(body.messages), tools, template_supports_tools(chat_template(state)))
-    text = render_chat(state, messages, body.add_generation_prompt, {**tool_kwargs, **(body.chat_template_kwargs or {})})
+    messages, tool_kwargs = prepare_messages(
+        plain_messages(body.messages), tools, template_supports_tools(chat_template(state))
+    )
+    text = render_chat(
+        state, messages, body.add_generation_prompt, {**tool_kwargs, **(body.chat_template_kwargs or {})}
+    )
     if body.continue_final_message:
         text = _open_final_message(text, messages[-1]["content"])
     return text
@@ -325,9 +369,13 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     body.check()
     limit = state.settings.max_messages
     if len(body.messages) > limit:
-        raise RequestError(f"messages: {len(body.messages)} messages; this server accepts at most {limit} (--max-messages)", "messages")
+        raise RequestError(
+            f"messages: {len(body.messages)} messages; this server accepts at most {limit} (--max-messages)", "messages"
+        )
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
-    text = await asyncio.to_thread(chat_prompt, state, body, tools)  # the template is bounded, but not free: off the event loop
+    text = await asyncio.to_thread(
+        chat_prompt, state, body, tools
+    )  # the template is bounded, but not free: off the event loop
     ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
     reasoning = state.settings.reasoning_parser

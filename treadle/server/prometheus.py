@@ -8,7 +8,28 @@ by the HTTP layer.
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 class _EngineCollector:
@@ -27,19 +48,43 @@ class _EngineCollector:
             client = entry.engine
             model = {"model_name": name} if named else {}
             replicas = getattr(client, "replicas", None)
-            sources = [(model, client)] if not replicas else [({**model, "replica": str(i)}, r) for i, r in enumerate(replicas)]
+            sources = (
+                [(model, client)]
+                if not replicas
+                else [({**model, "replica": str(i)}, r) for i, r in enumerate(replicas)]
+            )
             for where, engine in sources:
-                out.add("counter", "treadle:engine_restarts", "Restarts of the engine core process after it died.", where, engine.num_restarts)
+                out.add(
+                    "counter",
+                    "treadle:engine_restarts",
+                    "Restarts of the engine core process after it died.",
+                    where,
+                    engine.num_restarts,
+                )
                 s = engine.stats()
                 if "kv_blocks_total" in s:  # else no snapshot yet: the core is loading
                     _engine_series(out, where, s)
             for i in range(len(replicas or ())):
                 where = {**model, "replica": str(i)}
-                out.add("counter", "treadle:router_requests", "Requests routed to each replica.", where, client.router.routed.get(str(i), 0))
+                out.add(
+                    "counter",
+                    "treadle:router_requests",
+                    "Requests routed to each replica.",
+                    where,
+                    client.router.routed.get(str(i), 0),
+                )
         if named:
-            out.add("gauge", "treadle:models_loaded", "Models loaded (an engine core process each).", {}, len(hub.loaded))
+            out.add(
+                "gauge", "treadle:models_loaded", "Models loaded (an engine core process each).", {}, len(hub.loaded)
+            )
             out.add("counter", "treadle:model_loads", "Models loaded since the server started.", {}, hub.loads)
-            out.add("counter", "treadle:model_unloads", "Models unloaded (idle, evicted, or failed) since the server started.", {}, hub.unloads)
+            out.add(
+                "counter",
+                "treadle:model_unloads",
+                "Models unloaded (idle, evicted, or failed) since the server started.",
+                {},
+                hub.unloads,
+            )
         yield from out.families.values()
 
 
@@ -53,7 +98,9 @@ class _Families:
         labels = {**where, **labels}
         family = self.families.get(name)
         if family is None:
-            family = self.families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
+            family = self.families[name] = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, doc, labels=list(labels)
+            )
         family.add_metric(list(labels.values()), value)
 
 
@@ -70,9 +117,19 @@ KV_TIER_SERIES = (
     ("treadle:kv_tier_hits", "hits", "counter", "Prefix-cache blocks loaded back from a lower tier."),
     ("treadle:kv_tier_stored", "stored", "counter", "Blocks evicted from the KV pool kept in a lower tier."),
     ("treadle:kv_tier_evicted", "evicted", "counter", "Blocks a lower tier dropped for its budget."),
-    ("treadle:kv_tier_load_seconds", "load_seconds", "counter", "Time spent loading blocks from a lower tier (disk: reads on its thread)."),
+    (
+        "treadle:kv_tier_load_seconds",
+        "load_seconds",
+        "counter",
+        "Time spent loading blocks from a lower tier (disk: reads on its thread).",
+    ),
     ("treadle:kv_tier_loads", "loads", "counter", "Blocks loaded from a lower tier (disk: files read)."),
-    ("treadle:kv_tier_corrupt", "corrupt", "counter", "Disk-tier files that failed their checks (deleted, never loaded)."),
+    (
+        "treadle:kv_tier_corrupt",
+        "corrupt",
+        "counter",
+        "Disk-tier files that failed their checks (deleted, never loaded).",
+    ),
     ("treadle:kv_tier_bytes", "bytes", "gauge", "Bytes a lower tier holds."),
     ("treadle:kv_tier_blocks", "blocks", "gauge", "Blocks a lower tier holds."),
 )
@@ -88,11 +145,19 @@ def _engine_series(out: _Families, where: dict, s: dict) -> None:
     used = s["kv_blocks_total"] - s["kv_blocks_free"]
     out.add("gauge", "treadle:num_requests_running", "Requests in the running batch.", where, s["num_running"])
     out.add("gauge", "treadle:num_requests_waiting", "Requests waiting to be scheduled.", where, s["num_waiting"])
-    out.add("gauge", "treadle:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", where, used / s["kv_blocks_total"])
+    out.add(
+        "gauge",
+        "treadle:kv_cache_usage_perc",
+        "Fraction of KV blocks in use (0..1).",
+        where,
+        used / s["kv_blocks_total"],
+    )
     out.add("gauge", "treadle:kv_blocks_used", "KV blocks with ref count > 0.", where, used)
     out.add("gauge", "treadle:kv_blocks_total", "KV blocks in the pool.", where, s["kv_blocks_total"])
     ready = len(s["compiled_decode"]["ready"])
-    out.add("gauge", "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", where, ready)
+    out.add(
+        "gauge", "treadle:compiled_decode_classes", "Decode batch-size classes running compiled graphs.", where, ready
+    )
     for name, key, doc in ENGINE_COUNTERS:
         out.add("counter", name, doc, where, s[key])
     for tier, t in (s.get("kv_tiers") or {}).items():
@@ -112,9 +177,24 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(hub))
         self.predicted_hits: Histogram | None = None
-        self.request_success = Counter("treadle:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("treadle:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("treadle:inter_token_latency_seconds", "Time between streamed tokens.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_success = Counter(
+            "treadle:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "treadle:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "treadle:inter_token_latency_seconds",
+            "Time between streamed tokens.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.tpot = Histogram(
             "treadle:request_time_per_output_token_seconds",
             "Per request: (latency - TTFT) / (output tokens - 1).",
@@ -122,7 +202,10 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.e2e = Histogram(
-            "treadle:e2e_request_latency_seconds", "Request latency, arrival to last token.", buckets=LATENCY_BUCKETS, registry=self.registry
+            "treadle:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
 
     def attach(self, engine) -> None:

@@ -20,7 +20,9 @@ Number = StrictInt | StrictFloat
 class RequestError(ValueError):
     """A client mistake: becomes a 400 (or `status`) with OpenAI's error body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None, headers=None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None, headers=None
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -37,7 +39,9 @@ SERVER_OWNED_TEMPLATE_KEYS = TEMPLATE_OWNED | {"tools", "chat_template", "self"}
 def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> None:
     for key in kwargs or {}:
         if key in SERVER_OWNED_TEMPLATE_KEYS:
-            raise RequestError(f"{param}.{key}: set by the server's chat rendering, not by a request ({param} may not name it)", param)
+            raise RequestError(
+                f"{param}.{key}: set by the server's chat rendering, not by a request ({param} may not name it)", param
+            )
 
 
 def find_invalid_unicode(value, path: tuple = ()) -> tuple[str, str] | None:
@@ -149,9 +153,14 @@ class SamplingFields(StrictModel):
         if self.response_format is not None:
             fmt = self.response_format
             if fmt.type == "json_schema" and fmt.json_schema is None:
-                raise RequestError("response_format of type json_schema needs a json_schema object", "response_format.json_schema")
+                raise RequestError(
+                    "response_format of type json_schema needs a json_schema object", "response_format.json_schema"
+                )
             if fmt.type != "json_schema" and fmt.json_schema is not None:
-                raise RequestError(f"response_format.json_schema is only allowed with type json_schema, not {fmt.type!r}", "response_format")
+                raise RequestError(
+                    f"response_format.json_schema is only allowed with type json_schema, not {fmt.type!r}",
+                    "response_format",
+                )
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of is not supported", "best_of")
         if self.store:
@@ -170,7 +179,12 @@ class SamplingFields(StrictModel):
             given.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":
             schema = fmt.json_schema.schema_
-            given.append(("response_format.json_schema.schema", {"json": schema} if schema is not None else {"json_object": True}))
+            given.append(
+                (
+                    "response_format.json_schema.schema",
+                    {"json": schema} if schema is not None else {"json_object": True},
+                )
+            )
         if self.structured_outputs is not None:
             so = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
             if so.get("json_object") is False:
@@ -271,18 +285,27 @@ class ChatCompletionRequest(SamplingFields):
             raise RequestError("only the text modality is supported", "modalities")
         check_template_kwargs(self.chat_template_kwargs)
         if self.reasoning_effort is not None:
-            raise RequestError("reasoning_effort is not supported (this model does not reason separately)", "reasoning_effort")
+            raise RequestError(
+                "reasoning_effort is not supported (this model does not reason separately)", "reasoning_effort"
+            )
         if self.continue_final_message:
             if self.add_generation_prompt:
-                raise RequestError("continue_final_message requires add_generation_prompt to be false", "continue_final_message")
+                raise RequestError(
+                    "continue_final_message requires add_generation_prompt to be false", "continue_final_message"
+                )
             if self.messages[-1].role != "assistant" or not self.messages[-1].text():
-                raise RequestError("continue_final_message needs a final assistant message with content to continue", "continue_final_message")
+                raise RequestError(
+                    "continue_final_message needs a final assistant message with content to continue",
+                    "continue_final_message",
+                )
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise RequestError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise RequestError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_completion_tokens")
+            raise RequestError(
+                f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_completion_tokens"
+            )
 
     @property
     def requested_max_tokens(self) -> int | None:

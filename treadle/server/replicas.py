@@ -92,10 +92,16 @@ class ReplicaSet:
         threads = config.threads or max(1, int(cluster_cpus // size))
         if threads * size > cluster_cpus:
             log.warning(
-                "%d replicas x %d threads ask for more CPUs than the Ray cluster has (%g): some wait to be placed", size, threads, cluster_cpus
+                "%d replicas x %d threads ask for more CPUs than the Ray cluster has (%g): some wait to be placed",
+                size,
+                threads,
+                cluster_cpus,
             )
         for i in range(size):
-            yield replace(config, threads=threads, cpu_affinity=None, kv_events_endpoint="tcp://NODE:*"), RayLauncher(i, threads)
+            yield (
+                replace(config, threads=threads, cpu_affinity=None, kv_events_endpoint="tcp://NODE:*"),
+                RayLauncher(i, threads),
+            )
 
     # ------------------------------------------------------------ the one-engine interface
 
@@ -116,7 +122,9 @@ class ReplicaSet:
             if sub is not None:
                 sub.stop()
             self.index.forget(str(i))
-            self._subscribers[i] = KVEventSubscriber(self.index, str(i), endpoint, replay).start() if endpoint and replay else None
+            self._subscribers[i] = (
+                KVEventSubscriber(self.index, str(i), endpoint, replay).start() if endpoint and replay else None
+            )
         self.on_ready()
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -148,7 +156,11 @@ class ReplicaSet:
 
     @property
     def reason(self) -> str | None:
-        return None if self.ready else "; ".join(f"replica {i}: {r.reason}" for i, r in enumerate(self.replicas) if r.reason) or None
+        return (
+            None
+            if self.ready
+            else "; ".join(f"replica {i}: {r.reason}" for i, r in enumerate(self.replicas) if r.reason) or None
+        )
 
     @property
     def load_error(self) -> str | None:
@@ -207,14 +219,26 @@ class ReplicaSet:
         if len(errors) == len(self.replicas):
             raise errors[0]
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params, cache_salt: str | None = None, out_queue=None, lora_name=None):
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params,
+        cache_salt: str | None = None,
+        out_queue=None,
+        lora_name=None,
+    ):
         ready = self._ready()
         if not ready:
             raise EngineDead(self.reason or "no replica is running")
-        choice = self.router.choose({str(i): self.replicas[i].num_unfinished for i in ready}, prompt_token_ids, self.block_size, cache_salt)
+        choice = self.router.choose(
+            {str(i): self.replicas[i].num_unfinished for i in ready}, prompt_token_ids, self.block_size, cache_salt
+        )
         if choice.predicted_hit_tokens is not None:
             self.observe_prediction(choice.predicted_hit_tokens)
-        return self.replicas[int(choice.worker)].add_request(request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name)
+        return self.replicas[int(choice.worker)].add_request(
+            request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name
+        )
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:

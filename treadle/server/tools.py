@@ -104,16 +104,22 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
             raise RequestError(f"{where}.function must be an object", f"{where}.function")
         unknown = set(fn) - {"name", "description", "parameters", "strict"}
         if unknown:
-            raise RequestError(f"Unrecognized request argument supplied: {where}.function.{sorted(unknown)[0]}", f"{where}.function")
+            raise RequestError(
+                f"Unrecognized request argument supplied: {where}.function.{sorted(unknown)[0]}", f"{where}.function"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'", f"{where}.function.name")
+            raise RequestError(
+                f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'", f"{where}.function.name"
+            )
         if name in seen:
             raise RequestError(f"{where}.function.name: {name!r} is declared twice", f"{where}.function.name")
         seen.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise RequestError(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+            raise RequestError(
+                f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters"
+            )
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
             raise RequestError(f"{where}.function.description must be a string", f"{where}.function.description")
@@ -123,7 +129,9 @@ def tool_setup(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
         mode = "auto"
     elif isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}", "tool_choice")
+            raise RequestError(
+                f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}", "tool_choice"
+            )
         mode = tool_choice
     else:
         fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
@@ -156,7 +164,10 @@ def prepare_messages(messages: list[dict], setup: ToolSetup | None, native: bool
         if calls:
             m["tool_calls"] = [_call_for_template(c) for c in calls]
             if not native:
-                text = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in m.pop("tool_calls"))
+                text = "\n".join(
+                    json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                    for c in m.pop("tool_calls")
+                )
                 m["content"] = ((m.get("content") or "") + "\n" + text).strip()
         if m.get("role") == "tool" and not native:
             name = m.pop("name", None) or m.get("tool_call_id") or "the function"
@@ -176,14 +187,22 @@ def prepare_messages(messages: list[dict], setup: ToolSetup | None, native: bool
 
 
 def _call_for_template(call: dict) -> dict:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict) or not isinstance(call["function"].get("name"), str):
-        raise RequestError("an assistant message's tool_calls must be [{id, type, function: {name, arguments}}]", "messages")
+    if (
+        not isinstance(call, dict)
+        or not isinstance(call.get("function"), dict)
+        or not isinstance(call["function"].get("name"), str)
+    ):
+        raise RequestError(
+            "an assistant message's tool_calls must be [{id, type, function: {name, arguments}}]", "messages"
+        )
     args = call["function"].get("arguments", {})
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise RequestError(f"tool call {call['function']['name']!r}: arguments is not valid JSON", "messages") from None
+            raise RequestError(
+                f"tool call {call['function']['name']!r}: arguments is not valid JSON", "messages"
+            ) from None
     return {**call, "type": "function", "function": {**call["function"], "arguments": args}}
 
 
@@ -278,7 +297,9 @@ def parse_tagged(text: str, family: str | None, tools: dict[str, Tool]) -> tuple
                 name, _, args = part.partition("[ARGS]")
                 values = _json_values(args) or []
                 if values:
-                    calls += [c for c in [_as_call({"name": name.strip(), "arguments": values[0]}, tools, strict=False)] if c]
+                    calls += [
+                        c for c in [_as_call({"name": name.strip(), "arguments": values[0]}, tools, strict=False)] if c
+                    ]
         else:
             values = _json_values(rest) or []
             objs = values[0] if len(values) == 1 and isinstance(values[0], list) else values
@@ -293,7 +314,9 @@ def parse_tagged(text: str, family: str | None, tools: dict[str, Tool]) -> tuple
     return text, []
 
 
-def parse_auto(text: str, family: str | None, tools: dict[str, Tool], parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+def parse_auto(
+    text: str, family: str | None, tools: dict[str, Tool], parallel: bool = True
+) -> tuple[str | None, list[ToolCall]]:
     """(content or None, calls) of a complete reply under tool_choice auto."""
     content, calls = parse_tagged(text, family, tools)
     if not calls:
@@ -411,7 +434,9 @@ class ToolStream:
             if k == len(self.calls):
                 self.calls.append(ToolCall(name, ""))
                 self.sent_args.append(0)
-                deltas.append({"tool_calls": [{**self.calls[k].as_openai(k), "function": {"name": name, "arguments": ""}}]})
+                deltas.append(
+                    {"tool_calls": [{**self.calls[k].as_openai(k), "function": {"name": name, "arguments": ""}}]}
+                )
             fresh = args[self.sent_args[k] :]
             if fresh:
                 self.sent_args[k] = len(args)

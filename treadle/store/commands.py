@@ -46,7 +46,15 @@ def cmd_list(args) -> int:
     for r in rows:
         ctx = str(r["context_length"] or "")
         table.append(
-            (r["name"], human_bytes(r["size"]), r["architecture"], human_count(r["parameters"]), r["quantization"], ctx, _ago(r["modified"]))
+            (
+                r["name"],
+                human_bytes(r["size"]),
+                r["architecture"],
+                human_count(r["parameters"]),
+                r["quantization"],
+                ctx,
+                _ago(r["modified"]),
+            )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
@@ -72,7 +80,9 @@ def cmd_show(args) -> int:
             print(f"{key} {json.dumps(value)}")
         return 0
     if args.json:
-        print(json.dumps({"name": m["name"], "source": m["source"], "path": m["model_path"], **info.as_dict()}, indent=1))
+        print(
+            json.dumps({"name": m["name"], "source": m["source"], "path": m["model_path"], **info.as_dict()}, indent=1)
+        )
         return 0
     print("  Model")
     for label, value in (
@@ -130,22 +140,41 @@ def cmd_cp(args) -> int:
                 raise
     except (StoreError, ValueError) as e:
         return _fail(e)
-    print(f"copied '{args.source}' to '{m['name']}'" + (f" with {', '.join(f'{k}={v}' for k, v in params.items())}" if params else ""))
+    print(
+        f"copied '{args.source}' to '{m['name']}'"
+        + (f" with {', '.join(f'{k}={v}' for k, v in params.items())}" if params else "")
+    )
     return 0
 
 
 def add_store_parsers(sub) -> None:
-    p = sub.add_parser("pull", help="fetch a model into the store: hf://org/repo[:QUANT|:FILE.gguf], org/repo, an https:// GGUF, or a local path")
-    p.add_argument("ref", help="hf://org/repo[:QUANT|:FILE.gguf], org/repo, https://.../model.gguf, or a local .gguf file / HF folder")
-    p.add_argument("--name", default=None, help="the name to keep it under (default: the repository or file name, and its quant tag)")
+    p = sub.add_parser(
+        "pull",
+        help="fetch a model into the store: hf://org/repo[:QUANT|:FILE.gguf], org/repo, an https:// GGUF, or a local path",
+    )
+    p.add_argument(
+        "ref",
+        help="hf://org/repo[:QUANT|:FILE.gguf], org/repo, https://.../model.gguf, or a local .gguf file / HF folder",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        help="the name to keep it under (default: the repository or file name, and its quant tag)",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_pull)
     ls = sub.add_parser("list", aliases=["ls"], help="the models in the store")
     ls.add_argument("--json", action="store_true", help="as JSON")
     ls.set_defaults(func=cmd_list)
-    s = sub.add_parser("show", help="a stored model: architecture, parameters, context, quantization, defaults, license")
+    s = sub.add_parser(
+        "show", help="a stored model: architecture, parameters, context, quantization, defaults, license"
+    )
     s.add_argument("name")
-    for flag, what in (("--template", "its chat template"), ("--parameters", "its generation defaults"), ("--license", "its license")):
+    for flag, what in (
+        ("--template", "its chat template"),
+        ("--parameters", "its generation defaults"),
+        ("--license", "its license"),
+    ):
         s.add_argument(flag, action="store_true", help=f"print {what} only")
     s.add_argument("--json", action="store_true", help="everything, as JSON")
     s.set_defaults(func=cmd_show)

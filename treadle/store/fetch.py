@@ -68,7 +68,9 @@ def verify(path: str, expected: Expected, what: str) -> None:
     elif expected.git_sha1 is not None:
         got = git_blob_sha1(path)
         if got != expected.git_sha1:
-            raise FetchError(f"{what}: git blob id {got} does not match the source's {expected.git_sha1}: the file is corrupt")
+            raise FetchError(
+                f"{what}: git blob id {got} does not match the source's {expected.git_sha1}: the file is corrupt"
+            )
 
 
 def part_path(partial_dir: str, url: str, expected: Expected) -> str:
@@ -77,7 +79,9 @@ def part_path(partial_dir: str, url: str, expected: Expected) -> str:
     return os.path.join(partial_dir, f"{key}-{name}.part")
 
 
-def download(url: str, part: str, expected: Expected, *, headers: dict | None = None, label: str = "", progress: bool = True) -> str:
+def download(
+    url: str, part: str, expected: Expected, *, headers: dict | None = None, label: str = "", progress: bool = True
+) -> str:
     """Fetch `url` into `part` (resuming what is there), check it against `expected`; the part
     file's path once whole and checked. A corrupt result is deleted: the next try starts clean."""
     from tqdm import tqdm
@@ -87,7 +91,16 @@ def download(url: str, part: str, expected: Expected, *, headers: dict | None = 
     headers["Accept-Encoding"] = "identity"  # sizes and ranges of the bytes themselves
     label = label or os.path.basename(url)
     have = os.path.getsize(part) if os.path.exists(part) else 0
-    bar = tqdm(total=expected.size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=label, disable=not progress, leave=True)
+    bar = tqdm(
+        total=expected.size,
+        initial=have,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=label,
+        disable=not progress,
+        leave=True,
+    )
     tries, validator = 0, None
     import httpx
 
@@ -112,7 +125,9 @@ def download(url: str, part: str, expected: Expected, *, headers: dict | None = 
                     have = os.path.getsize(part) if os.path.exists(part) else 0
                     tries = 0 if have > before else tries + 1
                     if tries >= RETRIES:
-                        raise FetchError(f"{label}: the download failed {RETRIES} times in a row ({e}); run the pull again to resume it") from None
+                        raise FetchError(
+                            f"{label}: the download failed {RETRIES} times in a row ({e}); run the pull again to resume it"
+                        ) from None
                     time.sleep(min(8.0, 0.5 * 2**tries))
                     continue
                 if done:
@@ -136,7 +151,9 @@ def _get(client: httpx.Client, url: str, part: str, have: int, headers: dict, ba
     with client.stream("GET", url, headers=headers) as r:
         if r.status_code in (408, 429, 500, 502, 503, 504):
             raise FetchTransient(f"HTTP {r.status_code}")
-        if r.status_code == 416 and have:  # nothing past what we hold: the part is the whole file (or is wrong: checked after)
+        if (
+            r.status_code == 416 and have
+        ):  # nothing past what we hold: the part is the whole file (or is wrong: checked after)
             return True, have, None
         if r.status_code >= 400:
             raise FetchError(f"{url}: HTTP {r.status_code} {_reason(r)}")

@@ -142,7 +142,11 @@ def describe_cached(path: str) -> ModelInfo:
     """describe(path), read once per version of the files (a listing asks often); what can be
     said of a model that cannot be read (format by its name, nothing else) where it cannot."""
     try:
-        mtime = max(os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)) if os.path.isdir(path) else os.path.getmtime(path)
+        mtime = (
+            max(os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path))
+            if os.path.isdir(path)
+            else os.path.getmtime(path)
+        )
     except (OSError, ValueError):
         mtime = 0.0
     found = _describe_version(path, mtime)

@@ -81,7 +81,9 @@ def parse_ref(text: str) -> Ref:
     body = text.removeprefix("hf://").removeprefix("hf.co/").removeprefix("huggingface.co/")
     repo, _, selector = body.partition(":")
     if not re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", repo):
-        raise StoreError(f"{text!r}: not a model reference (hf://org/repo[:FILE.gguf|:QUANT], org/repo, https://.../model.gguf, or a local path)")
+        raise StoreError(
+            f"{text!r}: not a model reference (hf://org/repo[:FILE.gguf|:QUANT], org/repo, https://.../model.gguf, or a local path)"
+        )
     return Ref("hf", repo, selector)
 
 
@@ -217,7 +219,10 @@ class ModelStore:
             info = describe(path)
         except InspectError as e:
             raise StoreError(f"{fields['source']}: not a model treadle can read: {e}") from None
-        manifest = {**fields, "info": {k: v for k, v in info.as_dict().items() if k not in ("chat_template", "license")}}
+        manifest = {
+            **fields,
+            "info": {k: v for k, v in info.as_dict().items() if k not in ("chat_template", "license")},
+        }
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -292,9 +297,15 @@ class ModelStore:
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
         revision = os.environ.get("TREADLE_HF_REVISION", "main")
         try:
-            tree = [f for f in HfApi(endpoint=endpoint).list_repo_tree(ref.target, recursive=True, revision=revision) if hasattr(f, "size")]
+            tree = [
+                f
+                for f in HfApi(endpoint=endpoint).list_repo_tree(ref.target, recursive=True, revision=revision)
+                if hasattr(f, "size")
+            ]
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-            raise StoreError(f"{ref.target}: no such repository on {endpoint} (or it needs HF_TOKEN): {type(e).__name__}") from None
+            raise StoreError(
+                f"{ref.target}: no such repository on {endpoint} (or it needs HF_TOKEN): {type(e).__name__}"
+            ) from None
         except HfHubHTTPError as e:
             raise StoreError(f"{ref.target}: cannot list the repository on {endpoint}: {e}") from None
         except OSError as e:
@@ -307,7 +318,11 @@ class ModelStore:
         try:
             for file in chosen:
                 entry = by_path[file]
-                expected = Expected(size=entry.size, sha256=entry.lfs.sha256 if entry.lfs else None, git_sha1=None if entry.lfs else entry.blob_id)
+                expected = Expected(
+                    size=entry.size,
+                    sha256=entry.lfs.sha256 if entry.lfs else None,
+                    git_sha1=None if entry.lfs else entry.blob_id,
+                )
                 cached = try_to_load_from_cache(ref.target, file, cache_dir=_hf_cache_dir(), revision=revision)
                 dest = os.path.join(tmp, file)
                 if isinstance(cached, str) and _matches(cached, expected):
@@ -316,7 +331,14 @@ class ModelStore:
                     continue
                 url = hf_hub_url(ref.target, file, revision=revision, endpoint=endpoint)
                 try:
-                    part = download(url, part_path(self.partial, url, expected), expected, headers=headers, label=file, progress=progress)
+                    part = download(
+                        url,
+                        part_path(self.partial, url, expected),
+                        expected,
+                        headers=headers,
+                        label=file,
+                        progress=progress,
+                    )
                 except FetchError as e:
                     raise StoreError(str(e)) from None
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -334,7 +356,9 @@ def _hf_cache_dir() -> str:
     """huggingface_hub's cache as its environment names it now ($HF_HUB_CACHE, $HF_HOME/hub)."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
     return os.path.join(os.path.expanduser(home), "hub")
 
 
@@ -360,13 +384,19 @@ def _choose_files(ref: Ref, paths: list[str]) -> tuple[list[str], str]:
         picked = [p for p in ggufs if _quant_tag(p) == DEFAULT_QUANT]
         if not picked:
             tags = sorted({_quant_tag(p) for p in ggufs} - {""})
-            raise StoreError(f"{ref.target}: several GGUF files; name one as {ref.target}:QUANT ({', '.join(tags)}) or {ref.target}:FILE.gguf")
+            raise StoreError(
+                f"{ref.target}: several GGUF files; name one as {ref.target}:QUANT ({', '.join(tags)}) or {ref.target}:FILE.gguf"
+            )
     else:
         raise StoreError(f"{ref.target}: neither a GGUF file nor config.json with safetensors weights")
     if any(SPLIT_GGUF.search(p) for p in picked):
-        raise StoreError(f"{ref.target}: {picked[0]} is one part of a split GGUF; split files are not supported (merge them with llama-gguf-split)")
+        raise StoreError(
+            f"{ref.target}: {picked[0]} is one part of a split GGUF; split files are not supported (merge them with llama-gguf-split)"
+        )
     if len(picked) > 1:
-        raise StoreError(f"{ref.target}: {sel or DEFAULT_QUANT} matches several files ({', '.join(picked)}); name one as :FILE.gguf")
+        raise StoreError(
+            f"{ref.target}: {sel or DEFAULT_QUANT} matches several files ({', '.join(picked)}); name one as :FILE.gguf"
+        )
     return picked, picked[0]
 
 

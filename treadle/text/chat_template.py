@@ -64,7 +64,9 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=
     if indent is None:
         return json.dumps(value, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
     parts, size = [], 0
-    for piece in json.JSONEncoder(indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators).iterencode(value):
+    for piece in json.JSONEncoder(
+        indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators
+    ).iterencode(value):
         size += len(piece)
         bounds.check_planned(size, "a JSON text")
         parts.append(piece)
@@ -82,7 +84,9 @@ def _sum(environment, iterable, attribute=None, start=0):
     out, bounds = list(start), _bounds()
     for item in iterable:
         if not isinstance(item, type(start)):
-            raise TypeError(f'can only concatenate {type(start).__name__} (not "{type(item).__name__}") to {type(start).__name__}')
+            raise TypeError(
+                f'can only concatenate {type(start).__name__} (not "{type(item).__name__}") to {type(start).__name__}'
+            )
         out.extend(item)
         bounds.check_size(out, "a sum")
     return type(start)(out)
@@ -104,14 +108,18 @@ class _Bounds:
         if isinstance(value, (list, tuple, dict, set)) and len(value) > MAX_ITEMS:
             raise TemplateLimit(f"the chat template built {what} of {len(value)} items; at most {MAX_ITEMS}")
         if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_INT_BITS:
-            raise TemplateLimit(f"the chat template computed an integer of {value.bit_length()} bits; at most {MAX_INT_BITS}")
+            raise TemplateLimit(
+                f"the chat template computed an integer of {value.bit_length()} bits; at most {MAX_INT_BITS}"
+            )
 
     def check_planned(self, size: int, what: str, of=str) -> None:
         """A result of `size` characters (or items, if `of` is not a string type) is about to be built."""
         text = of in (str, bytes)
         limit = self.max_chars if text else MAX_ITEMS
         if size > limit:
-            raise TemplateLimit(f"the chat template asked for {what} of {size} {'characters' if text else 'items'}; at most {limit}")
+            raise TemplateLimit(
+                f"the chat template asked for {what} of {size} {'characters' if text else 'items'}; at most {limit}"
+            )
 
     def check_format(self, text, braces: bool = False) -> None:
         """A printf (or, with `braces`, str.format) pattern with a huge width or precision."""
@@ -156,7 +164,9 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
 
     def __init__(self):
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], finalize=_finalize)
+        super().__init__(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], finalize=_finalize
+        )
         for name, f in list(self.filters.items()):
             self.filters[name] = _guarded_filter(name, f)
         self.filters["tojson"] = _guarded_filter("tojson", _tojson)
@@ -187,14 +197,19 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
                     bounds.check_planned(length * max(n, 0), "a repetition", type(seq))
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
             if max(abs(left).bit_length() - 1, 0) * right > MAX_INT_BITS:
-                raise TemplateLimit(f"the chat template computes {left} ** {right}, an integer of more than {MAX_INT_BITS} bits")
+                raise TemplateLimit(
+                    f"the chat template computes {left} ** {right}, an integer of more than {MAX_INT_BITS} bits"
+                )
         elif operator == "+":
             a, b = _sequence_length(left), _sequence_length(right)
             if a is not None and b is not None:
                 bounds.check_planned(a + b, "a sum", type(left))
         elif operator == "%":
             bounds.check_format(left)
-            bounds.check_planned(estimated_chars(right, bounds.max_chars) + (len(left) if isinstance(left, str) else 0), "a formatted text")
+            bounds.check_planned(
+                estimated_chars(right, bounds.max_chars) + (len(left) if isinstance(left, str) else 0),
+                "a formatted text",
+            )
         result = super().call_binop(context, operator, left, right)
         bounds.check_size(result)
         return result
@@ -218,7 +233,10 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value):
         """`str.format` and `format_map`, which the sandbox wraps: no huge widths either."""
-        if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in ("format", "format_map"):
+        if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in (
+            "format",
+            "format_map",
+        ):
             _bounds().check_format(value.__self__, braces=True)
         return super().wrap_str_format(value)
 

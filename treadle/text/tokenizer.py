@@ -58,7 +58,12 @@ def _smollm_pre_tokenizer():
     from tokenizers import pre_tokenizers
 
     # SmolLM's own tokenizer.json: every digit alone, then GPT-2's byte-level split.
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
 
 
 # tokenizer.ggml.pre -> the pre-tokenizer llama.cpp applies for it.
@@ -114,7 +119,9 @@ def builtin_template(vocab: set[str]) -> str | None:
 
 # Template variables the renderer itself sets (the conversation, the special tokens, the helpers
 # every Hugging Face template may call): a caller's extra variables may not replace them.
-TEMPLATE_OWNED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+TEMPLATE_OWNED = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -181,7 +188,9 @@ class Tokenizer:
         and a legal Python str, but no character; the tokenizer cannot take it)."""
         bad = first_surrogate(text)
         if bad is not None:
-            raise ValueError(f"the text is not valid Unicode: a lone surrogate (U+{ord(text[bad]):04X}) at position {bad}")
+            raise ValueError(
+                f"the text is not valid Unicode: a lone surrogate (U+{ord(text[bad]):04X}) at position {bad}"
+            )
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
@@ -224,7 +233,9 @@ UNREAD_AT_LOAD = frozenset({"tokenizer.ggml.merges", "tokenizer.ggml.scores"})
 VOCABULARY_LISTS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})  # the load's own reads
 
 
-def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Collection[str] = (), hand_over: bool = False) -> Tokenizer:
+def tokenizer_from_gguf(
+    path: str, meta: dict, lazy: bool = False, unread: Collection[str] = (), hand_over: bool = False
+) -> Tokenizer:
     """Build the tokenizer a GGUF file describes under `tokenizer.ggml.*` (`lazy`: its vocabulary
     when first used; the metadata is checked now either way). `unread`: keys the file has but
     `meta` was read without (UNREAD_AT_LOAD, lazy only): checked when the vocabulary is built.
@@ -245,19 +256,29 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
     _check_gguf_tokenizer(path, meta)
     token_types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if kind not in ("gpt2", "llama"):
-        raise ModelLoadError(f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')")
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.model = {kind!r}: unsupported tokenizer model (supported: 'gpt2', 'llama')"
+        )
     # what a lazy build would find first, found now
     pre = meta.get("tokenizer.ggml.pre", "default")
     if kind == "gpt2" and pre not in BPE_PRE_TOKENIZERS:
-        raise ModelLoadError(f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})")
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.pre = {pre!r}: unsupported pre-tokenizer (supported: {sorted(BPE_PRE_TOKENIZERS)})"
+        )
     if kind == "gpt2" and not has("tokenizer.ggml.merges"):
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: missing, a byte-level BPE vocabulary needs its merges")
     if kind == "llama" and not has("tokenizer.ggml.merges") and not has("tokenizer.ggml.scores"):
-        raise ModelLoadError(f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges")
+        raise ModelLoadError(
+            f"{path}: tokenizer.ggml.scores: missing, a SentencePiece vocabulary needs scores or merges"
+        )
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
 
-    stop = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")) if i is not None}
+    stop = {
+        i
+        for i in (eos, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
+        if i is not None
+    }
     control = {tok: i for i, (tok, tt) in enumerate(zip(tokens, token_types)) if tt == TOKEN_CONTROL}
     stop.update(control[t] for t in END_OF_TURN_TOKENS if t in control)
     template = meta.get("tokenizer.chat_template")
@@ -278,7 +299,12 @@ def tokenizer_from_gguf(path: str, meta: dict, lazy: bool = False, unread: Colle
             source=path,
         )
     return Tokenizer(
-        _gguf_backend(path, [meta], kind, derived), bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=template, source=path
+        _gguf_backend(path, [meta], kind, derived),
+        bos_token_id=bos,
+        eos_token_id=eos,
+        stop_token_ids=stop,
+        chat_template=template,
+        source=path,
     )
 
 
@@ -328,12 +354,24 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
             unk_id = meta.get("tokenizer.ggml.unknown_token_id")
             unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
             # (no word cache: _drop_whole_text_cache)
-            backend = HFTokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True, ignore_merges=False, cache_capacity=0))
+            backend = HFTokenizer(
+                models.BPE(
+                    vocab,
+                    pairs,
+                    unk_token=unk,
+                    fuse_unk=True,
+                    byte_fallback=True,
+                    ignore_merges=False,
+                    cache_capacity=0,
+                )
+            )
     except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown pieces
         raise ModelLoadError(f"{path}: tokenizer.ggml.merges: {e}") from None
     del vocab, pairs
     if kind == "gpt2":
-        backend.pre_tokenizer = BPE_PRE_TOKENIZERS[meta.get("tokenizer.ggml.pre", "default")]()  # checked by tokenizer_from_gguf
+        backend.pre_tokenizer = BPE_PRE_TOKENIZERS[
+            meta.get("tokenizer.ggml.pre", "default")
+        ]()  # checked by tokenizer_from_gguf
         backend.decoder = decoders.ByteLevel()
     else:
         _sentencepiece_pipeline(backend, meta.get("tokenizer.ggml.add_space_prefix", True))
@@ -438,10 +476,14 @@ def _prune_cache(kept: str, same_path: str) -> None:
         return
     others = [os.path.join(folder, n) for n in names if n.endswith((".merges", ".json")) and n != name]
     # a write cut short leaves its `.tmp`: gone once it cannot be a write still under way
-    others += [p for p in (os.path.join(folder, n) for n in names if n.endswith(".tmp")) if used(p) < time.time() - 3600]
+    others += [
+        p for p in (os.path.join(folder, n) for n in names if n.endswith(".tmp")) if used(p) < time.time() - 3600
+    ]
     # this path's older versions, and entries of an older form (a whole tokenizer's JSON, or named
     # before `<path>-<version>`)
-    stale = [p for p in others if os.path.basename(p).startswith(same_path) or not _ENTRY.fullmatch(os.path.basename(p))]
+    stale = [
+        p for p in others if os.path.basename(p).startswith(same_path) or not _ENTRY.fullmatch(os.path.basename(p))
+    ]
     rest = sorted((p for p in others if p not in stale), key=used)
     for entry in stale + rest[: max(0, len(rest) + 1 - CACHED_VOCABULARIES)]:
         try:
@@ -479,7 +521,9 @@ def _check_gguf_tokenizer(path: str, meta: dict) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             fail("tokenizer.ggml." + key, "a token id")
         if value is not None and not 0 <= value < n:  # as llama.cpp: a warning, and the id is not used
-            log.warning("%s: tokenizer.ggml.%s = %d is not a token of the vocabulary (%d tokens); ignored", path, key, value, n)
+            log.warning(
+                "%s: tokenizer.ggml.%s = %d is not a token of the vocabulary (%d tokens); ignored", path, key, value, n
+            )
             del meta["tokenizer.ggml." + key]
     for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
         value = meta.get("tokenizer.ggml." + key)
@@ -544,7 +588,9 @@ def _merges_from_scores(tokens, scores, token_types, vocab: dict[str, int]) -> a
     def splits(n: int):
         """(left length, left id, right id) of piece n's splits, the longer left piece first."""
         tok = tokens[n]
-        if len(tok) < 2 or token_types[n] not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok:  # a space: never reached (_merge_pairs)
+        if (
+            len(tok) < 2 or token_types[n] not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or " " in tok
+        ):  # a space: never reached (_merge_pairs)
             return
         for i in range(len(tok) - 1, 0, -1):
             a = get(tok[:i])
@@ -631,7 +677,10 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
     if eos is None:
         eos = _first_id(f"{folder}/config.json: eos_token_id", config.get("eos_token_id"))
     stop = {eos} if eos is not None else set()
-    for where, source in (("generation_config.json", gen_config.get("eos_token_id")), ("config.json", config.get("eos_token_id"))):
+    for where, source in (
+        ("generation_config.json", gen_config.get("eos_token_id")),
+        ("config.json", config.get("eos_token_id")),
+    ):
         stop.update(_as_list(f"{folder}/{where}: eos_token_id", source))
 
     chat_template = tok_config.get("chat_template")
@@ -646,9 +695,13 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         extra = read_json(os.path.join(folder, "chat_template.json"))
         chat_template = extra.get("chat_template") if isinstance(extra, dict) else None
     if chat_template is not None and not isinstance(chat_template, str):
-        raise ModelLoadError(f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: expected a template string")
+        raise ModelLoadError(
+            f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: expected a template string"
+        )
     release_free_heap()
-    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder)
+    return Tokenizer(
+        backend, bos_token_id=bos, eos_token_id=eos, stop_token_ids=stop, chat_template=chat_template, source=folder
+    )
 
 
 def _as_list(where: str, value) -> list[int]:

@@ -82,8 +82,12 @@ def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home
         def run(*inputs):
             out = fn(*inputs)
             ref = engine.runner.model.forward(*inputs)
-            kl = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-            seen.setdefault(num_decode, []).append((kl.max().item(), (out.argmax(-1) == ref.argmax(-1)).float().mean().item()))
+            kl = torch.nn.functional.kl_div(
+                out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none"
+            ).sum(-1)
+            seen.setdefault(num_decode, []).append(
+                (kl.max().item(), (out.argmax(-1) == ref.argmax(-1)).float().mean().item())
+            )
             return out
 
         return run
@@ -128,7 +132,10 @@ def test_a_second_engine_loads_the_cached_artefacts_without_compiling(tmp_path, 
     assert wait_settled(first.engine)["state"] == "ready"
     # A token budget of 1 makes steps of one prompt token whose row does not sample: the graphs,
     # traced with one sample per row, must not take them.
-    expected = [o.outputs[0].token_ids for o in LLM(folder, dtype="float32", max_num_batched_tokens=1).generate(prompts(3), GREEDY)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(folder, dtype="float32", max_num_batched_tokens=1).generate(prompts(3), GREEDY)
+    ]
     first.engine.close()
 
     second = LLM(folder, dtype="float32", compile=True, max_num_batched_tokens=1)
@@ -170,7 +177,9 @@ def test_artefacts_are_keyed_by_block_size_and_dtype(tmp_path, cache_home):
     assert base != compiled.artefact_dir(folder, torch.float32, "float32", 32, cpu)  # the graphs bake the block size in
     assert base != compiled.artefact_dir(folder, torch.bfloat16, "float32", 16, cpu)
     assert base != compiled.artefact_dir(folder, torch.float32, "Q4_1,float32", 16, cpu)
-    assert base != compiled.artefact_dir(folder, torch.float32, "float32", 16, cpu, PluginModel)  # a plugin's own source file
+    assert base != compiled.artefact_dir(
+        folder, torch.float32, "float32", 16, cpu, PluginModel
+    )  # a plugin's own source file
 
 
 def test_a_compiled_graph_that_fails_goes_back_to_eager(tmp_path, cache_home):
@@ -219,7 +228,9 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
     folder = str(tmp_path / "hf")
     save_hf_model(folder, "llama")
     server = ServerProcess(
-        folder, "--compile", env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+        folder,
+        "--compile",
+        env={"XDG_CACHE_HOME": str(cache_home), "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
     )
     try:
         server.wait_healthy()
@@ -237,7 +248,11 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
         assert memory["compiled_graphs_bytes"] > 0  # the loaded graphs are counted apart
         gauge = re.search(r"^treadle:compiled_decode_classes (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
         assert gauge and float(gauge.group(1)) == 2
-        reply = httpx.post(server.url + "/v1/completions", json={"prompt": prompts(1)[0], "max_tokens": 24, "temperature": 0}, timeout=60)
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": prompts(1)[0], "max_tokens": 24, "temperature": 0},
+            timeout=60,
+        )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 24
         assert compilers  # the server had started one
         deadline = time.time() + 120  # it may still be exiting (torch's teardown), then must be reaped

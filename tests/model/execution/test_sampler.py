@@ -69,7 +69,10 @@ def test_a_consumed_step_samples_what_a_kept_one_does():
     logits = torch.randn((6, VOCAB), generator=torch.Generator().manual_seed(2))
     draws = []
     for consume in (False, True):
-        reqs = [request(temperature=t, seed=s) for t, s in ((0.7, None), (1.3, None), (0.3, None), (0.9, 4), (1.0, None), (0.5, None))]
+        reqs = [
+            request(temperature=t, seed=s)
+            for t, s in ((0.7, None), (1.3, None), (0.3, None), (0.9, 4), (1.0, None), (0.5, None))
+        ]
         sampler = Sampler(frozenset({EOS}), seed=9)
         given = logits.clone()
         draws.append([s.token_id for s in sampler.sample(given, reqs, consume=consume)])

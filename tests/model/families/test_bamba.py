@@ -87,7 +87,9 @@ def test_prefix_hits_restore_the_recurrent_state_checkpointed_at_their_end(bamba
     check(model, llm, batch[1::2])
     assert llm.stats()["prefix_cache_hits"] - before == 3 * 32  # each follow-up restored its head's 8 blocks
     again = llm.stats()["prefix_cache_hits"]
-    check(model, llm, batch[:1])  # the same prompt again (35 tokens): the hit ends at its last full block before its last token
+    check(
+        model, llm, batch[:1]
+    )  # the same prompt again (35 tokens): the hit ends at its last full block before its last token
     assert llm.stats()["prefix_cache_hits"] - again == 32
     checkpoints = llm.engine.core.kv.checkpoints
     assert checkpoints.saved > 0 and len(checkpoints.slots) <= checkpoints.num_slots
@@ -100,7 +102,15 @@ def test_prefix_hits_with_chunking_preemption_and_few_checkpoints(bamba, monkeyp
 
     monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
     folder, model = bamba
-    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=64, max_num_batched_tokens=8, num_kv_blocks=24, recurrent_checkpoints=2)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        num_kv_blocks=24,
+        recurrent_checkpoints=2,
+    )
     batch = shared_heads(seed=8)
     llm.generate(batch[::2], GREEDY)
     check(model, llm, batch)
@@ -125,7 +135,10 @@ def test_speculative_decoding_rolls_the_state_back_past_rejected_proposals(bamba
     # the model's own continuation repeated in the prompt: n-gram / suffix proposals, some accepted, some refused
     repeats = [head + seen + head + seen[:5], head + seen + head + seen[:12], seen + head + seen[:3]]
     for prompt in repeats + prompts(2):
-        assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain.generate([prompt], params)[0].outputs[0].token_ids
+        assert (
+            llm.generate([prompt], params)[0].outputs[0].token_ids
+            == plain.generate([prompt], params)[0].outputs[0].token_ids
+        )
     stats = llm.stats()["spec_decode"]
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
     assert llm.engine.runner.states == {} and llm.engine.runner.draft_states == {}
@@ -167,7 +180,9 @@ def test_granite_hybrid_matches_transformers(tmp_path, overrides):
     model = save_hf_model(str(tmp_path), "granitemoehybrid", seed=4, **overrides)
     llm = LLM(str(tmp_path), dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=16)
     cfg = llm.engine.core.model_config
-    assert cfg.layer_types == ["recurrent", "attention", "recurrent"] and (cfg.moe is None) == ("num_local_experts" in overrides)
+    assert cfg.layer_types == ["recurrent", "attention", "recurrent"] and (cfg.moe is None) == (
+        "num_local_experts" in overrides
+    )
     check(model, llm, prompts(3))
     check(model, llm, prompts(3))  # again: the prompts' prefixes hit the cache (KV and checkpointed states)
     assert llm.stats()["prefix_cache_hits"] > 0
@@ -194,7 +209,9 @@ def test_gguf_files_as_llama_cpps_converter_writes_them_match_transformers(tmp_p
     llm = LLM(path, dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=16)
     cfg = llm.engine.core.model_config
     assert cfg.architecture == "granitehybrid" and cfg.layer_types == ["recurrent", "attention", "recurrent"]
-    assert cfg.rope_positions == (arch == "bamba") and (cfg.moe is None) == (arch == "bamba" or "num_local_experts" in overrides)
+    assert cfg.rope_positions == (arch == "bamba") and (cfg.moe is None) == (
+        arch == "bamba" or "num_local_experts" in overrides
+    )
     batch = shared_heads(seed=2)
     check(model, llm, batch[::2])
     check(model, llm, batch)  # the second of each pair: its head's checkpointed state restored
@@ -205,7 +222,9 @@ def test_transformers_cached_decode_is_not_the_reference(bamba):
     """Why the reference above runs uncached: transformers' own two paths disagree on this model."""
     _, model = bamba
     batch = prompts()
-    assert any(hf_greedy(model, p, GREEDY.max_tokens)[0] != hf_greedy_uncached(model, p, GREEDY.max_tokens)[0] for p in batch)
+    assert any(
+        hf_greedy(model, p, GREEDY.max_tokens)[0] != hf_greedy_uncached(model, p, GREEDY.max_tokens)[0] for p in batch
+    )
 
 
 @pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])

@@ -80,7 +80,11 @@ def reference_model(path: str):
     )
     state = {}
     for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())]).astype(np.float32)
+        data = (
+            gguf.quants.dequantize(t.data, t.tensor_type)
+            .reshape([int(d) for d in reversed(t.shape.tolist())])
+            .astype(np.float32)
+        )
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output_norm.weight":
@@ -93,7 +97,10 @@ def reference_model(path: str):
         state[name] = torch.from_numpy(data)
     model = Gemma3ForCausalLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # the head: tied to the embedding
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (
+        missing,
+        unexpected,
+    )  # the head: tied to the embedding
     model.tie_weights()
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
     return model.eval()
@@ -117,7 +124,13 @@ def hf_greedy_batched(model, prompts: list[list[int]], num_tokens: int) -> list[
             rows[i].append(logprobs[i])
         mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
+        out = model(
+            input_ids=chosen[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
     return list(zip(tokens, rows))
 
 
@@ -140,7 +153,29 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(gemma_path)
 
 
 # llama-server (llama.cpp b0.3.36) on this file: /tokenize of the chat text below, special tokens parsed
-CHAT_TOKENS_BY_LLAMA_CPP = [2, 105, 2364, 107, 7925, 528, 886, 3658, 236761, 108, 3689, 2258, 563, 506, 7217, 236881, 106, 107, 105, 4368, 107]
+CHAT_TOKENS_BY_LLAMA_CPP = [
+    2,
+    105,
+    2364,
+    107,
+    7925,
+    528,
+    886,
+    3658,
+    236761,
+    108,
+    3689,
+    2258,
+    563,
+    506,
+    7217,
+    236881,
+    106,
+    107,
+    105,
+    4368,
+    107,
+]
 END_OF_TURN_BY_LLAMA_CPP = 106
 # and of a plain text, with its BOS
 TEXT = "Hello world, how are you? \u00dcn\u00efc\u00f6d\u00e9 \u65e5\u672c\u8a9e \u2014 tabs\tand  double  spaces\n\nnew lines 12345 3.14"
@@ -155,9 +190,15 @@ def test_chat_uses_gemmas_template_and_stops_at_end_of_turn(gemma_path):
     llm = LLM(gemma_path, max_model_len=512)  # the defaults a user gets: bfloat16
     tok = llm.tokenizer
     assert tok.encode(TEXT) == TEXT_TOKENS_BY_LLAMA_CPP
-    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What color is the sky?"}]
+    messages = [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "What color is the sky?"},
+    ]
     text = tok.apply_chat_template(messages)
-    assert text == "<bos><start_of_turn>user\nAnswer in one word.\n\nWhat color is the sky?<end_of_turn>\n<start_of_turn>model\n"
+    assert (
+        text
+        == "<bos><start_of_turn>user\nAnswer in one word.\n\nWhat color is the sky?<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert END_OF_TURN_BY_LLAMA_CPP in tok.stop_token_ids and tok.eos_token_id in tok.stop_token_ids
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
     assert list(out.prompt_token_ids) == CHAT_TOKENS_BY_LLAMA_CPP
@@ -176,13 +217,18 @@ def test_treadle_serve_chats_with_gemmas_template(gemma_path):
     for server in running("--model", gemma_path, "--dtype", "bfloat16", "--max-model-len", "512"):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
         name = client.models.list().data[0].id
-        messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What color is the sky?"}]
+        messages = [
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "What color is the sky?"},
+        ]
         reply = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0)
         assert reply.usage.prompt_tokens == len(CHAT_TOKENS_BY_LLAMA_CPP)
         assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
         text = reply.choices[0].message.content
         assert text and "<end_of_turn>" not in text and "<start_of_turn>" not in text
-        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0, stream=True))
+        chunks = list(
+            client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0, stream=True)
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
         assert server.internal_errors() == []

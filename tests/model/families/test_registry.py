@@ -37,7 +37,10 @@ from treadle.model.loading.loader import load_model_files
 PLUGIN = "tests.support.plugin_gelu_llama"
 REPO = paths.REPO
 # What a `treadle serve` process needs to load the plugin (the repo root makes `tests` importable).
-PLUGIN_ENV = {"TREADLE_PLUGINS": PLUGIN, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+PLUGIN_ENV = {
+    "TREADLE_PLUGINS": PLUGIN,
+    "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+}
 NUM_TOKENS = 24
 
 
@@ -93,7 +96,16 @@ def gelu_folder(tmp_path_factory):
 
 
 def test_builtin_architectures_and_their_hf_class_names_are_the_llama_decoder(fresh_registry):
-    for arch in ("llama", "mistral", "qwen2", "qwen3", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ):
         assert is_registered(arch)
         assert issubclass(resolve_model_class(arch), LlamaModel)
     assert resolve_model_class("Qwen3ForCausalLM") is resolve_model_class("qwen3") is not resolve_model_class("llama")
@@ -118,7 +130,11 @@ def test_a_family_s_names_are_its_own_not_its_parent_s(fresh_registry, tmp_path)
         'class Child(Parent):\n    """A child."""\n\n    hf_model_types = (\'child\',)  # its own\n'
     )
     fresh_registry.syspath_prepend(str(tmp_path))
-    assert registry.declared_names("kin_family:Child") == {"hf_model_types": ("child",), "hf_architectures": (), "gguf_architectures": ()}
+    assert registry.declared_names("kin_family:Child") == {
+        "hf_model_types": ("child",),
+        "hf_architectures": (),
+        "gguf_architectures": (),
+    }
     assert registry.declared_names("kin_family:Parent")["gguf_architectures"] == ("parentfile",)
 
 
@@ -129,12 +145,17 @@ def test_two_families_declaring_one_name_are_refused(fresh_registry, tmp_path):
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.setattr(registry, "FAMILIES", (*registry.FAMILIES, "twin_family:Twin"))
     fresh_registry.setattr(registry, "_builtin", None)
-    with pytest.raises(ModelLoadError, match=r"architecture 'llama': declared by treadle.model.families.llama:LlamaModel and twin_family:Twin"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"architecture 'llama': declared by treadle.model.families.llama:LlamaModel and twin_family:Twin",
+    ):
         resolve_model_class("llama")
 
 
 def test_string_target_is_imported_on_first_lookup_only(fresh_registry, tmp_path):
-    (tmp_path / "lazy_family.py").write_text("from treadle.model.families.interface import CausalLM\n\n\nclass Model(CausalLM):\n    pass\n")
+    (tmp_path / "lazy_family.py").write_text(
+        "from treadle.model.families.interface import CausalLM\n\n\nclass Model(CausalLM):\n    pass\n"
+    )
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.delitem(sys.modules, "lazy_family", raising=False)
     register_model("lazy", "lazy_family:Model")
@@ -164,7 +185,10 @@ def test_a_class_that_does_not_implement_the_model_interface_is_refused(fresh_re
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.delitem(sys.modules, "odd_family", raising=False)
     register_model("odd", "odd_family:Model")
-    with pytest.raises(ModelLoadError, match=r"architecture 'odd': odd_family:Model is not a subclass of treadle.model.families.interface.CausalLM"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"architecture 'odd': odd_family:Model is not a subclass of treadle.model.families.interface.CausalLM",
+    ):
         resolve_model_class("odd")
 
 
@@ -188,7 +212,9 @@ def test_snapshot_is_plain_data_that_a_child_process_restores(fresh_registry):
     )
     env = {**os.environ, **PLUGIN_ENV}
     env.pop("TREADLE_PLUGINS")  # the snapshot alone must be enough
-    out = subprocess.run([sys.executable, "-c", child, json.dumps(snapshot)], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", child, json.dumps(snapshot)], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == [PLUGIN, "GeluLlamaModel"]
 
 
@@ -212,7 +238,10 @@ def test_entry_point_plugin_is_imported_and_called(fresh_registry):
     fresh_registry.setattr(
         registry,
         "entry_points",
-        lambda group: [EntryPoint("gelu", PLUGIN, group), EntryPoint("more", "tests.model.families.test_registry:register_more", group)],
+        lambda group: [
+            EntryPoint("gelu", PLUGIN, group),
+            EntryPoint("more", "tests.model.families.test_registry:register_more", group),
+        ],
     )
     assert is_registered("gelu_llama") and is_registered("more_llama")
 
@@ -223,12 +252,19 @@ def register_more():
 
 def test_failing_plugin_is_named(fresh_registry):
     fresh_registry.setenv("TREADLE_PLUGINS", "tests.no_such_plugin_xyz")
-    with pytest.raises(ModelLoadError, match=r"plugin 'tests.no_such_plugin_xyz' \(from TREADLE_PLUGINS\): cannot import"):
+    with pytest.raises(
+        ModelLoadError, match=r"plugin 'tests.no_such_plugin_xyz' \(from TREADLE_PLUGINS\): cannot import"
+    ):
         is_registered("llama")
-    fresh_registry.setattr(registry, "entry_points", lambda group: [EntryPoint("bad", "tests.model.families.test_registry:failing_plugin", group)])
+    fresh_registry.setattr(
+        registry,
+        "entry_points",
+        lambda group: [EntryPoint("bad", "tests.model.families.test_registry:failing_plugin", group)],
+    )
     fresh_registry.delenv("TREADLE_PLUGINS")
     with pytest.raises(
-        ModelLoadError, match=r"plugin 'bad' \(tests.model.families.test_registry:failing_plugin, entry point group treadle.plugins\): failed: boom"
+        ModelLoadError,
+        match=r"plugin 'bad' \(tests.model.families.test_registry:failing_plugin, entry point group treadle.plugins\): failed: boom",
     ):
         is_registered("llama")
 
@@ -239,7 +275,13 @@ def failing_plugin():
 
 # ---------------------------------------------------------------- the loaders consult it
 
-MINIMAL_HF = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+MINIMAL_HF = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
 
 
 def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_registry):
@@ -251,7 +293,8 @@ def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_re
     cfg = _config_from_json("m", {**MINIMAL_HF, "model_type": "other", "architectures": ["GeluLlamaForCausalLM"]})
     assert cfg.architecture == "GeluLlamaForCausalLM"
     with pytest.raises(
-        ModelLoadError, match=r"m/config.json: model_type = 'rwkv7', architectures = \['Rwkv7ForCausalLM'\]: unsupported architecture \(supported: "
+        ModelLoadError,
+        match=r"m/config.json: model_type = 'rwkv7', architectures = \['Rwkv7ForCausalLM'\]: unsupported architecture \(supported: ",
     ):
         _config_from_json("m", {**MINIMAL_HF, "model_type": "rwkv7", "architectures": ["Rwkv7ForCausalLM"]})
 
@@ -267,7 +310,9 @@ def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):
     register_model("gelu_llama", f"{PLUGIN}:GeluLlamaModel")
     cfg = _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())
     assert (cfg.architecture, cfg.hidden_size, cfg.num_layers) == ("gelu_llama", 64, 2)
-    with pytest.raises(ModelLoadError, match="'mistral': unsupported architecture"):  # llama.cpp writes Mistral as llama
+    with pytest.raises(
+        ModelLoadError, match="'mistral': unsupported architecture"
+    ):  # llama.cpp writes Mistral as llama
         _config_from_metadata("m.gguf", {"general.architecture": "mistral"}, set())
 
 
@@ -290,7 +335,11 @@ def test_plugin_model_matches_transformers_and_is_not_llama(with_plugin, gelu_fo
     llm = LLM(folder, dtype="float32", max_model_len=256, block_size=8)
 
     def cont(prefix, n):
-        return llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids if n else []
+        return (
+            llm.generate([prefix], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+            if n
+            else []
+        )
 
     ps = gelu_llama_prompts()
     ours = [out.outputs[0].token_ids for out in llm.generate(ps, params)]
@@ -302,7 +351,10 @@ def test_plugin_model_matches_transformers_and_is_not_llama(with_plugin, gelu_fo
     plain = str(tmp_path / "as_llama")
     shutil.copytree(folder, plain)
     _edit_config(plain, model_type="llama", architectures=["LlamaForCausalLM"])
-    as_llama = [out.outputs[0].token_ids for out in LLM(plain, dtype="float32", max_model_len=256, block_size=8).generate(ps, params)]
+    as_llama = [
+        out.outputs[0].token_ids
+        for out in LLM(plain, dtype="float32", max_model_len=256, block_size=8).generate(ps, params)
+    ]
     assert all(a != b for a, b in zip(ours, as_llama))
 
 

@@ -74,7 +74,11 @@ def test_the_default_model_with_linears_in_parts_gives_the_same_bits():
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for layer in model.layers:
         (qkv,), (gate_up,) = layer.qkv.parts, layer.gate_up.parts
-        layer.qkv.parts = [qkv.index_rows(slice(0, q)), qkv.index_rows(slice(q, q + kv)), qkv.index_rows(slice(q + kv, None))]
+        layer.qkv.parts = [
+            qkv.index_rows(slice(0, q)),
+            qkv.index_rows(slice(q, q + kv)),
+            qkv.index_rows(slice(q + kv, None)),
+        ]
         half = gate_up.shape[0] // 2
         layer.gate_up.parts = [gate_up.index_rows(slice(0, half)), gate_up.index_rows(slice(half, None))]
     model._stepper = False  # decided again, over the parts

@@ -74,7 +74,15 @@ def test_soft_capped_scores_match_textbook_attention(cache):
     q = q * 4  # scores of several units: the cap (1.5) bends them
     positions = torch.arange(100)
     out = kernels.paged_attention(
-        q, k_cache, v_cache, blocks[None], torch.zeros(100, dtype=torch.long), torch.zeros(100, dtype=torch.long), positions + 1, D**-0.5, softcap=1.5
+        q,
+        k_cache,
+        v_cache,
+        blocks[None],
+        torch.zeros(100, dtype=torch.long),
+        torch.zeros(100, dtype=torch.long),
+        positions + 1,
+        D**-0.5,
+        softcap=1.5,
     )
     want = reference(q, k_cache, v_cache, blocks, softcap=1.5)
     torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
@@ -103,7 +111,9 @@ def test_a_rows_bits_do_not_depend_on_its_company(cache):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90)), whole)
+        assert torch.equal(
+            run(a_q, k_cache, v_cache, tables[:1], torch.zeros(90, dtype=torch.long), torch.arange(90)), whole
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -130,7 +140,9 @@ def test_the_portable_code_gives_the_vector_codes_bits(kv, monkeypatch):
         args = (q, k, v, tables, rows, key_begin, key_end, head_dim**-0.5)
         native = kernels.paged_attention(*args, softcap=softcap)
         monkeypatch.setattr(kernels._kernel, "lib", portable)
-        assert torch.equal(kernels.paged_attention(*args, softcap=softcap).view(torch.int16), native.view(torch.int16)), (head_dim, group)
+        assert torch.equal(
+            kernels.paged_attention(*args, softcap=softcap).view(torch.int16), native.view(torch.int16)
+        ), (head_dim, group)
         monkeypatch.undo()
 
 
@@ -150,7 +162,9 @@ def test_int8_rows_round_trip_within_half_a_step():
 def test_int8_rows_stored_in_c_are_quantize_kvs_bits(dtype):
     """The kernel path writes int8 rows with C in place; the SDPA path with torch: the same bits."""
     g = torch.Generator().manual_seed(5)
-    qkv = torch.randn(40, 3 * KV_HEADS * D, generator=g).to(dtype) * torch.logspace(-2, 2, 40, dtype=torch.float32)[:, None].to(dtype)
+    qkv = torch.randn(40, 3 * KV_HEADS * D, generator=g).to(dtype) * torch.logspace(-2, 2, 40, dtype=torch.float32)[
+        :, None
+    ].to(dtype)
     x = qkv[:, KV_HEADS * D : 2 * KV_HEADS * D].view(40, KV_HEADS, D)  # a view, as a layer's keys are
     x[3] = 0
     slots = torch.randperm(8 * BLOCK, generator=g)[:40]
@@ -180,14 +194,19 @@ def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
         "    print('refused:', e)\n"
     )
     env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "invariant False tokens 4" in done.stdout
     assert "attention kernel is unavailable" in done.stderr
     # the quantized-weight kernels cannot be built either: the GGUF's blocks are dequantized at load
     assert "quantized-weight kernels are unavailable" in done.stderr and "types ['bfloat16']" in done.stdout
     # asked for explicitly, it is refused with the reason rather than quietly not held
-    assert "refused: batch_invariant needs treadle's attention kernel" in done.stdout and "could not be built" in done.stdout
+    assert (
+        "refused: batch_invariant needs treadle's attention kernel" in done.stdout
+        and "could not be built" in done.stdout
+    )
 
 
 def test_batch_invariant_is_refused_in_float32_with_the_reason(make_llm):

@@ -46,7 +46,9 @@ def test_the_held_layout_gives_back_the_files_blocks(kind, rows, isa, monkeypatc
     assert np.array_equal(np.sort(held.data.numpy().ravel()), np.sort(blocks.ravel())) or kind == "Q8_0"
     joined = quant.QuantizedTensor.cat([held, held.index_rows(slice(0, 5))])
     assert np.array_equal(joined.blocks().numpy(), np.concatenate([blocks, blocks[:5]]))
-    three = quant.QuantizedTensor.cat([held, held, held.index_rows(slice(0, 5))])  # whole groups side by side where rows % 16 == 0
+    three = quant.QuantizedTensor.cat(
+        [held, held, held.index_rows(slice(0, 5))]
+    )  # whole groups side by side where rows % 16 == 0
     assert np.array_equal(three.blocks().numpy(), np.concatenate([blocks, blocks, blocks[:5]]))
     mapped = blocks.copy()
     mapped.setflags(write=False)  # as a file's memory map gives them
@@ -65,7 +67,9 @@ def test_dequantize_is_gguf_bit_for_bit(kind, isa, monkeypatch):
     assert got.dtype == np.float32 and got.shape == expected.shape
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
     ids = torch.tensor([6, 0, 36, 3, 3, 17])
-    assert np.array_equal(quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).rows(ids).numpy(), expected[ids.numpy()])
+    assert np.array_equal(
+        quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).rows(ids).numpy(), expected[ids.numpy()]
+    )
 
 
 def product_reference(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
@@ -214,10 +218,14 @@ def test_each_path_has_a_library_holding_its_own_kernels(monkeypatch):
     xb = x.to(torch.bfloat16)
 
     def f32(lib, isa):
-        return lib.treadle_q_matmul_f32(8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[isa])
+        return lib.treadle_q_matmul_f32(
+            8, blocks.data_ptr(), 32, 64, x.data_ptr(), 2, y.data_ptr(), 32, 0, quant.ISAS[isa]
+        )
 
     def q8(lib, isa):
-        return lib.treadle_q_matmul_q8(8, blocks.data_ptr(), 32, 64, xb.data_ptr(), 1, 64, 2, y.data_ptr(), 32, 0, quant.ISAS[isa])
+        return lib.treadle_q_matmul_q8(
+            8, blocks.data_ptr(), 32, 64, xb.data_ptr(), 1, 64, 2, y.data_ptr(), 32, 0, quant.ISAS[isa]
+        )
 
     packed = [isa for isa in ISAS if isa in quant.PACKED_ISAS]
     for isa in packed:
@@ -251,7 +259,10 @@ def test_the_c_quantizer_gives_the_numpy_forms_bytes(kind):
 
     g = np.random.default_rng(3)
     rows, cols = 64, 1024  # (at least 65,536 values: the threaded branch)
-    x = g.standard_normal((rows, cols)).astype(np.float32) * (10.0 ** np.linspace(-9, 5, rows)).astype(np.float32)[:, None]
+    x = (
+        g.standard_normal((rows, cols)).astype(np.float32)
+        * (10.0 ** np.linspace(-9, 5, rows)).astype(np.float32)[:, None]
+    )
     x[0] = 0.0
     x[1, :64] = 1.0
     x[2, ::7] = 0.0
@@ -259,7 +270,9 @@ def test_the_c_quantizer_gives_the_numpy_forms_bytes(kind):
     x[4] = -np.abs(x[4])
     x[5, :32] = np.arange(32, dtype=np.float32) - 15.5
     x[6, :256] = np.repeat(np.arange(8, dtype=np.float32), 32) * 0.25
-    x[7, :32] = np.concatenate([[127.0], np.arange(31, dtype=np.float32) - 14.5])  # Q8_0's scale 1: halves to round away from zero
+    x[7, :32] = np.concatenate(
+        [[127.0], np.arange(31, dtype=np.float32) - 14.5]
+    )  # Q8_0's scale 1: halves to round away from zero
     x[8, :256] = 0.0
     x[8, 0] = -0.0  # Q4_K: constant groups, the first starting with -0
     got, want = quant.quantize(np.ascontiguousarray(x), kind), reference_blocks(x, kind)

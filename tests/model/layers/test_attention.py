@@ -23,11 +23,15 @@ def test_decode_attention_matches_dense_attention(heads, kv_heads):
     k_pos = torch.arange(width * block_size)
     allowed = torch.stack([(k_pos < n) & (k_pos >= n - w if w else True) for n, w in zip(lengths, window)])
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None, None, :]
-    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lengths)])
+    slots = torch.tensor(
+        [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lengths)]
+    )
     q = torch.randn(3, heads, head_dim, generator=g)
     k = torch.randn(3, kv_heads, head_dim, generator=g)
     v = torch.randn(3, kv_heads, head_dim, generator=g)
-    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3, decode_block_tables=block_tables, decode_mask=mask)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=3, decode_block_tables=block_tables, decode_mask=mask
+    )
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=head_dim**-0.5)
 
     group = heads // kv_heads

@@ -26,7 +26,9 @@ def make_adapter(base, folder: str, seed: int, targets: list[str], r: int, alpha
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, use_rslora=rslora)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, use_rslora=rslora
+    )
     model = get_peft_model(copy.deepcopy(base), config)
     with torch.no_grad():  # large enough that the adapter changes the greedy tokens
         for name, p in model.named_parameters():
@@ -43,9 +45,22 @@ def lora_models(tmp_path_factory):
     base = save_hf_model(base_dir, "llama", seed=3)
     a = make_adapter(base, str(root / "a"), 1, ["q_proj", "v_proj"], r=4, alpha=8)
     b = make_adapter(
-        base, str(root / "b"), 2, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], r=8, alpha=16, rslora=True
+        base,
+        str(root / "b"),
+        2,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        r=8,
+        alpha=16,
+        rslora=True,
     )
-    return {"base": base, "a": a, "b": b, "base_dir": base_dir, "paths": {"a": str(root / "a"), "b": str(root / "b")}, "root": root}
+    return {
+        "base": base,
+        "a": a,
+        "b": b,
+        "base_dir": base_dir,
+        "paths": {"a": str(root / "a"), "b": str(root / "b")},
+        "root": root,
+    }
 
 
 def reference(lora_models) -> dict:
@@ -197,7 +212,11 @@ def test_adapters_served_by_name_loaded_and_unloaded_at_run_time(lora_models, lo
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": lora_models["paths"]["b"]})
     assert r.status_code == 400 and "already in use" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(lora_models["root"])})
-    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"] and r.json()["error"]["param"] == "lora_path"
+    assert (
+        r.status_code == 400
+        and "adapter_config.json" in r.json()["error"]["message"]
+        and r.json()["error"]["param"] == "lora_path"
+    )
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"})
     assert r.status_code == 200
     assert httpx.get(url + "/stats").json()["lora_adapters"] == ["a"]
@@ -232,7 +251,11 @@ def test_a_gguf_lora_from_llama_cpps_converter_equals_its_peft_adapter(lora_mode
     write_gguf(gguf_base, "llama", base, tiny_tokenizer())
     greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     for model in (lora_models["base_dir"], gguf_base):
-        llm = LLM(model, dtype="float32", lora_modules={"g": os.path.join(DATA, "adapter.gguf"), "p": os.path.join(DATA, "peft")})
+        llm = LLM(
+            model,
+            dtype="float32",
+            lora_modules={"g": os.path.join(DATA, "adapter.gguf"), "p": os.path.join(DATA, "peft")},
+        )
         for name in ("g", "p"):
             outs = llm.generate(PROMPTS, greedy, lora=name)
             assert [o.outputs[0].token_ids for o in outs] == ref, (model, name)

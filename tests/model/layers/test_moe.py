@@ -75,14 +75,26 @@ def test_config_variants_match_transformers(tmp_path, arch, overrides):
     sparse = [layer.moe is not None for layer in layers]
     assert (
         sparse
-        == {"qwen3_moe": [False, True] if "mlp_only_layers" in overrides else [True, True], "qwen2_moe": [False, True], "olmoe": [True, True]}[arch]
+        == {
+            "qwen3_moe": [False, True] if "mlp_only_layers" in overrides else [True, True],
+            "qwen2_moe": [False, True],
+            "olmoe": [True, True],
+        }[arch]
     )
     check_against(model, llm, prompts(3))
 
 
 def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(qwen3_moe):
     folder, model = qwen3_moe
-    llm = LLM(folder, dtype="float32", compile=False, block_size=4, max_model_len=128, num_kv_blocks=40, max_num_batched_tokens=8)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        compile=False,
+        block_size=4,
+        max_model_len=128,
+        num_kv_blocks=40,
+        max_num_batched_tokens=8,
+    )
     g = torch.Generator().manual_seed(9)
     heads = [torch.randint(0, 260, (20,), generator=g).tolist() for _ in range(3)]
     batch = [h + torch.randint(0, 260, (n,), generator=g).tolist() for h in heads for n in (5, 11)]
@@ -114,9 +126,12 @@ def _dequantized_experts(path: str, model) -> None:
                 else:
                     experts.down_proj.copy_(values)
             else:
-                hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}[
-                    name
-                ]
+                hf = {
+                    "attn_q": "self_attn.q_proj",
+                    "attn_k": "self_attn.k_proj",
+                    "attn_v": "self_attn.v_proj",
+                    "attn_output": "self_attn.o_proj",
+                }[name]
                 block.get_submodule(hf).weight.copy_(values)
 
 
@@ -136,7 +151,9 @@ def test_quantized_experts_stay_in_the_files_bits(tmp_path, qwen3_moe, qtype):
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     assert by_type[qtype.name] >= expert_values // block_elems * block_bytes, by_type
     # no expert (nor projection) in float: the float32 bytes are the unquantized model's less theirs
-    full = LLM(folder, dtype="float32", compile=False, max_model_len=128).stats()["memory"]["weights_by_type"]["float32"]
+    full = LLM(folder, dtype="float32", compile=False, max_model_len=128).stats()["memory"]["weights_by_type"][
+        "float32"
+    ]
     assert by_type["float32"] <= full - 4 * expert_values, (by_type, full)
     check_against(reference, llm, prompts(4))
 

@@ -46,7 +46,9 @@ def test_bf16_rms_norm_in_c_rounds_once_and_keeps_a_rows_bits():
         got = norm(x)
         x64 = x.double()
         exact = w.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
-        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()  # half a bf16 step, and float32's own error
+        assert (
+            (got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-30
+        ).all()  # half a bf16 step, and float32's own error
         for row in (0, 4, 8):
             assert torch.equal(norm(x[row : row + 1]).view(torch.int16), got[row : row + 1].view(torch.int16))
     heads = (torch.randn(4, 7, 64, generator=g) * 2).bfloat16()

@@ -35,11 +35,16 @@ def test_rotary_tables_hold_each_frequency_once():
     assert emb.cos.shape == emb.sin.shape == (1000, 32) and emb.cos.dtype == torch.float32
     positions = torch.tensor([0, 3, 999, 3])
     cos, signed_sin = emb.tables(positions)
-    freqs = torch.outer(torch.arange(1000, dtype=torch.float32), (1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float())
+    freqs = torch.outer(
+        torch.arange(1000, dtype=torch.float32),
+        (1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float(),
+    )
     full = torch.cat((freqs, freqs), -1)  # the full-width table, computed whole as before
     assert cos.shape == signed_sin.shape == (4, 1, 64)
     torch.testing.assert_close(cos[:, 0], (full.cos() * 1.25)[positions], rtol=0, atol=0)
-    torch.testing.assert_close(signed_sin[:, 0], (torch.cat((-freqs.sin(), freqs.sin()), -1) * 1.25)[positions], rtol=0, atol=0)
+    torch.testing.assert_close(
+        signed_sin[:, 0], (torch.cat((-freqs.sin(), freqs.sin()), -1) * 1.25)[positions], rtol=0, atol=0
+    )
 
 
 def test_rotary_tables_fill_as_positions_are_reached_with_the_whole_tables_values():
@@ -50,13 +55,18 @@ def test_rotary_tables_fill_as_positions_are_reached_with_the_whole_tables_value
     emb = RotaryEmbedding(rope, 64, 1000)
     fill = RotaryEmbedding.FILL
     assert emb.filled == 0 and fill < 1000 // 3
-    freqs = torch.outer(torch.arange(1000, dtype=torch.float32), (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float())
+    freqs = torch.outer(
+        torch.arange(1000, dtype=torch.float32),
+        (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float(),
+    )
     whole_cos, whole_sin = freqs.cos() * 0.75, freqs.sin() * 0.75
     emb.tables(torch.tensor([3, 1]))
     assert emb.filled == fill
     emb.tables(torch.tensor([2 * fill + 5]))  # a jump: every block before it too
     assert emb.filled == 3 * fill
-    assert torch.equal(emb.cos[: emb.filled], whole_cos[: emb.filled]) and torch.equal(emb.sin[: emb.filled], whole_sin[: emb.filled])
+    assert torch.equal(emb.cos[: emb.filled], whole_cos[: emb.filled]) and torch.equal(
+        emb.sin[: emb.filled], whole_sin[: emb.filled]
+    )
     emb.cover(1000)  # the last block, cut to the table
     assert emb.filled == 1000 and torch.equal(emb.cos, whole_cos) and torch.equal(emb.sin, whole_sin)
     with pytest.raises(ValueError, match="beyond the rotary tables"):
@@ -85,10 +95,25 @@ def _rope_model(tmp_path, rope_parameters: dict, max_position: int):
 @pytest.mark.parametrize(
     "rope, max_position, source",
     [
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128, "hf"),  # yarn, the paper's temperature
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128, "gguf"),  # llama.cpp's yarn keys
         (
-            {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.3},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            128,
+            "hf",
+        ),  # yarn, the paper's temperature
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            128,
+            "gguf",
+        ),  # llama.cpp's yarn keys
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "attention_factor": 1.3,
+            },
             128,
             "hf",
         ),
@@ -124,7 +149,9 @@ def test_dynamic_ntk_rescales_its_base_once_for_an_engine_past_the_context():
     rope = RopeConfig(scaling_type="dynamic", factor=2.0, original_max_position=64)
     assert torch.allclose(rope_inverse_frequencies(rope, 16, 64), rope_inverse_frequencies(RopeConfig(), 16, 64))
     theta = 10000.0 * ((2.0 * 256 / 64) - 1.0) ** (16 / 14)
-    assert torch.allclose(rope_inverse_frequencies(rope, 16, 256), rope_inverse_frequencies(RopeConfig(theta=theta), 16))
+    assert torch.allclose(
+        rope_inverse_frequencies(rope, 16, 256), rope_inverse_frequencies(RopeConfig(theta=theta), 16)
+    )
 
 
 @needs_rowops

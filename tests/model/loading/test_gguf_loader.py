@@ -187,7 +187,9 @@ def test_the_engine_cores_tokenizer_is_built_when_first_used(tmp_path, tiny_llam
     path = write(tmp_path, tiny_llama)
     tok = load_gguf(path).tokenizer
     assert tok._backend is None
-    assert tok.encode("the cat in the hat", add_special_tokens=False) == tiny_tokenizer().encode("the cat in the hat").ids
+    assert (
+        tok.encode("the cat in the hat", add_special_tokens=False) == tiny_tokenizer().encode("the cat in the hat").ids
+    )
     assert tok._backend is not None
     from treadle import LLM
 
@@ -242,9 +244,14 @@ def test_the_engine_cores_load_reads_past_merges_and_scores_and_checks_them_when
     good = str(tmp_path / "good.gguf")
     write_seed_gguf(good)
     reader = GGUFFile(good, tensors=False, skip={"tokenizer.ggml.merges", "tokenizer.ggml.scores"})
-    assert reader.skipped == {"tokenizer.ggml.merges"} and "tokenizer.ggml.merges" not in reader.metadata  # no scores in this file
+    assert (
+        reader.skipped == {"tokenizer.ggml.merges"} and "tokenizer.ggml.merges" not in reader.metadata
+    )  # no scores in this file
     tok = load_gguf(good).tokenizer
-    assert tok._backend is None and tok.encode("the cat", add_special_tokens=False) == tiny_tokenizer().encode("the cat").ids
+    assert (
+        tok._backend is None
+        and tok.encode("the cat", add_special_tokens=False) == tiny_tokenizer().encode("the cat").ids
+    )
 
     missing = str(tmp_path / "no-merges.gguf")
     write_seed_gguf(missing, ("tokenizer.ggml.merges", None, None, None))

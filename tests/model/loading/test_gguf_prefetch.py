@@ -51,7 +51,9 @@ def test_prefetched_load_holds_the_same_tensors(kind, isa, monkeypatch):
     if isa == "portable":  # the file's blocks as they are: nothing to repack ahead
         assert len(repacked_by_load) == len(quantized)
     else:  # only what the load may reorder (Q and K), and what is joined with them (V), is left to it
-        assert repacked_by_load and all(n.endswith((*gguf_prefetch.LEFT_TO_LOAD, "attn_v.weight")) for n in repacked_by_load)
+        assert repacked_by_load and all(
+            n.endswith((*gguf_prefetch.LEFT_TO_LOAD, "attn_v.weight")) for n in repacked_by_load
+        )
         assert len(repacked_by_load) < len(quantized)
 
 
@@ -78,7 +80,9 @@ def test_the_join_plan_takes_runs_of_alike_tensors():
     import numpy as np
 
     def tensor(name, kind, rows, row_bytes=144):
-        return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind), data=np.empty((rows, row_bytes), np.uint8))
+        return SimpleNamespace(
+            name=name, tensor_type=SimpleNamespace(name=kind), data=np.empty((rows, row_bytes), np.uint8)
+        )
 
     tensors = [
         tensor("blk.0.attn_q.weight", "Q4_K", 64),
@@ -118,11 +122,15 @@ def test_the_load_reads_each_layers_joined_tensors_into_one_buffer(prefetch):
     layers = sorted({n.split(".")[2] for n in files.weights if n.startswith("model.layers.")}, key=int)
     qkv = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in layers for p in "qkv"]
     gate_up = [f"model.layers.{i}.mlp.{p}_proj.weight" for i in layers for p in ("gate", "up")]
-    expected = sorted([qkv[i : i + 3] for i in range(0, len(qkv), 3)] + [gate_up[i : i + 2] for i in range(0, len(gate_up), 2)])
+    expected = sorted(
+        [qkv[i : i + 3] for i in range(0, len(qkv), 3)] + [gate_up[i : i + 2] for i in range(0, len(gate_up), 2)]
+    )
     assert joined_buffers(files.weights) == expected
     parts = [files.weights[n] for n in expected[0]]
     copies = [
-        QuantizedTensor.from_packed(p.kind, p.data.clone(), p.shape[1]) if p.packed else QuantizedTensor(p.kind, p.data.clone(), p.shape[1])
+        QuantizedTensor.from_packed(p.kind, p.data.clone(), p.shape[1])
+        if p.packed
+        else QuantizedTensor(p.kind, p.data.clone(), p.shape[1])
         for p in parts
     ]
     joined, copied = Linear(parts).parts, Linear(copies).parts
@@ -206,7 +214,9 @@ def test_the_prefetch_shares_torch_openmp_runtime(tmp_path):
         "print(len(job.packed))\n"
         "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    ).stdout.splitlines()
     assert int(out[0]) > 0
     assert out[1] == repr([gguf_prefetch.torch_openmp()])
 
@@ -288,7 +298,9 @@ def test_a_served_file_answers_as_the_same_file_in_process():
         served = []
         for prompt in prompts:
             body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
-            request = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(request, timeout=120) as r:
                 served.append(json.load(r)["choices"][0]["text"])
         assert served == expected

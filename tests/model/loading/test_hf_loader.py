@@ -13,7 +13,17 @@ from treadle.model.loading import hf_loader, quantize
 from treadle.model.loading.deferred import DeferredWeight
 from treadle.model.loading.hf_loader import SafetensorsFile
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def test_the_reader_gives_the_librarys_tensors_and_row_ranges(tmp_path):
@@ -38,7 +48,9 @@ def test_the_reader_gives_the_librarys_tensors_and_row_ranges(tmp_path):
         weight = reader.deferred(name)
         assert weight.shape == want.shape
         assert torch.equal(weight.float(), want.float())
-        assert torch.equal(weight.to(dtype=torch.bfloat16), want.float().to(torch.bfloat16))  # the stored form's direct conversion: the same values
+        assert torch.equal(
+            weight.to(dtype=torch.bfloat16), want.float().to(torch.bfloat16)
+        )  # the stored form's direct conversion: the same values
         if want.dim() and len(want) >= 5:
             assert torch.equal(weight.rows(1, 4), want[1:4].float())
 
@@ -76,7 +88,11 @@ def test_a_matrix_is_quantized_in_pieces_into_one_buffer(monkeypatch, kind):
     monkeypatch.setattr(quantize, "PIECE_VALUES", 48 * cols)  # pieces of 48 rows (whole 16-row groups)
     weight = quantize.quantize_matrix(DeferredWeight(lambda: pytest.fail("read whole"), (rows, cols), rows=piece), kind)
     assert asked == [(b, min(rows, b + 48)) for b in range(0, rows, 48)]
-    whole = quantize.quantize_q4_k(matrix.numpy()) if kind == "Q4_K" else gguf.quants.quantize(matrix.numpy(), gguf.GGMLQuantizationType[kind])
+    whole = (
+        quantize.quantize_q4_k(matrix.numpy())
+        if kind == "Q4_K"
+        else gguf.quants.quantize(matrix.numpy(), gguf.GGMLQuantizationType[kind])
+    )
     assert np.array_equal(weight.blocks().numpy(), whole)  # the bytes of the matrix quantized at once
     assert (
         weight.data.is_contiguous() and weight.data._base is not None and weight.data.shape == weight.data._base.shape
@@ -120,7 +136,9 @@ def test_a_reader_keeps_reading_the_file_it_checked(tmp_path):
 def test_an_empty_matrix_is_left_to_the_models_checks():
     if not quant.available():
         pytest.skip("treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
-    weights = quantize.quantize_weights({"a": torch.zeros(0, 64), "b": torch.zeros(64, 0), "c": torch.randn(32, 64)}, "q8_0")
+    weights = quantize.quantize_weights(
+        {"a": torch.zeros(0, 64), "b": torch.zeros(64, 0), "c": torch.randn(32, 64)}, "q8_0"
+    )
     assert weights["a"].shape == (0, 64) and weights["b"].shape == (64, 0) and weights["c"].kind == "Q8_0"
 
 
@@ -140,11 +158,19 @@ def test_a_layers_joined_matrices_are_quantized_into_one_buffer():
         "mlp.gate_proj": (96, 256),
         "mlp.up_proj": (96, 256),
     }
-    floats = {f"model.layers.{i}.{name}.weight": torch.randn(*shape, generator=g) for i in (0, 1) for name, shape in shapes.items()}
-    floats["model.layers.1.self_attn.q_proj.weight"] = torch.randn(40, 256, generator=g)  # not whole 16-row groups before k
+    floats = {
+        f"model.layers.{i}.{name}.weight": torch.randn(*shape, generator=g)
+        for i in (0, 1)
+        for name, shape in shapes.items()
+    }
+    floats["model.layers.1.self_attn.q_proj.weight"] = torch.randn(
+        40, 256, generator=g
+    )  # not whole 16-row groups before k
     weights = quantize.quantize_weights(dict(floats), "q8_0")
     for name, w in weights.items():
-        assert np.array_equal(w.blocks().numpy(), gguf.quants.quantize(floats[name].numpy(), gguf.GGMLQuantizationType.Q8_0)), name
+        assert np.array_equal(
+            w.blocks().numpy(), gguf.quants.quantize(floats[name].numpy(), gguf.GGMLQuantizationType.Q8_0)
+        ), name
 
     def parts(layer, group):
         return [weights[f"model.layers.{layer}.{name}.weight"] for name in group]

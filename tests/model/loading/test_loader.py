@@ -21,7 +21,9 @@ def loader():
 def test_mutated_model_files_load_or_fail_with_a_model_load_error(fmt, loader, tmp_path):
     result = run(fmt, EXAMPLES, None, loader, str(tmp_path), derandomize=True)
     counts = result["counts"]
-    assert not result["failures"], "\n".join(f"{outcome}: {'; '.join(steps)}\n{detail}" for steps, outcome, detail in result["failures"][:5])
+    assert not result["failures"], "\n".join(
+        f"{outcome}: {'; '.join(steps)}\n{detail}" for steps, outcome, detail in result["failures"][:5]
+    )
     assert sum(counts.values()) == EXAMPLES
     assert counts.get("ok", 0) > 0 and counts.get("load_error", 0) > EXAMPLES // 2  # both ends reached
 

@@ -22,14 +22,23 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
 }
 TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
     },
 }
 
@@ -99,9 +108,17 @@ def test_constraint_applies_after_the_reasoning(scripted):
     (the scripted model would write a tool call there)."""
     client, _ = scripted
     r = client.chat.completions.create(
-        model="scripted", messages=chat("Weather?"), temperature=0, max_tokens=20, extra_body={"structured_outputs": {"choice": ["Sunny", "Rainy"]}}
+        model="scripted",
+        messages=chat("Weather?"),
+        temperature=0,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["Sunny", "Rainy"]}},
     ).choices[0]
-    assert r.message.model_extra["reasoning"] == THOUGHT and r.message.content in ("Sunny", "Rainy") and r.finish_reason == "stop"
+    assert (
+        r.message.model_extra["reasoning"] == THOUGHT
+        and r.message.content in ("Sunny", "Rainy")
+        and r.finish_reason == "stop"
+    )
 
 
 def test_multi_turn_tool_use_renders_through_the_template(scripted):
@@ -111,7 +128,13 @@ def test_multi_turn_tool_use_renders_through_the_template(scripted):
             "role": "assistant",
             "content": None,
             "reasoning": "I will call it.",
-            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
     ]
@@ -119,7 +142,9 @@ def test_multi_turn_tool_use_renders_through_the_template(scripted):
     text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["content"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in text
-    r = client.chat.completions.create(model="scripted", messages=history, tools=[WEATHER], temperature=0, max_tokens=20)
+    r = client.chat.completions.create(
+        model="scripted", messages=history, tools=[WEATHER], temperature=0, max_tokens=20
+    )
     assert r.choices[0].finish_reason == "tool_calls"
 
 
@@ -138,22 +163,34 @@ def args_valid(call, tools) -> bool:
 def test_required_named_and_auto_calls(client):
     tools = [WEATHER, TIME]
     msgs = chat("What is the weather in Paris?")
-    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80).choices[0]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80
+    ).choices[0]
     assert r.message.tool_calls and all(args_valid(c, tools) for c in r.message.tool_calls)
     if r.finish_reason != "length":
         assert r.finish_reason == "tool_calls"
     streamed = reassemble(
-        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80, stream=True)
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80, stream=True
+        )
     )
-    assert [(n, a) for n, a in streamed[2]][: len(r.message.tool_calls)] == [(c.function.name, c.function.arguments) for c in r.message.tool_calls]
+    assert [(n, a) for n, a in streamed[2]][: len(r.message.tool_calls)] == [
+        (c.function.name, c.function.arguments) for c in r.message.tool_calls
+    ]
     named = {"type": "function", "function": {"name": "get_time"}}
-    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice=named, temperature=0, max_tokens=40).choices[0]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice=named, temperature=0, max_tokens=40
+    ).choices[0]
     [call] = r.message.tool_calls
     assert call.function.name == "get_time" and args_valid(call, tools) and r.finish_reason == "stop"
-    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="auto", temperature=0, max_tokens=40).choices[0]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice="auto", temperature=0, max_tokens=40
+    ).choices[0]
     assert (r.finish_reason == "tool_calls") == bool(r.message.tool_calls)
     assert r.message.tool_calls or r.message.content
-    none = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="none", temperature=0, max_tokens=10).choices[0]
+    none = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice="none", temperature=0, max_tokens=10
+    ).choices[0]
     assert not none.message.tool_calls and none.message.content
 
 
@@ -173,7 +210,13 @@ def test_parallel_tool_calls_false_allows_one_call(client):
 @pytest.mark.parametrize(
     "change,param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "strin"}}}], "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "strin"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": [WEATHER], "functions": [{"name": "f"}]}, "functions"),
@@ -197,27 +240,58 @@ def test_reasoning_and_auto_calls_in_every_dialect(scripted):
     resp = client.responses.create(model="scripted", input=question, tools=[flat], temperature=0, max_output_tokens=20)
     assert [o.type for o in resp.output] == ["reasoning", "function_call"]
     assert resp.output[0].content[0].text == THOUGHT and resp.output[1].name == "get_weather"
-    assert json.loads(resp.output[1].arguments) == {"city": "Paris"} and resp.usage.output_tokens_details.reasoning_tokens > 0
-    with client.responses.stream(model="scripted", input=question, tools=[flat], temperature=0, max_output_tokens=20) as s:
+    assert (
+        json.loads(resp.output[1].arguments) == {"city": "Paris"}
+        and resp.usage.output_tokens_details.reasoning_tokens > 0
+    )
+    with client.responses.stream(
+        model="scripted", input=question, tools=[flat], temperature=0, max_output_tokens=20
+    ) as s:
         kinds = [e.type for e in s]
         final = s.get_final_response()
     assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.delta" in kinds
-    assert [o.type for o in final.output] == ["reasoning", "function_call"] and json.loads(final.output[1].arguments) == {"city": "Paris"}
+    assert [o.type for o in final.output] == ["reasoning", "function_call"] and json.loads(
+        final.output[1].arguments
+    ) == {"city": "Paris"}
 
     claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER["function"]["parameters"]}
-    msg = claude.messages.create(model="scripted", max_tokens=20, messages=question, tools=[tool], extra_body={"temperature": 0})
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    msg = claude.messages.create(
+        model="scripted", max_tokens=20, messages=question, tools=[tool], extra_body={"temperature": 0}
+    )
     assert [b.type for b in msg.content] == ["thinking", "tool_use"] and msg.stop_reason == "tool_use"
-    assert msg.content[0].thinking == THOUGHT and msg.content[1].name == "get_weather" and msg.content[1].input == {"city": "Paris"}
-    with claude.messages.stream(model="scripted", max_tokens=20, messages=question, tools=[tool], extra_body={"temperature": 0}) as s:
+    assert (
+        msg.content[0].thinking == THOUGHT
+        and msg.content[1].name == "get_weather"
+        and msg.content[1].input == {"city": "Paris"}
+    )
+    with claude.messages.stream(
+        model="scripted", max_tokens=20, messages=question, tools=[tool], extra_body={"temperature": 0}
+    ) as s:
         streamed = s.get_final_message()
-    assert [b.type for b in streamed.content] == ["thinking", "tool_use"] and streamed.content[1].input == {"city": "Paris"}
+    assert [b.type for b in streamed.content] == ["thinking", "tool_use"] and streamed.content[1].input == {
+        "city": "Paris"
+    }
 
     llama = ollama.Client(host=server.url)
-    reply = llama.chat(model="scripted", messages=question, tools=[WEATHER], options={"temperature": 0, "num_predict": 20})
+    reply = llama.chat(
+        model="scripted", messages=question, tools=[WEATHER], options={"temperature": 0, "num_predict": 20}
+    )
     assert reply.message.thinking == THOUGHT and not reply.message.content
     [call] = reply.message.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
-    chunks = list(llama.chat(model="scripted", messages=question, tools=[WEATHER], options={"temperature": 0, "num_predict": 20}, stream=True))
+    chunks = list(
+        llama.chat(
+            model="scripted",
+            messages=question,
+            tools=[WEATHER],
+            options={"temperature": 0, "num_predict": 20},
+            stream=True,
+        )
+    )
     assert "".join(c.message.thinking or "" for c in chunks) == THOUGHT
     assert [tc.function.name for c in chunks for tc in c.message.tool_calls or []] == ["get_weather"]

@@ -63,7 +63,9 @@ def test_greedy_text_is_the_same_in_every_dialect(client, claude, llama, referen
     assert msg.content[0].text == want
     chat_reply = llama.chat(model=MODEL, messages=chat(QUESTION), options={"temperature": 0, "num_predict": TOKENS})
     assert chat_reply.message.content == want
-    generated = llama.generate(model=MODEL + ":latest", prompt=QUESTION, options={"temperature": 0, "num_predict": TOKENS})
+    generated = llama.generate(
+        model=MODEL + ":latest", prompt=QUESTION, options={"temperature": 0, "num_predict": TOKENS}
+    )
     assert generated.response == want
 
 
@@ -72,7 +74,10 @@ def test_greedy_text_is_the_same_in_every_dialect(client, claude, llama, referen
 
 def test_responses_reply_usage_and_stored_object(client, http, reference):
     resp = client.responses.create(
-        model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}], temperature=0, max_output_tokens=TOKENS
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        temperature=0,
+        max_output_tokens=TOKENS,
     )
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.output[0].type == "message" and resp.output[0].content[0].type == "output_text"
@@ -88,14 +93,21 @@ def test_responses_reply_usage_and_stored_object(client, http, reference):
 
 def test_responses_stream_sends_the_documented_events_in_order(server, reference):
     body = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": TOKENS, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+    with httpx.stream(
+        "POST", server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
         events = sse_events(r)
     kinds = [e["type"] for _, e in events]
     assert all(name == e["type"] for name, e in events)
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
     deltas = [i for i, k in enumerate(kinds) if k == "response.output_text.delta"]
     head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
-    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    tail = [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert kinds[:4] == head and deltas == list(range(4, 4 + len(deltas))) and kinds[4 + len(deltas) :] == tail
     text = "".join(events[i][1]["delta"] for i in deltas)
     assert text == reference.choices[0].message.content == events[-1][1]["response"]["output"][0]["content"][0]["text"]
@@ -108,10 +120,14 @@ def test_responses_stream_sends_the_documented_events_in_order(server, reference
 
 
 def test_previous_response_id_continues_the_conversation(client, http):
-    first = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Be brief.", temperature=0, max_output_tokens=12)
+    first = client.responses.create(
+        model=MODEL, input="My name is Ada.", instructions="Be brief.", temperature=0, max_output_tokens=12
+    )
     opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "My name is Ada."}]
     assert first.usage.input_tokens == http.post("/tokenize", json={"messages": opening}).json()["count"]
-    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id, temperature=0, max_output_tokens=12)
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, temperature=0, max_output_tokens=12
+    )
     # the prompt is the whole conversation (the first turn's instructions are not carried over)
     history = [
         {"role": "user", "content": "My name is Ada."},
@@ -139,7 +155,10 @@ def test_responses_json_schema_and_forced_tool_call(client):
         "additionalProperties": False,
     }
     resp = client.responses.create(
-        model=MODEL, input="Pick a colour.", max_output_tokens=40, text={"format": {"type": "json_schema", "name": "pick", "schema": schema}}
+        model=MODEL,
+        input="Pick a colour.",
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema}},
     )
     jsonschema.validate(json.loads(resp.output_text), schema)
     tool = {
@@ -147,7 +166,14 @@ def test_responses_json_schema_and_forced_tool_call(client):
         "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     }
-    resp = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], tool_choice="required", temperature=0, max_output_tokens=80)
+    resp = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=80,
+    )
     (call,) = [o for o in resp.output if o.type == "function_call"]
     assert call.name == "get_weather" and "city" in json.loads(call.arguments) and call.call_id
     # parallel_tool_calls false: one call, the same one Chat Completions makes (tests/server/api/test_chat_completions.py)
@@ -189,7 +215,10 @@ def test_responses_json_schema_and_forced_tool_call(client):
 def test_responses_errors_name_the_parameter(http):
     for body, param in [
         ({"model": MODEL, "input": "x", "top_logprobs": 2}, "top_logprobs"),
-        ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        (
+            {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"model": MODEL, "input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
@@ -205,21 +234,34 @@ def test_responses_errors_name_the_parameter(http):
 
 
 def test_anthropic_messages_usage_and_stop_sequence(claude, reference):
-    msg = claude.messages.create(model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, system="You are helpful.", messages=chat(QUESTION))
-    assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "max_tokens" and msg.stop_sequence is None
+    msg = claude.messages.create(
+        model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, system="You are helpful.", messages=chat(QUESTION)
+    )
+    assert (
+        msg.type == "message"
+        and msg.role == "assistant"
+        and msg.stop_reason == "max_tokens"
+        and msg.stop_sequence is None
+    )
     counted = claude.messages.count_tokens(model=MODEL, system="You are helpful.", messages=chat(QUESTION)).input_tokens
     tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
-    with_tools = claude.messages.count_tokens(model=MODEL, system="You are helpful.", messages=chat(QUESTION), tools=[tool]).input_tokens
+    with_tools = claude.messages.count_tokens(
+        model=MODEL, system="You are helpful.", messages=chat(QUESTION), tools=[tool]
+    ).input_tokens
     declined = claude.messages.count_tokens(
         model=MODEL, system="You are helpful.", messages=chat(QUESTION), tools=[tool], tool_choice={"type": "none"}
     ).input_tokens
     assert with_tools > counted + 10 and declined == counted  # tools reach the prompt unless tool_choice is none
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counted and msg.usage.output_tokens == TOKENS
-    again = claude.messages.create(model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, system="You are helpful.", messages=chat(QUESTION))
+    again = claude.messages.create(
+        model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, system="You are helpful.", messages=chat(QUESTION)
+    )
     assert again.usage.cache_read_input_tokens > 0 and again.content[0].text == msg.content[0].text
     text = reference.choices[0].message.content
     word = text.split()[2]
-    stopped = claude.messages.create(model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, messages=chat(QUESTION), stop_sequences=[word])
+    stopped = claude.messages.create(
+        model=MODEL, max_tokens=TOKENS, extra_body=GREEDY, messages=chat(QUESTION), stop_sequences=[word]
+    )
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert stopped.content[0].text == text[: text.index(word)]
 
@@ -230,14 +272,22 @@ def test_anthropic_stream_events_and_text_stream(server, claude, reference):
         final = s.get_final_message()
     assert text == reference.choices[0].message.content == final.content[0].text and final.stop_reason == "max_tokens"
     body = {"model": MODEL, "max_tokens": 4, "messages": chat(QUESTION), "stream": True}
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/messages",
+        json=body,
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+        timeout=60,
+    ) as r:
         events = sse_events(r)
     kinds = [e["type"] for _, e in events]
     assert all(name == e["type"] for name, e in events)
     n = kinds.count("content_block_delta")
     assert (
         kinds
-        == ["message_start", "content_block_start", "ping"] + ["content_block_delta"] * n + ["content_block_stop", "message_delta", "message_stop"]
+        == ["message_start", "content_block_start", "ping"]
+        + ["content_block_delta"] * n
+        + ["content_block_stop", "message_delta", "message_stop"]
         and n >= 1
     )
     assert events[-2][1]["usage"]["output_tokens"] == 4
@@ -270,7 +320,12 @@ def test_anthropic_forced_tool_use(claude):
         ],
     )
     assert reply.content
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     shaped = claude.messages.create(
         model=MODEL,
         max_tokens=30,
@@ -283,21 +338,38 @@ def test_anthropic_forced_tool_use(claude):
 
 def test_anthropic_errors_use_its_shape(server, claude):
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+        claude.messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]
+        )
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
-    r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": chat("x")}, headers={"x-api-key": KEY})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
+    r = httpx.post(
+        server.url + "/v1/messages", json={"model": MODEL, "messages": chat("x")}, headers={"x-api-key": KEY}
+    )
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["type"] == "invalid_request_error"
+        and "max_tokens" in r.json()["error"]["message"]
+    )
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(model=MODEL, max_tokens=4, messages=chat("x"))
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=chat("x")
+        )
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-nope", max_tokens=4, messages=chat("x"))
 
 
 def test_truncations_leave_the_greedy_text_in_every_dialect(client, claude, reference):
     want = reference.choices[0].message.content
-    assert client.responses.create(model=MODEL, input=QUESTION, temperature=1.0, top_p=1e-6, max_output_tokens=TOKENS).output_text == want
+    assert (
+        client.responses.create(
+            model=MODEL, input=QUESTION, temperature=1.0, top_p=1e-6, max_output_tokens=TOKENS
+        ).output_text
+        == want
+    )
     for kw in ({"top_k": 1}, {"top_p": 1e-6}):
-        msg = claude.messages.create(model=MODEL, max_tokens=TOKENS, messages=chat(QUESTION), extra_body={"temperature": 1.0, **kw})
+        msg = claude.messages.create(
+            model=MODEL, max_tokens=TOKENS, messages=chat(QUESTION), extra_body={"temperature": 1.0, **kw}
+        )
         assert msg.content[0].text == want, kw
 
 
@@ -316,20 +388,31 @@ def test_ollama_generate_system_raw_and_think(llama, http):
     assert raw.response == llama.generate(model=MODEL, prompt=QUESTION, options=options).response
     pieces = list(llama.generate(model=MODEL, prompt=QUESTION, options=options, stream=True))
     assert "".join(p.response for p in pieces) == raw.response and pieces[-1].done and pieces[-1].eval_count == TOKENS
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"], "additionalProperties": False}
-    shaped = llama.generate(model=MODEL, prompt="A cat, in JSON.", format=schema, options={"temperature": 0, "num_predict": 60})
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    shaped = llama.generate(
+        model=MODEL, prompt="A cat, in JSON.", format=schema, options={"temperature": 0, "num_predict": 60}
+    )
     assert isinstance(json.loads(shaped.response)["name"], str)
 
 
 def test_ollama_chat_stream_timings_and_json_format(llama, reference):
     want = reference.choices[0].message.content
-    chunks = list(llama.chat(model=MODEL, messages=chat(QUESTION), options={"temperature": 0, "num_predict": TOKENS}, stream=True))
+    chunks = list(
+        llama.chat(model=MODEL, messages=chat(QUESTION), options={"temperature": 0, "num_predict": TOKENS}, stream=True)
+    )
     assert "".join(c.message.content for c in chunks) == want
     last = chunks[-1]
     assert last.done and last.done_reason == "length" and not any(c.done for c in chunks[:-1])
     assert last.eval_count == TOKENS and last.total_duration >= last.eval_duration > 0 and last.prompt_eval_duration > 0
     assert last.prompt_eval_count <= reference.usage.prompt_tokens
-    formatted = llama.chat(model=MODEL, messages=chat("Describe a cat in JSON."), format="json", options={"num_predict": 200, "seed": 1})
+    formatted = llama.chat(
+        model=MODEL, messages=chat("Describe a cat in JSON."), format="json", options={"num_predict": 200, "seed": 1}
+    )
     assert isinstance(json.loads(formatted.message.content), dict)
 
 
@@ -345,18 +428,34 @@ def test_ollama_models_show_ps_version(llama, server):
 def test_ollama_reads_a_form_encoded_body_as_json_as_its_curl_examples_send_it(server, llama):
     """`curl URL/api/chat -d '{...}'` sends Content-Type application/x-www-form-urlencoded; Ollama
     reads the body as JSON whatever the header says, and so do treadle's /api/* routes."""
-    body = {"model": MODEL, "messages": chat(QUESTION), "stream": False, "options": {"temperature": 0, "num_predict": TOKENS}}
+    body = {
+        "model": MODEL,
+        "messages": chat(QUESTION),
+        "stream": False,
+        "options": {"temperature": 0, "num_predict": TOKENS},
+    }
     auth = {"Authorization": f"Bearer {KEY}"}
     for kind in ("application/x-www-form-urlencoded", None):
         headers = {**auth, **({"Content-Type": kind} if kind else {})}
         r = httpx.post(server.url + "/api/chat", content=json.dumps(body).encode(), headers=headers, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["message"]["content"] == llama.chat(**{k: v for k, v in body.items() if k != "stream"}).message.content
-    bad = httpx.post(server.url + "/api/chat", content=b"model=x&messages=y", headers={**auth, "Content-Type": "application/x-www-form-urlencoded"})
+        assert (
+            r.json()["message"]["content"]
+            == llama.chat(**{k: v for k, v in body.items() if k != "stream"}).message.content
+        )
+    bad = httpx.post(
+        server.url + "/api/chat",
+        content=b"model=x&messages=y",
+        headers={**auth, "Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert bad.status_code == 400 and "error" in bad.json()
     # the OpenAI routes keep FastAPI's rule: a body that does not say it is JSON is refused, not guessed
     assert (
-        httpx.post(server.url + "/v1/chat/completions", content=json.dumps(body).encode(), headers={**auth, "Content-Type": "text/plain"}).status_code
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            content=json.dumps(body).encode(),
+            headers={**auth, "Content-Type": "text/plain"},
+        ).status_code
         == 400
     )
 
@@ -386,7 +485,9 @@ def test_embeddings_floats_base64_batches_and_usage(client, http, llama):
     np.testing.assert_allclose(decoded, vectors, atol=1e-5)
     counts = [http.post("/tokenize", json={"prompt": t}).json()["count"] for t in texts]
     assert batch.usage.prompt_tokens == sum(counts) == batch.usage.total_tokens
-    by_ids = client.embeddings.create(model=MODEL, input=[http.post("/tokenize", json={"prompt": texts[0]}).json()["tokens"]])
+    by_ids = client.embeddings.create(
+        model=MODEL, input=[http.post("/tokenize", json={"prompt": texts[0]}).json()["tokens"]]
+    )
     np.testing.assert_allclose(by_ids.data[0].embedding, vectors[0], atol=1e-5)
     np.testing.assert_allclose(llama.embed(model=MODEL, input=texts[0]).embeddings[0], vectors[0], atol=1e-5)
     assert http.get("/stats").json()["kv_blocks_used"] == 0  # every embedding request freed its blocks
@@ -409,14 +510,28 @@ def test_matryoshka_dimensions_cut_and_renormalize(tmp_path):
         full = np.array(c.embeddings.create(model="embedder", input="hello world").data[0].embedding)
         cut = np.array(c.embeddings.create(model="embedder", input="hello world", dimensions=8).data[0].embedding)
         np.testing.assert_allclose(cut, full[:8] / np.linalg.norm(full[:8]), atol=1e-6)
-        via_ollama = ollama.Client(host=server.url).embed(model="embedder", input=["hello world"], dimensions=8).embeddings[0]
+        via_ollama = (
+            ollama.Client(host=server.url).embed(model="embedder", input=["hello world"], dimensions=8).embeddings[0]
+        )
         np.testing.assert_allclose(via_ollama, cut, atol=1e-6)
         too_big = httpx.post(server.url + "/v1/embeddings", json={"input": "x", "dimensions": 4096})
         assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "dimensions"
         # Ollama's truncate: an input longer than the context (512 here) is cut to fit, or refused
         long = "the " * 600
-        assert httpx.post(server.url + "/api/embed", json={"model": "embedder", "input": long, "truncate": False}).status_code == 400
-        assert len(httpx.post(server.url + "/api/embed", json={"model": "embedder", "input": long}, timeout=60).json()["embeddings"]) == 1
+        assert (
+            httpx.post(
+                server.url + "/api/embed", json={"model": "embedder", "input": long, "truncate": False}
+            ).status_code
+            == 400
+        )
+        assert (
+            len(
+                httpx.post(server.url + "/api/embed", json={"model": "embedder", "input": long}, timeout=60).json()[
+                    "embeddings"
+                ]
+            )
+            == 1
+        )
     finally:
         server.stop()
 
@@ -430,7 +545,10 @@ def test_embedding_errors(http):
         ({"model": "other", "input": "x"}, "model"),
     ]:
         r = http.post("/v1/embeddings", json={"model": MODEL, **body})
-        assert r.status_code == (404 if param == "model" else 400) and r.json()["error"]["param"] == param, (body, r.text)
+        assert r.status_code == (404 if param == "model" else 400) and r.json()["error"]["param"] == param, (
+            body,
+            r.text,
+        )
 
 
 # ---------------------------------------------------------------- malformed input: 4xx, never 5xx
@@ -445,7 +563,10 @@ def test_embedding_errors(http):
         ("/v1/responses", {"input": [{"role": "robot", "content": "x"}]}),
         ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}),
         ("/v1/responses", {"input": [{"role": "user", "content": 5}]}),
-        ("/v1/responses", {"input": "x", "tool_choice": {"type": "function"}, "tools": [{"type": "function", "name": "f"}]}),
+        (
+            "/v1/responses",
+            {"input": "x", "tool_choice": {"type": "function"}, "tools": [{"type": "function", "name": "f"}]},
+        ),
         (
             "/v1/responses",
             {
@@ -453,8 +574,20 @@ def test_embedding_errors(http):
                 "tools": [{"type": "function", "name": "f"}],
             },
         ),
-        ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]}),
-        ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "x", "input": "no"}]}]}),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}],
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 2,
+                "messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "x", "input": "no"}]}],
+            },
+        ),
         ("/v1/messages", {"max_tokens": 2, "messages": chat("x"), "tools": [{"name": 5}]}),
         ("/v1/messages", {"max_tokens": 2, "messages": chat("x"), "tool_choice": {"type": "tool"}}),
         ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}),
@@ -462,7 +595,10 @@ def test_embedding_errors(http):
         ("/v1/messages", {"max_tokens": 0, "messages": chat("x")}),
         ("/v1/messages", {"max_tokens": 2, "messages": chat("x"), "output_config": {"format": {"type": "regex"}}}),
         ("/api/chat", {"messages": [{"role": "assistant", "content": "x", "tool_calls": True}], "stream": False}),
-        ("/api/chat", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": 3}]}], "stream": False}),
+        (
+            "/api/chat",
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": 3}]}], "stream": False},
+        ),
         ("/api/chat", {"messages": [{"role": "user", "content": ["x"]}], "stream": False}),
         ("/api/chat", {"messages": chat("x"), "options": {"temperature": "hot"}, "stream": False}),
         ("/api/chat", {"messages": chat("x"), "options": {"num_predict": 0}, "stream": False}),
@@ -483,7 +619,9 @@ def test_malformed_dialect_input_is_a_4xx_in_the_dialect_shape(http, route, body
 
 
 def test_ollama_names_its_own_options_in_errors(http):
-    r = http.post("/api/chat", json={"model": MODEL, "messages": chat("x"), "options": {"num_predict": 0}, "stream": False})
+    r = http.post(
+        "/api/chat", json={"model": MODEL, "messages": chat("x"), "options": {"num_predict": 0}, "stream": False}
+    )
     assert "options.num_predict" in r.json()["error"] and "max_tokens" not in r.json()["error"]
 
 

@@ -153,7 +153,11 @@ def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, bl
         if kernel:
             tables = torch.full((batch, width), block, dtype=torch.long, device=dev)
             ends = torch.ones(batch, dtype=torch.long, device=dev)
-            return AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch, kernel_args=graph_kernel_args(tables, torch.zeros_like(ends), ends))
+            return AttentionMetadata(
+                slot_mapping=slots,
+                num_decode_tokens=batch,
+                kernel_args=graph_kernel_args(tables, torch.zeros_like(ends), ends),
+            )
         return AttentionMetadata(
             slot_mapping=slots,
             num_decode_tokens=batch,
@@ -174,7 +178,9 @@ def _decode(model, input_ids, positions, kv_caches, meta, logits_indices):
 
 def compile_class(model, kv_caches, block_size: int, cls: DecodeClass, kernel: bool = False):
     """torch's precompiled function of one decode class (minutes: run it in the compiler process)."""
-    ids, positions, kv, meta, indices = inputs = example_inputs(model, kv_caches, cls.example, 2, block_size, kernel=kernel)
+    ids, positions, kv, meta, indices = inputs = example_inputs(
+        model, kv_caches, cls.example, 2, block_size, kernel=kernel
+    )
     mark = torch._dynamo.mark_dynamic
     per_row = [ids, positions, indices]
     for group in meta if isinstance(meta, list) else [meta]:
@@ -256,7 +262,12 @@ class CompiledDecode:
         """A compiled graph raised: its class runs eagerly from now on."""
         for cls in self.classes:
             if cls.admits(num_decode) and self.ready.pop(cls.name, None) is not None:
-                log.warning("compiled decode steps of %s requests failed, back to eager: %s: %s", cls.name, type(error).__name__, error)
+                log.warning(
+                    "compiled decode steps of %s requests failed, back to eager: %s: %s",
+                    cls.name,
+                    type(error).__name__,
+                    error,
+                )
 
     def _run(self) -> None:
         try:
@@ -267,8 +278,14 @@ class CompiledDecode:
                 while not os.path.exists(artefact_path(self.dir, cls)):
                     if self._stop.wait(1.0):
                         return
-                    if self.compiler is not None and self.compiler.poll() is not None and not os.path.exists(artefact_path(self.dir, cls)):
-                        raise RuntimeError(f"the compiler process exited with status {self.compiler.returncode} (log: {self._log_path()})")
+                    if (
+                        self.compiler is not None
+                        and self.compiler.poll() is not None
+                        and not os.path.exists(artefact_path(self.dir, cls))
+                    ):
+                        raise RuntimeError(
+                            f"the compiler process exited with status {self.compiler.returncode} (log: {self._log_path()})"
+                        )
                 self._load(cls)
             if self.compiler is not None:
                 self.compiler.wait()  # it exits after saving the last class: reap it

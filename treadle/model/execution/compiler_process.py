@@ -20,7 +20,9 @@ from treadle.utils import end_with_parent
 def compiler_config(engine: EngineConfig) -> EngineConfig:
     """The engine's settings with a KV cache of a few blocks (one request of 4 blocks, in every
     cache group): the graphs take the number of blocks as a dynamic size."""
-    return replace(engine, num_kv_blocks=None, max_num_seqs=1, max_model_len=4 * engine.block_size, kv_cache_memory_bytes=None)
+    return replace(
+        engine, num_kv_blocks=None, max_num_seqs=1, max_model_len=4 * engine.block_size, kv_cache_memory_bytes=None
+    )
 
 
 def main() -> None:

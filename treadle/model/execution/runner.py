@@ -105,7 +105,10 @@ class ModelRunner:
         # int8 KV: each row is head_dim int8 values and their float32 scale (attention.quantize_kv)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim + (SCALE_BYTES if kv_int8 else 0))
         kv_dtype = torch.int8 if kv_int8 else dtype
-        self.kv_pairs = [(_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device)) for _ in range(self.layout.group_size)]
+        self.kv_pairs = [
+            (_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
+            for _ in range(self.layout.group_size)
+        ]
         self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch
@@ -146,7 +149,9 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_int8: bool = False) -> int:
         """One page of the pool: a block of every layer of one cache group."""
-        row = config.head_dim + SCALE_BYTES if kv_int8 else config.head_dim * torch.empty((), dtype=dtype).element_size()
+        row = (
+            config.head_dim + SCALE_BYTES if kv_int8 else config.head_dim * torch.empty((), dtype=dtype).element_size()
+        )
         return 2 * kv_layout(config.windows()).group_size * block_size * config.num_kv_heads * row
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -217,7 +222,9 @@ class ModelRunner:
         self.num_steps += 1
         if self.num_steps in self.fail_at_steps:
             raise InjectedFault(f"injected failure of step {self.num_steps} (TREADLE_FAULT_INJECT)")
-        pooling = {i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None}
+        pooling = {
+            i: p for i, s in enumerate(step.scheduled) if (p := self.requests[s.req_id].params.pooling) is not None
+        }
         apart = pooling and self.isolate_pooling and len(step.scheduled) > 1
         # every row a plain greedy one (no proposals, grammar, logprobs or adjustment): the model's
         # argmax alone, without the step's [rows, vocab] logits
@@ -227,7 +234,9 @@ class ModelRunner:
             and all(s.num_drafts == 0 for s in step.scheduled)
             and self.sampler.plain_greedy([self.requests[r] for s in step.scheduled for r in s.sample_ids])
         )
-        logits, sample_rows, embeddings = self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling, greedy)
+        logits, sample_rows, embeddings = (
+            self._compute_apart(step, pooling) if apart else self.compute_logits(step, pooling, greedy)
+        )
         if logits.dtype == torch.long:  # the argmax of each sampling row (compute_logits took `greedy`)
             results, token_list = {}, logits.tolist()
             for token, i in zip(token_list, sample_rows):
@@ -304,7 +313,9 @@ class ModelRunner:
             s = scheduled[i]
             ids.extend(s.token_ids)
             positions.append(torch.arange(s.start, s.start + len(s.token_ids)))
-            known = self.requests.get(s.req_id)  # a draft's runner and the fast-path checks compute rows of requests it never learnt
+            known = self.requests.get(
+                s.req_id
+            )  # a draft's runner and the fast-path checks compute rows of requests it never learnt
             lora = known.lora if known is not None else 0
             if lora:
                 lora_rows.setdefault(lora, []).extend(range(row, row + len(s.token_ids)))
@@ -313,7 +324,10 @@ class ModelRunner:
         # the rotary tables filled through the step's last position (a compiled graph reads them as they are)
         self.model.cover_positions(max((s.start + len(s.token_ids) for s in scheduled), default=0))
         pos_t = torch.cat(positions)
-        metas = [self._group_metadata(scheduled, order, positions, pos_t, g, window) for g, window in enumerate(self.group_windows)]
+        metas = [
+            self._group_metadata(scheduled, order, positions, pos_t, g, window)
+            for g, window in enumerate(self.group_windows)
+        ]
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
         # a request verifying proposals samples from its last num_drafts + 1 rows
         rows = [r for i in sample_rows for r in range(last_row[i] - scheduled[i].num_drafts, last_row[i] + 1)]
@@ -324,11 +338,18 @@ class ModelRunner:
             metas[0].recurrent = self._segments(scheduled, order)
         meta = metas[0] if len(metas) == 1 else metas
         if lora_rows:  # eagerly: the compiled graphs have no adapters
-            LORA_ROWS.groups = [(lora, torch.tensor(rows, dtype=torch.long, device=self.device)) for lora, rows in sorted(lora_rows.items())]
+            LORA_ROWS.groups = [
+                (lora, torch.tensor(rows, dtype=torch.long, device=self.device))
+                for lora, rows in sorted(lora_rows.items())
+            ]
             try:
                 if pooling:
                     hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
-                    return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
+                    return (
+                        self.model.logits(hidden[logits_indices]),
+                        sample_rows,
+                        self._pool(step, pooling, hidden, last_row),
+                    )
                 return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
             finally:
                 LORA_ROWS.groups = []
@@ -365,13 +386,17 @@ class ModelRunner:
                 saved = self.checkpoints.get(s.restore_state)
                 if saved is None or saved.position != s.start:
                     at = "empty" if saved is None else f"at position {saved.position}"
-                    raise RuntimeError(f"request {s.req_id}: checkpoint {s.restore_state} is {at}, the step starts at {s.start}")
+                    raise RuntimeError(
+                        f"request {s.req_id}: checkpoint {s.restore_state} is {at}, the step starts at {s.start}"
+                    )
                 state = self.states[s.req_id] = saved.copy()
             elif s.start == 0:
                 state = self.states[s.req_id] = self.model.new_state()
             elif state is None or state.position != s.start:
                 at = "none" if state is None else state.position
-                raise RuntimeError(f"request {s.req_id}: its recurrent state is at position {at}, the step starts at {s.start}")
+                raise RuntimeError(
+                    f"request {s.req_id}: its recurrent state is at position {at}, the step starts at {s.start}"
+                )
             saves = []
             if s.num_drafts:  # verifying proposals: keep the state after each row but the last, for a rollback
                 rollback = [self.model.new_state() for _ in range(s.num_drafts)]
@@ -455,7 +480,12 @@ class ModelRunner:
             for meta in metas:
                 tables, row_table, key_begin, key_end, _ = meta.kernel_args
                 graph_metas.append(
-                    replace(meta, kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end), decode_block_tables=None, decode_mask=None)
+                    replace(
+                        meta,
+                        kernel_args=graph_kernel_args(tables[row_table], key_begin, key_end),
+                        decode_block_tables=None,
+                        decode_mask=None,
+                    )
                 )
             width = metas[0].kernel_args[0].shape[1]
         else:
@@ -485,7 +515,9 @@ class ModelRunner:
             vectors.update(vecs)
         return torch.cat(parts), rows, vectors
 
-    def _pool(self, step: StepInput, pooling: dict[int, str], hidden: torch.Tensor, last_row: dict[int, int]) -> dict[str, list[float]]:
+    def _pool(
+        self, step: StepInput, pooling: dict[int, str], hidden: torch.Tensor, last_row: dict[int, int]
+    ) -> dict[str, list[float]]:
         """Each embedding request's vector when its prompt's last row ran this step. Mean pooling
         keeps each chunk's rows (restarted at position 0: a preempted prompt runs again from the
         start, with no prefix-cache hit) and sums them once, in one order whatever the chunking."""

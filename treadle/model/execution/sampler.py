@@ -121,7 +121,9 @@ class Sampler:
             probs[g, logits[g].max(dim=-1).indices] = 1.0
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
-            probs[torch.tensor(random_rows, device=logits.device)] = self._probs(logits, reqs, random_rows, consume=logits is not raw)
+            probs[torch.tensor(random_rows, device=logits.device)] = self._probs(
+                logits, reqs, random_rows, consume=logits is not raw
+            )
         return probs
 
     def _probs(self, logits: torch.Tensor, reqs: list, rows: list[int], consume: bool = False) -> torch.Tensor:
@@ -134,7 +136,9 @@ class Sampler:
             sub = logits.div_(temperature) if consume else logits / temperature
         return torch.softmax(self._filter(sub, [reqs[i].params for i in rows]), dim=-1)
 
-    def sample(self, logits: torch.Tensor, reqs: list, constrained=None, verification=None, consume: bool = False) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, reqs: list, constrained=None, verification=None, consume: bool = False
+    ) -> list[SampledToken]:
         """logits [R, V] float32, one row per request (a row may repeat for the choices of n > 1).
         constrained: (rows, allowed [len(rows), V] bool), the tokens a grammar allows those rows.
         Logprobs, when asked: [(token, logprob, rank)], the sampled token first, then the top k
@@ -164,7 +168,9 @@ class Sampler:
                 verifying = [j for j in unseeded if random_rows[j] in proposals]
                 if verifying:
                     unseeded = [j for j in unseeded if random_rows[j] not in proposals]
-                    verification.rejection_sample(self, probs, chosen, [(j, *proposals[random_rows[j]]) for j in verifying])
+                    verification.rejection_sample(
+                        self, probs, chosen, [(j, *proposals[random_rows[j]]) for j in verifying]
+                    )
             if unseeded:  # the engine's generator, all rows at once: inverse CDF, one uniform per row
                 if len(unseeded) == len(random_rows):  # every row: probs is not read again, its sums go in place
                     chosen[:] = self.inverse_cdf(probs, in_place=True)
@@ -196,7 +202,11 @@ class Sampler:
             k = req.params.logprobs
             if k:
                 values, ids = row.topk(k)
-                top.extend((t, v, rank) for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1) if t != token)
+                top.extend(
+                    (t, v, rank)
+                    for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1)
+                    if t != token
+                )
             results.append(SampledToken(token, top))
         return results
 

@@ -38,7 +38,9 @@ class Verification:
     and how many of its proposals the row stands on; `verified`: request id -> its proposals;
     `draft_probs`: request id -> [num_drafts, V], the distributions a draft model drew them from."""
 
-    def __init__(self, ids: list[str], positions: list[int], verified: dict[str, list[int]], draft_probs: dict | None = None):
+    def __init__(
+        self, ids: list[str], positions: list[int], verified: dict[str, list[int]], draft_probs: dict | None = None
+    ):
         self.ids = ids
         self.verified = verified
         self.rewindable = {j for j, req_id in enumerate(ids) if req_id in verified}

@@ -59,9 +59,13 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> bool:
     if name == "int8":
         return True
     if name in ("bf16", "bfloat16") and dtype != torch.bfloat16:
-        raise ValueError(f"kv_cache_dtype {name} needs dtype bfloat16 (this engine computes in {dtype}); use auto or int8")
+        raise ValueError(
+            f"kv_cache_dtype {name} needs dtype bfloat16 (this engine computes in {dtype}); use auto or int8"
+        )
     if name == "fp8":
-        raise ValueError("kv_cache_dtype fp8: torch's CPU build has no fp8 attention here; use int8 (the same bytes per token)")
+        raise ValueError(
+            "kv_cache_dtype fp8: torch's CPU build has no fp8 attention here; use int8 (the same bytes per token)"
+        )
     return False
 
 
@@ -70,7 +74,9 @@ def load_quantized_model_files(model: str | None, quantization: str | None):
     files = load_model_files(model)
     if quantization is not None:
         if not os.path.isdir(resolve_model_path(model)):
-            raise ModelLoadError(f"--quantization {quantization}: applies to Hugging Face folders; a GGUF file keeps the types it holds")
+            raise ModelLoadError(
+                f"--quantization {quantization}: applies to Hugging Face folders; a GGUF file keeps the types it holds"
+            )
         from treadle.model.loading.quantize import quantize_weights
 
         quantize_weights(files.weights, quantization)
@@ -92,7 +98,9 @@ def load_draft_files(path: str, *, target_vocab: int):
 
 
 class ModelWorker:
-    def __init__(self, config: EngineConfig, fail_at_steps: frozenset[int] = frozenset(), position_table: int | None = None):
+    def __init__(
+        self, config: EngineConfig, fail_at_steps: frozenset[int] = frozenset(), position_table: int | None = None
+    ):
         """position_table: the positions the rotary tables cover (default: this engine's
         max_model_len; the decode compiler passes its engine's, as the graphs see the tables)."""
         self.config = config
@@ -107,8 +115,12 @@ class ModelWorker:
         if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
             draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size)
             # the draft addresses its KV through the target's first table: full attention in both
-            if not kv_layout(files.config.windows()).has_full_group or any(w is not None for w in draft_files.config.windows()):
-                raise ValueError("speculative_config.model: a draft model needs full-attention layers in the target and only those in the draft")
+            if not kv_layout(files.config.windows()).has_full_group or any(
+                w is not None for w in draft_files.config.windows()
+            ):
+                raise ValueError(
+                    "speculative_config.model: a draft model needs full-attention layers in the target and only those in the draft"
+                )
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         pool_bytes = config.kv_cache_memory_bytes or self.num_blocks * ModelRunner.kv_bytes_per_block(
             self.model_config, config.block_size, self.dtype, self.kv_int8
@@ -138,7 +150,9 @@ class ModelWorker:
             # inductor's fused kernels round differently from the eager ones
             log.info("batch-invariant mode: decode steps run eagerly (compiled graphs are not used)")
         elif config.compile:
-            self.compiled = CompiledDecode(config, self.runner.model, self.runner.kv_caches, kernel=self.runner.attention_kernel)
+            self.compiled = CompiledDecode(
+                config, self.runner.model, self.runner.kv_caches, kernel=self.runner.attention_kernel
+            )
             self.runner.compiled = self.compiled
             self.compiled.start()
         # a draft has as many KV blocks as the target's: the target's block tables address both
@@ -171,9 +185,13 @@ class ModelWorker:
     def _resolve_batch_invariant(self, mc: ModelConfig) -> bool:
         """Batch invariance rests on treadle's attention kernel: on where it serves this model (auto),
         refused with the reason where it was asked for and cannot be had."""
-        reason = paged.unusable_reason(self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        reason = paged.unusable_reason(
+            self.dtype, torch.device(self.config.device), mc.num_heads, mc.num_kv_heads, mc.head_dim
+        )
         if self.config.batch_invariant and reason is not None:
-            raise ValueError(f"batch_invariant needs treadle's attention kernel, which cannot serve this engine: {reason}")
+            raise ValueError(
+                f"batch_invariant needs treadle's attention kernel, which cannot serve this engine: {reason}"
+            )
         return reason is None if self.config.batch_invariant is None else self.config.batch_invariant
 
     def _checkpoints(self, mc: ModelConfig, pool_bytes: int) -> int:
@@ -205,7 +223,11 @@ class ModelWorker:
         elif cfg.kv_cache_memory_bytes is not None:
             # one budget: a hybrid's recurrent states (one per running request, and the prefix
             # cache's checkpoints) come out of it first
-            states = (cfg.max_num_seqs + self._checkpoints(mc, cfg.kv_cache_memory_bytes)) * mc.state_bytes(self.dtype) if mc.recurrent else 0
+            states = (
+                (cfg.max_num_seqs + self._checkpoints(mc, cfg.kv_cache_memory_bytes)) * mc.state_bytes(self.dtype)
+                if mc.recurrent
+                else 0
+            )
             num_blocks = (cfg.kv_cache_memory_bytes - states) // per_block
         else:
             wanted = cfg.max_num_seqs * blocks(max_len)
@@ -235,7 +257,9 @@ class ModelWorker:
         tensors = [t for pair in self.runner.kv_pairs for t in pair]
         kv = sum(t.numel() * t.element_size() for t in tensors)
         now = time.monotonic()
-        if now - self._kv_resident[0] >= KV_RESIDENT_MAX_AGE:  # the snapshot goes out with every step: counted at most once a second
+        if (
+            now - self._kv_resident[0] >= KV_RESIDENT_MAX_AGE
+        ):  # the snapshot goes out with every step: counted at most once a second
             self._kv_resident = (now, sum(_resident(t) for t in tensors))
         compiled = self.compiled
         compiler = compiled.compiler if compiled is not None else None
@@ -245,7 +269,9 @@ class ModelWorker:
             "kv_cache_bytes": kv,
             "kv_cache_resident_bytes": self._kv_resident[1],
             "compiled_graphs_bytes": compiled.loaded_bytes if compiled is not None else 0,
-            "compiler_process_rss_bytes": process_memory(compiler.pid).get("VmRSS", 0) if compiler is not None and compiler.poll() is None else 0,
+            "compiler_process_rss_bytes": process_memory(compiler.pid).get("VmRSS", 0)
+            if compiler is not None and compiler.poll() is None
+            else 0,
         }
 
     def compile_status(self) -> dict:

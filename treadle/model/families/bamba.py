@@ -19,7 +19,10 @@ from treadle.model.layers.mamba import Mamba2Mixer, MambaConfig, RecurrentState
 
 def mamba_config(hf) -> MambaConfig:
     """The Mamba-2 mixers' hyperparameters as config.json gives them (mamba_* keys)."""
-    hidden, heads = hf.int("hidden_size", "hidden_size"), file_int(hf.where, "mamba_n_heads", hf.need("mamba_n_heads"), 1, 1 << 14)
+    hidden, heads = (
+        hf.int("hidden_size", "hidden_size"),
+        file_int(hf.where, "mamba_n_heads", hf.need("mamba_n_heads"), 1, 1 << 14),
+    )
     head_dim = hf.get("mamba_d_head", "auto")
     if head_dim in (None, "auto"):
         head_dim = file_int(hf.where, "mamba_expand", hf.get("mamba_expand", 2), 1, 64) * hidden // heads
@@ -93,10 +96,18 @@ class BambaModel(LlamaModel):
     def config_from_hf(cls, hf) -> BambaConfig:
         layers = hf.int("num_hidden_layers", "num_layers")
         attention = hf.get("attn_layer_indices") or []
-        if not isinstance(layers, int) or not isinstance(attention, list) or not all(isinstance(i, int) and 0 <= i < layers for i in attention):
-            raise ModelLoadError(f"{hf.where}: attn_layer_indices = {attention!r}: expected layer numbers below num_hidden_layers")
+        if (
+            not isinstance(layers, int)
+            or not isinstance(attention, list)
+            or not all(isinstance(i, int) and 0 <= i < layers for i in attention)
+        ):
+            raise ModelLoadError(
+                f"{hf.where}: attn_layer_indices = {attention!r}: expected layer numbers below num_hidden_layers"
+            )
         if not attention:
-            raise ModelLoadError(f"{hf.where}: attn_layer_indices: no attention layer (a model of recurrent layers alone is not supported)")
+            raise ModelLoadError(
+                f"{hf.where}: attn_layer_indices: no attention layer (a model of recurrent layers alone is not supported)"
+            )
         if hf.get("mlp_bias") or hf.get("attention_bias"):
             raise ModelLoadError(f"{hf.where}: mlp_bias / attention_bias: not supported")
         mamba = mamba_config(hf)
@@ -114,7 +125,12 @@ class BambaModel(LlamaModel):
         shapes = expected_shapes(config)
         for i, kind in enumerate(config.layer_types):
             p = f"model.layers.{i}."
-            for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"):
+            for name in (
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+                "post_attention_layernorm.weight",
+            ):
                 shapes.pop(p + name)
             if kind == "recurrent":
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -122,7 +138,9 @@ class BambaModel(LlamaModel):
                 shapes.update({p + k: v for k, v in mixer_shapes(config).items()})
         return shapes
 
-    def __init__(self, config: BambaConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
+    def __init__(
+        self, config: BambaConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False
+    ):
         if "model.final_layernorm.weight" in weights:  # Bamba's name for the final norm
             weights["model.norm.weight"] = weights.pop("model.final_layernorm.weight")
         super().__init__(config, weights, dtype, device, batch_invariant)
@@ -135,7 +153,10 @@ class BambaModel(LlamaModel):
     def linears(self):
         out = [self.lm_head]
         for layer in self.layers:
-            out += (layer.mixer.linears() if layer.mixer is not None else [layer.qkv, layer.o_proj]) + [layer.gate_up, layer.down]
+            out += (layer.mixer.linears() if layer.mixer is not None else [layer.qkv, layer.o_proj]) + [
+                layer.gate_up,
+                layer.down,
+            ]
         return out
 
     def tensors(self):

@@ -42,7 +42,9 @@ class Gemma3Config(ModelConfig):
     attn_logit_softcapping: float | None = None
 
 
-def layer_windows(num_layers: int, window: int | None, pattern: int = SLIDING_WINDOW_PATTERN, types=None) -> list[int | None]:
+def layer_windows(
+    num_layers: int, window: int | None, pattern: int = SLIDING_WINDOW_PATTERN, types=None
+) -> list[int | None]:
     if types is not None:
         return [window if t == "sliding_attention" else None for t in types]
     return [window if (i + 1) % pattern else None for i in range(num_layers)]
@@ -102,9 +104,13 @@ class Gemma3Model(LlamaModel):
         window = hf.get("sliding_window") or None
         types = hf.get("layer_types")
         if types is not None and (
-            not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}
+            not isinstance(types, list)
+            or len(types) != num_layers
+            or not set(types) <= {"sliding_attention", "full_attention"}
         ):
-            raise ModelLoadError(f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'")
+            raise ModelLoadError(
+                f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'"
+            )
         pattern = hf.get("sliding_window_pattern", default_pattern)
         return hf.llama_style(
             Gemma3Config,
@@ -131,7 +137,9 @@ class Gemma3Model(LlamaModel):
         pattern = gguf.get("attention.sliding_window_pattern", default_pattern)
         config = gguf.llama_style(
             Gemma3Config,
-            layer_windows=layer_windows(num_layers, window, pattern) if window and isinstance(num_layers, int) and isinstance(pattern, int) else None,
+            layer_windows=layer_windows(num_layers, window, pattern)
+            if window and isinstance(num_layers, int) and isinstance(pattern, int)
+            else None,
             sliding_window=None,
             final_logit_softcapping=gguf.get("final_logit_softcapping"),
             attn_logit_softcapping=gguf.get("attn_logit_softcapping"),
@@ -154,7 +162,8 @@ class Gemma3Model(LlamaModel):
         config.local_rope.theta = file_float(where, "rope local base frequency", config.local_rope.theta)
         if config.layer_windows is not None:
             config.layer_windows = [
-                None if w is None else file_int(where, "sliding_window", w, *LIMITS["sliding_window"]) for w in config.layer_windows
+                None if w is None else file_int(where, "sliding_window", w, *LIMITS["sliding_window"])
+                for w in config.layer_windows
             ]
         return config
 
@@ -174,7 +183,9 @@ class Gemma3Model(LlamaModel):
             shapes[p + "post_feedforward_layernorm.weight"] = (config.hidden_size,)
         return shapes
 
-    def __init__(self, config: Gemma3Config, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
+    def __init__(
+        self, config: Gemma3Config, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False
+    ):
         super().__init__(config, weights, dtype, device, batch_invariant)
         self.local_rotary = self.rotary if config.local_rope == config.rope else self.rotary_for(config.local_rope)
         self.windows = config.windows()
@@ -221,5 +232,7 @@ class Gemma3Model(LlamaModel):
             attn = paged_attention(q, k, v, k_cache, v_cache, layer_meta, self.scale, cfg.attn_logit_softcapping)
             h = h + layer.post_attention_norm(layer.o_proj(attn.view(t, self.q_size)))
             mlp = functools.partial(self.mlp, layer)
-            h = h + layer.post_feedforward_norm(in_row_slices(mlp, layer.pre_feedforward_norm(h), (layer.gate_up, layer.down)))
+            h = h + layer.post_feedforward_norm(
+                in_row_slices(mlp, layer.pre_feedforward_norm(h), (layer.gate_up, layer.down))
+            )
         return h

@@ -38,7 +38,12 @@ MOE_NAMES = dict(
     names=("gate_proj", "up_proj", "output_linear.weight"),
     fused_gate_up="input_linear.weight",
 )
-LAYER_TYPES = {"mamba": "recurrent", "linear_attention": "recurrent", "attention": "attention", "full_attention": "attention"}
+LAYER_TYPES = {
+    "mamba": "recurrent",
+    "linear_attention": "recurrent",
+    "attention": "attention",
+    "full_attention": "attention",
+}
 
 
 @dataclass
@@ -95,7 +100,9 @@ class GraniteHybridModel(BambaModel):
         layers = gguf.number("block_count", *LIMITS["num_layers"], required=True)
         counts = gguf.get("attention.head_count_kv", required=True)
         if not isinstance(counts, list) or len(counts) != layers:
-            raise gguf.fail("attention.head_count_kv", f"expected one KV head count per layer ({layers}; 0 for a recurrent layer)")
+            raise gguf.fail(
+                "attention.head_count_kv", f"expected one KV head count per layer ({layers}; 0 for a recurrent layer)"
+            )
         layer_types = ["attention" if n else "recurrent" for n in counts]
         if "attention" not in layer_types or "recurrent" not in layer_types:
             raise gguf.fail("attention.head_count_kv", "expected both attention layers and recurrent ones (0)")
@@ -112,7 +119,9 @@ class GraniteHybridModel(BambaModel):
             groups=gguf.number("ssm.group_count", 1, heads, default=1),
             conv_bias=f"blk.{first}.ssm_conv1d.bias" in gguf.tensor_names,
             proj_bias=f"blk.{first}.ssm_in.bias" in gguf.tensor_names,
-            norm_eps=file_float(gguf.path, "attention.layer_norm_rms_epsilon", gguf.get("attention.layer_norm_rms_epsilon", 1e-5)),
+            norm_eps=file_float(
+                gguf.path, "attention.layer_norm_rms_epsilon", gguf.get("attention.layer_norm_rms_epsilon", 1e-5)
+            ),
         )
         if heads % mamba.groups:
             raise gguf.fail("ssm.group_count", f"{mamba.groups}: does not divide the {heads} heads")
@@ -128,10 +137,16 @@ class GraniteHybridModel(BambaModel):
         )
         if config.moe is not None:  # the shared MLP is the layer's own (no gated shared expert in the MoE)
             config.moe = replace(config.moe, shared_size=0)
-        for field, key in (("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
+        for field, key in (
+            ("embedding_multiplier", "embedding_scale"),
+            ("residual_multiplier", "residual_scale"),
+            ("logits_scaling", "logit_scale"),
+        ):
             setattr(config, field, file_float(gguf.path, f"{gguf.arch}.{key}", gguf.get(key, 1.0)))
         head_dim = file_int(gguf.path, f"{gguf.arch}.attention.key_length", config.head_dim, *LIMITS["head_dim"])
-        config.attention_multiplier = file_float(gguf.path, f"{gguf.arch}.attention.scale", gguf.get("attention.scale") or head_dim**-0.5)
+        config.attention_multiplier = file_float(
+            gguf.path, f"{gguf.arch}.attention.scale", gguf.get("attention.scale") or head_dim**-0.5
+        )
         return gguf.checked(config)
 
     @staticmethod
@@ -150,13 +165,20 @@ class GraniteHybridModel(BambaModel):
             raise ModelLoadError(f"{hf.where}: layer_types = {types!r}: expected {layers} of {sorted(LAYER_TYPES)}")
         layer_types = [LAYER_TYPES[t] for t in types]
         if "attention" not in layer_types:
-            raise ModelLoadError(f"{hf.where}: layer_types: no attention layer (a model of recurrent layers alone is not supported)")
+            raise ModelLoadError(
+                f"{hf.where}: layer_types: no attention layer (a model of recurrent layers alone is not supported)"
+            )
         if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias"):
             raise ModelLoadError(f"{hf.where}: hidden_act / attention_bias: only silu and no bias are supported")
         experts = hf.get("num_local_experts", 0) or 0
         moe = None
         if experts:
-            moe = MoEConfig(num_experts=experts, top_k=hf.need("num_experts_per_tok"), expert_size=hf.need("intermediate_size"), norm_topk=True)
+            moe = MoEConfig(
+                num_experts=experts,
+                top_k=hf.need("num_experts_per_tok"),
+                expert_size=hf.need("intermediate_size"),
+                norm_topk=True,
+            )
         config = hf.llama_style(
             GraniteHybridConfig,
             intermediate_size=hf.need("shared_intermediate_size"),
@@ -186,10 +208,25 @@ class GraniteHybridModel(BambaModel):
             shapes[p + "shared_mlp.input_linear.weight"] = (2 * s, h)
             shapes[p + "shared_mlp.output_linear.weight"] = (h, s)
             if config.moe is not None:
-                moe_shapes(config, i, shapes, p, router=MOE_NAMES["router"], experts="block_sparse_moe", names=MOE_NAMES["names"])
+                moe_shapes(
+                    config,
+                    i,
+                    shapes,
+                    p,
+                    router=MOE_NAMES["router"],
+                    experts="block_sparse_moe",
+                    names=MOE_NAMES["names"],
+                )
         return shapes
 
-    def __init__(self, config: GraniteHybridConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
+    def __init__(
+        self,
+        config: GraniteHybridConfig,
+        weights: dict,
+        dtype: torch.dtype,
+        device="cpu",
+        batch_invariant: bool = False,
+    ):
         super().__init__(config, weights, dtype, device, batch_invariant)
         self.scale = config.attention_multiplier
 

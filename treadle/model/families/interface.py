@@ -78,7 +78,9 @@ class CausalLM:
         metadata per group (`attention.metadata_by_layer`)."""
         raise NotImplementedError
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """The final (normed) hidden state of every one of the step's T rows: what embeddings pool."""
         raise NotImplementedError(f"{type(self).__name__} does not provide hidden states")
 
@@ -120,7 +122,9 @@ class CausalLM:
         """Bytes of every stored weight form by its type ("bfloat16", "Q4_K", ...), a tensor shared
         by two uses counted once."""
         seen, out = set(), {}
-        forms = [form for linear in self.linears() for form in linear.stored_forms()]  # first: they name quantized types
+        forms = [
+            form for linear in self.linears() for form in linear.stored_forms()
+        ]  # first: they name quantized types
         forms += self.other_forms()
         for t in self.tensors():
             if isinstance(t, QuantizedTensor):

@@ -72,7 +72,9 @@ class DecoderLayer:
         qkv_names = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
         qkv_bias = None
         if config.attention_bias:
-            qkv_bias = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")])
+            qkv_bias = torch.cat(
+                [take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"), take("self_attn.v_proj.bias")]
+            )
         self.qkv = linear(qkv_names, qkv_bias)
         self.q_norm = lw.norm("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = lw.norm("self_attn.k_norm.weight") if config.qk_norm else None
@@ -124,8 +126,17 @@ ROPE_TABLE_CAP = 1 << 17  # positions, when no engine says how many it uses
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a Llama-style decoder with this config reads, and its shape (HF names)."""
-    h, q, kv, ff = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (config.vocab_size, h)}
+    h, q, kv, ff = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (config.vocab_size, h),
+    }
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         layer = {
@@ -134,7 +145,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
         }  # fmt: skip
         if config.attention_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+            layer.update(
+                {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+            )
         if config.qk_norm:
             q_norm, k_norm = (config.head_dim, config.head_dim) if config.qk_norm_per_head else (q, kv)
             layer.update({"self_attn.q_norm.weight": (q_norm,), "self_attn.k_norm.weight": (k_norm,)})
@@ -150,7 +163,9 @@ def check_weight_shapes(shapes: dict[str, tuple[int, ...]], weights: dict) -> No
     own hyperparameters is a load error, not a failure in the first forward."""
     for name, shape in shapes.items():
         if name in weights and tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"weight {name}: shape {tuple(weights[name].shape)}, expected {shape} from the model's configuration")
+            raise ModelLoadError(
+                f"weight {name}: shape {tuple(weights[name].shape)}, expected {shape} from the model's configuration"
+            )
 
 
 class LlamaModel(CausalLM):
@@ -163,7 +178,14 @@ class LlamaModel(CausalLM):
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", batch_invariant: bool = False):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device="cpu",
+        batch_invariant: bool = False,
+    ):
         self.config = config
         self.dtype = dtype
         # batch_invariant: a dense matrix product in calls of at most Linear.INVARIANT_ROWS rows (a
@@ -175,14 +197,17 @@ class LlamaModel(CausalLM):
         w = weights
         check_weight_shapes(self.expected_shapes(config), w)
         if "model.embed_tokens.weight" not in w or "model.norm.weight" not in w:
-            raise ModelLoadError(f"weight {'model.embed_tokens.weight' if 'model.embed_tokens.weight' not in w else 'model.norm.weight'}: missing")
+            raise ModelLoadError(
+                f"weight {'model.embed_tokens.weight' if 'model.embed_tokens.weight' not in w else 'model.norm.weight'}: missing"
+            )
         self.embed = weight_part(w, "model.embed_tokens.weight", dtype, device)
         self.norm = self.make_norm(w.pop("model.norm.weight"))
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
         self.lm_head = Linear(self.embed if tied else weight_part(w, "lm_head.weight", dtype, device))
         w.pop("lm_head.weight", None)
         self.layers = [
-            self.layer_class(config, LayerWeights(w, f"model.layers.{i}.", dtype, device, self.make_norm, i)) for i in range(config.num_layers)
+            self.layer_class(config, LayerWeights(w, f"model.layers.{i}.", dtype, device, self.make_norm, i))
+            for i in range(config.num_layers)
         ]
         if batch_invariant:
             for linear in self.linears():
@@ -215,23 +240,34 @@ class LlamaModel(CausalLM):
         the same size in the compiler's process as in the engine's: graphs see it), else the
         model's context (a file's claim capped)."""
         cfg = self.config
-        return RotaryEmbedding(rope, cfg.head_dim, cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)).to(self.device)
+        return RotaryEmbedding(rope, cfg.head_dim, cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)).to(
+            self.device
+        )
 
     def linears(self) -> list[Linear]:
         out = [self.lm_head]
         for layer in self.layers:
-            out += [layer.qkv, layer.o_proj] + (layer.moe.linears() if layer.moe is not None else [layer.gate_up, layer.down])
+            out += [layer.qkv, layer.o_proj] + (
+                layer.moe.linears() if layer.moe is not None else [layer.gate_up, layer.down]
+            )
         return out
 
     def other_forms(self) -> list[tuple[torch.Tensor, str]]:
         return [form for layer in self.layers if layer.moe is not None for form in layer.moe.stored_forms()]
 
     def tensors(self) -> list[torch.Tensor]:
-        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) if n is not None]
+        norms = [
+            n
+            for layer in self.layers
+            for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+            if n is not None
+        ]
         return [self.embed, self.norm.weight2] + [n.weight2 for n in norms]
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata | list[AttentionMetadata], logits_indices) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches, meta: AttentionMetadata | list[AttentionMetadata], logits_indices
+    ) -> torch.Tensor:
         return self.logits(self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices]))
 
     def hidden_states(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
@@ -283,7 +319,9 @@ class LlamaModel(CausalLM):
         if self._stepper is False:
             from treadle.model.kernels.decoder import LayerStepper
 
-            self._stepper = LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
+            self._stepper = (
+                LayerStepper.for_model(self) if os.environ.get("TREADLE_DECODER_KERNEL", "1") != "0" else None
+            )
         return self._stepper
 
     def layers_in_c(self, h: torch.Tensor, tables, kv_caches, metas, local_tables=None) -> bool:

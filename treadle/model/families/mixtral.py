@@ -34,6 +34,9 @@ class MixtralModel(MistralModel):
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         moe = MoEConfig(
-            num_experts=hf.need("num_local_experts"), top_k=hf.need("num_experts_per_tok"), expert_size=hf.need("intermediate_size"), norm_topk=True
+            num_experts=hf.need("num_local_experts"),
+            top_k=hf.need("num_experts_per_tok"),
+            expert_size=hf.need("intermediate_size"),
+            norm_topk=True,
         )
         return hf.checked(hf.llama_style(moe=moe))

@@ -34,7 +34,11 @@ class Phi3Model(LlamaModel):
 
     layer_class = Phi3Layer
     gguf_permuted_qk = False
-    gguf_layer_tensors = {**LLAMA_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+    gguf_layer_tensors = {
+        **LLAMA_LAYER_TENSORS,
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    }
 
     @staticmethod
     def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -57,7 +57,9 @@ class Qwen2MoeModel(Qwen2Model):
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         moe = hf_moe(hf, norm_topk=bool(hf.get("norm_topk_prob", False)), shared=True)
-        return hf.checked(hf.llama_style(attention_bias=bool(hf.get("qkv_bias", True)), sliding_window=_window(hf), moe=moe))
+        return hf.checked(
+            hf.llama_style(attention_bias=bool(hf.get("qkv_bias", True)), sliding_window=_window(hf), moe=moe)
+        )
 
     @classmethod
     def config_from_gguf(cls, gguf) -> ModelConfig:

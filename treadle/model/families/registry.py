@@ -167,7 +167,9 @@ def resolve_model_class(arch: str) -> type:
         from treadle.model.families.interface import CausalLM  # torch: only once a model is built
 
         if not (isinstance(obj, type) and issubclass(obj, CausalLM)):
-            raise ModelLoadError(f"architecture {arch!r}: {target} is not a subclass of treadle.model.families.interface.CausalLM")
+            raise ModelLoadError(
+                f"architecture {arch!r}: {target} is not a subclass of treadle.model.families.interface.CausalLM"
+            )
         _classes[target] = obj
     return _classes[target]
 
@@ -190,7 +192,9 @@ def load_plugins() -> None:
                 if callable(obj):
                     obj()
             except Exception as e:
-                raise ModelLoadError(f"plugin {ep.name!r} ({ep.value}, entry point group {PLUGINS_GROUP}): failed: {e}") from e
+                raise ModelLoadError(
+                    f"plugin {ep.name!r} ({ep.value}, entry point group {PLUGINS_GROUP}): failed: {e}"
+                ) from e
     except BaseException:
         _plugins_loaded = False
         raise

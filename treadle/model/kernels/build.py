@@ -38,13 +38,17 @@ def build(source_name: str, flags: list[str]) -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     with open("/proc/cpuinfo", "rb") if os.path.exists("/proc/cpuinfo") else open(os.devnull, "rb") as f:
         cpu = next((line for line in f if line.startswith(b"flags")), b"")
-    key = hashlib.sha256(source + version.encode() + cpu + " ".join(all_flags).encode() + platform.machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        source + version.encode() + cpu + " ".join(all_flags).encode() + platform.machine().encode()
+    ).hexdigest()[:16]
     folder = os.path.join(cache_root(), "kernels")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{os.path.splitext(source_name)[0]}-{key}.so")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
-        result = subprocess.run([cc, *all_flags, "-I", HERE, source_path, "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            [cc, *all_flags, "-I", HERE, source_path, "-o", tmp, "-lm"], capture_output=True, text=True, check=False
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source_name}: {result.stderr.strip()[:500]}")
         os.replace(tmp, path)

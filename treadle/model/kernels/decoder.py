@@ -81,7 +81,9 @@ def _linear(lin) -> _Linear | None:
         return None
     if lin.bias is not None and (lin.bias.dtype != torch.bfloat16 or not lin.bias.is_contiguous()):
         return None
-    out = _Linear(n_parts=len(parts), width=sum(p.shape[0] for p in parts), bias=None if lin.bias is None else lin.bias.data_ptr())
+    out = _Linear(
+        n_parts=len(parts), width=sum(p.shape[0] for p in parts), bias=None if lin.bias is None else lin.bias.data_ptr()
+    )
     for i, p in enumerate(parts):
         out.data[i], out.type[i], out.rows[i] = p.data.data_ptr(), p.type_id, p.shape[0]
     return out
@@ -99,18 +101,26 @@ class LayerStepper:
     def for_model(cls, model) -> "LayerStepper | None":
         cfg = model.config
         kind = type(model)
-        base = next(c for c in kind.__mro__ if "residual_stream" in vars(c))  # the family whose layers this path would run
+        base = next(
+            c for c in kind.__mro__ if "residual_stream" in vars(c)
+        )  # the family whose layers this path would run
         if not (vars(base).get("decoder_kernel") and getattr(kind, "decoder_kernel", False)) or any(
             getattr(kind, m) is not getattr(base, m) for m in ("attention", "feed_forward", "mlp", "stepper_norms")
         ):
             return None  # a family that changes the layer's computation keeps its own Python
-        if cfg.clip_qkv is not None or not usable(model.dtype, torch.device(model.device), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+        if cfg.clip_qkv is not None or not usable(
+            model.dtype, torch.device(model.device), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ):
             return None  # usable: treadle's attention kernel serves this model (bf16 on the CPU, its head shapes)
         rot = model.rotary.cos.shape[-1] * 2
         local_rotary = getattr(model, "local_rotary", model.rotary)
         if local_rotary.cos.shape[-1] * 2 != rot:
             return None
-        if rot > 512 or cfg.num_heads % cfg.num_kv_heads or not (quant.available() and rowops.available() and _kernel.available()):
+        if (
+            rot > 512
+            or cfg.num_heads % cfg.num_kv_heads
+            or not (quant.available() and rowops.available() and _kernel.available())
+        ):
             return None
         layers = []
         widths = set()
@@ -121,12 +131,22 @@ class LayerStepper:
         if len(windows) != len(model.layers):
             return None
         for layer, window in zip(model.layers, windows):
-            if layer.moe is not None or (layer.q_norm is not None) != qk_norms or (layer.k_norm is not None) != qk_norms:
+            if (
+                layer.moe is not None
+                or (layer.q_norm is not None) != qk_norms
+                or (layer.k_norm is not None) != qk_norms
+            ):
                 return None
             linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             input_norm, mlp_norm, attn_out_norm, mlp_out_norm = model.stepper_norms(layer)
-            norms = [n for n in (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm) if n is not None]
-            if any(lin is None for lin in linears) or any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
+            norms = [
+                n
+                for n in (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm)
+                if n is not None
+            ]
+            if any(lin is None for lin in linears) or any(
+                n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms
+            ):
                 return None
             if any(type(n) is not RMSNorm for n in norms):  # the kernel's norm: RMSNorm's, weight only
                 return None
@@ -162,7 +182,9 @@ class LayerStepper:
             return False
         cos, signed_sin = tables
         local_cos, local_signed_sin = local_tables or tables
-        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (cos, signed_sin, local_cos, local_signed_sin)):
+        if not all(
+            t.is_contiguous() and t.dtype == torch.float32 for t in (cos, signed_sin, local_cos, local_signed_sin)
+        ):
             return False
         groups = {}  # the step's attention metadata, one per cache group
         for meta, kv in zip(metas, kv_caches):

@@ -19,7 +19,28 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib = build("paged_attention.c", ["-ffp-contract=off", *extra_flags])
     fn = lib.treadle_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, i64, i64, i64, i64]
+    fn.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ctypes.c_float,
+        ctypes.c_float,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+    ]
     fn.restype = ctypes.c_int
     store = lib.treadle_store_int8_rows
     store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
@@ -37,7 +58,18 @@ def available() -> bool:
     return _kernel.available()
 
 
-def paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale: float, span: int | None = None, softcap: float = 0.0):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    tables,
+    row_table,
+    key_begin,
+    key_end,
+    scale: float,
+    span: int | None = None,
+    softcap: float = 0.0,
+):
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
     kv_heads, head_dim] bf16, or int8 KV's [blocks, block_size, kv_heads, head_dim + 4] int8 rows
@@ -71,7 +103,14 @@ def store_int8_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -
     if head_dim > 256:
         raise ValueError(f"int8 KV rows: head_dim {head_dim} > 256")
     _kernel.lib.treadle_store_int8_rows(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), tokens, heads, head_dim, slots.data_ptr(), cache.data_ptr()
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        x.stride(0),
+        tokens,
+        heads,
+        head_dim,
+        slots.data_ptr(),
+        cache.data_ptr(),
     )
 
 

@@ -14,7 +14,14 @@ import numpy as np
 import torch
 
 from treadle.model.kernels import quant_lib
-from treadle.model.kernels.quant_lib import ISAS, PACKED, PACKED_ISAS, TYPES, available, isa, library, quantize, supported_isas  # noqa: F401 - quant's names too
+from treadle.model.kernels.quant_lib import (
+    ISAS,
+    PACKED,
+    PACKED_ISAS,
+    TYPES,
+    isa,
+    library,
+)  # noqa: F401 - quant's names too
 
 
 class QuantizedTensor:
@@ -28,7 +35,9 @@ class QuantizedTensor:
     __slots__ = ("kind", "data", "shape", "packed")
     KINDS = frozenset(TYPES)
 
-    def __init__(self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int, read=None, out: torch.Tensor | None = None):
+    def __init__(
+        self, kind: str, blocks: torch.Tensor | np.ndarray, cols: int, read=None, out: torch.Tensor | None = None
+    ):
         """`blocks`: uint8 [rows, bytes per row], a tensor (kept where no repacking is needed) or a
         numpy array, read-only allowed (a file's memory map: read once, into the kernels' layout,
         in pieces; `read(begin, end)` is called with each piece's bytes once they are copied).
@@ -36,13 +45,22 @@ class QuantizedTensor:
         if kind not in TYPES:
             raise ValueError(f"quantized type {kind} is not supported (supported: {', '.join(TYPES)})")
         _, elems, size = TYPES[kind]
-        if cols % elems or blocks.dtype not in (torch.uint8, np.uint8) or blocks.ndim != 2 or blocks.shape[1] != cols // elems * size:
+        if (
+            cols % elems
+            or blocks.dtype not in (torch.uint8, np.uint8)
+            or blocks.ndim != 2
+            or blocks.shape[1] != cols // elems * size
+        ):
             raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} does not hold rows of {cols} values")
         self.kind = kind
         self.shape = torch.Size((blocks.shape[0], cols))
         self.packed = isa() in PACKED_ISAS
-        if out is not None and (out.dtype != torch.uint8 or tuple(out.shape) != tuple(blocks.shape) or not out.is_contiguous()):
-            raise ValueError(f"{kind} data of shape {tuple(blocks.shape)} cannot be held in a buffer of shape {tuple(out.shape)}")
+        if out is not None and (
+            out.dtype != torch.uint8 or tuple(out.shape) != tuple(blocks.shape) or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"{kind} data of shape {tuple(blocks.shape)} cannot be held in a buffer of shape {tuple(out.shape)}"
+            )
         if isinstance(blocks, np.ndarray):
             blocks = np.ascontiguousarray(blocks)
             into = None if out is None else out.numpy()
@@ -73,7 +91,9 @@ class QuantizedTensor:
             or cols % elems
             or data.shape[1] != cols // elems * size
         ):
-            raise ValueError(f"{kind} packed data of shape {tuple(data.shape)} does not hold rows of {cols} values here")
+            raise ValueError(
+                f"{kind} packed data of shape {tuple(data.shape)} does not hold rows of {cols} values here"
+            )
         out = cls.__new__(cls)
         out.kind, out.shape, out.packed, out.data = kind, torch.Size((data.shape[0], cols)), True, data
         return out
@@ -113,7 +133,9 @@ class QuantizedTensor:
         """Parts of one kind and width, their rows one after another: a view where the parts lie
         so in one buffer (the load's joined tensors, gguf_prefetch.JOINED), else a copy."""
         first = parts[0]
-        if all(p.packed == first.packed for p in parts) and (not first.packed or all(p.shape[0] % 16 == 0 for p in parts[:-1])):
+        if all(p.packed == first.packed for p in parts) and (
+            not first.packed or all(p.shape[0] % 16 == 0 for p in parts[:-1])
+        ):
             # the stored bytes one after another are the whole's layout: the file's rows as they
             # are, or whole 16-row groups with the last part's N % 16 rows at the end
             out = QuantizedTensor.__new__(QuantizedTensor)
@@ -127,7 +149,9 @@ class QuantizedTensor:
                 and base.is_contiguous()
                 and adjacent
                 and (first.data.data_ptr() - base.data_ptr()) % base.shape[1] == 0
-                and all(p.data._base is base and p.data.is_contiguous() and p.data.shape[1] == base.shape[1] for p in parts)
+                and all(
+                    p.data._base is base and p.data.is_contiguous() and p.data.shape[1] == base.shape[1] for p in parts
+                )
             ):
                 row = (first.data.data_ptr() - base.data_ptr()) // base.shape[1]
                 out.data = base[row : row + out.shape[0]]
@@ -146,7 +170,9 @@ def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool, out: torch
     return out
 
 
-def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     n = data.shape[0] if ids is None else ids.numel()
     bf16 = dtype == torch.bfloat16
     out = torch.empty((n, cols), dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -155,7 +181,14 @@ def dequantize(data: torch.Tensor, type_id: int, cols: int, ids: torch.Tensor | 
         if n and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
             raise IndexError(f"row index out of range for {data.shape[0]} rows")
     code = library().treadle_q_dequantize(
-        type_id, data.data_ptr(), data.shape[0], cols, None if ids is None else ids.data_ptr(), n, out.data_ptr(), int(bf16)
+        type_id,
+        data.data_ptr(),
+        data.shape[0],
+        cols,
+        None if ids is None else ids.data_ptr(),
+        n,
+        out.data_ptr(),
+        int(bf16),
     )
     if code:
         raise RuntimeError(f"dequantize: error {code}")
@@ -184,7 +217,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
     # ~120 of these calls, and the Python around one was most of a small product's time.
     M, K = x.shape
     if data.shape[1] != _row_bytes(type_id, K):
-        raise ValueError(f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}")
+        raise ValueError(
+            f"quantized matmul: x has {K} columns, the weight's rows are {data.shape[1]} bytes of type {type_id}"
+        )
     if M == 0:
         return x.new_empty((0, N), dtype=torch.float32 if widened and x.dtype == torch.bfloat16 else x.dtype)
     chosen, exact = isa(), x.dtype == torch.float32  # (one isa() a call: a small product's Python is most of its time)
@@ -199,7 +234,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
         widened = widened and bf16
         y = torch.empty((M, N), dtype=torch.float32 if widened else xq.dtype)
         out = BF16_IN_F32 if widened else bf16
-        code = lib.treadle_q_matmul_q8(type_id, data.data_ptr(), N, K, xq.data_ptr(), bf16, xq.stride(0), M, y.data_ptr(), N, out, path)
+        code = lib.treadle_q_matmul_q8(
+            type_id, data.data_ptr(), N, K, xq.data_ptr(), bf16, xq.stride(0), M, y.data_ptr(), N, out, path
+        )
     if code:
         raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
     return y if y.dtype == x.dtype or widened else y.to(x.dtype)

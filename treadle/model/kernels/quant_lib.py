@@ -60,7 +60,10 @@ def _variant(path: str, exact: bool | None = None) -> ctypes.CDLL:
         with _lock:
             lib = _libs.get(key)
             if lib is None:
-                lib = build("quant.c", ["-ffp-contract=off", f"-DTREADLE_Q_TILES={TILES[path]}", f"-DTREADLE_Q_EXACT={int(key[1])}"])
+                lib = build(
+                    "quant.c",
+                    ["-ffp-contract=off", f"-DTREADLE_Q_TILES={TILES[path]}", f"-DTREADLE_Q_EXACT={int(key[1])}"],
+                )
                 i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
                 lib.treadle_q_isa_supported.argtypes = [i32]
                 lib.treadle_q_row_bytes.argtypes = [i32, i64]
@@ -146,7 +149,9 @@ def _choose(forced: str | None) -> str:
     supported = supported_isas(prefer=forced)
     if forced:
         if forced not in supported:
-            raise ValueError(f"TREADLE_QUANT_ISA={forced!r}: this CPU does not support it (supported: {', '.join(supported)})")
+            raise ValueError(
+                f"TREADLE_QUANT_ISA={forced!r}: this CPU does not support it (supported: {', '.join(supported)})"
+            )
         return forced
     return supported[0]
 

@@ -39,7 +39,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     if not (cos.is_contiguous() and signed_sin.is_contiguous()):  # the step's tables are: gathered once per step
         return None
     out = torch.empty((t, heads, head_dim), dtype=x.dtype)
-    _kernel.lib.treadle_rotary_bf16(x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr())
+    _kernel.lib.treadle_rotary_bf16(
+        x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr()
+    )
     return out
 
 

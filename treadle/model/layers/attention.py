@@ -100,9 +100,15 @@ def paged_attention(
     if meta.kernel_args is not None:
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
-            return torch.ops.treadle.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0)
-        return paged.paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0)
-    attend = F.scaled_dot_product_attention if softcap is None else functools.partial(softcapped_attention, softcap=softcap)
+            return torch.ops.treadle.paged_attention(
+                q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0
+            )
+        return paged.paged_attention(
+            q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0
+        )
+    attend = (
+        F.scaled_dot_product_attention if softcap is None else functools.partial(softcapped_attention, softcap=softcap)
+    )
     n = meta.num_decode_tokens
     decode_out = None
     if n:
@@ -113,11 +119,13 @@ def paged_attention(
         length = tables.shape[1] * block_size
         flat_tables = tables.view(-1)
         keys = _read(k_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
-        values = _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
-        group = q.shape[1] // kv_heads
-        decode_out = attend(q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale).view(
-            n, q.shape[1], head_dim
+        values = (
+            _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         )
+        group = q.shape[1] // kv_heads
+        decode_out = attend(
+            q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
+        ).view(n, q.shape[1], head_dim)
         if not meta.prefills:
             return decode_out
     out = torch.empty_like(q)
@@ -129,8 +137,12 @@ def paged_attention(
         if chunk.mask is None:  # nothing cached before this chunk: attend to the fresh keys
             keys, values = _read(k[rows], q.dtype), _read(v[rows], q.dtype)
         else:
-            keys = _read(k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype)
-            values = _read(v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype)
+            keys = _read(
+                k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype
+            )
+            values = _read(
+                v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype
+            )
         o = attend(
             query,
             keys.transpose(0, 1).unsqueeze(0),
@@ -144,7 +156,9 @@ def paged_attention(
     return out
 
 
-def softcapped_attention(query, key, value, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=False, *, softcap: float):
+def softcapped_attention(
+    query, key, value, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=False, *, softcap: float
+):
     """SDPA's arguments, with the scores soft-capped before the mask and the softmax, in float32 (as
     transformers' eager Gemma 2 attention computes them; torch's SDPA has no soft-capping)."""
     group = query.shape[1] // key.shape[1]
@@ -160,7 +174,9 @@ def softcapped_attention(query, key, value, attn_mask=None, is_causal=False, sca
     return (torch.softmax(scores, dim=-1) @ value.float()).to(query.dtype)
 
 
-def metadata_by_layer(meta: "AttentionMetadata | list[AttentionMetadata]", layer_groups: list[int]) -> list[AttentionMetadata]:
+def metadata_by_layer(
+    meta: "AttentionMetadata | list[AttentionMetadata]", layer_groups: list[int]
+) -> list[AttentionMetadata]:
     """Each layer's attention metadata: the step's one, or with several cache groups (a list, one
     per group: kv_layout.py) its own group's."""
     if isinstance(meta, AttentionMetadata):

@@ -57,7 +57,10 @@ class Linear:
 
     def stored_forms(self) -> list[tuple[torch.Tensor, str]]:
         """Every tensor this layer keeps, with the type its bytes are counted under."""
-        forms = [(p.data, p.kind) if isinstance(p, QuantizedTensor) else (p, str(p.dtype).removeprefix("torch.")) for p in self.parts]
+        forms = [
+            (p.data, p.kind) if isinstance(p, QuantizedTensor) else (p, str(p.dtype).removeprefix("torch."))
+            for p in self.parts
+        ]
         if self.bias is not None:
             forms.append((self.bias, str(self.bias.dtype).removeprefix("torch.")))
         return forms
@@ -80,7 +83,10 @@ class Linear:
         else:
             # eager: the kernel itself; under torch.compile: the same kernel as an opaque operator
             product = quant_matmul_op if torch.compiler.is_compiling() else quant_matmul
-            outs = [product(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None) for p in self.parts]
+            outs = [
+                product(x, p.data, p.type_id) if isinstance(p, QuantizedTensor) else self._dense(x, p, None)
+                for p in self.parts
+            ]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             y = y if self.bias is None else y + self.bias
         if self.lora and LORA_ROWS.groups:
@@ -92,7 +98,12 @@ class Linear:
         writes them at once, without the [rows, out] array in x's dtype beside them (a 16-row
         step's logits of a 262K-token vocabulary: 8 MB less at its peak)."""
         part = self.parts[0]
-        if len(self.parts) == 1 and isinstance(part, QuantizedTensor) and self.bias is None and not (self.lora and LORA_ROWS.groups):
+        if (
+            len(self.parts) == 1
+            and isinstance(part, QuantizedTensor)
+            and self.bias is None
+            and not (self.lora and LORA_ROWS.groups)
+        ):
             if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
                 return quant_matmul(x, part.data, part.type_id, widened=True)
         return self(x).float()
@@ -103,7 +114,12 @@ class Linear:
         """Whether `argmax_output` answers for rows of `dtype`: one quantized part, no bias, no
         adapter rows in the step, eager, bf16 or float32 rows."""
         part = self.parts[0]
-        if len(self.parts) != 1 or not isinstance(part, QuantizedTensor) or self.bias is not None or (self.lora and LORA_ROWS.groups):
+        if (
+            len(self.parts) != 1
+            or not isinstance(part, QuantizedTensor)
+            or self.bias is not None
+            or (self.lora and LORA_ROWS.groups)
+        ):
             return False
         return not torch.compiler.is_compiling() and dtype in (torch.bfloat16, torch.float32)
 

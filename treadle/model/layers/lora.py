@@ -38,7 +38,9 @@ def read_adapter_config(path: str) -> dict:
         return {}
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
-        raise LoraError(f"{path}: not a folder or a .gguf file (a LoRA adapter is a PEFT folder: {CONFIG_FILE} and {WEIGHTS_FILE}; or a GGUF LoRA)")
+        raise LoraError(
+            f"{path}: not a folder or a .gguf file (a LoRA adapter is a PEFT folder: {CONFIG_FILE} and {WEIGHTS_FILE}; or a GGUF LoRA)"
+        )
     try:
         with open(file, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -109,7 +111,9 @@ def read_adapter(path: str, max_rank: int, model_config=None) -> tuple[dict, dic
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise LoraError(f"{file}: tensor {key}: not a LoRA A or B matrix (embedding and lm_head adapters are not supported)")
+            raise LoraError(
+                f"{file}: tensor {key}: not a LoRA A or B matrix (embedding and lm_head adapters are not supported)"
+            )
         halves.setdefault(m.group(1), {})[m.group(2)] = t
     if not halves:
         raise LoraError(f"{file}: no LoRA matrices")
@@ -119,7 +123,9 @@ def read_adapter(path: str, max_rank: int, model_config=None) -> tuple[dict, dic
             raise LoraError(f"{file}: {module}: lora_{'A' if 'A' not in ab else 'B'} is missing")
         a, b = ab["A"].float(), ab["B"].float()
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise LoraError(f"{file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not make a low-rank product")
+            raise LoraError(
+                f"{file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not make a low-rank product"
+            )
         r = a.shape[0]
         if r > max_rank:
             raise LoraError(f"{file}: {module}: rank {r} is above --max-lora-rank {max_rank}")
@@ -148,7 +154,9 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
         raise LoraError(f"{path}: {e}") from None
     meta = reader.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
-        raise LoraError(f"{path}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})")
+        raise LoraError(
+            f"{path}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})"
+        )
     arch = meta.get("general.architecture")
     if model_config is not None and arch != model_config.architecture:
         raise LoraError(f"{path}: an adapter for architecture {arch!r}, the model is {model_config.architecture!r}")
@@ -169,7 +177,12 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
         except ModelLoadError as e:
             raise LoraError(str(e)) from None
         w = torch.from_numpy(_dequantize(path, tensor).astype("float32"))
-        if half == "lora_b" and family.gguf_permuted_qk and model_config is not None and base.endswith(("attn_q.weight", "attn_k.weight")):
+        if (
+            half == "lora_b"
+            and family.gguf_permuted_qk
+            and model_config is not None
+            and base.endswith(("attn_q.weight", "attn_k.weight"))
+        ):
             heads = model_config.num_heads if base.endswith("attn_q.weight") else model_config.num_kv_heads
             w = torch.from_numpy(_undo_qk_permutation(w.numpy(), heads).copy())
         halves.setdefault(module, {})[half] = w
@@ -179,7 +192,9 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
             raise LoraError(f"{path}: {module}: {'lora_a' if 'lora_a' not in ab else 'lora_b'} is missing")
         a, b = ab["lora_a"], ab["lora_b"]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise LoraError(f"{path}: {module}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not make a low-rank product")
+            raise LoraError(
+                f"{path}: {module}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not make a low-rank product"
+            )
         r = a.shape[0]
         if r > max_rank:
             raise LoraError(f"{path}: {module}: rank {r} is above --max-lora-rank {max_rank}")
@@ -213,11 +228,15 @@ class LoraSet:
         per_linear: dict[int, list] = {}
         for module, (a, b, scale) in sorted(modules.items()):
             if module not in self.targets:
-                raise LoraError(f"{path}: {module}: this model has no such matrix (or treadle runs it in a form LoRA cannot target)")
+                raise LoraError(
+                    f"{path}: {module}: this model has no such matrix (or treadle runs it in a form LoRA cannot target)"
+                )
             linear, row, rows = self.targets[module]
             in_features = linear.parts[0].shape[1]
             if a.shape[1] != in_features or b.shape[0] != rows:
-                raise LoraError(f"{path}: {module}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not fit its [{rows}, {in_features}] matrix")
+                raise LoraError(
+                    f"{path}: {module}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not fit its [{rows}, {in_features}] matrix"
+                )
             per_linear.setdefault(id(linear), [linear, []])[1].append((row, rows, a, b * scale))
         touched, nbytes = [], 0
         for linear, pieces in per_linear.values():

@@ -61,7 +61,9 @@ class RecurrentState:
     @classmethod
     def zeros(cls, cfg: MambaConfig, layers: int, dtype: torch.dtype, device) -> "RecurrentState":
         conv = [torch.zeros(cfg.conv_dim, cfg.d_conv - 1, dtype=dtype, device=device) for _ in range(layers)]
-        ssm = [torch.zeros(cfg.heads, cfg.head_dim, cfg.d_state, dtype=torch.float32, device=device) for _ in range(layers)]
+        ssm = [
+            torch.zeros(cfg.heads, cfg.head_dim, cfg.d_state, dtype=torch.float32, device=device) for _ in range(layers)
+        ]
         return cls(conv, ssm)
 
     def copy(self) -> "RecurrentState":
@@ -95,7 +97,9 @@ class Mamba2Mixer:
         self.in_proj = lw.linear((p + "in_proj.weight",), lw.take(p + "in_proj.bias") if cfg.proj_bias else None)
         conv = lw.take(p + "conv1d.weight")
         if tuple(conv.shape) not in ((cfg.conv_dim, 1, cfg.d_conv), (cfg.conv_dim, cfg.d_conv)):
-            raise ModelLoadError(f"weight {lw.prefix}{p}conv1d.weight: shape {tuple(conv.shape)}, expected ({cfg.conv_dim}, 1, {cfg.d_conv})")
+            raise ModelLoadError(
+                f"weight {lw.prefix}{p}conv1d.weight: shape {tuple(conv.shape)}, expected ({cfg.conv_dim}, 1, {cfg.d_conv})"
+            )
         self.conv_weight = conv.reshape(cfg.conv_dim, 1, cfg.d_conv)
         self.conv_bias = lw.take(p + "conv1d.bias") if cfg.conv_bias else None
         self.dt_bias = lw.take_float(p + "dt_bias")
@@ -111,7 +115,11 @@ class Mamba2Mixer:
         return [self.in_proj, self.out_proj]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.conv_weight, self.conv_bias, self.dt_bias, self.A, self.D, self.norm_weight) if t is not None]
+        return [
+            t
+            for t in (self.conv_weight, self.conv_bias, self.dt_bias, self.A, self.D, self.norm_weight)
+            if t is not None
+        ]
 
     def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         cfg = self.cfg
@@ -138,15 +146,28 @@ class Mamba2Mixer:
         seq = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)  # [conv_dim, d_conv - 1 + n]
         conv_state.copy_(seq[:, -(cfg.d_conv - 1) :])
         at = {}
-        for offset, checkpoint in saves:  # the conv state after `offset` rows: the d_conv - 1 inputs before row `offset`
+        for (
+            offset,
+            checkpoint,
+        ) in saves:  # the conv state after `offset` rows: the d_conv - 1 inputs before row `offset`
             checkpoint.conv[self.index].copy_(seq[:, offset : offset + cfg.d_conv - 1])
             at.setdefault(offset, []).append(checkpoint)
-        xbc = F.silu(F.conv1d(seq.unsqueeze(0), self.conv_weight, self.conv_bias, groups=cfg.conv_dim)[0]).t()  # [n, conv_dim]
+        xbc = F.silu(
+            F.conv1d(seq.unsqueeze(0), self.conv_weight, self.conv_bias, groups=cfg.conv_dim)[0]
+        ).t()  # [n, conv_dim]
         xs, B, C = xbc.float().split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
         xs = xs.view(n, cfg.heads, cfg.head_dim)
         per_group = cfg.heads // cfg.groups
-        B = B.view(n, cfg.groups, 1, cfg.d_state).expand(n, cfg.groups, per_group, cfg.d_state).reshape(n, cfg.heads, cfg.d_state)
-        C = C.view(n, cfg.groups, 1, cfg.d_state).expand(n, cfg.groups, per_group, cfg.d_state).reshape(n, cfg.heads, cfg.d_state)
+        B = (
+            B.view(n, cfg.groups, 1, cfg.d_state)
+            .expand(n, cfg.groups, per_group, cfg.d_state)
+            .reshape(n, cfg.heads, cfg.d_state)
+        )
+        C = (
+            C.view(n, cfg.groups, 1, cfg.d_state)
+            .expand(n, cfg.groups, per_group, cfg.d_state)
+            .reshape(n, cfg.heads, cfg.d_state)
+        )
         dt = F.softplus(dt.float() + self.dt_bias).clamp(cfg.time_step_min, cfg.time_step_max)  # [n, heads]
         decay = torch.exp(dt * self.A)  # [n, heads]
         dtx = dt[:, :, None] * xs  # [n, heads, head_dim]

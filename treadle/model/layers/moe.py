@@ -102,7 +102,9 @@ def _joined(parts: list, where: str) -> tuple[torch.Tensor, int, str]:
     if quantized:
         if len(quantized) != len(parts) or len({p.kind for p in quantized}) != 1:
             kinds = [p.kind if isinstance(p, QuantizedTensor) else str(p.dtype) for p in parts]
-            raise ModelLoadError(f"{where}: the experts' gate and up weights are of different types ({', '.join(kinds)}): not supported")
+            raise ModelLoadError(
+                f"{where}: the experts' gate and up weights are of different types ({', '.join(kinds)}): not supported"
+            )
         q = parts[0] if len(parts) == 1 else QuantizedTensor.cat(parts)
         return q.data, q.type_id, q.kind
     dense = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -154,11 +156,14 @@ class MoE:
         self.shared = self.shared_gate = None
         if moe.shared_size:
             self.shared = FeedForward(
-                lw.linear((f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")), lw.linear((f"{shared}.down_proj.weight",))
+                lw.linear((f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")),
+                lw.linear((f"{shared}.down_proj.weight",)),
             )
             gate = lw.take(shared_gate)  # [1, H]; llama.cpp keeps it as a vector [H]
             if gate.numel() != config.hidden_size:
-                raise ModelLoadError(f"weight {lw.prefix}{shared_gate}: {gate.numel()} values, expected {config.hidden_size}")
+                raise ModelLoadError(
+                    f"weight {lw.prefix}{shared_gate}: {gate.numel()} values, expected {config.hidden_size}"
+                )
             self.shared_gate = Linear(gate.reshape(1, -1))
 
     @staticmethod

@@ -14,7 +14,9 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: int | N
     takes its long factors where the engine uses positions beyond the original context
     (`positions`: how many; as vLLM and llama.cpp decide it, once, not per sequence as transformers)."""
     if rope.scaling_type == "longrope":
-        ext = rope.long_factor if positions is not None and positions > rope.original_max_position else rope.short_factor
+        ext = (
+            rope.long_factor if positions is not None and positions > rope.original_max_position else rope.short_factor
+        )
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (torch.tensor(ext, dtype=torch.float32) * rope.theta**shape)  # as transformers computes it
     if rope.scaling_type == "yarn":
@@ -22,8 +24,12 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: int | N
     theta = rope.theta
     if rope.scaling_type == "dynamic" and positions is not None and positions > rope.original_max_position:
         # dynamic NTK's base for a sequence of `positions` (transformers' formula, taken once for the engine's length)
-        theta = theta * ((rope.factor * positions / rope.original_max_position) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # as transformers computes it
+        theta = theta * ((rope.factor * positions / rope.original_max_position) - (rope.factor - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )  # as transformers computes it
         return inv_freq
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope.freq_factors is not None:
@@ -36,7 +42,9 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, positions: int | N
         high_wavelen = rope.original_max_position / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)

@@ -165,7 +165,9 @@ class GGUFFile:
                 raise GGUFFormatError(f"GGUF version {self.version} is not supported (2, 3)")
             n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
             if n_kv * 13 > len(buf) or n_tensors * 24 > len(buf):  # the smallest key/value and tensor info
-                raise GGUFFormatError(f"header claims {n_tensors} tensors and {n_kv} metadata entries; the file ({len(buf)} bytes) cannot hold them")
+                raise GGUFFormatError(
+                    f"header claims {n_tensors} tensors and {n_kv} metadata entries; the file ({len(buf)} bytes) cannot hold them"
+                )
             self.metadata: dict = {}
             self.skipped: set[str] = set()  # keys of `skip` the file has: present, not read
             for i in range(n_kv):
@@ -211,7 +213,9 @@ class GGUFFile:
         if 0 in dims:
             raise GGUFFormatError(f"tensor {name}: dimension {dims.index(0)} is 0")
         if dims and dims[0] % block:
-            raise GGUFFormatError(f"tensor {name}: dimension 0 = {dims[0]}: not a multiple of {qtype.name}'s block of {block}")
+            raise GGUFFormatError(
+                f"tensor {name}: dimension 0 = {dims[0]}: not a multiple of {qtype.name}'s block of {block}"
+            )
         n = math.prod(dims)
         n_bytes = n * type_size // block
         begin = start + offset
@@ -236,7 +240,11 @@ class GGUFFile:
         those after it, to the next boundary; a page still needed is mapped again from the cache."""
         start = (tensor.offset + begin) // FOLIO_SPAN * FOLIO_SPAN
         stop = tensor.offset + (tensor.n_bytes if end is None else end)
-        stop = min(len(self._map), -(-stop // FOLIO_SPAN) * FOLIO_SPAN) if around else stop // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = (
+            min(len(self._map), -(-stop // FOLIO_SPAN) * FOLIO_SPAN)
+            if around
+            else stop // mmap.PAGESIZE * mmap.PAGESIZE
+        )
         if stop > start and hasattr(self._map, "madvise"):
             self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
@@ -255,7 +263,9 @@ def gguf_constants():
         import os
 
         origin = importlib.util.find_spec("gguf").origin  # the package's __init__.py, not run
-        spec = importlib.util.spec_from_file_location("treadle._gguf_constants", os.path.join(os.path.dirname(origin), "constants.py"))
+        spec = importlib.util.spec_from_file_location(
+            "treadle._gguf_constants", os.path.join(os.path.dirname(origin), "constants.py")
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _constants = module

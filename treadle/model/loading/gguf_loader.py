@@ -38,7 +38,23 @@ from treadle.model.loading.gguf_names import LONGROPE_TENSORS, hf_name
 from treadle.text.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
 # Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 
 
 class GGUFConfig:
@@ -68,7 +84,10 @@ class GGUFConfig:
         if scaling in (None, "none"):
             return rope
         if scaling not in ("linear", "yarn"):
-            raise self.fail("rope.scaling.type", f"{scaling!r}: unsupported RoPE scaling (supported: linear, yarn, llama3 via rope_freqs)")
+            raise self.fail(
+                "rope.scaling.type",
+                f"{scaling!r}: unsupported RoPE scaling (supported: linear, yarn, llama3 via rope_freqs)",
+            )
         rope.scaling_type = scaling
         rope.factor = self.get("rope.scaling.factor", 1.0)
         if scaling == "yarn":  # as llama.cpp applies it: YaRN's temperature times the file's attn_factor
@@ -76,11 +95,15 @@ class GGUFConfig:
             rope.beta_fast = self.get("rope.scaling.yarn_beta_fast", 32.0)
             rope.beta_slow = self.get("rope.scaling.yarn_beta_slow", 1.0)
             factor = file_float(self.path, f"{self.arch}.rope.scaling.factor", rope.factor)
-            extra = file_float(self.path, f"{self.arch}.rope.scaling.attn_factor", self.get("rope.scaling.attn_factor", 1.0))
+            extra = file_float(
+                self.path, f"{self.arch}.rope.scaling.attn_factor", self.get("rope.scaling.attn_factor", 1.0)
+            )
             rope.attention_factor = yarn_mscale(factor) * extra
         return rope
 
-    def llama_style(self, config_class=ModelConfig, partial_rotary: bool = False, per_layer_kv_heads: bool = False, **fields) -> ModelConfig:
+    def llama_style(
+        self, config_class=ModelConfig, partial_rotary: bool = False, per_layer_kv_heads: bool = False, **fields
+    ) -> ModelConfig:
         """The hyperparameters every Llama-style file gives, `fields` given or overriding; not yet
         checked. `partial_rotary`: the family rotates the first `rope.dimension_count` of each head
         (NEOX-style, as Phi-3 / Phi-4-mini), where other families refuse a smaller count.
@@ -99,7 +122,10 @@ class GGUFConfig:
             raise self.fail("attention.value_length", "differs from key_length, not supported")
         rope_dim = self.get("rope.dimension_count", head_dim)
         if rope_dim != head_dim and not partial_rotary:
-            raise self.fail("rope.dimension_count", f"{rope_dim!r}: partial rotary embeddings are not supported for this architecture")
+            raise self.fail(
+                "rope.dimension_count",
+                f"{rope_dim!r}: partial rotary embeddings are not supported for this architecture",
+            )
         rope = self.rope()
         if rope_dim != head_dim:
             rope.rotary_dim = rope_dim  # checked with the rest
@@ -107,7 +133,9 @@ class GGUFConfig:
         names = self.tensor_names
         values = dict(
             architecture=self.arch,
-            vocab_size=self.get("vocab_size", len(vocab) if isinstance(vocab, list) and vocab else 1),  # the embedding's rows, once read
+            vocab_size=self.get(
+                "vocab_size", len(vocab) if isinstance(vocab, list) and vocab else 1
+            ),  # the embedding's rows, once read
             hidden_size=hidden,
             intermediate_size=self.get("feed_forward_length", required=True),
             num_layers=self.get("block_count", required=True),
@@ -158,7 +186,9 @@ def _config_from_metadata(path: str, meta: dict, tensor_names: set[str]) -> Mode
     arch = meta.get("general.architecture")
     supported = gguf_architectures()
     if arch not in supported:
-        raise ModelLoadError(f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(supported)})")
+        raise ModelLoadError(
+            f"{path}: general.architecture = {arch!r}: unsupported architecture (supported: {', '.join(supported)})"
+        )
     return resolve_model_class(arch).config_from_gguf(GGUFConfig(path, meta, arch, tensor_names))
 
 
@@ -229,7 +259,12 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
         data = tensor.data  # [experts, rows, bytes per row] on the map
         each = data[0].nbytes
         parts = [
-            QuantizedTensor(tensor.tensor_type.name, data[e], cols, lambda begin, end, at=e * each: reader.release(tensor, at + begin, at + end))
+            QuantizedTensor(
+                tensor.tensor_type.name,
+                data[e],
+                cols,
+                lambda begin, end, at=e * each: reader.release(tensor, at + begin, at + end),
+            )
             for e in range(data.shape[0])
         ]
     except ValueError as e:
@@ -269,7 +304,9 @@ def load_gguf(path: str) -> ModelFiles:
             rotated = config.rope.rotary_dim or config.head_dim
             factors = _dequantize(path, tensor).reshape(-1)
             if factors.shape[0] != rotated // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
-                raise ModelLoadError(f"{path}: tensor {tensor.name}: expected {rotated // 2} finite positive factors, found {factors.shape[0]}")
+                raise ModelLoadError(
+                    f"{path}: tensor {tensor.name}: expected {rotated // 2} finite positive factors, found {factors.shape[0]}"
+                )
             setattr(config.rope, LONGROPE_TENSORS[tensor.name], factors.tolist())
             config.rope.scaling_type = "longrope"
             continue
@@ -286,7 +323,11 @@ def load_gguf(path: str) -> ModelFiles:
         if joint is not None:
             if joint.key not in buffers:
                 ready = prejoined.pop(joint.key, None)
-                buffer = torch.from_numpy(ready) if ready is not None else torch.empty((joint.rows, joint.row_bytes), dtype=torch.uint8)
+                buffer = (
+                    torch.from_numpy(ready)
+                    if ready is not None
+                    else torch.empty((joint.rows, joint.row_bytes), dtype=torch.uint8)
+                )
                 buffers[joint.key] = buffer, ready is not None
             buffer, ready = buffers[joint.key]
             row = joint.first_row[tensor.name]
@@ -296,14 +337,20 @@ def load_gguf(path: str) -> ModelFiles:
             else:
                 weights[hf] = _quantized_weight(path, reader, tensor, heads, rows)
         elif tensor.name in packed and heads is None:
-            weights[hf] = QuantizedTensor.from_packed(tensor.tensor_type.name, torch.from_numpy(packed.pop(tensor.name)), int(tensor.shape[0]))
+            weights[hf] = QuantizedTensor.from_packed(
+                tensor.tensor_type.name, torch.from_numpy(packed.pop(tensor.name)), int(tensor.shape[0])
+            )
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 3 and quant.available():
-            weights[hf] = _quantized_experts(path, reader, tensor)  # [experts, rows, cols], each expert at the file's bits
+            weights[hf] = _quantized_experts(
+                path, reader, tensor
+            )  # [experts, rows, cols], each expert at the file's bits
         else:
             shape = tuple(family.gguf_tensor_shape(hf, shape))  # the HF layout's (a mixer's [heads, 1] A is [heads])
-            weights[hf] = DeferredWeight(lambda t=tensor, h=heads, n=hf, s=shape: _float_weight(path, reader, t, h, n, family).reshape(s), shape)
+            weights[hf] = DeferredWeight(
+                lambda t=tensor, h=heads, n=hf, s=shape: _float_weight(path, reader, t, h, n, family).reshape(s), shape
+            )
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path}: tensor token_embd.weight: missing")
     if config.rope.scaling_type == "longrope" and (config.rope.long_factor is None or config.rope.short_factor is None):

@@ -69,7 +69,9 @@ def join_plan(tensors, kinds) -> dict[str, Joint]:
             runs = [[parts[0]]]
             for p in parts[1:]:
                 last = runs[-1][-1]
-                if (p.tensor_type, p.data.shape[1]) == (last.tensor_type, last.data.shape[1]) and last.data.shape[0] % 16 == 0:
+                if (p.tensor_type, p.data.shape[1]) == (last.tensor_type, last.data.shape[1]) and last.data.shape[
+                    0
+                ] % 16 == 0:
                     runs[-1].append(p)
                 else:
                     runs.append([p])
@@ -147,7 +149,12 @@ def _run(job: Prefetched, path: str) -> None:
             if job.stop:
                 return
             joint = plan.get(tensor.name)
-            if kind not in quant_lib.TYPES or tensor.data.ndim != 2 or tensor.name.endswith(LEFT_TO_LOAD) or (joint and joint.key in left):
+            if (
+                kind not in quant_lib.TYPES
+                or tensor.data.ndim != 2
+                or tensor.name.endswith(LEFT_TO_LOAD)
+                or (joint and joint.key in left)
+            ):
                 continue
             out = None
             if joint is not None:
@@ -156,7 +163,13 @@ def _run(job: Prefetched, path: str) -> None:
                     unpacked[joint.key] = set(joint.first_row)
                 row = joint.first_row[tensor.name]
                 out = buffers[joint.key][row : row + tensor.data.shape[0]]
-            packed = quant_lib.pack(tensor.data, quant_lib.TYPES[kind][0], int(tensor.shape[0]), lambda a, b, t=tensor: reader.release(t, a, b), out)
+            packed = quant_lib.pack(
+                tensor.data,
+                quant_lib.TYPES[kind][0],
+                int(tensor.shape[0]),
+                lambda a, b, t=tensor: reader.release(t, a, b),
+                out,
+            )
             if joint is None:
                 job.packed[tensor.name] = packed
             else:

@@ -8,7 +8,17 @@ import struct
 import weakref
 from typing import TYPE_CHECKING
 
-from treadle.model.config import LIMITS, ModelConfig, ModelFiles, ModelLoadError, RopeConfig, check_config, file_float, file_int, yarn_mscale
+from treadle.model.config import (
+    LIMITS,
+    ModelConfig,
+    ModelFiles,
+    ModelLoadError,
+    RopeConfig,
+    check_config,
+    file_float,
+    file_int,
+    yarn_mscale,
+)
 from treadle.model.families.registry import hf_model_type, is_registered, registered_architectures, resolve_model_class
 from treadle.text.tokenizer import read_json, tokenizer_from_hf_folder
 
@@ -97,18 +107,27 @@ class HFConfig:
             original = params.get("original_max_position_embeddings", self.cfg.get("original_max_position_embeddings"))
             if original is None:
                 raise ModelLoadError(f"{self.where}: rope_scaling longrope: original_max_position_embeddings missing")
-            original = rope.original_max_position = self._positions("rope_scaling original_max_position_embeddings", original)
+            original = rope.original_max_position = self._positions(
+                "rope_scaling original_max_position_embeddings", original
+            )
             rope.short_factor, rope.long_factor = params.get("short_factor"), params.get("long_factor")
-            factor = self._factor(params) or self._positions("max_position_embeddings", self.cfg.get("max_position_embeddings", original)) / original
+            factor = (
+                self._factor(params)
+                or self._positions("max_position_embeddings", self.cfg.get("max_position_embeddings", original))
+                / original
+            )
             attention = params.get("attention_factor")
             rope.attention_factor = (
-                attention if attention is not None else (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+                attention
+                if attention is not None
+                else (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
             )
         elif kind == "yarn":
             rope.scaling_type = "yarn"
             context = self._positions("max_position_embeddings", self.need("max_position_embeddings"))
             original = rope.original_max_position = self._positions(
-                "rope_scaling original_max_position_embeddings", params.get("original_max_position_embeddings") or context
+                "rope_scaling original_max_position_embeddings",
+                params.get("original_max_position_embeddings") or context,
             )
             factor = self._factor(params) or context / original
             rope.factor = factor
@@ -118,19 +137,29 @@ class HFConfig:
             attention = params.get("attention_factor")
             if attention is None:
                 mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-                attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all else yarn_mscale(factor)
+                attention = (
+                    yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                    if mscale and mscale_all
+                    else yarn_mscale(factor)
+                )
             rope.attention_factor = attention
         elif kind == "dynamic":
             # dynamic NTK: transformers rescales the base whenever a sequence passes the context;
             # here once, for the engine's length (layers.rope_inverse_frequencies), as vLLM does
             rope.scaling_type = "dynamic"
             rope.factor = self._factor(params) or 1.0
-            rope.original_max_position = self._positions("max_position_embeddings", self.need("max_position_embeddings"))
+            rope.original_max_position = self._positions(
+                "max_position_embeddings", self.need("max_position_embeddings")
+            )
         elif kind not in (None, "default"):
-            raise ModelLoadError(f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope, yarn, dynamic)")
+            raise ModelLoadError(
+                f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope, yarn, dynamic)"
+            )
         partial = params.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor"))
         if partial is not None and partial != 1.0:
-            head_dim = self.cfg.get("head_dim") or self.int("hidden_size", "hidden_size") // self.int("num_attention_heads", "num_heads")
+            head_dim = self.cfg.get("head_dim") or self.int("hidden_size", "hidden_size") // self.int(
+                "num_attention_heads", "num_heads"
+            )
             rope.rotary_dim = int(head_dim * partial)
         return rope
 
@@ -236,8 +265,14 @@ class SafetensorsFile:
         for name in names:
             entry = header[name]
             if entry["dtype"] not in self.DTYPES:
-                raise ModelLoadError(f"{path}: tensor {name}: dtype {entry['dtype']} is not one treadle reads ({', '.join(self.DTYPES)})")
-            self.entries[name] = (getattr(torch, self.DTYPES[entry["dtype"]]), tuple(entry["shape"]), self.base + entry["data_offsets"][0])
+                raise ModelLoadError(
+                    f"{path}: tensor {name}: dtype {entry['dtype']} is not one treadle reads ({', '.join(self.DTYPES)})"
+                )
+            self.entries[name] = (
+                getattr(torch, self.DTYPES[entry["dtype"]]),
+                tuple(entry["shape"]),
+                self.base + entry["data_offsets"][0],
+            )
 
     def _pread(self, size: int, offset: int, into=None) -> bytes:
         """`size` bytes at `offset` (into `into`, a writable buffer, where given): read in as many

@@ -47,7 +47,9 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
     if quantization not in CHOICES:
         raise ModelLoadError(f"quantization {quantization!r}: expected one of {', '.join(CHOICES)}")
     if not quant.available():
-        raise ModelLoadError(f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)")
+        raise ModelLoadError(
+            f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)"
+        )
     kinds = {}
     for name, tensor in weights.items():
         if isinstance(tensor, QuantizedTensor) or len(tensor.shape) != 2 or 0 in tensor.shape:
@@ -63,11 +65,13 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
             if not name.endswith("." + group[0]):
                 continue
             parts = [name[: -len(group[0])] + part for part in group]
-            if all(kinds.get(p) == kinds[name] and weights[p].shape[1] == weights[name].shape[1] for p in parts) and all(
-                weights[p].shape[0] % 16 == 0 for p in parts[:-1]
-            ):
+            if all(
+                kinds.get(p) == kinds[name] and weights[p].shape[1] == weights[name].shape[1] for p in parts
+            ) and all(weights[p].shape[0] % 16 == 0 for p in parts[:-1]):
                 _, elems, size = TYPES[kinds[name]]
-                joined = torch.empty((sum(weights[p].shape[0] for p in parts), weights[name].shape[1] // elems * size), dtype=torch.uint8)
+                joined = torch.empty(
+                    (sum(weights[p].shape[0] for p in parts), weights[name].shape[1] // elems * size), dtype=torch.uint8
+                )
                 row = 0
                 for p in parts:
                     buffers[p] = joined[row : row + weights[p].shape[0]]
@@ -77,7 +81,9 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
     return weights
 
 
-def quantize_matrix(weight: "torch.Tensor | DeferredWeight", kind: str, out: torch.Tensor | None = None) -> QuantizedTensor:
+def quantize_matrix(
+    weight: "torch.Tensor | DeferredWeight", kind: str, out: torch.Tensor | None = None
+) -> QuantizedTensor:
     """A float [rows, cols] matrix (or one still in its file) as rows of `kind` blocks, quantized
     in pieces of whole 16-row groups (each block is quantized alone: the same bytes as at once),
     each piece moved into its rows of the kernels' buffer as it is made (`out`, where given: rows

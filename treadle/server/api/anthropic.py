@@ -75,7 +75,9 @@ async def messages(body: MessagesRequest, request: Request):
         (choice,) = choices
         blocks = reply_parts(prepared.chat_output(), choice.text)
         stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, blocks)
-        return _message(generation, [_content(b, True) for b in blocks], stop_reason, stop_sequence, generation.completion_tokens)
+        return _message(
+            generation, [_content(b, True) for b in blocks], stop_reason, stop_sequence, generation.completion_tokens
+        )
 
     return await generation.reply(request, whole)
 
@@ -104,7 +106,9 @@ def _text_blocks(content, where: str) -> str:
     for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else None
-            raise RequestError(f"{where}[{j}]: block type {kind!r} is not supported here (text blocks only)", f"{where}[{j}].type")
+            raise RequestError(
+                f"{where}[{j}]: block type {kind!r} is not supported here (text blocks only)", f"{where}[{j}].type"
+            )
         texts.append(block["text"])
     return "".join(texts)
 
@@ -178,7 +182,9 @@ def _tools(tools):
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
-            raise RequestError(f"tools[{i}]: only custom tools ({{name, description, input_schema}}) are supported", f"tools[{i}]")
+            raise RequestError(
+                f"tools[{i}]: only custom tools ({{name, description, input_schema}}) are supported", f"tools[{i}]"
+            )
         unknown = set(t) - {"type", "name", "description", "input_schema", "cache_control"}
         if unknown:
             raise RequestError(f"tools[{i}].{sorted(unknown)[0]} is not supported", f"tools[{i}].{sorted(unknown)[0]}")
@@ -212,7 +218,9 @@ def _output_format(config: dict | None):
         return None
     unknown = set(config) - {"format"}
     if unknown:
-        raise RequestError(f"output_config.{sorted(unknown)[0]} is not supported", f"output_config.{sorted(unknown)[0]}")
+        raise RequestError(
+            f"output_config.{sorted(unknown)[0]} is not supported", f"output_config.{sorted(unknown)[0]}"
+        )
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -232,7 +240,10 @@ def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionReques
     elif kind in ("enabled", "adaptive") and reasoning:
         kwargs = {"enable_thinking": True}  # budget_tokens is advisory here: max_tokens bounds the reply
     elif body.thinking is not None:
-        raise RequestError("thinking needs a server started with --reasoning-parser (a model that thinks), or type 'disabled'", "thinking")
+        raise RequestError(
+            "thinking needs a server started with --reasoning-parser (a model that thinks), or type 'disabled'",
+            "thinking",
+        )
     response_format = _output_format(body.output_config)
     tools = _tools(body.tools)
     choice, parallel = _tool_choice(body.tool_choice, bool(tools))
@@ -276,7 +287,12 @@ def _content(block: ReplyPart, done: bool) -> dict:
         return {"type": "text", "text": block.text if done else ""}
     if block.kind == "reasoning":
         return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
-    return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": json.loads(block.text) if done and block.text else {}}
+    return {
+        "type": "tool_use",
+        "id": block.call_id,
+        "name": block.name,
+        "input": json.loads(block.text) if done and block.text else {},
+    }
 
 
 def _usage(generation: Generation, output_tokens: int) -> dict:
@@ -301,7 +317,11 @@ def _message(generation: Generation, content: list[dict], stop_reason, stop_sequ
     }
 
 
-_DELTA = {"text": ("text_delta", "text"), "reasoning": ("thinking_delta", "thinking"), "tool_call": ("input_json_delta", "partial_json")}
+_DELTA = {
+    "text": ("text_delta", "text"),
+    "reasoning": ("thinking_delta", "thinking"),
+    "tool_call": ("input_json_delta", "partial_json"),
+}
 
 
 async def stream(generation: Generation, prepared: Prepared):
@@ -312,12 +332,22 @@ async def stream(generation: Generation, prepared: Prepared):
         for ev in events:
             b = ev.part
             if ev.what == "start":
-                lines.append(sse({"type": "content_block_start", "index": b.index, "content_block": _content(b, False)}, "content_block_start"))
+                lines.append(
+                    sse(
+                        {"type": "content_block_start", "index": b.index, "content_block": _content(b, False)},
+                        "content_block_start",
+                    )
+                )
                 if b.index == 0:
                     lines.append(sse({"type": "ping"}, "ping"))
             elif ev.what == "delta":
                 kind, key = _DELTA[b.kind]
-                lines.append(sse({"type": "content_block_delta", "index": b.index, "delta": {"type": kind, key: ev.delta}}, "content_block_delta"))
+                lines.append(
+                    sse(
+                        {"type": "content_block_delta", "index": b.index, "delta": {"type": kind, key: ev.delta}},
+                        "content_block_delta",
+                    )
+                )
             else:
                 lines.append(sse({"type": "content_block_stop", "index": b.index}, "content_block_stop"))
         return lines
@@ -328,7 +358,9 @@ async def stream(generation: Generation, prepared: Prepared):
             async for events in blocks.follow(generation, prepared.chat_output()):
                 if not started:  # with the first engine output: the cache hit is known then
                     started = True
-                    yield sse({"type": "message_start", "message": _message(generation, [], None, None, 0)}, "message_start")
+                    yield sse(
+                        {"type": "message_start", "message": _message(generation, [], None, None, 0)}, "message_start"
+                    )
                 for line in translate(events):
                     yield line
         except GenerationFailed as e:

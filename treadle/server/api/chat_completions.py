@@ -59,7 +59,13 @@ async def stream(generation: Generation, body: ChatCompletionRequest, prepared: 
     model = generation.state.settings.served_model_name
 
     def chunk(choices, usage=None) -> str:
-        payload = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created, "model": model, "choices": choices}
+        payload = {
+            "id": generation.id,
+            "object": "chat.completion.chunk",
+            "created": generation.created,
+            "model": model,
+            "choices": choices,
+        }
         if include_usage:
             payload["usage"] = usage
         return sse(payload)
@@ -77,7 +83,12 @@ async def stream(generation: Generation, body: ChatCompletionRequest, prepared: 
                 role_sent = True
                 yield chunk(
                     [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
                         for i in range(generation.num_choices)
                     ]
                 )
@@ -126,7 +137,11 @@ def chat_logprobs(pairs, k: int | None) -> dict:
                 "logprob": chosen.logprob,
                 "bytes": list(token.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": lp.decoded_token or "", "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode("utf-8"))}
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or "").encode("utf-8")),
+                    }
                     for _, lp in top_logprobs(entry, k or 0)
                 ],
             }

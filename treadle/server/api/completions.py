@@ -57,7 +57,13 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
     text_offsets = [0] * generation.num_choices
 
     def chunk(choices, usage=None) -> str:
-        payload = {"id": generation.id, "object": "text_completion", "created": generation.created, "model": model, "choices": choices}
+        payload = {
+            "id": generation.id,
+            "object": "text_completion",
+            "created": generation.created,
+            "model": model,
+            "choices": choices,
+        }
         if include_usage:
             payload["usage"] = usage
         return sse(payload)
@@ -65,7 +71,16 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
     try:
         if body.echo:
             for i in range(generation.num_choices):
-                yield chunk([{"index": i, "text": _prompt_text(generation, prepared, i), "logprobs": None, "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "text": _prompt_text(generation, prepared, i),
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
         while not generation.done:
             try:
                 deltas = await generation.next_deltas()
@@ -76,7 +91,11 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
             for d in deltas:
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs is not None):
                     continue
-                lp = completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index]) if body.logprobs is not None else None
+                lp = (
+                    completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index])
+                    if body.logprobs is not None
+                    else None
+                )
                 text_offsets[d.index] += len(d.text)
                 choices.append({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
             if choices:
@@ -95,7 +114,11 @@ def completion_logprobs(pairs, k: int | None, offset: int) -> dict:
         chosen = entry[token_id]
         tokens.append(chosen.decoded_token or "")
         token_logprobs.append(chosen.logprob)
-        top.append({lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)} if k else {tokens[-1]: chosen.logprob})
+        top.append(
+            {lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)}
+            if k
+            else {tokens[-1]: chosen.logprob}
+        )
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -37,7 +37,9 @@ router = checked_router()
 async def embeddings(body: EmbeddingRequest, request: Request):
     server = request.app.state.treadle
     if body.encoding_format not in ("float", "base64"):
-        raise RequestError(f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}", "encoding_format")
+        raise RequestError(
+            f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}", "encoding_format"
+        )
     inp = body.input
     if isinstance(inp, str) or (inp and all(isinstance(x, int) for x in inp)):
         inp = [inp]
@@ -47,7 +49,9 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 
     data = []
     for i, v in enumerate(vectors):
-        value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v
+        value = (
+            base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v
+        )
         data.append({"object": "embedding", "index": i, "embedding": value})
     return {
         "object": "list",
@@ -69,7 +73,12 @@ def matryoshka_dimensions(state: ServerState) -> list[int] | None:
 
 
 async def embed_texts(
-    state: ServerState, inputs: list, dimensions: int | None, param: str, request: Request | None = None, truncate: bool = False
+    state: ServerState,
+    inputs: list,
+    dimensions: int | None,
+    param: str,
+    request: Request | None = None,
+    truncate: bool = False,
 ) -> tuple[list[list[float]], int]:
     """Embed texts or token-id lists: (vectors, prompt tokens)."""
     require_ready(state)
@@ -79,7 +88,8 @@ async def embed_texts(
         dims = matryoshka_dimensions(state)
         if not dims:
             raise RequestError(
-                "dimensions: this model does not support matryoshka representation (config.json has no matryoshka_dimensions)", "dimensions"
+                "dimensions: this model does not support matryoshka representation (config.json has no matryoshka_dimensions)",
+                "dimensions",
             )
         if dimensions < 1 or dimensions > max(dims):
             raise RequestError(f"dimensions must be between 1 and {max(dims)}, got {dimensions}", "dimensions")
@@ -100,7 +110,10 @@ async def embed_texts(
             ids = list(x)
         if len(ids) > limit:
             if not truncate:
-                raise RequestError(f"{where} has {len(ids)} tokens; this model's maximum context length is {engine.max_model_len}", where)
+                raise RequestError(
+                    f"{where} has {len(ids)} tokens; this model's maximum context length is {engine.max_model_len}",
+                    where,
+                )
             ids = ids[:limit]
         prompts.append(ids)
     params = SamplingParams(max_tokens=1, pooling=state.settings.pooling)

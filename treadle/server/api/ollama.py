@@ -29,7 +29,16 @@ from treadle.server.chat_output import is_json
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import Generation, GenerationFailed
 from treadle.server.model_hub import COMMAND_LINE, EMBEDDED, parse_keep_alive
-from treadle.server.prepare import LOAD_WAIT, Prepared, ServerState, prepare_chat, prepare_completion, prepare_renamed, require_ready, serving
+from treadle.server.prepare import (
+    LOAD_WAIT,
+    Prepared,
+    ServerState,
+    prepare_chat,
+    prepare_completion,
+    prepare_renamed,
+    require_ready,
+    serving,
+)
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
 from treadle.server.tools import template_supports_tools
 from treadle.store.inspect import describe_cached, human_count
@@ -52,7 +61,19 @@ OPTION_FIELDS = {
 # the shared checks' parameter names in Ollama's words, for their errors
 RENAMED = {**{v: f"options.{k}" for k, v in OPTION_FIELDS.items()}, "response_format": "format"}
 LOAD_OPTIONS = frozenset(
-    {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "vocab_only", "num_keep"}
+    {
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "num_thread",
+        "use_mmap",
+        "use_mlock",
+        "numa",
+        "low_vram",
+        "vocab_only",
+        "num_keep",
+    }
 )
 
 
@@ -118,7 +139,9 @@ async def chat(body: OllamaChatRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
     if not body.messages:  # Ollama: an empty conversation loads the model (keep_alive 0: unloads it)
-        return await _load_or_unload(server, body.model, body.keep_alive, {"message": {"role": "assistant", "content": ""}})
+        return await _load_or_unload(
+            server, body.model, body.keep_alive, {"message": {"role": "assistant", "content": ""}}
+        )
     async with serving(server, body.model, body.keep_alive) as state:
         name = state.settings.served_model_name
         prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
@@ -139,12 +162,19 @@ async def generate(body: OllamaGenerateRequest, request: Request):
     async with serving(server, body.model, body.keep_alive) as state:
         name = state.settings.served_model_name
         if body.raw:
-            fields = dict(model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format))
+            fields = dict(
+                model=name, prompt=body.prompt, stream=body.stream, **_sampling(body.options), **_format(body.format)
+            )
             prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
         else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}
+            ]
             chat = _chat_request(
-                OllamaChatRequest(model=body.model, messages=messages, format=body.format, options=body.options, think=body.think), name
+                OllamaChatRequest(
+                    model=body.model, messages=messages, format=body.format, options=body.options, think=body.think
+                ),
+                name,
             )
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
         generation = await prepared.start(state, new_id("ollama"), None, arrival)
@@ -191,7 +221,9 @@ async def show(body: OllamaModelRequest, request: Request):
     context = loaded.engine.max_model_len if loaded is not None and loaded.engine.ready else info.context_length
     family = entry["details"]["family"]
     capabilities = (
-        ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if server.settings.reasoning_parser else [])
+        ["completion"]
+        + (["tools"] if template_supports_tools(template) else [])
+        + (["thinking"] if server.settings.reasoning_parser else [])
     )
     return {
         "modelfile": "",
@@ -246,7 +278,15 @@ async def pull(body: OllamaPullRequest, request: Request):
             return
         for f in manifest["files"]:
             yield (
-                json.dumps({"status": f"pulled {f['path']}", "digest": f"sha256:{f['sha256']}", "total": f["size"], "completed": f["size"]}) + "\n"
+                json.dumps(
+                    {
+                        "status": f"pulled {f['path']}",
+                        "digest": f"sha256:{f['sha256']}",
+                        "total": f["size"],
+                        "completed": f["size"],
+                    }
+                )
+                + "\n"
             )
         yield json.dumps({"status": "verifying sha256 digest"}) + "\n"
         yield json.dumps({"status": "writing manifest"}) + "\n"
@@ -439,19 +479,31 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
             for k, c in enumerate(m["tool_calls"]):
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RequestError(f"{where}.tool_calls[{k}] must be {{function: {{name, arguments}}}}", f"{where}.tool_calls")
+                    raise RequestError(
+                        f"{where}.tool_calls[{k}] must be {{function: {{name, arguments}}}}", f"{where}.tool_calls"
+                    )
                 args = fn.get("arguments", {})
                 calls.append(
                     {
                         "id": f"call_{i}_{k}",
                         "type": "function",
-                        "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+                        "function": {
+                            "name": fn["name"],
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
                     }
                 )
             msg["tool_calls"] = calls
         messages.append(msg)
     kwargs = {"enable_thinking": body.think} if body.think is not None else None
-    fields = dict(model=name, messages=messages, tools=body.tools, chat_template_kwargs=kwargs, **_sampling(body.options), **_format(body.format))
+    fields = dict(
+        model=name,
+        messages=messages,
+        tools=body.tools,
+        chat_template_kwargs=kwargs,
+        **_sampling(body.options),
+        **_format(body.format),
+    )
     return _build(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
 
 
@@ -496,7 +548,9 @@ def _generated(parts) -> dict:
     return fields
 
 
-async def _respond(generation: Generation, prepared: Prepared, streaming: bool, request: Request, chat: bool, name: str):
+async def _respond(
+    generation: Generation, prepared: Prepared, streaming: bool, request: Request, chat: bool, name: str
+):
     if streaming:
         return stream_response(generation, _stream(generation, prepared, chat, name), "application/x-ndjson")
 
@@ -560,6 +614,8 @@ async def _stream(generation: Generation, prepared: Prepared, chat: bool, name: 
             yield json.dumps({"error": e.message}) + "\n"
             return
         last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-        yield line({**last, "done_reason": _done_reason(generation.reasons.get(0, "abort")), **_timings(generation)}, done=True)
+        yield line(
+            {**last, "done_reason": _done_reason(generation.reasons.get(0, "abort")), **_timings(generation)}, done=True
+        )
     finally:
         generation.close()

@@ -83,7 +83,11 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.previous_response_id is not None:
         found = store.get(body.previous_response_id)
         if found is None:
-            raise RequestError(f"Previous response with id '{body.previous_response_id}' not found.", "previous_response_id", status=404)
+            raise RequestError(
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                "previous_response_id",
+                status=404,
+            )
         history = found[1]
     conversation = history + input_messages(body.input)
     chat = chat_request(body, conversation)
@@ -94,7 +98,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.stream:
         return stream_response(generation, reply.stream(generation, prepared))
     return await generation.reply(
-        request, lambda choices: reply.final(generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason)
+        request,
+        lambda choices: reply.final(
+            generation, reply_parts(prepared.chat_output(), choices[0].text), choices[0].finish_reason
+        ),
     )
 
 
@@ -127,7 +134,10 @@ def _text_of(content, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-            raise RequestError(f"{where}.content[{j}]: part type {kind!r} is not supported (text parts only)", f"{where}.content[{j}].type")
+            raise RequestError(
+                f"{where}.content[{j}]: part type {kind!r} is not supported (text parts only)",
+                f"{where}.content[{j}].type",
+            )
         if not isinstance(part.get("text"), str):
             raise RequestError(f"{where}.content[{j}].text must be a string", f"{where}.content[{j}].text")
         texts.append(part["text"])
@@ -202,7 +212,9 @@ def _tools(body: ResponsesRequest):
 def _tool_choice(choice):
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise RequestError("tool_choice must be none, auto, required or {'type': 'function', 'name': ...}", "tool_choice")
+            raise RequestError(
+                "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}", "tool_choice"
+            )
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
@@ -217,12 +229,18 @@ def _response_format(text: dict | None):
         return {"type": "json_object"}
     if "schema" not in fmt:
         raise RequestError("text.format of type json_schema needs a schema", "text.format.schema")
-    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}}
+    return {
+        "type": "json_schema",
+        "json_schema": {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt},
+    }
 
 
 def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
     if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise RequestError("reasoning (effort, summary) is not supported; reasoning models think as their template makes them", "reasoning")
+        raise RequestError(
+            "reasoning (effort, summary) is not supported; reasoning models think as their template makes them",
+            "reasoning",
+        )
     if body.include:
         raise RequestError(f"include {body.include[0]!r} is not supported", "include")
     if body.text is not None and set(body.text) - {"format"}:
@@ -278,7 +296,14 @@ _ITEM_PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
 
 
 class _Reply:
-    def __init__(self, state: ServerState, body: ResponsesRequest, response_id: str, conversation: list[dict], store: ResponseStore):
+    def __init__(
+        self,
+        state: ServerState,
+        body: ResponsesRequest,
+        response_id: str,
+        conversation: list[dict],
+        store: ResponseStore,
+    ):
         self.state = state
         self.body = body
         self.id = response_id
@@ -292,7 +317,14 @@ class _Reply:
             self.item_ids[block.index] = new_id(_ITEM_PREFIX[block.kind], "_")
         return self.item_ids[block.index]
 
-    def response(self, status: str, output: list[dict], usage: dict | None, incomplete: str | None = None, error: dict | None = None) -> dict:
+    def response(
+        self,
+        status: str,
+        output: list[dict],
+        usage: dict | None,
+        incomplete: str | None = None,
+        error: dict | None = None,
+    ) -> dict:
         b = self.body
         return {
             "id": self.id,
@@ -363,12 +395,16 @@ class _Reply:
                 b, item_id = ev.part, self._item_id(ev.part)
                 where = {"item_id": item_id, "output_index": b.index}
                 if ev.what == "start":
-                    lines.append(event("response.output_item.added", output_index=b.index, item=_item(b, item_id, False)))
+                    lines.append(
+                        event("response.output_item.added", output_index=b.index, item=_item(b, item_id, False))
+                    )
                     if b.kind != "tool_call":
                         lines.append(event("response.content_part.added", **where, content_index=0, part=_part(b, "")))
                 elif ev.what == "delta":
                     if b.kind == "text":
-                        lines.append(event("response.output_text.delta", **where, content_index=0, delta=ev.delta, logprobs=[]))
+                        lines.append(
+                            event("response.output_text.delta", **where, content_index=0, delta=ev.delta, logprobs=[])
+                        )
                     elif b.kind == "reasoning":
                         lines.append(event("response.reasoning_text.delta", **where, content_index=0, delta=ev.delta))
                     else:
@@ -376,12 +412,18 @@ class _Reply:
                 else:
                     if b.kind != "tool_call":
                         if b.kind == "text":
-                            lines.append(event("response.output_text.done", **where, content_index=0, text=b.text, logprobs=[]))
+                            lines.append(
+                                event("response.output_text.done", **where, content_index=0, text=b.text, logprobs=[])
+                            )
                         else:
                             lines.append(event("response.reasoning_text.done", **where, content_index=0, text=b.text))
-                        lines.append(event("response.content_part.done", **where, content_index=0, part=_part(b, b.text)))
+                        lines.append(
+                            event("response.content_part.done", **where, content_index=0, part=_part(b, b.text))
+                        )
                     else:
-                        lines.append(event("response.function_call_arguments.done", **where, name=b.name, arguments=b.text))
+                        lines.append(
+                            event("response.function_call_arguments.done", **where, name=b.name, arguments=b.text)
+                        )
                     lines.append(event("response.output_item.done", output_index=b.index, item=_item(b, item_id, True)))
             return lines
 
@@ -395,13 +437,19 @@ class _Reply:
             except GenerationFailed as e:
                 yield event("error", code=e.code, message=e.message, param=e.param)
                 failed = self.response(
-                    "failed", [], None, error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message}
+                    "failed",
+                    [],
+                    None,
+                    error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message},
                 )
                 yield event("response.failed", response=failed)
                 return
             response = self.final(generation, parts.parts, generation.reasons.get(0, "abort"))
             yield event(
-                {"incomplete": "response.incomplete", "failed": "response.failed"}.get(response["status"], "response.completed"), response=response
+                {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+                    response["status"], "response.completed"
+                ),
+                response=response,
             )
         finally:
             generation.close()
@@ -413,7 +461,11 @@ def _as_message(parts: list[ReplyPart]) -> dict:
     reasoning = "".join(b.text for b in parts if b.kind == "reasoning")
     if reasoning:
         msg["reasoning"] = reasoning
-    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}} for b in parts if b.kind == "tool_call"]
+    calls = [
+        {"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+        for b in parts
+        if b.kind == "tool_call"
+    ]
     if calls:
         msg["tool_calls"] = calls
     return msg

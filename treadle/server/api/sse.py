@@ -94,5 +94,10 @@ def stream_response(generation, body, media_type: str = "text/event-stream") -> 
         generation.close()
 
     return BoundedStreamingResponse(
-        body, limit, generation.id, media_type=media_type, headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close)
+        body,
+        limit,
+        generation.id,
+        media_type=media_type,
+        headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(close),
     )

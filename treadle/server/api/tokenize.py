@@ -25,7 +25,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
                 return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
             return {"tokens": ids}
         if body.messages is not None:
-            messages, _ = prepare_messages(plain_messages(body.messages), None, template_supports_tools(chat_template(served)))
+            messages, _ = prepare_messages(
+                plain_messages(body.messages), None, template_supports_tools(chat_template(served))
+            )
             text = await asyncio.to_thread(render_chat, served, messages, body.add_generation_prompt, None)
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:

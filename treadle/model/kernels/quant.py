@@ -14,14 +14,17 @@ import numpy as np
 import torch
 
 from treadle.model.kernels import quant_lib
-from treadle.model.kernels.quant_lib import (
+from treadle.model.kernels.quant_lib import (  # noqa: F401 - quant's names too
     ISAS,
     PACKED,
     PACKED_ISAS,
     TYPES,
+    available,
     isa,
     library,
-)  # noqa: F401 - quant's names too
+    quantize,
+    supported_isas,
+)
 
 
 class QuantizedTensor:

@@ -102,9 +102,8 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
     the engine core's peak grew ~60 MB over its first requests. A fixed threshold also keeps the
     weights, each a block of its own, from fragmenting the heap. Costs a prompt step a page fault
     per 4 KB of its large buffers; a decode step's are small. 1 MB rather than 4: a prompt step's
-    256-row slices (1-4 MB each) then leave no free holes in the heap either (a continuous 16-user
-    run of the Qwen2.5-0.5B-shaped file: peak 24 MiB lower; 48 prompts of 512 + 64 tokens on the
-    1B-shaped file 1.3% slower, single-stream decode unchanged)."""
+    256-row slices (1-4 MB each) then leave no free holes in the heap either (a lower peak for a
+    continuous many-user run, at a small cost to long prompts; single-stream decode is unaffected)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
     except (OSError, AttributeError):

@@ -482,8 +482,9 @@ def test_multiturn_turns_send_the_actual_earlier_replies(monkeypatch):
 
 
 def test_live_multiturn_hits_the_prefix_cache(server):
-    args = bench_args(server, dataset_name="multiturn", multiturn_conversations=3, multiturn_turns=3, multiturn_turn_tokens=16,
-                      multiturn_system_prompt_tokens=64, random_output_len=6, max_concurrency=2, ignore_eos=True)  # fmt: skip
+    args = bench_args(server, dataset_name="multiturn", multiturn_conversations=3, multiturn_turns=3,
+                      multiturn_turn_tokens=16, multiturn_system_prompt_tokens=64, random_output_len=6,
+                      max_concurrency=2, ignore_eos=True)  # fmt: skip
     result = bench_serve(args)
     assert result["failed"] == 0 and result["completed"] == 9
     assert (

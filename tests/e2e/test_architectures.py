@@ -14,8 +14,9 @@ from tests.support.tiny_models import save_hf_model, tiny_tokenizer, write_gguf
 from treadle import LLM, SamplingParams
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
-PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default", "gemma2": "default", "gemma3": "default",
-                 "qwen3_moe": "qwen2", "qwen2_moe": "qwen2", "mixtral": "default", "olmoe": "olmo"}  # fmt: skip
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "default",
+                 "gemma2": "default", "gemma3": "default", "qwen3_moe": "qwen2", "qwen2_moe": "qwen2",
+                 "mixtral": "default", "olmoe": "olmo"}  # fmt: skip
 # llama.cpp writes Mistral and Mixtral models as Llama-architecture files, and its own names for the Qwen MoEs
 GGUF_ARCH = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 HF_ARCH = {"gemma3": "gemma3_text"}  # Gemma 3's text model in config.json

@@ -162,8 +162,9 @@ def test_outputs_through_the_router_equal_one_engine(cluster):
     for p, want in zip(prompts, expected):
         r = complete(router, p, max_tokens=12, ignore_eos=True)
         assert r.json()["choices"][0]["text"] == want and r.json()["usage"]["completion_tokens"] == 12
-        with httpx.stream("POST", router.url + "/v1/completions", headers={"Authorization": f"Bearer {ROUTER_KEY}"}, timeout=60,
-                          json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True}) as s:  # fmt: skip
+        with httpx.stream("POST", router.url + "/v1/completions", headers={"Authorization": f"Bearer {ROUTER_KEY}"},
+                          timeout=60, json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0,
+                                            "stream": True, "ignore_eos": True}) as s:  # fmt: skip
             assert s.headers["content-type"].startswith("text/event-stream")
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and len(events) > 3  # delta by delta, not one buffered reply

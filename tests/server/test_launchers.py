@@ -37,12 +37,14 @@ def cluster(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
     write_seed_hf(folder)
     port, dashboard = free_port(), free_port()
-    ray_cli("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--object-store-memory", str(100 << 20),
-            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--disable-usage-stats")  # fmt: skip
+    ray_cli("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+            "--object-store-memory", str(100 << 20), "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+            "--dashboard-port", str(dashboard), "--disable-usage-stats")  # fmt: skip
     server = None
     try:
-        server = ServerProcess(folder, "--data-parallel-size", "2", "--data-parallel-backend", "ray", "--ray-address", f"127.0.0.1:{port}",
-                               "--max-model-len", "256", "--served-model-name", "tiny", env=RAY_ENV)  # fmt: skip
+        server = ServerProcess(folder, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+                               "--ray-address", f"127.0.0.1:{port}", "--max-model-len", "256",
+                               "--served-model-name", "tiny", env=RAY_ENV)  # fmt: skip
         server.wait_healthy(180)
         wait_all_ready(server)
         yield server, f"http://127.0.0.1:{dashboard}"

@@ -1,7 +1,8 @@
 """Schemathesis against treadle's own /openapi.json: every route, generated bodies and headers
 (valid and invalid ones, and the same bodies with one string made of lone surrogates or control
-characters: tests/support/schemathesis_hooks.py), with an API key set and with none. No 5xx, and every response's status,
-content type, headers and body conform to the document; the server is alive at the end.
+characters: tests/support/schemathesis_hooks.py), with an API key set and with none. No 5xx, and
+every response's status, content type, headers and body conform to the document; the server is
+alive at the end.
 
 The server runs a tiny random model (tests/support/fuzz_model_files.py's seed) with a 64-token context,
 so that a generated request that does get through costs milliseconds; requests go one at a time,
@@ -20,7 +21,10 @@ from tests.support.fuzz_model_files import write_seed_hf
 from tests.support.server_process import ServerProcess
 
 EXAMPLES = 25  # per API operation and phase (examples, coverage, fuzzing)
-CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,response_schema_conformance"
+CHECKS = (
+    "not_a_server_error,status_code_conformance,content_type_conformance,"
+    "response_headers_conformance,response_schema_conformance"
+)
 KEY = "fuzz-key"
 REPO = paths.REPO
 

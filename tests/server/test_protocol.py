@@ -178,7 +178,8 @@ def test_template_kwargs_and_special_tokens_reach_the_prompt(tmp_path):
 
     template = tmp_path / "t.jinja"
     template.write_text(
-        "{% if enable_thinking is defined and not enable_thinking %}/no_think thinking is off for this turn\n{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}"
+        "/no_think thinking is off for this turn\n{% endif %}"
         "{% for m in messages %}{{ greeting | default('') }}{{ m['content'] }}\n{% endfor %}"
     )
     server = ServerProcess("--chat-template", str(template))
@@ -236,6 +237,7 @@ from treadle.server.api.responses import ResponsesRequest  # noqa: E402
 
 D = "server.api.test_dialects::"
 T = "server.api.test_chat_completions::test_reasoning_and_auto_calls_in_every_dialect"
+KEEP_ALIVE = "server.test_model_hub::test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic"
 # model -> (route, a minimal body, {field: effect test}, {field: refused value}, documented no-ops)
 DIALECTS = {
     ResponsesRequest: (
@@ -303,7 +305,7 @@ DIALECTS = {
             "format": D + "test_ollama_chat_stream_timings_and_json_format",
             "tools": T,
             "think": "server.test_protocol::test_template_kwargs_and_special_tokens_reach_the_prompt",
-            "keep_alive": "server.test_model_hub::test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic",
+            "keep_alive": KEEP_ALIVE,
         },
         {},
         set(),
@@ -320,7 +322,7 @@ DIALECTS = {
             "think": "server.test_protocol::test_template_kwargs_and_special_tokens_reach_the_prompt",
             "format": D + "test_ollama_generate_system_raw_and_think",
             "stream": D + "test_ollama_generate_system_raw_and_think",
-            "keep_alive": "server.test_model_hub::test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic",
+            "keep_alive": KEEP_ALIVE,
         },
         {"suffix": "x", "images": ["aGk="], "template": "{{ .Prompt }}", "context": [1, 2]},
         set(),
@@ -340,7 +342,7 @@ DIALECTS = {
             "input": D + "test_embeddings_floats_base64_batches_and_usage",
             "truncate": D + "test_matryoshka_dimensions_cut_and_renormalize",
             "dimensions": D + "test_matryoshka_dimensions_cut_and_renormalize",
-            "keep_alive": "server.test_model_hub::test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic",
+            "keep_alive": KEEP_ALIVE,
         },
         {"options": {"temperature": 0}},
         set(),

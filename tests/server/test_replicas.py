@@ -109,8 +109,8 @@ def test_a_replica_killed_mid_run_loses_no_request_and_leaks_no_block(server):
     n, max_tokens = 8, 200  # long enough that the killed replica is still generating
 
     def one(i: int):
-        body = {"model": "tiny", "prompt": tokens(40 + i, 24), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {"model": "tiny", "prompt": tokens(40 + i, 24), "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
             if r.status_code != 200:
                 return "error"

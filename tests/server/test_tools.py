@@ -38,8 +38,11 @@ TOOLS = tool_setup([WEATHER, SEARCH], "auto", None).by_name()
 RECORDED = [
     (
         "hermes",  # Qwen2.5-7B-Instruct, two parallel calls
-        '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "search", "arguments": {"q": "weather tomorrow"}}\n</tool_call>',
+        (
+            '<tool_call>\n{"name": "get_current_temperature", '
+            '"arguments": {"location": "San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "search", "arguments": {"q": "weather tomorrow"}}\n</tool_call>'
+        ),
         None,
         [
             ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
@@ -48,7 +51,10 @@ RECORDED = [
     ),
     (
         "hermes",  # Hermes-3: a sentence first
-        'Let me check that for you.\n<tool_call>\n{"arguments": {"location": "Paris"}, "name": "get_current_temperature"}\n</tool_call>',
+        (
+            "Let me check that for you.\n"
+            '<tool_call>\n{"arguments": {"location": "Paris"}, "name": "get_current_temperature"}\n</tool_call>'
+        ),
         "Let me check that for you.",
         [("get_current_temperature", {"location": "Paris"})],
     ),
@@ -60,13 +66,19 @@ RECORDED = [
     ),
     (
         "llama3_json",  # Llama-3.2 with the python tag and two calls
-        '<|python_tag|>{"name": "search", "parameters": {"q": "llamas"}}; {"name": "search", "parameters": {"q": "alpacas"}}',
+        (
+            '<|python_tag|>{"name": "search", "parameters": {"q": "llamas"}}; '
+            '{"name": "search", "parameters": {"q": "alpacas"}}'
+        ),
         None,
         [("search", {"q": "llamas"}), ("search", {"q": "alpacas"})],
     ),
     (
         "mistral",  # Mistral-7B-Instruct-v0.3
-        '[TOOL_CALLS] [{"name": "get_current_temperature", "arguments": {"location": "Paris, France", "unit": "celsius"}}]',
+        (
+            '[TOOL_CALLS] [{"name": "get_current_temperature", '
+            '"arguments": {"location": "Paris, France", "unit": "celsius"}}]'
+        ),
         None,
         [("get_current_temperature", {"location": "Paris, France", "unit": "celsius"})],
     ),
@@ -134,7 +146,10 @@ def test_recorded_replies_parse_whole_and_streamed(family, reply, content, calls
 
 
 def test_forced_array_streams_names_then_arguments():
-    text = '[{"name": "search", "arguments": {"q": "a, b"}}, {"name": "get_current_temperature", "arguments": {"location": "X"}}]'
+    text = (
+        '[{"name": "search", "arguments": {"q": "a, b"}}, '
+        '{"name": "get_current_temperature", "arguments": {"location": "X"}}]'
+    )
     assert scan_forced_array(text[:30]) == [("search", "", False)]
     part = text[:42]
     assert part.endswith('"a,') and scan_forced_array(part) == [("search", '{"q": "a,', False)]

@@ -303,7 +303,8 @@ def gguf_mutation(st, seed: bytes):
 EXTRA_GGUF_KEYS = [
     "general.alignment", "llama.attention.key_length", "llama.attention.value_length", "llama.attention.sliding_window",
     "llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.expert_count", "tokenizer.ggml.bos_token_id",
-    "tokenizer.ggml.eot_token_id", "tokenizer.ggml.scores", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.add_space_prefix",
+    "tokenizer.ggml.eot_token_id", "tokenizer.ggml.scores", "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.add_space_prefix",
 ]  # fmt: skip
 
 

@@ -35,7 +35,8 @@ def assert_matches_reference(prompt_ids, ours: list[int], ref: list[int], ref_ro
         if ours[pos] != ref[pos]:
             gap = abs(ref_rows[pos][ref[pos]].item() - ref_rows[pos][ours[pos]].item())
             assert gap < NEAR_TIE, (
-                f"diverged at token {pos}: ours {ours[pos]} vs reference {ref[pos]}, reference logprob gap {gap:.2e} is not a near-tie"
+                f"diverged at token {pos}: ours {ours[pos]} vs reference {ref[pos]}, "
+                f"reference logprob gap {gap:.2e} is not a near-tie"
             )
             ties += 1
             forced = list(prompt_ids) + ref[: pos + 1]

@@ -131,9 +131,11 @@ def hf_config(arch: str, vocab_size: int):
         # a shared MLP beside 4 experts (top-2); Granite's scalings away from 1
         return transformers.GraniteMoeHybridConfig(
             **{**common, "num_hidden_layers": 3, "intermediate_size": 32, "bos_token_id": None},
-            layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=48, num_local_experts=4,
+            num_experts_per_tok=2,
             mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5, tie_word_embeddings=False,
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
+            tie_word_embeddings=False,
         )  # fmt: skip
     if arch in MOE_ARCHITECTURES:
         import transformers
@@ -425,11 +427,13 @@ def _llama3_rope_factors(cfg, head_dim: int) -> np.ndarray:
 # ---------------------------------------------------------------- a scripted model
 
 HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
     "</tools><|im_end|>\n{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n{% for tc in m['tool_calls'] %}"
-    "<tool_call>\n{{ {'name': tc['function']['name'], 'arguments': tc['function']['arguments']} | tojson }}\n</tool_call>"
+    "<tool_call>\n{{ {'name': tc['function']['name'], 'arguments': tc['function']['arguments']} | tojson }}"
+    "\n</tool_call>"
     "{% endfor %}<|im_end|>\n"
     "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
@@ -571,8 +575,8 @@ def write_hybrid_gguf(path: str, model, tok: Tokenizer) -> None:
                 elif kind == "norm.weight":
                     put(b + "ssm_norm.weight", t.reshape(cfg.mamba_n_groups, -1))
                 else:
-                    put(b + {"in_proj.weight": "ssm_in.weight", "out_proj.weight": "ssm_out.weight", "conv1d.bias": "ssm_conv1d.bias",
-                             "dt_bias": "ssm_dt.bias"}[kind], t)  # fmt: skip
+                    put(b + {"in_proj.weight": "ssm_in.weight", "out_proj.weight": "ssm_out.weight",
+                             "conv1d.bias": "ssm_conv1d.bias", "dt_bias": "ssm_dt.bias"}[kind], t)  # fmt: skip
             elif rest.startswith("feed_forward."):  # Bamba's MLP
                 put(
                     b

@@ -60,7 +60,10 @@ HUGE = [
 SLOW = [
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
-    "{% macro f(n) %}{% for i in range(100000) %}{{ f(n) if false }}{% endfor %}{% endmacro %}{% for i in range(100000) %}{{ f(1) }}{% endfor %}",
+    (
+        "{% macro f(n) %}{% for i in range(100000) %}{{ f(n) if false }}{% endfor %}{% endmacro %}"
+        "{% for i in range(100000) %}{{ f(1) }}{% endfor %}"
+    ),
 ]
 
 
@@ -98,7 +101,10 @@ def test_output_is_bounded_and_ordinary_templates_still_work():
         render("{% for %}", MESSAGES)
     with pytest.raises(ValueError, match="TemplateError: no system role"):
         render("{{ raise_exception('no system role') }}", MESSAGES)
-    numbers = "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} {% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
+    numbers = (
+        "{{ 5000|string }} {{ [[1], [2]]|sum(start=[]) }} {{ x|default(10000) }} "
+        "{% set ns = namespace(n=100000) %}{{ ns.n }} {{ 'ab'|center(6) }}|"
+    )
     assert render(numbers, MESSAGES) == "5000 [1, 2] 10000 100000   ab  |"
     assert (
         render("{{ messages|tojson(indent=2) }}", MESSAGES)

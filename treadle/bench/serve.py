@@ -516,7 +516,8 @@ def cmd_bench_serve(args) -> int:
     if args.save_result:
         name = (
             args.result_filename
-            or f"{args.backend}-{result['max_concurrency'] or 'inf'}qps-{result['model_id'].replace('/', '_')}-{result['date']}.json"
+            or f"{args.backend}-{result['max_concurrency'] or 'inf'}qps-"
+            f"{result['model_id'].replace('/', '_')}-{result['date']}.json"
         )
         os.makedirs(args.result_dir, exist_ok=True)
         path = os.path.join(args.result_dir, name)

@@ -8,9 +8,11 @@ import os
 from treadle.bench.serve import bench_serve, make_tokenizer, print_report
 
 COLUMNS = [
-    "server", "concurrency", "num_prompts", "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+    "server", "concurrency", "num_prompts", "completed", "failed", "duration",
+    "total_input_tokens", "total_output_tokens",
     "request_throughput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "median_e2el_ms", "per_user_tok_s",
+    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "median_e2el_ms",
+    "per_user_tok_s",
 ]  # fmt: skip
 
 

@@ -33,7 +33,8 @@ def cmd_bench_throughput(args) -> int:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"treadle ({llm.engine.dtype}): {len(reqs)} requests in {elapsed:.2f} s")
     print(
-        f"  requests/s {len(reqs) / elapsed:.2f}   output tok/s {n_out / elapsed:.1f}   total tok/s {(n_in + n_out) / elapsed:.1f}"
+        f"  requests/s {len(reqs) / elapsed:.2f}   output tok/s {n_out / elapsed:.1f}"
+        f"   total tok/s {(n_in + n_out) / elapsed:.1f}"
     )
     if args.compare_transformers:
         _transformers(args, llm, prompts, [r.output_len for r in reqs])
@@ -68,5 +69,6 @@ def _transformers(args, llm, prompts, output_lens) -> None:
         elapsed = time.perf_counter() - start
     n_out = (out.shape[1] - width) * len(prompts)
     print(
-        f"transformers static batch ({dtype}): output tok/s {n_out / elapsed:.1f} ({elapsed:.2f} s; not continuous batching)"
+        f"transformers static batch ({dtype}): output tok/s {n_out / elapsed:.1f}"
+        f" ({elapsed:.2f} s; not continuous batching)"
     )

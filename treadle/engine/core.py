@@ -236,15 +236,19 @@ class EngineCore:
                 raise ValueError(f"request id {rid!r} is already in use")
             validate_prompt(request.prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
             if params.pooling is not None and not self.worker.provides_hidden_states:
-                self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", client_error=True,
-                                                       error=f"architecture {self.model_config.architecture} does not provide hidden states for embeddings"))  # fmt: skip
+                error = f"architecture {self.model_config.architecture} does not provide hidden states for embeddings"
+                self._failed_outputs.append(
+                    CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
+                )
                 return
             lora = 0
             if request.lora_name is not None:
                 lora = self.loras.get(request.lora_name, 0)
                 if not lora:
-                    self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", client_error=True,
-                                                           error=f"no LoRA adapter named {request.lora_name!r} is loaded"))  # fmt: skip
+                    error = f"no LoRA adapter named {request.lora_name!r} is loaded"
+                    self._failed_outputs.append(
+                        CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
+                    )
                     return
             children, runner_data = [], []
             per_choice_seed = params.n > 1 and params.seed is not None

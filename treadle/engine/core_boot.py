@@ -18,7 +18,10 @@ anything is imported (a replica's CPU affinity is set before torch starts its th
 import os
 import sys
 
-BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from treadle.engine.core_boot import main; main(sys.argv[2:])"
+BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from treadle.engine.core_boot import main; main(sys.argv[2:])"
+)
 
 
 def main(argv: list[str]) -> None:

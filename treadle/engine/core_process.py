@@ -41,8 +41,8 @@ MAX_CONSECUTIVE_FAILED_STEPS = 8  # a failure that repeats every step (a broken 
 # How long an OpenMP thread spins for work before it sleeps (libgomp's iterations; its default is
 # 300,000, milliseconds). Between one step's kernels it waits microseconds and keeps spinning; after
 # the step it would spin on through the front end's turn (the token's detokenizing and socket
-# write, on the same small machine) and delay it: the default model's Q8_0 file streamed at
-# 5.6 ms a token with the default, 5.4 at this count. Set unless the user set a wait policy.
+# write, on the same small machine) and delay it: a stream's tokens come faster at this count than
+# with the default. Set unless the user set a wait policy.
 OMP_SPIN_COUNT = "5000"
 
 

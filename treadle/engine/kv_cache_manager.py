@@ -196,7 +196,8 @@ class KVCacheManager:
         return TierPage(key, medium) if medium == HOST or (medium == DISK and disk) else None
 
     def find_cached_prefix(self, req: Request, _disk: bool = True) -> PrefixHit:
-        """The longest cached prefix of whole blocks every group can serve, leaving the request's last token to compute."""
+        """The longest cached prefix of whole blocks every group can serve, leaving the request's last token to
+        compute."""
         if not self.enable_caching:
             return NO_HIT
         hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]

@@ -16,8 +16,9 @@ pool asks the tiers:
 Keys: a block's chain hash (it covers every token before the block, the cache_salt and so a LoRA
 adapter's digest) and its cache group, 33 bytes. The disk tier's folder is named by the model's
 identity (`model_identity`: the digest of the model's files, the compute and KV dtypes, batch
-invariance, the block size, the layout of the page), so a restarted server, or another server on the same model and folder,
-finds the blocks of an earlier one, and a server on another model never looks at them.
+invariance, the block size, the layout of the page), so a restarted server, or another server on
+the same model and folder, finds the blocks of an earlier one, and a server on another model never
+looks at them.
 
 One file per block, `<key hex>.kv`, written to `<name>.tmp`, fsynced and renamed, so a reader sees
 a whole file or none (a killed writer leaves a .tmp that the next start deletes):

@@ -79,7 +79,8 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(token_ids) >= max_model_len:
         raise ValueError(
-            f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, which leaves no room to generate"
+            f"the prompt has {len(token_ids)} tokens; the model's maximum length is {max_model_len}, "
+            "which leaves no room to generate"
         )
     if params.logit_bias and any(not 0 <= t < vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")

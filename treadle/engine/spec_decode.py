@@ -1,5 +1,6 @@
-"""Speculative decoding: the proposers (the configuration, vLLM's `speculative_config` keys, is `config.SpeculativeConfig`).
-Verification is the runner's and the core's (docs/architecture.md, "Speculative decoding").
+"""Speculative decoding: the proposers (the configuration, vLLM's `speculative_config` keys, is
+`config.SpeculativeConfig`). Verification is the runner's and the core's (docs/architecture.md,
+"Speculative decoding").
 
 - ngram (prompt lookup decoding): in a request's own tokens (prompt and output so far), the longest
   suffix of `prompt_lookup_min`..`prompt_lookup_max` tokens that also occurs earlier; propose the

@@ -237,7 +237,10 @@ class StructuredOutputManager:
         return len(self._awaiting)
 
     def slow_error(self) -> str:
-        return f"the output constraint took longer than {self.max_compile_seconds:g} s to compile (--max-grammar-compile-seconds)"
+        return (
+            f"the output constraint took longer than {self.max_compile_seconds:g} s to compile "
+            "(--max-grammar-compile-seconds)"
+        )
 
     def submit(self, request_id: str, so: StructuredOutputsParams, n: int) -> str | None:
         """Start compiling a request's grammar (one matcher per choice); the refusal's text instead

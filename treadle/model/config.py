@@ -161,7 +161,8 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
             setattr(config, name, file_int(where, keys.get(name, name), value, lo, hi))
     if config.num_heads % config.num_kv_heads:
         raise ModelLoadError(
-            f"{where}: {keys.get('num_kv_heads')} = {config.num_kv_heads}: does not divide {keys.get('num_heads')} = {config.num_heads}"
+            f"{where}: {keys.get('num_kv_heads')} = {config.num_kv_heads}: "
+            f"does not divide {keys.get('num_heads')} = {config.num_heads}"
         )
     if config.head_dim % 2:
         raise ModelLoadError(
@@ -178,7 +179,8 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
     )
     if rope.rotary_dim is not None and not (2 <= rope.rotary_dim <= config.head_dim and rope.rotary_dim % 2 == 0):
         raise ModelLoadError(
-            f"{where}: partial_rotary_factor gives {rope.rotary_dim} rotated dimensions of {config.head_dim}: expected an even number in 2..head_dim"
+            f"{where}: partial_rotary_factor gives {rope.rotary_dim} rotated dimensions of {config.head_dim}: "
+            "expected an even number in 2..head_dim"
         )
     if rope.scaling_type == "longrope":
         dim = rope.rotary_dim or config.head_dim
@@ -201,7 +203,8 @@ def check_config(where: str, config: ModelConfig, keys: dict[str, str]) -> Model
         config.clip_qkv = file_float(where, keys.get("clip_qkv", "clip_qkv"), config.clip_qkv)
     if rope.scaling_type == "llama3" and rope.low_freq_factor == rope.high_freq_factor:
         raise ModelLoadError(
-            f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: llama3 scaling divides by their difference"
+            f"{where}: rope low_freq_factor = high_freq_factor = {rope.low_freq_factor}: "
+            "llama3 scaling divides by their difference"
         )
     return config
 

@@ -44,9 +44,10 @@ class PromptReader:
         reasoning_parser: str | None = None,
     ):
         settings = ServerSettings(
-            served_model_name="", model_root="", chat_template=chat_template, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-            max_n=1 << 30, max_logprobs=1 << 30, max_stop_strings=1 << 30, max_stop_length=1 << 30, max_logit_bias=1 << 30, max_messages=1 << 30,
-            max_schema_bytes=1 << 40,
+            served_model_name="", model_root="", chat_template=chat_template, tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+            max_n=1 << 30, max_logprobs=1 << 30, max_stop_strings=1 << 30, max_stop_length=1 << 30,
+            max_logit_bias=1 << 30, max_messages=1 << 30, max_schema_bytes=1 << 40,
         )  # fmt: skip
         self.engine = TokenizerOnly(tokenizer)
         self.state = ServerState(self.engine, settings, None)

@@ -142,7 +142,12 @@ class Router:
             "Requests refused because no healthy worker could take them.",
             registry=self.registry,
         )
-        self.m_hits = Histogram("treadle_router:routed_prefix_hit_tokens", "Cached prompt tokens predicted at the chosen worker, per routed request.", buckets=HIT_BUCKETS, registry=self.registry)  # fmt: skip
+        self.m_hits = Histogram(
+            "treadle_router:routed_prefix_hit_tokens",
+            "Cached prompt tokens predicted at the chosen worker, per routed request.",
+            buckets=HIT_BUCKETS,
+            registry=self.registry,
+        )
         self.m_hit_tokens = Counter(
             "treadle_router:routed_prefix_hit_tokens_by_worker",
             "Cached prompt tokens predicted, by worker.",

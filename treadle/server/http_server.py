@@ -121,7 +121,8 @@ def serve(
     catalog = Catalog(models.named, store, include_default=store is not None or len(models.named) > 1)
     hub = ModelHub(
         catalog, make_engine, engine_config, primary=models.primary, max_loaded=models.max_loaded_models,
-        memory_budget=models.memory_budget, keep_alive=models.keep_alive, primary_keep_alive=models.primary_keep_alive, spare=spare,
+        memory_budget=models.memory_budget, keep_alive=models.keep_alive, primary_keep_alive=models.primary_keep_alive,
+        spare=spare,
     )  # fmt: skip
     for name, path in models.lora_modules.items():
         hub.add_startup_adapter(name, path)

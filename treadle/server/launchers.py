@@ -142,11 +142,12 @@ class CoreProcess:
 class SpareCore:
     """One engine core process started ahead of need (`core_process.run_spare_core`): Python,
     torch and the model code imported, waiting for a model. A server of several models loads one
-    on demand in the time the model itself takes, not the ~1.5 s of start-up before it (issue 32's
-    switching time). The spare is started once no load is under way (`fill`, which the model hub
-    calls when a model is ready: never beside a loading core on a small machine), costs its
-    resident set (~250 MB: torch), which the hub counts against --memory-budget (as part of the
-    model it becomes), and is not started where the budget has no room for it."""
+    on demand in the time the model itself takes, not the ~1.5 s of start-up before it, so a switch
+    of models waits for the model alone. The spare is started once no load is under way (`fill`,
+    which the model hub calls when a model is ready: never beside a loading core on a small
+    machine), costs its resident set (~250 MB: torch), which the hub counts against
+    --memory-budget (as part of the model it becomes), and is not started where the budget has no
+    room for it."""
 
     def __init__(self):
         self._proc: CoreProcess | None = None

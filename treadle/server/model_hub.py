@@ -389,9 +389,9 @@ class ModelHub:
             entry.failed = message
             entry.ready.set()
             if fatal:
-                self.on_fatal(
-                    message
-                )  # the command line's model cannot load, or died too often: the server ends, as a one-model server always did
+                # the command line's model cannot load, or died too often: the server ends, as a one-model
+                # server always did
+                self.on_fatal(message)
                 return
             log.error("model %s: %s", spec.name, message)
             asyncio.get_running_loop().create_task(self._unload(entry, "failed"))
@@ -439,7 +439,10 @@ class ModelHub:
                     break  # nothing to unload: try it alone
                 what = f"{len(self.loaded)} models are loaded (--max-loaded-models {self.max_loaded})"
                 if self.memory_budget is not None and len(self.loaded) < self.max_loaded:
-                    what = f"{self.memory_in_use() >> 20} MiB are in use and `{spec.name}` needs about {need >> 20} MiB (--memory-budget {self.memory_budget >> 20} MiB)"
+                    what = (
+                        f"{self.memory_in_use() >> 20} MiB are in use and `{spec.name}` needs about {need >> 20} MiB "
+                        f"(--memory-budget {self.memory_budget >> 20} MiB)"
+                    )
                 raise RequestError(
                     f"cannot load `{spec.name}` now: {what}, all busy; retry later",
                     "model",

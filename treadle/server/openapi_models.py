@@ -117,7 +117,8 @@ class OpenAIErrorDetail(BaseModel):
     type: str = Field(description="errors.OPENAI_TYPES by status: BadRequestError, NotFoundError, ...")
     param: str | None = Field(description="the request parameter at fault, or null")
     code: int | str | None = Field(
-        description="the HTTP status when no code is given, else a code such as model_not_found; a string within streams"
+        description="the HTTP status when no code is given, else a code such as model_not_found; "
+        "a string within streams"
     )
 
 
@@ -509,7 +510,8 @@ class OllamaMessage(BaseModel):
 
 
 class _OllamaDone(BaseModel):
-    """The fields every finished /api/chat and /api/generate reply carries; the timings (ns) are absent from the load reply."""
+    """The fields every finished /api/chat and /api/generate reply carries; the timings (ns) are absent from the
+    load reply."""
 
     model: str
     created_at: str = Field(description="RFC 3339 time, UTC")
@@ -639,7 +641,8 @@ class Version(BaseModel):
 
 
 class StatsMemory(BaseModel):
-    """/stats' memory: the front end's resident set (null where /proc is not), and the core's numbers once it reported."""
+    """/stats' memory: the front end's resident set (null where /proc is not), and the core's numbers once it
+    reported."""
 
     front_end_rss_bytes: int | None
     front_end_peak_rss_bytes: int | None

@@ -215,7 +215,8 @@ class ServerMetrics:
             return
         if self.predicted_hits is None:
             self.predicted_hits = Histogram(
-                "treadle:router_predicted_hit_tokens", "Prompt tokens the router expected the chosen replica to find cached.",
+                "treadle:router_predicted_hit_tokens",
+                "Prompt tokens the router expected the chosen replica to find cached.",
                 buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry,
             )  # fmt: skip
         engine.observe_prediction = self.predicted_hits.observe

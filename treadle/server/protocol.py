@@ -401,5 +401,6 @@ class ModelList(BaseModel):
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
-    """A unique id: OpenAI chat/completions ids read "chatcmpl-...", Responses and Anthropic ids "resp_..." (sep "_")."""
+    """A unique id: OpenAI chat/completions ids read "chatcmpl-...", Responses and Anthropic ids "resp_..."
+    (sep "_")."""
     return f"{prefix}{sep}{uuid.uuid4().hex}"

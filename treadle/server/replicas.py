@@ -29,8 +29,8 @@ log = logging.getLogger("treadle.server")
 BACKENDS = ("mp", "ray")
 
 ADDITIVE = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions",
-            "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens", "requests_received",
-            "num_steps", "num_failed_steps")  # fmt: skip
+            "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens",
+            "requests_received", "num_steps", "num_failed_steps")  # fmt: skip
 
 
 def cpu_shares(n: int) -> list[list[int] | None]:

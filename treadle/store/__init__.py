@@ -13,5 +13,5 @@ from treadle.store.store import (
     parse_ref,
 )
 
-__all__ = ["ModelInfo", "ModelStore", "NotFound", "StoreError", "default_models_dir", "describe", "entry_summary", "full_name",
-           "human_bytes", "human_count", "parse_ref"]  # fmt: skip
+__all__ = ["ModelInfo", "ModelStore", "NotFound", "StoreError", "default_models_dir", "describe", "entry_summary",
+           "full_name", "human_bytes", "human_count", "parse_ref"]  # fmt: skip

@@ -150,7 +150,8 @@ def cmd_cp(args) -> int:
 def add_store_parsers(sub) -> None:
     p = sub.add_parser(
         "pull",
-        help="fetch a model into the store: hf://org/repo[:QUANT|:FILE.gguf], org/repo, an https:// GGUF, or a local path",
+        help="fetch a model into the store: hf://org/repo[:QUANT|:FILE.gguf], org/repo, an https:// GGUF, "
+        "or a local path",
     )
     p.add_argument(
         "ref",
@@ -186,7 +187,8 @@ def add_store_parsers(sub) -> None:
     c.add_argument("dest")
     c.add_argument(
         "--param", action="append", default=[], metavar="KEY=VALUE",
-        help="a generation default of the copy, in Ollama's PARAMETER names (temperature, top_p, top_k, min_p, repeat_penalty, "
+        help="a generation default of the copy, in Ollama's PARAMETER names "
+        "(temperature, top_p, top_k, min_p, repeat_penalty, "
         "num_predict, stop, seed, presence_penalty, frequency_penalty); repeatable",
     )  # fmt: skip
     c.set_defaults(func=cmd_cp)

@@ -126,7 +126,8 @@ def download(
                     tries = 0 if have > before else tries + 1
                     if tries >= RETRIES:
                         raise FetchError(
-                            f"{label}: the download failed {RETRIES} times in a row ({e}); run the pull again to resume it"
+                            f"{label}: the download failed {RETRIES} times in a row ({e}); "
+                            "run the pull again to resume it"
                         ) from None
                     time.sleep(min(8.0, 0.5 * 2**tries))
                     continue

@@ -44,8 +44,9 @@ OLLAMA_PARAMETERS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float, "max_tokens": int,
-                  "stop": list, "seed": int, "presence_penalty": float, "frequency_penalty": float}  # fmt: skip
+DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+                  "max_tokens": int, "stop": list, "seed": int,
+                  "presence_penalty": float, "frequency_penalty": float}  # fmt: skip
 PARAMS_FILE = "params.json"
 
 

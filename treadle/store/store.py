@@ -82,7 +82,8 @@ def parse_ref(text: str) -> Ref:
     repo, _, selector = body.partition(":")
     if not re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", repo):
         raise StoreError(
-            f"{text!r}: not a model reference (hf://org/repo[:FILE.gguf|:QUANT], org/repo, https://.../model.gguf, or a local path)"
+            f"{text!r}: not a model reference "
+            "(hf://org/repo[:FILE.gguf|:QUANT], org/repo, https://.../model.gguf, or a local path)"
         )
     return Ref("hf", repo, selector)
 
@@ -346,8 +347,8 @@ class ModelStore:
             if path.endswith(".gguf"):
                 _check_gguf(os.path.join(tmp, path))
             stored = [_stored(tmp, f) for f in chosen]
-            return self._commit(tmp, {"name": name, "source": f"hf://{ref.target}" + (f":{ref.selector}" if ref.selector else ""),
-                                      "path": path, "files": stored})  # fmt: skip
+            source = f"hf://{ref.target}" + (f":{ref.selector}" if ref.selector else "")
+            return self._commit(tmp, {"name": name, "source": source, "path": path, "files": stored})
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -385,13 +386,15 @@ def _choose_files(ref: Ref, paths: list[str]) -> tuple[list[str], str]:
         if not picked:
             tags = sorted({_quant_tag(p) for p in ggufs} - {""})
             raise StoreError(
-                f"{ref.target}: several GGUF files; name one as {ref.target}:QUANT ({', '.join(tags)}) or {ref.target}:FILE.gguf"
+                f"{ref.target}: several GGUF files; "
+                f"name one as {ref.target}:QUANT ({', '.join(tags)}) or {ref.target}:FILE.gguf"
             )
     else:
         raise StoreError(f"{ref.target}: neither a GGUF file nor config.json with safetensors weights")
     if any(SPLIT_GGUF.search(p) for p in picked):
         raise StoreError(
-            f"{ref.target}: {picked[0]} is one part of a split GGUF; split files are not supported (merge them with llama-gguf-split)"
+            f"{ref.target}: {picked[0]} is one part of a split GGUF; "
+            "split files are not supported (merge them with llama-gguf-split)"
         )
     if len(picked) > 1:
         raise StoreError(

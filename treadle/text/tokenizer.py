@@ -94,7 +94,8 @@ GEMMA_TEMPLATE = (
     "{%- for message in loop_messages -%}"
     "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
     "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
     "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
@@ -324,9 +325,10 @@ def _gguf_backend(path: str, held: list, kind: str, derived: bool) -> HFTokenize
 
     The BPE model is built from Python's vocabulary and merge pairs, not parsed from a tokenizer
     JSON: `tokenizers` reads a JSON model through a full copy of it (every piece and merge a small
-    string of its own), freed in among the tokens it keeps, which left Gemma 3's 262K-token
-    vocabulary 106 MiB resident for 68 in use; built so, 80. `derived`: the merges come from the
-    scores, which takes a second for a large vocabulary: they are kept per file (_cached_merges)."""
+    string of its own), freed in among the tokens it keeps, which leaves a large vocabulary's
+    (Gemma 3's 262K tokens) resident set well above what it uses; built so, close to it.
+    `derived`: the merges come from the scores, which takes a second for a large vocabulary: they
+    are kept per file (_cached_merges)."""
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -696,7 +698,8 @@ def tokenizer_from_hf_folder(folder: str, config: dict) -> Tokenizer:
         chat_template = extra.get("chat_template") if isinstance(extra, dict) else None
     if chat_template is not None and not isinstance(chat_template, str):
         raise ModelLoadError(
-            f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: expected a template string"
+            f"{folder}/tokenizer_config.json: chat_template = {type(chat_template).__name__}: "
+            "expected a template string"
         )
     release_free_heap()
     return Tokenizer(

@@ -107,7 +107,8 @@ def test_compiled_decode_matches_eager_in_every_batch_class(tmp_path, cache_home
     # kernel, so a verification (a decode token and its k proposals, one request here) runs on
     # the graph of its k + 1 rows, against the eager forward on the same step.
     spec = LLM(path, dtype="bfloat16", compile=True, max_num_seqs=8, batch_invariant=False,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False})  # fmt: skip
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "adaptive": False})  # fmt: skip
     engine = spec.engine
     c = engine.worker.compiled
     assert c.kernel and wait_settled(engine, timeout=120)["state"] == "ready" and c.compiler is None

@@ -239,9 +239,10 @@ def test_a_config_json_of_wrong_values_is_a_load_error(tmp_path, arch):
     save_hf_model(str(tmp_path), arch, seed=0)
     path = tmp_path / "config.json"
     good = json.loads(path.read_text())
-    keys = ["num_hidden_layers", "attn_layer_indices", "layer_types", "mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_groups",
-            "time_step_limit", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_intermediate_size",
-            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "embedding_multiplier", "clip_qkv"]  # fmt: skip
+    keys = ["num_hidden_layers", "attn_layer_indices", "layer_types", "mamba_n_heads", "mamba_d_head", "mamba_expand",
+            "mamba_n_groups", "time_step_limit", "num_local_experts", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_intermediate_size", "shared_expert_intermediate_size",
+            "decoder_sparse_step", "mlp_only_layers", "embedding_multiplier", "clip_qkv"]  # fmt: skip
     for key in (k for k in keys if k in good):
         for value in (None, "x", -1, [1, 2], 10**12):
             path.write_text(json.dumps({**good, key: value}))

@@ -178,9 +178,14 @@ CHAT_TOKENS_BY_LLAMA_CPP = [
 ]
 END_OF_TURN_BY_LLAMA_CPP = 106
 # and of a plain text, with its BOS
-TEXT = "Hello world, how are you? \u00dcn\u00efc\u00f6d\u00e9 \u65e5\u672c\u8a9e \u2014 tabs\tand  double  spaces\n\nnew lines 12345 3.14"
-TEXT_TOKENS_BY_LLAMA_CPP = [2, 9259, 1902, 236764, 1217, 659, 611, 236881, 15356, 236749, 238527, 236755, 55515, 236859, 33375, 238582, 2192, 42364, 255968,
-                            624, 138, 7902, 138, 35220, 108, 1951, 4463, 236743, 236770, 236778, 236800, 236812, 236810, 236743, 236800, 236761, 236770, 236812]  # fmt: skip
+TEXT = (
+    "Hello world, how are you? \u00dcn\u00efc\u00f6d\u00e9 \u65e5\u672c\u8a9e \u2014 tabs\tand  double  spaces"
+    "\n\nnew lines 12345 3.14"
+)
+TEXT_TOKENS_BY_LLAMA_CPP = [2, 9259, 1902, 236764, 1217, 659, 611, 236881, 15356, 236749, 238527, 236755, 55515,
+                            236859, 33375, 238582, 2192, 42364, 255968, 624, 138, 7902, 138, 35220, 108, 1951, 4463,
+                            236743, 236770, 236778, 236800, 236812, 236810, 236743, 236800, 236761, 236770,
+                            236812]  # fmt: skip
 
 
 def test_chat_uses_gemmas_template_and_stops_at_end_of_turn(gemma_path):
@@ -195,9 +200,8 @@ def test_chat_uses_gemmas_template_and_stops_at_end_of_turn(gemma_path):
         {"role": "user", "content": "What color is the sky?"},
     ]
     text = tok.apply_chat_template(messages)
-    assert (
-        text
-        == "<bos><start_of_turn>user\nAnswer in one word.\n\nWhat color is the sky?<end_of_turn>\n<start_of_turn>model\n"
+    assert text == (
+        "<bos><start_of_turn>user\nAnswer in one word.\n\nWhat color is the sky?<end_of_turn>\n<start_of_turn>model\n"
     )
     assert END_OF_TURN_BY_LLAMA_CPP in tok.stop_token_ids and tok.eos_token_id in tok.stop_token_ids
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]

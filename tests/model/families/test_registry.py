@@ -140,7 +140,8 @@ def test_a_family_s_names_are_its_own_not_its_parent_s(fresh_registry, tmp_path)
 
 def test_two_families_declaring_one_name_are_refused(fresh_registry, tmp_path):
     (tmp_path / "twin_family.py").write_text(
-        "from treadle.model.families.llama import LlamaModel\n\n\nclass Twin(LlamaModel):\n    hf_model_types = ('llama',)\n"
+        "from treadle.model.families.llama import LlamaModel\n\n\n"
+        "class Twin(LlamaModel):\n    hf_model_types = ('llama',)\n"
     )
     fresh_registry.syspath_prepend(str(tmp_path))
     fresh_registry.setattr(registry, "FAMILIES", (*registry.FAMILIES, "twin_family:Twin"))
@@ -264,7 +265,10 @@ def test_failing_plugin_is_named(fresh_registry):
     fresh_registry.delenv("TREADLE_PLUGINS")
     with pytest.raises(
         ModelLoadError,
-        match=r"plugin 'bad' \(tests.model.families.test_registry:failing_plugin, entry point group treadle.plugins\): failed: boom",
+        match=(
+            r"plugin 'bad' \(tests.model.families.test_registry:failing_plugin, "
+            r"entry point group treadle.plugins\): failed: boom"
+        ),
     ):
         is_registered("llama")
 
@@ -294,17 +298,24 @@ def test_hf_folder_is_accepted_by_model_type_or_a_registered_class_name(fresh_re
     assert cfg.architecture == "GeluLlamaForCausalLM"
     with pytest.raises(
         ModelLoadError,
-        match=r"m/config.json: model_type = 'rwkv7', architectures = \['Rwkv7ForCausalLM'\]: unsupported architecture \(supported: ",
+        match=(
+            r"m/config.json: model_type = 'rwkv7', architectures = \['Rwkv7ForCausalLM'\]: "
+            r"unsupported architecture \(supported: "
+        ),
     ):
         _config_from_json("m", {**MINIMAL_HF, "model_type": "rwkv7", "architectures": ["Rwkv7ForCausalLM"]})
 
 
 def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):
-    meta = {"gelu_llama.embedding_length": 64, "gelu_llama.attention.head_count": 4, "gelu_llama.feed_forward_length": 96,
-            "gelu_llama.block_count": 2, "gelu_llama.vocab_size": 300}  # fmt: skip
+    meta = {"gelu_llama.embedding_length": 64, "gelu_llama.attention.head_count": 4,
+            "gelu_llama.feed_forward_length": 96, "gelu_llama.block_count": 2,
+            "gelu_llama.vocab_size": 300}  # fmt: skip
     with pytest.raises(
         ModelLoadError,
-        match=r"general.architecture = 'gelu_llama': unsupported architecture \(supported: gemma2, gemma3, granitehybrid, llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)",
+        match=(
+            r"general.architecture = 'gelu_llama': unsupported architecture \(supported: "
+            r"gemma2, gemma3, granitehybrid, llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)"
+        ),
     ):
         _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())
     register_model("gelu_llama", f"{PLUGIN}:GeluLlamaModel")

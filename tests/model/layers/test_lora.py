@@ -172,7 +172,8 @@ def lora_server(lora_models):
     from tests.support.server_process import running
 
     yield from running(
-        "--model", lora_models["base_dir"], "--served-model-name", "base", "--lora-modules", f"a={lora_models['paths']['a']}",
+        "--model", lora_models["base_dir"], "--served-model-name", "base",
+        "--lora-modules", f"a={lora_models['paths']['a']}",
         "--dtype", "float32", "--no-compile", "--max-model-len", "256", "--kv-cache-memory-bytes", "16M",
     )  # fmt: skip
 

@@ -82,9 +82,11 @@ def _rope_model(tmp_path, rope_parameters: dict, max_position: int):
     from tests.support.tiny_models import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=max_position, rms_norm_eps=1e-6, initializer_range=0.15,
-                         rope_parameters={"rope_theta": 10000.0, **rope_parameters}, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position,
+                         rms_norm_eps=1e-6, initializer_range=0.15,
+                         rope_parameters={"rope_theta": 10000.0, **rope_parameters}, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None)  # fmt: skip
     torch.manual_seed(2)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(str(tmp_path))

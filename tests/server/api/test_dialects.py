@@ -176,7 +176,8 @@ def test_responses_json_schema_and_forced_tool_call(client):
     )
     (call,) = [o for o in resp.output if o.type == "function_call"]
     assert call.name == "get_weather" and "city" in json.loads(call.arguments) and call.call_id
-    # parallel_tool_calls false: one call, the same one Chat Completions makes (tests/server/api/test_chat_completions.py)
+    # parallel_tool_calls false: one call, the same one Chat Completions makes
+    # (tests/server/api/test_chat_completions.py)
     weather = {"type": "function", **WEATHER["function"]}
     one = client.responses.create(
         model=MODEL,

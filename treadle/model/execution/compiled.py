@@ -103,9 +103,9 @@ def artefact_dir(
     kernel: bool = False,
     positions: int | None = None,
 ) -> str:
-    """One folder per model file, compute path, stored weight types (`forms`, e.g. "Q4_1,Q8_0,bfloat16"), KV block size, device, CPU vector unit, torch and
-    treadle code (and the model class's own file, a plugin's included), and whether the graphs
-    attend with treadle's kernel: any change compiles anew."""
+    """One folder per model file, compute path, stored weight types (`forms`, e.g. "Q4_1,Q8_0,bfloat16"), KV block
+    size, device, CPU vector unit, torch and treadle code (and the model class's own file, a plugin's included), and
+    whether the graphs attend with treadle's kernel: any change compiles anew."""
     h = hashlib.sha256()
     st = os.stat(model_path)
     h.update(f"{os.path.abspath(model_path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{forms}|kernel={kernel}".encode())
@@ -284,7 +284,8 @@ class CompiledDecode:
                         and not os.path.exists(artefact_path(self.dir, cls))
                     ):
                         raise RuntimeError(
-                            f"the compiler process exited with status {self.compiler.returncode} (log: {self._log_path()})"
+                            f"the compiler process exited with status {self.compiler.returncode} "
+                            f"(log: {self._log_path()})"
                         )
                 self._load(cls)
             if self.compiler is not None:

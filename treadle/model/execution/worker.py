@@ -92,7 +92,8 @@ def load_draft_files(path: str, *, target_vocab: int):
         raise ValueError(f"speculative_config.model {path!r} cannot be loaded: {e}") from None
     if files.config.vocab_size != target_vocab:
         raise ValueError(
-            f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, the target's has {target_vocab}: a draft model must share the target's"
+            f"speculative_config.model has a vocabulary of {files.config.vocab_size} tokens, "
+            f"the target's has {target_vocab}: a draft model must share the target's"
         )
     return files
 
@@ -119,7 +120,8 @@ class ModelWorker:
                 w is not None for w in draft_files.config.windows()
             ):
                 raise ValueError(
-                    "speculative_config.model: a draft model needs full-attention layers in the target and only those in the draft"
+                    "speculative_config.model: a draft model needs full-attention layers in the target "
+                    "and only those in the draft"
                 )
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         pool_bytes = config.kv_cache_memory_bytes or self.num_blocks * ModelRunner.kv_bytes_per_block(
@@ -128,8 +130,12 @@ class ModelWorker:
         self.num_state_checkpoints = self._checkpoints(self.model_config, pool_bytes)
         available = available_memory()
         if available is not None and pool_bytes > available:  # the pool's pages are taken as it fills, not now
-            log.warning("the KV pool (%.1f GB) is more than the memory available now (%.1f GB): it fills as requests run, "
-                        "and this process may be killed for memory before it is full", pool_bytes / 1e9, available / 1e9)  # fmt: skip
+            log.warning(
+                "the KV pool (%.1f GB) is more than the memory available now (%.1f GB): it fills as requests run, "
+                "and this process may be killed for memory before it is full",
+                pool_bytes / 1e9,
+                available / 1e9,
+            )
         self.batch_invariant = self._resolve_batch_invariant(self.model_config)
         self.eos_token_ids = self.tokenizer.stop_token_ids
         files.config.position_table = position_table or self.max_model_len

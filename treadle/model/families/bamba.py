@@ -52,8 +52,11 @@ def mamba_config(hf) -> MambaConfig:
 def mixer_shapes(config) -> dict[str, tuple[int, ...]]:
     """A Mamba-2 mixer's weights (under its layer's prefix) and their shapes."""
     m, h = config.mamba, config.hidden_size
-    return {"mamba.in_proj.weight": (m.inner + m.conv_dim + m.heads, h), "mamba.out_proj.weight": (h, m.inner), "mamba.norm.weight": (m.inner,),
-            "mamba.dt_bias": (m.heads,), "mamba.A_log": (m.heads,), "mamba.A": (m.heads,), "mamba.D": (m.heads,), "mamba.conv1d.bias": (m.conv_dim,)}  # fmt: skip
+    return {
+        "mamba.in_proj.weight": (m.inner + m.conv_dim + m.heads, h), "mamba.out_proj.weight": (h, m.inner),
+        "mamba.norm.weight": (m.inner,), "mamba.dt_bias": (m.heads,), "mamba.A_log": (m.heads,), "mamba.A": (m.heads,),
+        "mamba.D": (m.heads,), "mamba.conv1d.bias": (m.conv_dim,),
+    }  # fmt: skip
 
 
 @dataclass
@@ -106,7 +109,8 @@ class BambaModel(LlamaModel):
             )
         if not attention:
             raise ModelLoadError(
-                f"{hf.where}: attn_layer_indices: no attention layer (a model of recurrent layers alone is not supported)"
+                f"{hf.where}: attn_layer_indices: no attention layer "
+                "(a model of recurrent layers alone is not supported)"
             )
         if hf.get("mlp_bias") or hf.get("attention_bias"):
             raise ModelLoadError(f"{hf.where}: mlp_bias / attention_bias: not supported")

@@ -78,7 +78,8 @@ class Gemma3Model(LlamaModel):
     def config_from_hf(cls, hf) -> Gemma3Config:
         if "text_config" in hf.cfg:
             raise ModelLoadError(
-                f"{hf.where}: a multimodal Gemma 3 checkpoint (text_config): treadle serves the text model (model_type gemma3_text, or a GGUF file)"
+                f"{hf.where}: a multimodal Gemma 3 checkpoint (text_config): treadle serves the text model "
+                "(model_type gemma3_text, or a GGUF file)"
             )
         cls._check_activation(hf)
         params = hf.section("rope_parameters")

@@ -1,11 +1,14 @@
 """What the runner may call on a model: the interface every model family implements.
 
 A family is one module with a subclass of `CausalLM` that declares the names files call it by, and
-one line in `registry.py`'s FAMILIES (or a plugin's `register_model`). The loaders ask the registered class to read its own hyperparameters
-(`config_from_hf`, `config_from_gguf`; the defaults read a Llama-style file) and how llama.cpp names
-and lays out its tensors (`gguf_layer_tensors`, `gguf_permuted_qk`, `from_gguf_tensor`). The runner builds it as `cls(config, weights, dtype, device, batch_invariant=...)`
-(the constructor consumes `weights`: each is read from its file when taken, `deferred.DeferredWeight`, and its float32 copy freed once its stored form exists) and
-then calls only what is declared here; the compiler process (`compiled.py`) traces `forward`.
+one line in `registry.py`'s FAMILIES (or a plugin's `register_model`). The loaders ask the registered
+class to read its own hyperparameters (`config_from_hf`, `config_from_gguf`; the defaults read a
+Llama-style file) and how llama.cpp names and lays out its tensors (`gguf_layer_tensors`,
+`gguf_permuted_qk`, `from_gguf_tensor`). The runner builds it as
+`cls(config, weights, dtype, device, batch_invariant=...)` (the constructor consumes `weights`: each is
+read from its file when taken, `deferred.DeferredWeight`, and its float32 copy freed once its stored
+form exists) and then calls only what is declared here; the compiler process (`compiled.py`) traces
+`forward`.
 
 `llama.py` is the reference implementation.
 """

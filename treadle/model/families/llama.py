@@ -142,7 +142,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer = {
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-            "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
+            "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
         }  # fmt: skip
         if config.attention_bias:
             layer.update(
@@ -197,9 +198,8 @@ class LlamaModel(CausalLM):
         w = weights
         check_weight_shapes(self.expected_shapes(config), w)
         if "model.embed_tokens.weight" not in w or "model.norm.weight" not in w:
-            raise ModelLoadError(
-                f"weight {'model.embed_tokens.weight' if 'model.embed_tokens.weight' not in w else 'model.norm.weight'}: missing"
-            )
+            missing = "model.embed_tokens.weight" if "model.embed_tokens.weight" not in w else "model.norm.weight"
+            raise ModelLoadError(f"weight {missing}: missing")
         self.embed = weight_part(w, "model.embed_tokens.weight", dtype, device)
         self.norm = self.make_norm(w.pop("model.norm.weight"))
         tied = config.tie_word_embeddings or "lm_head.weight" not in w

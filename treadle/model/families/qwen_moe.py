@@ -22,7 +22,8 @@ def hf_moe(hf, norm_topk: bool, shared: bool) -> MoEConfig:
     dense = hf.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1 or not isinstance(dense, list) or not isinstance(num_layers, int):
         raise ModelLoadError(
-            f"{hf.where}: decoder_sparse_step = {step!r}, mlp_only_layers = {dense!r}: expected an integer >= 1 and a list of layers"
+            f"{hf.where}: decoder_sparse_step = {step!r}, mlp_only_layers = {dense!r}: "
+            "expected an integer >= 1 and a list of layers"
         )
     return MoEConfig(
         num_experts=hf.get("num_experts", hf.get("num_local_experts")),

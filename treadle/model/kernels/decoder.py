@@ -48,13 +48,15 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("input_norm", _ptr), ("post_norm", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
                 ("block_size", _i64), ("local", _i64)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("h", _ptr), ("cos", _ptr), ("signed_sin", _ptr), ("local_cos", _ptr), ("local_signed_sin", _ptr),
+    _fields_ = [("rows", _i64), ("h", _ptr), ("cos", _ptr), ("signed_sin", _ptr),
+                ("local_cos", _ptr), ("local_signed_sin", _ptr),
                 ("slots", _ptr), ("tables", _ptr), ("row_table", _ptr),
                 ("key_begin", _ptr), ("key_end", _ptr), ("table_stride", _i64), ("span", _i64)] + [
         (n, _ptr) for n in ("x", "qkv", "qk", "attn", "out", "gate_up", "qn", "kn", "qkn")
@@ -155,15 +157,17 @@ class LayerStepper:
             widths.add(linears[2].width)
             pointer = lambda n: None if n is None else n.weight.data_ptr()  # noqa: E731
             local = window is not None and local_rotary is not model.rotary
-            layers.append(_Layer(*linears, *map(pointer, (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm)),
-                                 None, None, 0, local))  # fmt: skip
+            norm_ptrs = map(pointer, (input_norm, mlp_norm, layer.q_norm, layer.k_norm, attn_out_norm, mlp_out_norm))
+            layers.append(_Layer(*linears, *norm_ptrs, None, None, 0, local))
         if len(widths) != 1:
             return None
         args = _Model(
-            matmul=_address(quant.library(exact=False).treadle_q_matmul_q8), norm=_address(rowops._kernel.lib.treadle_rms_norm_bf16),
-            rotary=_address(rowops._kernel.lib.treadle_rotary_bf16), attention=_address(attention_kernel.lib.treadle_paged_attention),
-            isa=quant.ISAS[quant.isa()], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            rot=rot, intermediate=widths.pop() // 2, eps=cfg.rms_norm_eps, scale=model.scale,
+            matmul=_address(quant.library(exact=False).treadle_q_matmul_q8),
+            norm=_address(rowops._kernel.lib.treadle_rms_norm_bf16),
+            rotary=_address(rowops._kernel.lib.treadle_rotary_bf16),
+            attention=_address(attention_kernel.lib.treadle_paged_attention),
+            isa=quant.ISAS[quant.isa()], hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, rot=rot, intermediate=widths.pop() // 2, eps=cfg.rms_norm_eps, scale=model.scale,
             softcap=getattr(cfg, "attn_logit_softcapping", None) or 0.0,
         )  # fmt: skip
         return cls(model, layers, args)
@@ -195,8 +199,8 @@ class LayerStepper:
         n = min(rows, slice_rows)
         new = lambda width: torch.empty((n, width), dtype=torch.bfloat16)  # noqa: E731
         q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-        buffers = dict(x=new(m.hidden), qkv=new(self.layers[0].qkv.width), qk=new(q + kv), attn=new(q), out=new(m.hidden),
-                       gate_up=new(2 * m.intermediate))  # fmt: skip
+        buffers = dict(x=new(m.hidden), qkv=new(self.layers[0].qkv.width), qk=new(q + kv), attn=new(q),
+                       out=new(m.hidden), gate_up=new(2 * m.intermediate))  # fmt: skip
         if self.qk_norms:
             buffers.update(qn=new(q), kn=new(kv), qkn=new(q + kv))
         pointers = {k: v.data_ptr() for k, v in buffers.items()}
@@ -209,10 +213,12 @@ class LayerStepper:
                 span = int((key_end - key_begin).max())
             for start, end in slices:  # int64 row arrays, float32 tables, bf16 rows: 8, 4 and 2 bytes
                 steps[key, start] = _Step(
-                    rows=end - start, h=h.data_ptr() + start * m.hidden * 2, cos=cos.data_ptr() + start * rot * 4,
-                    signed_sin=signed_sin.data_ptr() + start * rot * 4, local_cos=local_cos.data_ptr() + start * rot * 4,
-                    local_signed_sin=local_signed_sin.data_ptr() + start * rot * 4, slots=meta.slot_mapping.data_ptr() + start * 8,
-                    tables=tables_.data_ptr(), row_table=row_table.data_ptr() + start * 8, key_begin=key_begin.data_ptr() + start * 8,
+                    rows=end - start, h=h.data_ptr() + start * m.hidden * 2,
+                    cos=cos.data_ptr() + start * rot * 4, signed_sin=signed_sin.data_ptr() + start * rot * 4,
+                    local_cos=local_cos.data_ptr() + start * rot * 4,
+                    local_signed_sin=local_signed_sin.data_ptr() + start * rot * 4,
+                    slots=meta.slot_mapping.data_ptr() + start * 8, tables=tables_.data_ptr(),
+                    row_table=row_table.data_ptr() + start * 8, key_begin=key_begin.data_ptr() + start * 8,
                     key_end=key_end.data_ptr() + start * 8, table_stride=tables_.stride(0), span=span, **pointers,
                 )  # fmt: skip
         lib, model = _kernel.lib, ctypes.addressof(m)

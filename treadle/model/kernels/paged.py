@@ -50,7 +50,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 _kernel = Library(
     _build,
-    "treadle's attention kernel is unavailable (%s): torch's SDPA instead, and bfloat16 answers may depend on the batch (not batch-invariant)",
+    "treadle's attention kernel is unavailable (%s): torch's SDPA instead, "
+    "and bfloat16 answers may depend on the batch (not batch-invariant)",
 )
 
 
@@ -73,9 +74,10 @@ def paged_attention(
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
     kv_heads, head_dim] bf16, or int8 KV's [blocks, block_size, kv_heads, head_dim + 4] int8 rows
-    (values, then a float32 scale: attention.quantize_kv); tables: [n, width] int64; row_table, key_begin, key_end: [rows]
-    int64; span: the largest key_end - key_begin (computed when not given); softcap > 0: scores
-    soft-capped, softcap * tanh(s / softcap). Returns [rows, heads, head_dim] bf16."""
+    (values, then a float32 scale: attention.quantize_kv); tables: [n, width] int64; row_table,
+    key_begin, key_end: [rows] int64; span: the largest key_end - key_begin (computed when not
+    given); softcap > 0: scores soft-capped, softcap * tanh(s / softcap). Returns [rows, heads,
+    head_dim] bf16."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     rows, heads, head_dim = q.shape

@@ -16,7 +16,8 @@ from treadle.model.kernels.build import build
 # ggml type id, values per block, bytes per block
 TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
     "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
 }  # fmt: skip
 ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
@@ -115,7 +116,8 @@ def available() -> bool:
         except Exception as e:  # noqa: BLE001 - any failure: the loader dequantizes instead, which is correct
             _unavailable = f"{type(e).__name__}: {e}"
             log.warning(
-                "treadle's quantized-weight kernels are unavailable (%s): GGUF quantized tensors are dequantized at load "
+                "treadle's quantized-weight kernels are unavailable (%s): "
+                "GGUF quantized tensors are dequantized at load "
                 "(larger and slower; install a C compiler, cc, to keep them at the file's bits)",
                 _unavailable,
             )

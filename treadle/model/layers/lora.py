@@ -39,7 +39,8 @@ def read_adapter_config(path: str) -> dict:
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
         raise LoraError(
-            f"{path}: not a folder or a .gguf file (a LoRA adapter is a PEFT folder: {CONFIG_FILE} and {WEIGHTS_FILE}; or a GGUF LoRA)"
+            f"{path}: not a folder or a .gguf file "
+            f"(a LoRA adapter is a PEFT folder: {CONFIG_FILE} and {WEIGHTS_FILE}; or a GGUF LoRA)"
         )
     try:
         with open(file, encoding="utf-8") as f:
@@ -155,7 +156,8 @@ def read_gguf_adapter(path: str, max_rank: int, model_config) -> dict:
     meta = reader.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
         raise LoraError(
-            f"{path}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})"
+            f"{path}: not a GGUF LoRA adapter "
+            f"(general.type {meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})"
         )
     arch = meta.get("general.architecture")
     if model_config is not None and arch != model_config.architecture:
@@ -235,7 +237,8 @@ class LoraSet:
             in_features = linear.parts[0].shape[1]
             if a.shape[1] != in_features or b.shape[0] != rows:
                 raise LoraError(
-                    f"{path}: {module}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not fit its [{rows}, {in_features}] matrix"
+                    f"{path}: {module}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} "
+                    f"do not fit its [{rows}, {in_features}] matrix"
                 )
             per_linear.setdefault(id(linear), [linear, []])[1].append((row, rows, a, b * scale))
         touched, nbytes = [], 0

@@ -98,7 +98,8 @@ class Mamba2Mixer:
         conv = lw.take(p + "conv1d.weight")
         if tuple(conv.shape) not in ((cfg.conv_dim, 1, cfg.d_conv), (cfg.conv_dim, cfg.d_conv)):
             raise ModelLoadError(
-                f"weight {lw.prefix}{p}conv1d.weight: shape {tuple(conv.shape)}, expected ({cfg.conv_dim}, 1, {cfg.d_conv})"
+                f"weight {lw.prefix}{p}conv1d.weight: shape {tuple(conv.shape)}, "
+                f"expected ({cfg.conv_dim}, 1, {cfg.d_conv})"
             )
         self.conv_weight = conv.reshape(cfg.conv_dim, 1, cfg.d_conv)
         self.conv_bias = lw.take(p + "conv1d.bias") if cfg.conv_bias else None

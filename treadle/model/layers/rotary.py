@@ -75,8 +75,8 @@ class RotaryEmbedding:
     """cos/sin tables for every position up to max_position, indexed by each token's position.
 
     Each holds the rotation's dim/2 frequencies once ([P, dim/2] float32); a step's rows are
-    widened to both halves when gathered (`tables`). The full-width tables repeated every value:
-    Gemma 3's two ropes at 8,192 positions took 34 MB, a 128K-context model's 134.
+    widened to both halves when gathered (`tables`): full-width tables would repeat every value and
+    take twice the memory.
 
     On the CPU the tables are allocated whole but filled as positions are first reached, FILL
     positions at a time (`cover`): pages never written stay out of the resident set (Gemma 3's

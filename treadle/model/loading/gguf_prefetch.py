@@ -12,10 +12,10 @@ load reads them, after the import: Gemma 3's 262K tokens parsed beside torch's i
 of the Python heap that could not be handed back once they were freed).
 
 Left to the load: Q and K projections (whose rows the load may reorder first, by family) and the
-V read into one buffer with them (JOINED), stacked experts, other types, and everything on the portable path (which holds the file's blocks as they
-are). quant.c's library names libgomp, and so does torch: loaded first, the system's copy would
-become torch's too. The prefetch loads torch's own copy before the library (as torch would), and
-does nothing where torch ships none.
+V read into one buffer with them (JOINED), stacked experts, other types, and everything on the
+portable path (which holds the file's blocks as they are). quant.c's library names libgomp, and so
+does torch: loaded first, the system's copy would become torch's too. The prefetch loads torch's
+own copy before the library (as torch would), and does nothing where torch ships none.
 """
 
 import ctypes
@@ -35,7 +35,7 @@ LEFT_TO_LOAD = ("attn_q.weight", "attn_k.weight")
 # a layer's tensors the model multiplies as one product (DecoderLayer's q/k/v and gate/up
 # projections), in the model's order: where the file stores them alike, they are read into one
 # buffer, one after another, and the model's join of them (QuantizedTensor.cat) is a view of it
-# rather than a copy (the 1B-shaped file's start to healthy: 0.09 s less, its load peak 20-35 MiB)
+# rather than a copy (a faster start and a lower load peak)
 JOINED = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
 
 

@@ -153,7 +153,8 @@ class HFConfig:
             )
         elif kind not in (None, "default"):
             raise ModelLoadError(
-                f"{self.where}: rope_scaling type {kind!r}: unsupported (supported: linear, llama3, longrope, yarn, dynamic)"
+                f"{self.where}: rope_scaling type {kind!r}: unsupported "
+                "(supported: linear, llama3, longrope, yarn, dynamic)"
             )
         partial = params.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor"))
         if partial is not None and partial != 1.0:
@@ -235,9 +236,8 @@ class SafetensorsFile:
     into memory of its own. The safetensors library checks the header first (every tensor's
     dtype, shape and offsets, the data covering the file exactly); reading here rather than from
     its memory map keeps the pages read out of the process's resident set (a map's read pages
-    count there until it is closed: the whole file by the end of a load), and the whole file's
-    tensors were read at once before (with their float32 copies: the default model's 135M
-    parameters peaked at 1,069 MB for a model of 525)."""
+    count there until it is closed: the whole file by the end of a load), and a load never holds
+    the whole file's tensors, with their float32 copies, at once."""
 
     # safetensors' dtype names -> torch's
     DTYPES = {

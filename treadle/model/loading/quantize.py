@@ -12,7 +12,7 @@ quantized here: per 32 values, scale (max - min) / 15 and minimum -min, the 8 sc
 of a block of 256 then coded in 6 bits against the block's two float16 factors; llama.cpp's
 quantizer also searches for scales that lower the error, this one does not. quant.c computes all
 four (`quant.quantize`, on torch's threads): the bytes of their numpy forms (`reference_blocks`,
-tested), 2-14x faster (a 135M folder's start: 2.2-2.8 s -> 1.6-2.2 s).
+tested), 2-14x faster.
 """
 
 import gguf
@@ -48,7 +48,8 @@ def quantize_weights(weights: dict, quantization: str) -> dict:
         raise ModelLoadError(f"quantization {quantization!r}: expected one of {', '.join(CHOICES)}")
     if not quant.available():
         raise ModelLoadError(
-            f"quantization {quantization}: treadle's quantized-weight kernels could not be built here (a C compiler, cc, is needed)"
+            f"quantization {quantization}: treadle's quantized-weight kernels could not be built here "
+            "(a C compiler, cc, is needed)"
         )
     kinds = {}
     for name, tensor in weights.items():

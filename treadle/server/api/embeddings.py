@@ -88,7 +88,8 @@ async def embed_texts(
         dims = matryoshka_dimensions(state)
         if not dims:
             raise RequestError(
-                "dimensions: this model does not support matryoshka representation (config.json has no matryoshka_dimensions)",
+                "dimensions: this model does not support matryoshka representation "
+                "(config.json has no matryoshka_dimensions)",
                 "dimensions",
             )
         if dimensions < 1 or dimensions > max(dims):

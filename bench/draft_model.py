@@ -88,9 +88,9 @@ def main() -> int:
             break  # the rest of this step's proposals were not verified against the same text
     stats = llm.stats()["spec_decode"]
     print(
-        f"{len(prompts)} prompts x {args.tokens} tokens, k={args.k}: {proposed} proposals checked against the output, {accepted} stood "
-        f"({accepted / max(proposed, 1):.4f}); engine counters: {stats['num_accepted_tokens']} / {stats['num_draft_tokens']} accepted, "
-        f"mean acceptance length {stats['mean_acceptance_length']:.2f}"
+        f"{len(prompts)} prompts x {args.tokens} tokens, k={args.k}: {proposed} proposals checked against the output, "
+        f"{accepted} stood ({accepted / max(proposed, 1):.4f}); engine counters: {stats['num_accepted_tokens']} / "
+        f"{stats['num_draft_tokens']} accepted, mean acceptance length {stats['mean_acceptance_length']:.2f}"
     )
     print(
         f"rejections: {len(gaps)}; target logprob gaps: {', '.join(f'{g:.2e}' for g in sorted(gaps)) or 'none'}; "

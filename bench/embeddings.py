@@ -81,7 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype)
     print(
-        f"CPU: {cpu_name()}; dtype {args.dtype}; batch_invariant {llm.stats()['batch_invariant']}; {len(TRIPLES)} triples"
+        f"CPU: {cpu_name()}; dtype {args.dtype}; batch_invariant "
+        f"{llm.stats()['batch_invariant']}; {len(TRIPLES)} triples"
     )
     for pooling in ("last", "mean"):
         margins = []
@@ -90,7 +91,8 @@ def main() -> None:
             margins.append(float(a @ p - a @ u))
         m = np.array(margins)
         print(
-            f"{pooling:>4}: separated {int((m > 0).sum())}/{len(m)}, margin mean {m.mean():.3f} median {np.median(m):.3f} min {m.min():.3f}"
+            f"{pooling:>4}: separated {int((m > 0).sum())}/{len(m)}, margin "
+            f"mean {m.mean():.3f} median {np.median(m):.3f} min {m.min():.3f}"
         )
     texts = [t for triple in TRIPLES for t in triple] * 4
     llm.embed(texts[:8])
@@ -99,7 +101,8 @@ def main() -> None:
     took = time.perf_counter() - start
     tokens = sum(len(llm.tokenizer.encode(t, add_special_tokens=True)) for t in texts)
     print(
-        f"batch of {len(texts)} texts ({tokens} tokens, each shorter than one KV block: no prefix-cache hits): {took:.2f} s, {len(texts) / took:.0f} texts/s"
+        f"batch of {len(texts)} texts ({tokens} tokens, each shorter than one KV "
+        f"block: no prefix-cache hits): {took:.2f} s, {len(texts) / took:.0f} texts/s"
     )
 
 

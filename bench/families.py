@@ -101,7 +101,8 @@ def moe_step(args) -> None:
         for n in args.experts:
             folder = os.path.join(root, f"e{n}")
             config = transformers.Qwen3MoeConfig(
-                vocab_size=tiny_tokenizer().get_vocab_size(), hidden_size=args.hidden, intermediate_size=4 * args.hidden, moe_intermediate_size=args.expert_size,
+                vocab_size=tiny_tokenizer().get_vocab_size(), hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden, moe_intermediate_size=args.expert_size,
                 num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
                 num_experts=n, num_experts_per_tok=args.top_k, norm_topk_prob=True, max_position_embeddings=4096,
                 tie_word_embeddings=True, eos_token_id=None, bos_token_id=None,
@@ -130,7 +131,8 @@ def moe_step(args) -> None:
                 print(f"  experts {n}, batch {batch}: {rows[(n, batch)]:.2f} ms per step", file=sys.stderr, flush=True)
             del llm
     print(
-        f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, experts of {args.expert_size}, top-{args.top_k}, bf16 default:\n"
+        f"\nQwen3-MoE, {args.layers} layers, hidden {args.hidden}, "
+        f"experts of {args.expert_size}, top-{args.top_k}, bf16 default:\n"
     )
     print(
         "| experts | "
@@ -187,13 +189,16 @@ def hybrid_prefix(args) -> None:
         off = LLM(folder, max_model_len=4096, enable_prefix_caching=False)
         ttft(off, suffixes[2][:8])
         uncached = ttft(off, prefix + suffixes[2])
-    print(f"\nBamba, {args.layers} layers (attention at {config.attn_layer_indices}), hidden {args.hidden}, bf16 default; "
-          f"{args.prefix}-token shared prefix + {args.suffix}-token suffixes:\n")  # fmt: skip
+    print(
+        f"\nBamba, {args.layers} layers (attention at {config.attn_layer_indices}), hidden {args.hidden}, "
+        f"bf16 default; {args.prefix}-token shared prefix + {args.suffix}-token suffixes:\n"
+    )
     print("| | TTFT ms | / cold |")
     print("|---|---|---|")
     print(f"| cold (nothing cached) | {cold * 1000:.0f} | 1.00 |")
     print(
-        f"| follow-up, prefix cached ({hits} tokens hit: KV and recurrent state) | {warm * 1000:.0f} | {warm / cold:.3f} |"
+        f"| follow-up, prefix cached ({hits} tokens hit: KV and "
+        f"recurrent state) | {warm * 1000:.0f} | {warm / cold:.3f} |"
     )
     print(f"| follow-up, prefix caching off | {uncached * 1000:.0f} | {uncached / cold:.3f} |")
 

@@ -66,9 +66,9 @@ def bench_serve(url: str, out: str, name: str, extra: list[str], workload: list[
 
 
 def bench_throughput(seed: int) -> float:
-    cmd = [sys.executable, "-m", "treadle", "bench", "throughput", "--dataset-name", "random", "--random-input-len", "512",
-           "--random-output-len", "256", "--num-prompts", "64", "--max-num-seqs", "16", "--threads", "2",
-           "--bench-seed", str(seed)]  # fmt: skip
+    cmd = [sys.executable, "-m", "treadle", "bench", "throughput",
+           "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256",
+           "--num-prompts", "64", "--max-num-seqs", "16", "--threads", "2", "--bench-seed", str(seed)]  # fmt: skip
     print(" ".join(cmd), flush=True)
     text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     line = next(x for x in text.splitlines() if "output tok/s" in x)
@@ -102,8 +102,11 @@ def main() -> int:
         finally:
             stop(proc)
         ratio = statistics.median(served) / statistics.median(alone)
-        print(f"\n16 streams: median through HTTP {statistics.median(served):.1f} tok/s, engine alone "
-              f"{statistics.median(alone):.1f} tok/s, ratio {ratio:.3f}  (runs: {served} vs {alone})\n", flush=True)  # fmt: skip
+        print(
+            f"\n16 streams: median through HTTP {statistics.median(served):.1f} tok/s, engine alone "
+            f"{statistics.median(alone):.1f} tok/s, ratio {ratio:.3f}  (runs: {served} vs {alone})\n",
+            flush=True,
+        )
 
     if 2 not in args.skip_part:
         proc, url = start_server(
@@ -131,14 +134,19 @@ def main() -> int:
                 with_lp.append(r["output_throughput"])
                 health.append(r["health_probe_latency_ms"])
                 print(
-                    f"run {i}: plain {plain[-1]:.1f} tok/s, logprobs 5 {with_lp[-1]:.1f} tok/s; /health {health[-2]} / {health[-1]}",
+                    f"run {i}: plain {plain[-1]:.1f} tok/s, logprobs 5 "
+                    f"{with_lp[-1]:.1f} tok/s; /health {health[-2]} / {health[-1]}",
                     flush=True,
                 )
         finally:
             stop(proc)
         ratio = statistics.median(with_lp) / statistics.median(plain)
-        print(f"\n64 chat streams: with logprobs {statistics.median(with_lp):.1f} tok/s, without {statistics.median(plain):.1f} tok/s, "
-              f"ratio {ratio:.3f}; /health p99 over the runs: max {max(h['p99'] for h in health):.1f} ms", flush=True)  # fmt: skip
+        print(
+            f"\n64 chat streams: with logprobs {statistics.median(with_lp):.1f} tok/s, "
+            f"without {statistics.median(plain):.1f} tok/s, "
+            f"ratio {ratio:.3f}; /health p99 over the runs: max {max(h['p99'] for h in health):.1f} ms",
+            flush=True,
+        )
     return 0
 
 

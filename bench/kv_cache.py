@@ -1,11 +1,17 @@
 """KV memory: int8 KV against bf16 KV, and the prefix cache's host and disk tiers.
 
-    python bench/kv_cache.py fidelity [--tokens 256]        # int8 vs bf16 KV: mean KL, greedy agreement (8 prompts)
-    python bench/kv_cache.py decode --contexts 4096 16384   # KV bytes per token; decode TPOT at each context, bf16 and int8 KV
-    python bench/kv_cache.py tiers --prefix 16384           # follow-up TTFT on a cached prefix: cold, pool, host tier, disk tier, restart
-    python bench/kv_cache.py long --max-model-len 32768 --budget 448M --kv int8   # one prompt filling the context but 256 tokens, then 256 out
-    python bench/kv_cache.py llama --contexts 32768 [--kv int8]   # llama-server on the same file and prompts as `decode`
-    python bench/kv_cache.py flat --requests 20 --tokens 30000 --budget 448M --kv int8   # sequential long requests: RSS after each
+    python bench/kv_cache.py fidelity [--tokens 256]
+        # int8 vs bf16 KV: mean KL, greedy agreement (8 prompts)
+    python bench/kv_cache.py decode --contexts 4096 16384
+        # KV bytes per token; decode TPOT at each context, bf16 and int8 KV
+    python bench/kv_cache.py tiers --prefix 16384
+        # follow-up TTFT on a cached prefix: cold, pool, host tier, disk tier, restart
+    python bench/kv_cache.py long --max-model-len 32768 --budget 448M --kv int8
+        # one prompt filling the context but 256 tokens, then 256 out
+    python bench/kv_cache.py llama --contexts 32768 [--kv int8]
+        # llama-server on the same file and prompts as `decode`
+    python bench/kv_cache.py flat --requests 20 --tokens 30000 --budget 448M --kv int8
+        # sequential long requests: RSS after each
 
 Engine-level (treadle.LLM), the default model unless --model; the CPU is printed with the figures.
 """
@@ -50,7 +56,8 @@ def fidelity(args) -> None:
     int8 = LLM(args.model, max_model_len=2048, kv_cache_dtype="int8")
     kl, agreement = compare(int8, reference)
     print(
-        f"int8 KV against bf16 KV, {len(prompts)} prompts x {args.tokens} tokens: mean KL {kl:.5f}, greedy agreement {agreement:.1%}"
+        f"int8 KV against bf16 KV, {len(prompts)} prompts x {args.tokens} tokens: "
+        f"mean KL {kl:.5f}, greedy agreement {agreement:.1%}"
     )
 
 
@@ -100,8 +107,8 @@ def llama(args) -> None:
         for ctx in args.contexts:
             prompt = filler(tok, ctx, seed=ctx)
             port = free_port()
-            cmd = [binary, "-m", gguf, "--port", str(port), "-np", "1", "-t", "2", "-fa", "on", "-cram", "0", "-c", str(ctx + 64),
-                   "--override-kv", "llama.context_length=int:65536", *cache]  # fmt: skip
+            cmd = [binary, "-m", gguf, "--port", str(port), "-np", "1", "-t", "2", "-fa", "on", "-cram", "0",
+                   "-c", str(ctx + 64), "--override-kv", "llama.context_length=int:65536", *cache]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_healthy(f"http://127.0.0.1:{port}", proc)
@@ -111,8 +118,9 @@ def llama(args) -> None:
                 proc.terminate()
                 proc.wait(30)
             print(
-                f"llama-server KV {'q8_0' if kv == 'int8' else 'f16'}, context {ctx} ({timings['prompt_n']} prompt tokens): "
-                f"prefill {timings['prompt_ms'] / 1000:.1f} s, decode TPOT {timings['predicted_per_token_ms']:.1f} ms",
+                f"llama-server KV {'q8_0' if kv == 'int8' else 'f16'}, context "
+                f"{ctx} ({timings['prompt_n']} prompt tokens): prefill {timings['prompt_ms'] / 1000:.1f} s, "
+                f"decode TPOT {timings['predicted_per_token_ms']:.1f} ms",
                 flush=True,
             )
 
@@ -139,9 +147,9 @@ def long(args) -> None:
         m = process_memory()
         n = len(out.outputs[0].token_ids)
         print(
-            f"KV {kv}, budget {args.budget}: {len(prompt)}-token prompt + {n} tokens in a {args.max_model_len} context: "
-            f"prefill {prefill:.1f} s, then {n} tokens in {decode:.1f} s (TPOT {decode / n * 1000:.1f} ms, the prompt cached); "
-            f"RSS {m['VmRSS'] >> 20} MB, peak {m['VmHWM'] >> 20} MB",
+            f"KV {kv}, budget {args.budget}: {len(prompt)}-token prompt + {n} tokens in a "
+            f"{args.max_model_len} context: prefill {prefill:.1f} s, then {n} tokens in {decode:.1f} s (TPOT "
+            f"{decode / n * 1000:.1f} ms, the prompt cached); RSS {m['VmRSS'] >> 20} MB, peak {m['VmHWM'] >> 20} MB",
             flush=True,
         )
         del llm
@@ -149,7 +157,7 @@ def long(args) -> None:
 
 def flat(args) -> None:
     """`--requests` different prompts of `--tokens` tokens one after another, each to a few output
-    tokens, in a `--budget` KV pool: the engine's resident set after each (the issue's memory check;
+    tokens, in a `--budget` KV pool: the engine's resident set after each (a check that memory stays flat;
     tests/e2e/test_long_context.py is its CI-sized form)."""
     from treadle.engine_config import parse_size
     from treadle.utils import process_memory
@@ -171,12 +179,15 @@ def flat(args) -> None:
         rss.append(m["VmRSS"])
         stats = llm.stats()
         print(
-            f"request {i + 1}: {len(prompt)} tokens + {len(out.outputs[0].token_ids)} out in {time.perf_counter() - t:.1f} s; "
-            f"RSS {m['VmRSS'] >> 20} MB (peak {m['VmHWM'] >> 20} MB); KV blocks free {stats['kv_blocks_free']}/{stats['kv_blocks_total']}",
+            f"request {i + 1}: {len(prompt)} tokens + {len(out.outputs[0].token_ids)} out in "
+            f"{time.perf_counter() - t:.1f} s; RSS {m['VmRSS'] >> 20} MB (peak {m['VmHWM'] >> 20} MB); "
+            f"KV blocks free {stats['kv_blocks_free']}/{stats['kv_blocks_total']}",
             flush=True,
         )
-    print(f"KV {kv}, budget {args.budget}: RSS after request 5 {rss[min(4, len(rss) - 1)] >> 20} MB, after the last {rss[-1] >> 20} MB, "
-          f"growth {(rss[-1] - rss[min(4, len(rss) - 1)]) / 2**20:+.1f} MB")  # fmt: skip
+    print(
+        f"KV {kv}, budget {args.budget}: RSS after request 5 {rss[min(4, len(rss) - 1)] >> 20} MB, "
+        f"after the last {rss[-1] >> 20} MB, growth {(rss[-1] - rss[min(4, len(rss) - 1)]) / 2**20:+.1f} MB"
+    )
 
 
 RESTART = """
@@ -220,7 +231,8 @@ def tiers(args) -> None:
         cold, _ = ttft(prompt)
         pool, hit = ttft(prompt[:-1] + tok.encode(" Again."))
         print(
-            f"KV {kv}, prefix {args.prefix} tokens: cold TTFT {cold:.2f} s; pool hit {pool:.3f} s ({pool / cold:.4f}x, {hit} tokens)",
+            f"KV {kv}, prefix {args.prefix} tokens: cold TTFT {cold:.2f} s; "
+            f"pool hit {pool:.3f} s ({pool / cold:.4f}x, {hit} tokens)",
             flush=True,
         )
         blocks = llm.stats()["kv_blocks_total"]
@@ -234,7 +246,8 @@ def tiers(args) -> None:
         host, hit = ttft(prompt)
         st = llm.stats()["kv_tiers"]
         print(
-            f"  after {others} other documents: from the tiers {host:.3f} s ({host / cold:.4f}x, {hit} tokens; host hits {st['host']['hits']}, disk hits {st['disk']['hits']})",
+            f"  after {others} other documents: from the tiers {host:.3f} s ({host / cold:.4f}x, "
+            f"{hit} tokens; host hits {st['host']['hits']}, disk hits {st['disk']['hits']})",
             flush=True,
         )
         llm.engine.close()

@@ -153,7 +153,8 @@ def main() -> int:
         2 * meta[f"{arch}.block_count"] * args.ctx * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
     )
     print(
-        f"CPU: {cpu_description()}\nfile: {gguf} ({os.path.getsize(gguf) / 1e6:.1f} MB), KV {args.ctx} tokens ({kv_bytes / 1e6:.1f} MB)"
+        f"CPU: {cpu_description()}\nfile: {gguf} ({os.path.getsize(gguf) / 1e6:.1f} MB), "
+        f"KV {args.ctx} tokens ({kv_bytes / 1e6:.1f} MB)"
     )
     runs = measure_treadle(gguf, kv_bytes, args.repetitions)
     mb = lambda key: spread([r[key] / 1e6 for r in runs], 0)  # noqa: E731
@@ -161,7 +162,8 @@ def main() -> int:
     print(f"| request sent -> first token (s) | {spread([r['first_token_s'] for r in runs], 2)} |")
     print(f"| of which the core's load (s) | {spread([r['load_s'] for r in runs], 2)} |")
     print(
-        f"| server RSS before / loaded / after unload (MB) | {mb('rss_before')} / {mb('rss_loaded')} / {mb('rss_after')} |"
+        "| server RSS before / loaded / after unload (MB) | "
+        f"{mb('rss_before')} / {mb('rss_loaded')} / {mb('rss_after')} |"
     )
     print(f"| its core's RSS; its weights + KV (MB) | {mb('core_rss')}; {mb('weights_kv')} |")
     drops = [(r["rss_loaded"] - r["rss_after"]) / r["weights_kv"] for r in runs]

@@ -243,7 +243,8 @@ def print_spread(runs: list[dict], concurrency: list[int]) -> None:
     each repetition (the two servers measured minutes apart), then summarised."""
     print(f"\nmedian (min-max) over {len(runs)} repetitions")
     print(
-        "\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms | llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |"
+        "\n| concurrency | treadle tok/s | llama.cpp tok/s | treadle / llama.cpp | treadle median TPOT ms "
+        "| llama.cpp median TPOT ms | treadle median TTFT ms | llama.cpp median TTFT ms |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for c in concurrency:
@@ -251,8 +252,11 @@ def print_spread(runs: list[dict], concurrency: list[int]) -> None:
         l = [run[("llama.cpp", c)] for run in runs]  # noqa: E741
         ratios = [a["output_throughput"] / b["output_throughput"] for a, b in zip(t, l) if b["output_throughput"]]
         col = lambda rows, key, digits=1: spread([r[key] for r in rows], digits)  # noqa: E731
-        print(f"| {c} | {col(t, 'output_throughput')} | {col(l, 'output_throughput')} | {spread(ratios, 2) if ratios else 'nan'} | "
-              f"{col(t, 'median_tpot_ms')} | {col(l, 'median_tpot_ms')} | {col(t, 'median_ttft_ms', 0)} | {col(l, 'median_ttft_ms', 0)} |")  # fmt: skip
+        print(
+            f"| {c} | {col(t, 'output_throughput')} | {col(l, 'output_throughput')} | "
+            f"{spread(ratios, 2) if ratios else 'nan'} | {col(t, 'median_tpot_ms')} | {col(l, 'median_tpot_ms')} | "
+            f"{col(t, 'median_ttft_ms', 0)} | {col(l, 'median_ttft_ms', 0)} |"
+        )
 
 
 def main() -> int:
@@ -323,9 +327,11 @@ def main() -> int:
                 servers = servers[2:] + servers[:2]
             sweep = [sys.executable, "-m", "treadle", "bench", "sweep", *servers,
                      "--tokenizer", gguf, "--dataset-name", "random", "--random-input-len", str(args.input_len),
-                     "--random-output-len", str(args.output_len), "--ignore-eos", "--concurrency", *map(str, args.concurrency),
+                     "--random-output-len", str(args.output_len), "--ignore-eos",
+                     "--concurrency", *map(str, args.concurrency),
                      "--seed", str(run), "--result-dir", run_dir(args.out, run),
-                     "--plot-title", f"{args.input_len} in / {args.output_len} out, 2 threads", "--disable-tqdm"]  # fmt: skip
+                     "--plot-title", f"{args.input_len} in / {args.output_len} out, 2 threads",
+                     "--disable-tqdm"]  # fmt: skip
             print(" ".join(sweep), flush=True)
             subprocess.run(sweep, check=False)
         # treadle is two processes: the HTTP front end and the engine core (holding the model)
@@ -365,12 +371,14 @@ def main() -> int:
         f"its peak (sampled every 20 ms), llama-server {memory['llama.cpp']:.0f} MB"
     )
     print(
-        f"treadle weights {memory['treadle weights']:.1f} MB ({', '.join(f'{k} {v:.1f}' for k, v in memory['treadle weights by type'].items())}), "
+        f"treadle weights {memory['treadle weights']:.1f} MB "
+        f"({', '.join(f'{k} {v:.1f}' for k, v in memory['treadle weights by type'].items())}), "
         f"KV pool {memory['treadle KV pool']:.0f} MB, file {memory['file']:.1f} MB: the gate file + KV + 400 MB = "
         f"{memory['file'] + memory['treadle KV pool'] + 400:.0f} MB"
     )
     print(
-        f"load (start to healthy, each alone): treadle {load_s['treadle']:.1f} s, llama-server {load_s['llama.cpp']:.1f} s"
+        "load (start to healthy, each alone): treadle "
+        f"{load_s['treadle']:.1f} s, llama-server {load_s['llama.cpp']:.1f} s"
     )
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(memory, f)
@@ -395,8 +403,9 @@ def main() -> int:
     if not args.skip_transformers:
         print("\ntransformers (offline static batch of 16, NOT comparable with the served figures):", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "treadle", "bench", "throughput", "--num-prompts", "16", "--random-input-len", str(args.input_len),
-             "--random-output-len", str(args.output_len), "--threads", "2", "--max-num-seqs", "16", "--compare-transformers"],
+            [sys.executable, "-m", "treadle", "bench", "throughput", "--num-prompts", "16",
+             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+             "--threads", "2", "--max-num-seqs", "16", "--compare-transformers"],
             check=False,
         )  # fmt: skip
     return 0

@@ -64,15 +64,18 @@ def compare_compiled(engine, steps: int, dynamic: bool) -> None:
     with torch.no_grad():
         t = time.perf_counter()
         out = compiled(*inputs)
-        print(f"torch.compile of the forward ({'dynamic' if dynamic else 'static'} shapes): first call {time.perf_counter() - t:.1f} s "
-              "(compilation, or loading it from the inductor cache)")  # fmt: skip
+        print(
+            f"torch.compile of the forward ({'dynamic' if dynamic else 'static'} shapes): "
+            f"first call {time.perf_counter() - t:.1f} s (compilation, or loading it from the inductor cache)"
+        )
         ref = eager(*inputs)
         print(f"max |logit difference| compiled vs eager: {(out - ref).abs().max().item():.4f}")
         for _ in range(2):
             e_med, e_p10 = timed(lambda i: eager(*inputs), steps)
             c_med, c_p10 = timed(lambda i: compiled(*inputs), steps)
             print(
-                f"forward alone: eager median {e_med:.2f} ms, p10 {e_p10:.2f} ms; compiled median {c_med:.2f} ms, p10 {c_p10:.2f} ms"
+                f"forward alone: eager median {e_med:.2f} ms, p10 {e_p10:.2f} ms; "
+                f"compiled median {c_med:.2f} ms, p10 {c_p10:.2f} ms"
             )
 
 
@@ -122,7 +125,8 @@ def main():
         one_step(-1)
         med, p10 = timed(one_step, args.steps)
         print(
-            f"prefill of {args.prefill} tokens: median {med:.1f} ms, p10 {p10:.1f} ms ({args.prefill / med * 1000:.0f} tok/s at the median)"
+            f"prefill of {args.prefill} tokens: median {med:.1f} ms, p10 "
+            f"{p10:.1f} ms ({args.prefill / med * 1000:.0f} tok/s at the median)"
         )
         step = one_step
     else:
@@ -135,7 +139,8 @@ def main():
         step = lambda i: engine.step()  # noqa: E731
         med, p10 = timed(step, args.steps)
         print(
-            f"decode step, batch {args.batch}, context ~{args.context}: median {med:.2f} ms, p10 {p10:.2f} ms ({args.batch / med * 1000:.1f} tok/s at the median)"
+            f"decode step, batch {args.batch}, context ~{args.context}: median {med:.2f} ms, "
+            f"p10 {p10:.2f} ms ({args.batch / med * 1000:.1f} tok/s at the median)"
         )
         if args.compile:
             compare_compiled(engine, args.steps, dynamic=args.compile == "dynamic")

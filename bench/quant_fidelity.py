@@ -52,7 +52,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     print("CPU:", cpu_description(), flush=True)
     print(
-        "| file type | tensors held (MB) | float32 vs transformers, batched / alone | near-ties crossed | bf16 mean KL | bf16 greedy agreement |"
+        "| file type | tensors held (MB) | float32 vs transformers, batched / alone | near-ties crossed "
+        "| bf16 mean KL | bf16 greedy agreement |"
     )
     print("|---|---|---|---|---|---|")
     for kind in args.types:

@@ -64,7 +64,8 @@ def one_path(args) -> None:
                 w.matmul(x)
         per = (time.perf_counter() - start) / (args.repeat * len(ws))
         print(
-            f"    {name:24s} {kind:6s} {str(shape):14s} x{len(ws):<3d} {per * 1e3:7.3f} ms  {ws[0].nbytes() / per / 1e9:5.1f} GB/s"
+            f"    {name:24s} {kind:6s} {str(shape):14s} x{len(ws):<3d} {per * 1e3:7.3f} ms  "
+            f"{ws[0].nbytes() / per / 1e9:5.1f} GB/s"
         )
 
 

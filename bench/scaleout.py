@@ -50,7 +50,8 @@ def start(args: list[str], log: str) -> tuple[subprocess.Popen, str]:
 
 def bench(url: str, flags: list[str], out_dir: str, name: str) -> dict:
     path = os.path.join(out_dir, f"{name}.json")
-    cmd = [sys.executable, "-m", "treadle", "bench", "serve", "--base-url", url, "--disable-tqdm", "--ignore-eos", "--num-warmups", "2",
+    cmd = [sys.executable, "-m", "treadle", "bench", "serve", "--base-url", url,
+           "--disable-tqdm", "--ignore-eos", "--num-warmups", "2",
            "--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json", *flags]  # fmt: skip
     print("bench:", " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -85,8 +86,10 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     q = args.quick
-    multiturn = ["--dataset-name", "multiturn", "--multiturn-conversations", "6" if q else "16", "--multiturn-turns", "3" if q else str(args.turns),
-                 "--multiturn-turn-tokens", "64", "--multiturn-system-prompt-tokens", "256", "--random-output-len", "64", "--max-concurrency", "8"]  # fmt: skip
+    multiturn = ["--dataset-name", "multiturn",
+                 "--multiturn-conversations", "6" if q else "16", "--multiturn-turns", "3" if q else str(args.turns),
+                 "--multiturn-turn-tokens", "64", "--multiturn-system-prompt-tokens", "256",
+                 "--random-output-len", "64", "--max-concurrency", "8"]  # fmt: skip
     random_ = [
         "--dataset-name",
         "random",

@@ -50,9 +50,11 @@ def main() -> int:
             with urllib.request.urlopen(url + "/stats", timeout=5) as r:
                 core = json.load(r)["engine_pid"]
             peak = TreePeak(proc.pid)
-            sweep = [sys.executable, "-m", "treadle", "bench", "sweep", "--server", f"treadle={url}", "--tokenizer", gguf,
-                     "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256", "--ignore-eos",
-                     "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+            sweep = [sys.executable, "-m", "treadle", "bench", "sweep",
+                     "--server", f"treadle={url}", "--tokenizer", gguf,
+                     "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256",
+                     "--ignore-eos", "--concurrency", str(args.concurrency),
+                     "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
                      "--result-dir", out, "--disable-tqdm"]  # fmt: skip
             subprocess.run(sweep, check=True, stdout=subprocess.DEVNULL)
             whole = peak.stop() * 1e6
@@ -62,8 +64,11 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-    print(f"whole server's peak: {whole / 2**20:.1f} MiB ({whole / 1e6:.0f} MB); at the end: front end {front / 2**20:.1f} MiB, "
-          f"engine core {engine / 2**20:.1f} MiB; {row['output_throughput']:.1f} tok/s, median TPOT {row['median_tpot_ms']:.1f} ms")  # fmt: skip
+    print(
+        f"whole server's peak: {whole / 2**20:.1f} MiB ({whole / 1e6:.0f} MB); "
+        f"at the end: front end {front / 2**20:.1f} MiB, engine core {engine / 2**20:.1f} MiB; "
+        f"{row['output_throughput']:.1f} tok/s, median TPOT {row['median_tpot_ms']:.1f} ms"
+    )
     return 0
 
 

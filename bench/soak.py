@@ -275,7 +275,8 @@ def run(url: str, requests: int, concurrency: int, server_pid: int | None, *, se
                 if progress:
                     rss = f", {report.memory[-1][1] / 2**20:.0f} MiB" if report.memory else ""
                     print(
-                        f"{batch.stop} requests, {time.monotonic() - start:.0f} s, {report.server_errors} 5xx, {len(report.failures)} failures{rss}",
+                        f"{batch.stop} requests, {time.monotonic() - start:.0f} s, "
+                        f"{report.server_errors} 5xx, {len(report.failures)} failures{rss}",
                         flush=True,
                     )
     finally:
@@ -291,12 +292,17 @@ def promises(report: Report, baseline_after: int, max_growth: float = 0.05) -> l
     s = report.final_stats
     growth = report.memory_growth(baseline_after)
     return [
-        ("zero 5xx", report.server_errors == 0, f"{report.server_errors} of {report.requests}; statuses {report.statuses}"),
-        ("every request as expected", not report.failures, f"{len(report.failures)} failures" + (f", first: {report.failures[0]}" if report.failures else "")),
+        ("zero 5xx", report.server_errors == 0,
+         f"{report.server_errors} of {report.requests}; statuses {report.statuses}"),
+        ("every request as expected", not report.failures,
+         f"{len(report.failures)} failures" + (f", first: {report.failures[0]}" if report.failures else "")),
         ("preemption exercised", (s.get("num_preemptions") or 0) > 0, f"{s.get('num_preemptions')} preemptions"),
-        ("all KV blocks free, engine idle", s.get("kv_blocks_used") == 0 and s.get("num_running") == 0 and s.get("num_waiting") == 0,
-         f"kv_blocks_used {s.get('kv_blocks_used')}, running {s.get('num_running')}, waiting {s.get('num_waiting')}, preemptions {s.get('num_preemptions')}"),
-        (f"memory growth after {baseline_after} requests < {max_growth:.0%}", growth is not None and growth < max_growth,
+        ("all KV blocks free, engine idle",
+         s.get("kv_blocks_used") == 0 and s.get("num_running") == 0 and s.get("num_waiting") == 0,
+         f"kv_blocks_used {s.get('kv_blocks_used')}, running {s.get('num_running')}, "
+         f"waiting {s.get('num_waiting')}, preemptions {s.get('num_preemptions')}"),
+        (f"memory growth after {baseline_after} requests < {max_growth:.0%}",
+         growth is not None and growth < max_growth,
          "not measured" if growth is None else f"{growth:+.2%}"),
     ]  # fmt: skip
 
@@ -374,7 +380,9 @@ def main() -> int:
         plot(report, os.path.join(args.out, "soak-memory.png"), title)
     with open(os.path.join(args.out, "soak.json"), "w") as f:
         json.dump({"title": title, "seconds": report.seconds, "by_kind": report.by_kind, "statuses": report.statuses,
-                   "memory": report.memory, "final_stats": {k: report.final_stats.get(k) for k in ("kv_blocks_used", "num_running", "num_waiting", "num_preemptions", "prefix_cache_hit_rate")},
+                   "memory": report.memory,
+                   "final_stats": {k: report.final_stats.get(k) for k in (
+                       "kv_blocks_used", "num_running", "num_waiting", "num_preemptions", "prefix_cache_hit_rate")},
                    "failures": report.failures[:50], "promises": results}, f, indent=1)  # fmt: skip
     print(title, f"in {report.seconds:.0f} s")
     for name, ok, detail in results:

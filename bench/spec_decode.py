@@ -83,9 +83,13 @@ def main() -> int:
                 a = bench_serve(plain_url, args.out, f"p{part}-plain-{i}", [*common, "--seed", str(seed)], workload=[])
                 b = bench_serve(spec_url, args.out, f"p{part}-spec-{i}", [*common, "--seed", str(seed)], workload=[])
                 ratios.append(b["output_throughput"] / a["output_throughput"])
-                print(f"{title}, pair {i}: output tok/s {a['output_throughput']:.1f} without, {b['output_throughput']:.1f} with "
-                      f"(ratio {ratios[-1]:.3f}); median TPOT {a['median_tpot_ms']:.1f} / {b['median_tpot_ms']:.1f} ms; "
-                      f"spec {spec_stats(spec_url)}", flush=True)  # fmt: skip
+                print(
+                    f"{title}, pair {i}: output tok/s {a['output_throughput']:.1f} without, "
+                    f"{b['output_throughput']:.1f} with (ratio {ratios[-1]:.3f}); "
+                    f"median TPOT {a['median_tpot_ms']:.1f} / {b['median_tpot_ms']:.1f} ms; "
+                    f"spec {spec_stats(spec_url)}",
+                    flush=True,
+                )
             print(f"\n{title}: median ratio {statistics.median(ratios):.3f} (target >= {target})\n", flush=True)
     finally:
         stop(plain)

@@ -1,6 +1,7 @@
 """Speculative decoding next to llama.cpp's: the editing workload at 1 user, on four servers in one run.
 
-    python bench/spec_peer.py [--pairs 2] [--config JSON] [--llama-spec-type ngram-simple] [--out bench-results/spec-peer]
+    python bench/spec_peer.py [--pairs 2] [--config JSON] [--llama-spec-type ngram-simple]
+        [--out bench-results/spec-peer]
 
 - treadle serve, plain and with `--speculative-config` (default: suffix decoding);
 - llama-server (the peer comparison's build, bench/peer_compare.py), plain and with
@@ -71,8 +72,11 @@ def main() -> int:
                 url = servers[name][1]
                 r = bench_serve(url, args.out, f"{name}-{i}", [*editing, "--seed", str(500 + i)], workload=[])
                 results[name].append(r)
-                print(f"round {i}, {name}: output tok/s {r['output_throughput']:.1f}, median TPOT {r['median_tpot_ms']:.1f} ms, "
-                      f"{r['total_output_tokens']} output tokens", flush=True)  # fmt: skip
+                print(
+                    f"round {i}, {name}: output tok/s {r['output_throughput']:.1f}, "
+                    f"median TPOT {r['median_tpot_ms']:.1f} ms, {r['total_output_tokens']} output tokens",
+                    flush=True,
+                )
     finally:
         for proc, _ in servers.values():
             stop(proc)
@@ -90,7 +94,8 @@ def main() -> int:
     for peer in ("treadle", "llama.cpp"):
         ratios = [b / a for a, b in zip(tps(peer), tps(peer + "+spec"))]
         print(
-            f"{peer}: with / without speculation {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})"
+            f"{peer}: with / without speculation "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})"
         )
     ratios = [t / lc for t, lc in zip(tps("treadle+spec"), tps("llama.cpp+spec"))]
     print(f"treadle+spec / llama.cpp+spec: {', '.join(f'{x:.2f}' for x in ratios)}")

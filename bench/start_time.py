@@ -119,8 +119,9 @@ def main() -> int:
             else:
                 tree = servers[name]
                 env = dict(os.environ, PYTHONPATH=tree)
-                cmd = [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(port), "--max-num-seqs", "16",
-                       "--kv-cache-memory-bytes", str(kv), "--block-size", "16", "--threads", "2"]  # fmt: skip
+                cmd = [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(port),
+                       "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(kv), "--block-size", "16",
+                       "--threads", "2"]  # fmt: skip
                 seconds, mem = start(cmd, port, tree, env, run == 0)
                 if run == 0:
                     memory[name] = mem

@@ -61,11 +61,16 @@ def main() -> int:
                     "1",
                 ],
             )
-            print(f"\n1 user: median TPOT constrained {tpot(one, 'constrained'):.2f} ms, unconstrained {tpot(one, 'unconstrained'):.2f} ms, "
-                  f"ratio {tpot(one, 'constrained') / tpot(one, 'unconstrained'):.3f}\n", flush=True)  # fmt: skip
+            print(
+                f"\n1 user: median TPOT constrained {tpot(one, 'constrained'):.2f} ms, "
+                f"unconstrained {tpot(one, 'unconstrained'):.2f} ms, "
+                f"ratio {tpot(one, 'constrained') / tpot(one, 'unconstrained'):.3f}\n",
+                flush=True,
+            )
             mixed, plain = [], []
             for i in range(args.c16_pairs):
-                # fresh prompts in every run (seeds differ): a run must not find the last run's prompts in the prefix cache
+                # fresh prompts in every run (seeds differ): a run must not find the last run's prompts in the
+                # prefix cache
                 common = ["--max-concurrency", "16", "--num-prompts", str(args.c16_prompts)]
                 mixed.append(
                     bench_serve(
@@ -80,13 +85,20 @@ def main() -> int:
                         url, args.out, f"c16-plain-{i}", [*common, "--seed", str(11 + 2 * i), "--num-warmups", "1"]
                     )
                 )
-                print(f"16 users, pair {i}: TPOT constrained {tpot(mixed[-1], 'constrained'):.2f} ms, unconstrained beside them "
-                      f"{tpot(mixed[-1], 'unconstrained'):.2f} ms, with none constrained {plain[-1]['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
+                print(
+                    f"16 users, pair {i}: TPOT constrained {tpot(mixed[-1], 'constrained'):.2f} ms, "
+                    f"unconstrained beside them {tpot(mixed[-1], 'unconstrained'):.2f} ms, "
+                    f"with none constrained {plain[-1]['median_tpot_ms']:.2f} ms",
+                    flush=True,
+                )
             c = statistics.median(tpot(r, "constrained") for r in mixed)
             u = statistics.median(tpot(r, "unconstrained") for r in mixed)
             p = statistics.median(r["median_tpot_ms"] for r in plain)
-            print(f"\n16 users: constrained / unconstrained TPOT {c / u:.3f}; unconstrained beside constrained vs alone: "
-                  f"TPOT {u / p:.3f} (throughput {p / u:.3f})\n", flush=True)  # fmt: skip
+            print(
+                f"\n16 users: constrained / unconstrained TPOT {c / u:.3f}; unconstrained beside constrained vs alone: "
+                f"TPOT {u / p:.3f} (throughput {p / u:.3f})\n",
+                flush=True,
+            )
         if 2 not in args.skip_part:
             common = [
                 "--max-concurrency",
@@ -100,7 +112,8 @@ def main() -> int:
             ]
             misses, cached = [], []
             for i in range(args.pairs):
-                # warm: the one schema compiles in the warm-up request, before the measured run; fresh prompts in each run
+                # warm: the one schema compiles in the warm-up request, before the measured run; fresh prompts in
+                # each run
                 cached.append(
                     bench_serve(
                         url, args.out, f"c8-cached-{i}", [*common, "--seed", str(20 + 2 * i), "--num-warmups", "1"]
@@ -125,8 +138,12 @@ def main() -> int:
                 for name, r in (("cached", cached[-1]), ("compiles", misses[-1])):
                     s = r["structured_output"]
                     u = s["unconstrained"]
-                    print(f"pair {i} {name}: {s['grammars_compiled']} compiled, {s['grammar_cache_hits']} cache hits; unconstrained ITL "
-                          f"median {u['median_itl_ms']:.2f} ms, p99 {u['p99_itl_ms']:.2f} ms; duration {r['duration']:.0f} s", flush=True)  # fmt: skip
+                    print(
+                        f"pair {i} {name}: {s['grammars_compiled']} compiled, {s['grammar_cache_hits']} cache hits; "
+                        f"unconstrained ITL median {u['median_itl_ms']:.2f} ms, p99 {u['p99_itl_ms']:.2f} ms; "
+                        f"duration {r['duration']:.0f} s",
+                        flush=True,
+                    )
             for stat in ("median", "p99"):
                 a = statistics.median(r["structured_output"]["unconstrained"][f"{stat}_itl_ms"] for r in misses)
                 b = statistics.median(r["structured_output"]["unconstrained"][f"{stat}_itl_ms"] for r in cached)

@@ -20,7 +20,10 @@ import time
 
 
 def short_prompts(n: int) -> list[str]:
-    words = "the of and to in is that for it as was with be by on not he this are or his from at which but have an they you were".split()
+    words = (
+        "the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+        "they you were"
+    ).split()
     rng = random.Random(0)
     return [" ".join(rng.choice(words) for _ in range(rng.randint(20, 40))) + f" ({i})" for i in range(n)]
 
@@ -54,7 +57,8 @@ def main() -> int:
         for text in prompts:
             tokenizer.encode(text)
         print(
-            f"{args.encode} distinct short prompts encoded in {time.perf_counter() - started:.2f} s: resident set +{(process_memory()['VmRSS'] - before) / 2**20:.1f} MiB"
+            f"{args.encode} distinct short prompts encoded in {time.perf_counter() - started:.2f} s: "
+            f"resident set +{(process_memory()['VmRSS'] - before) / 2**20:.1f} MiB"
         )
     return 0
 

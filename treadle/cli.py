@@ -1,5 +1,5 @@
-"""The `treadle` command: serve (the OpenAI-compatible server), router (in front of several), pull / list / show / rm / cp (the model
-store), chat (terminal), run (one prompt), bench."""
+"""The `treadle` command: serve (the OpenAI-compatible server), router (in front of several), pull / list / show / rm /
+cp (the model store), chat (terminal), run (one prompt), bench."""
 
 import argparse
 import os
@@ -48,9 +48,16 @@ LIMIT_HELP = {
     "max_stop_length": "longest stop string a request may send, in characters",
     "max_logit_bias": "most logit_bias entries a request may send",
     "max_messages": "most messages a chat request may send",
-    "max_concurrent_per_key": "most requests in flight per API key (without keys: for the whole server); one more is a 429 with Retry-After; 0: no limit",
-    "request_body_timeout": "seconds a request's whole body may take to arrive; past it a 408, and the request is never admitted",
-    "max_stream_buffer_bytes": "bytes of a streamed reply its client has not taken yet; past it the stream and its engine requests are aborted",
+    "max_concurrent_per_key": (
+        "most requests in flight per API key (without keys: for the whole server); one more is a 429 with Retry-After; "
+        "0: no limit"
+    ),
+    "request_body_timeout": (
+        "seconds a request's whole body may take to arrive; past it a 408, and the request is never admitted"
+    ),
+    "max_stream_buffer_bytes": (
+        "bytes of a streamed reply its client has not taken yet; past it the stream and its engine requests are aborted"
+    ),
 }
 
 
@@ -136,7 +143,8 @@ def serve_models(args):
     if args.max_loaded_models < 1:
         raise ValueError("--max-loaded-models must be at least 1")
     options = ModelOptions(
-        primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep, parse_lora_modules(args.lora_modules),
+        primary, specs, models_dir, args.max_loaded_models, budget, keep, primary_keep,
+        parse_lora_modules(args.lora_modules),
         spare_core=multi and not args.no_spare_core,
     )  # fmt: skip
     return primary_path, options
@@ -218,25 +226,37 @@ def add_routing_args(parser, what: str) -> None:
         "--routing-policy",
         choices=POLICIES,
         default="cache_aware",
-        help=f"the {what} holding the prompt's longest cached prefix where it covers enough of the prompt and the load is in balance (cache_aware), in turn, or the least busy (default: cache_aware)",
+        help=(
+            f"the {what} holding the prompt's longest cached prefix where it covers enough of the prompt and the load "
+            "is in balance (cache_aware), in turn, or the least busy (default: cache_aware)"
+        ),
     )
     parser.add_argument(
         "--balance-abs-threshold",
         type=int,
         default=32,
-        help=f"cache_aware: when the busiest and idlest {what}s differ by more requests in flight than this, and ... (default: 32)",
+        help=(
+            f"cache_aware: when the busiest and idlest {what}s differ by more requests in flight than this, and ... "
+            "(default: 32)"
+        ),
     )
     parser.add_argument(
         "--balance-rel-threshold",
         type=float,
         default=1.5,
-        help="... the busiest has more than this many times the idlest's, the idlest takes the request whatever is cached (default: 1.5)",
+        help=(
+            "... the busiest has more than this many times the idlest's, the idlest takes the request whatever is "
+            "cached (default: 1.5)"
+        ),
     )
     parser.add_argument(
         "--cache-threshold",
         type=float,
         default=0.5,
-        help=f"cache_aware: a prompt of which the best {what} holds less than this fraction cached goes to the least busy one (default: 0.5)",
+        help=(
+            f"cache_aware: a prompt of which the best {what} holds less than this fraction cached goes to the least "
+            "busy one (default: 0.5)"
+        ),
     )
 
 
@@ -268,10 +288,6 @@ def cmd_router(args) -> int:
 
 
 def add_router_parser(sub) -> None:
-    from treadle.server.prepare import ServerSettings
-    from treadle.server.reasoning import PARSERS as REASONING_PARSERS
-    from treadle.server.tools import PARSERS as TOOL_PARSERS
-
     r = sub.add_parser(
         "router",
         help="one OpenAI-compatible API in front of several treadle serve workers, routed by where prompts are cached",
@@ -280,14 +296,20 @@ def add_router_parser(sub) -> None:
         "--model",
         "-m",
         default=None,
-        help="the workers' model: its tokenizer and chat template are read (no weights) to hash prompts as the engines do (default: the embedded SmolLM2-135M-Instruct)",
+        help=(
+            "the workers' model: its tokenizer and chat template are read (no weights) to hash prompts as the engines "
+            "do (default: the embedded SmolLM2-135M-Instruct)"
+        ),
     )
     r.add_argument(
         "--worker",
         action="append",
         required=True,
         metavar="URL",
-        help="a treadle serve worker's base URL, e.g. http://10.0.0.2:8000; give it once per worker (start workers with --kv-events-port for cache_aware)",
+        help=(
+            "a treadle serve worker's base URL, e.g. http://10.0.0.2:8000; give it once per worker (start workers with "
+            "--kv-events-port for cache_aware)"
+        ),
     )
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     r.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
@@ -295,14 +317,32 @@ def add_router_parser(sub) -> None:
         "--api-key",
         action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' from clients, as treadle serve does (default: $TREADLE_API_KEY, comma-separated, else none)",
+        help=(
+            "require 'Authorization: Bearer KEY' from clients, as treadle serve does (default: $TREADLE_API_KEY, "
+            "comma-separated, else none)"
+        ),
     )
     r.add_argument(
         "--worker-api-key",
         default=None,
-        help="the key sent to the workers instead of the client's, and with the router's own health checks of their /stats: needed when the workers have --api-key (default: $TREADLE_WORKER_API_KEY, else the client's headers are passed on)",
+        help=(
+            "the key sent to the workers instead of the client's, and with the router's own health checks of their "
+            "/stats: needed when the workers have --api-key (default: $TREADLE_WORKER_API_KEY, else the client's "
+            "headers are passed on)"
+        ),
     )
     add_routing_args(r, "worker")
+    _add_router_worker_args(r)
+    r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
+    r.set_defaults(func=cmd_router)
+
+
+def _add_router_worker_args(r) -> None:
+    """What the router must know of its workers' settings to read prompts as they do, and its limits."""
+    from treadle.server.prepare import ServerSettings
+    from treadle.server.reasoning import PARSERS as REASONING_PARSERS
+    from treadle.server.tools import PARSERS as TOOL_PARSERS
+
     r.add_argument(
         "--health-check-interval",
         type=float,
@@ -337,8 +377,6 @@ def add_router_parser(sub) -> None:
         default=defaults["request_body_timeout"],
         help=f"{LIMIT_HELP['request_body_timeout']} (default: {defaults['request_body_timeout']})",
     )
-    r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)")
-    r.set_defaults(func=cmd_router)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -389,7 +427,10 @@ def add_serve_parser(sub) -> None:
         "--max-engine-restarts",
         type=int,
         default=3,
-        help="restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero (default: 3)",
+        help=(
+            "restarts of a dead engine core process allowed within 10 minutes; one more and the server exits non-zero "
+            "(default: 3)"
+        ),
     )
     srv.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: info)"
@@ -409,29 +450,46 @@ def _add_serve_model_args(srv) -> None:
         nargs="?",
         const=default_models_dir(),
         default=None,
-        help="serve every model of this store (treadle pull) by name, loaded when a request names it; without DIR: $TREADLE_MODELS, else ~/.cache/treadle/models (default: off)",
+        help=(
+            "serve every model of this store (treadle pull) by name, loaded when a request names it; without DIR: "
+            "$TREADLE_MODELS, else ~/.cache/treadle/models (default: off)"
+        ),
     )
     srv.add_argument(
         "--max-loaded-models",
         type=int,
         default=3,
-        help="models loaded at once (an engine core process each); one more unloads the least recently used idle one (default: 3)",
+        help=(
+            "models loaded at once (an engine core process each); one more unloads the least recently used idle one "
+            "(default: 3)"
+        ),
     )
     srv.add_argument(
         "--memory-budget",
         default=None,
-        help="memory all loaded models may use (every engine core's resident set), e.g. 8G; a load unloads idle models, least recently used first, to fit (default: 80%% of the memory available at start when serving several models)",
+        help=(
+            "memory all loaded models may use (every engine core's resident set), e.g. 8G; a load unloads idle models, "
+            "least recently used first, to fit (default: 80%% of the memory available at start when serving several "
+            "models)"
+        ),
     )
     srv.add_argument(
         "--no-spare-core",
         action="store_true",
-        help="serving several models, do not keep a started engine core (Python and torch loaded, ~250 MB) waiting for the next model to load "
-        "(default: kept, so a model loads in the time its files take; counted in --memory-budget, not started where it has no room)",
+        help=(
+            "serving several models, do not keep a started engine core (Python and torch loaded, ~250 MB) waiting for "
+            "the next model to load (default: kept, so a model loads in the time its files take; counted in "
+            "--memory-budget, not started where it has no room)"
+        ),
     )
     srv.add_argument(
         "--keep-alive",
         default=None,
-        help="how long a model loaded on demand stays loaded once idle, e.g. 30s, 5m, 1h; 0: unload at once; -1: forever; a request's Ollama keep_alive overrides it; given, it applies to the command line's model too, which otherwise stays (default: 5m)",
+        help=(
+            "how long a model loaded on demand stays loaded once idle, e.g. 30s, 5m, 1h; 0: unload at once; "
+            "-1: forever; a request's Ollama keep_alive overrides it; given, it applies to the command line's model "
+            "too, which otherwise stays (default: 5m)"
+        ),
     )
     srv.add_argument(
         "--lora-modules",
@@ -439,19 +497,28 @@ def _add_serve_model_args(srv) -> None:
         action="extend",
         default=[],
         metavar="NAME=PATH",
-        help="LoRA adapters (PEFT folders) of the command line's model, each served as model NAME (vLLM's flag; also as JSON "
-        '\'{"name": ..., "path": ...}\'); more can be loaded at run time with POST /v1/load_lora_adapter (default: none)',
+        help=(
+            "LoRA adapters (PEFT folders) of the command line's model, each served as model NAME (vLLM's flag; also as "
+            'JSON \'{"name": ..., "path": ...}\'); more can be loaded at run time with POST /v1/load_lora_adapter '
+            "(default: none)"
+        ),
     )
     srv.add_argument(
         "--generation-config",
         default="auto",
         choices=["auto", "vllm"],
-        help="auto: a model's own generation defaults (generation_config.json, GGUF general.sampling.*, the store's params.json) apply where a request does not set them; vllm: treadle's defaults only (default: auto)",
+        help=(
+            "auto: a model's own generation defaults (generation_config.json, GGUF general.sampling.*, the store's "
+            "params.json) apply where a request does not set them; vllm: treadle's defaults only (default: auto)"
+        ),
     )
     srv.add_argument(
         "--override-generation-config",
         default=None,
-        help="generation defaults on top of every model's, as JSON in SamplingParams' names, e.g. '{\"temperature\": 0.5}' (default: none)",
+        help=(
+            "generation defaults on top of every model's, as JSON in SamplingParams' names, "
+            "e.g. '{\"temperature\": 0.5}' (default: none)"
+        ),
     )
 
 
@@ -463,7 +530,10 @@ def _add_serve_address_args(srv) -> None:
         "--api-key",
         action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/*, /api/*, /tokenize, /detokenize, /stats; give it several times for several keys (default: $TREADLE_API_KEY, comma-separated, else none)",
+        help=(
+            "require 'Authorization: Bearer KEY' on /v1/*, /api/*, /tokenize, /detokenize, /stats; give it several "
+            "times for several keys (default: $TREADLE_API_KEY, comma-separated, else none)"
+        ),
     )
 
 
@@ -509,7 +579,9 @@ def _add_serve_reply_args(srv) -> None:
         "--tool-call-parser",
         default="auto",
         choices=TOOL_PARSERS,
-        help="how tool calls are read from replies under tool_choice auto; auto: from the chat template (default: auto)",
+        help=(
+            "how tool calls are read from replies under tool_choice auto; auto: from the chat template (default: auto)"
+        ),
     )
     srv.add_argument(
         "--reasoning-parser",
@@ -521,13 +593,19 @@ def _add_serve_reply_args(srv) -> None:
         "--max-stored-responses",
         type=int,
         default=1000,
-        help="Responses API: responses kept in memory for previous_response_id and GET, oldest dropped first (default: 1000)",
+        help=(
+            "Responses API: responses kept in memory for previous_response_id and GET, oldest dropped first "
+            "(default: 1000)"
+        ),
     )
     srv.add_argument(
         "--pooling",
         default="last",
         choices=["last", "mean"],
-        help="embeddings: the last token's final hidden state, or the mean over the input's tokens; normalized (default: last)",
+        help=(
+            "embeddings: the last token's final hidden state, or the mean over the input's tokens; normalized "
+            "(default: last)"
+        ),
     )
 
 
@@ -543,19 +621,28 @@ def _add_serve_replica_args(srv) -> None:
         "--data-parallel-backend",
         choices=["mp", "ray"],
         default="mp",
-        help="where the replicas run: child processes of this server (mp), or Ray actors placed on an existing Ray cluster (ray; see --ray-address) (default: mp)",
+        help=(
+            "where the replicas run: child processes of this server (mp), or Ray actors placed on an existing Ray "
+            "cluster (ray; see --ray-address) (default: mp)"
+        ),
     )
     srv.add_argument(
         "--ray-address",
         default=None,
-        help="the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster `ray start` began on this machine)",
+        help=(
+            "the Ray cluster to join with --data-parallel-backend ray, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else "
+            "the cluster `ray start` began on this machine)"
+        ),
     )
     add_routing_args(srv, "replica")
     srv.add_argument(
         "--kv-events-port",
         type=int,
         default=None,
-        help="publish KV cache events (block stored / removed / all cleared, vLLM's ZMQ wire format) on --host at this port, the replay socket at the next one; /stats names them (default: off)",
+        help=(
+            "publish KV cache events (block stored / removed / all cleared, vLLM's ZMQ wire format) on --host at this "
+            "port, the replay socket at the next one; /stats names them (default: off)"
+        ),
     )
 
 
@@ -620,7 +707,8 @@ def main(argv=None) -> int:
         return 2
     finally:
         if early is not None:
-            early.drop()  # a core never taken (bad arguments, replicas, a server that did not start); a no-op once one was
+            # a core never taken (bad arguments, replicas, a server that did not start); a no-op once one was
+            early.drop()
 
 
 def _named_model(argv: list[str]) -> str | None:

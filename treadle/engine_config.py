@@ -31,7 +31,8 @@ class SpeculativeConfig:
         depth = self.suffix_decoding_max_tree_depth
         if not _is_int(depth) or not 2 <= depth <= MAX_TREE_DEPTH:
             raise ValueError(
-                f"speculative_config.suffix_decoding_max_tree_depth must be an integer in [2, {MAX_TREE_DEPTH}], got {depth!r}"
+                f"speculative_config.suffix_decoding_max_tree_depth must be an integer in [2, {MAX_TREE_DEPTH}], "
+                f"got {depth!r}"
             )
         cached = self.suffix_decoding_max_cached_requests
         if not _is_int(cached) or cached < 0:
@@ -50,7 +51,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+                f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}"
             )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -204,22 +206,56 @@ ENGINE_HELP = {
     "dtype": "compute type: auto (bfloat16 where the CPU has native bf16, else float32), float32, bfloat16",
     "max_model_len": "longest prompt + output in tokens (default: the model's, at most 8192)",
     "block_size": "tokens per KV block",
-    "kv_cache_dtype": "what the KV pool stores: auto (the compute dtype), bf16, or int8 (a float32 scale per token and head; about half of bf16's bytes, read as int8 by the attention kernel)",
+    "kv_cache_dtype": (
+        "what the KV pool stores: auto (the compute dtype), bf16, or int8 (a float32 scale per token and head; about "
+        "half of bf16's bytes, read as int8 by the attention kernel)"
+    ),
     "num_kv_blocks": "KV blocks in the pool (overrides --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)",
+    "kv_cache_memory_bytes": (
+        "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)"
+    ),
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step",
-    "decode_stall_ratio": "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens",
+    "decode_stall_ratio": (
+        "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: "
+        "about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens"
+    ),
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
-    "kv_offload_bytes": "host-RAM tier of the prefix cache: blocks evicted from the KV pool are kept here (e.g. 2G) and loaded back on a prefix hit; 0: off",
-    "kv_cache_dir": "disk tier of the prefix cache: every computed block is written here (a file each, off the step loop) and loaded back on a prefix hit the pool misses, also by a restarted server or another one on the same model",
+    "kv_offload_bytes": (
+        "host-RAM tier of the prefix cache: blocks evicted from the KV pool are kept here (e.g. 2G) and loaded back on "
+        "a prefix hit; 0: off"
+    ),
+    "kv_cache_dir": (
+        "disk tier of the prefix cache: every computed block is written here (a file each, off the step loop) and "
+        "loaded back on a prefix hit the pool misses, also by a restarted server or another one on the same model"
+    ),
     "kv_disk_bytes": "most bytes the disk tier keeps under --kv-cache-dir (least recently used files deleted first)",
-    "recurrent_checkpoints": "hybrid (recurrent-state) models: checkpoints of request states kept for prefix hits (default: a quarter of the KV budget's bytes, 2 to 4 x max-num-seqs)",
-    "quantization": "quantize a Hugging Face folder's matrices at load (q8_0, q4_k, q4_0), held and multiplied as a GGUF file's; a GGUF file keeps its own types",
-    "compile": "torch.compile decode steps in a low-priority background process after startup (cached under ~/.cache/treadle); eager until ready",
-    "batch_invariant": "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one stored form per weight (a GGUF file's blocks as they are, or the dtype), attention row by row, decode steps eager (auto: on for bfloat16 when treadle's attention kernel builds)",
-    "max_grammar_compile_seconds": "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), and refused at once the next time",
-    "speculative_config": 'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine proposes only where it pays unless "adaptive": false',
+    "recurrent_checkpoints": (
+        "hybrid (recurrent-state) models: checkpoints of request states kept for prefix hits (default: a quarter of "
+        "the KV budget's bytes, 2 to 4 x max-num-seqs)"
+    ),
+    "quantization": (
+        "quantize a Hugging Face folder's matrices at load (q8_0, q4_k, q4_0), held and multiplied as a GGUF file's; a "
+        "GGUF file keeps its own types"
+    ),
+    "compile": (
+        "torch.compile decode steps in a low-priority background process after startup (cached under "
+        "~/.cache/treadle); eager until ready"
+    ),
+    "batch_invariant": (
+        "the same greedy tokens for a request whatever its batch, prefix-cache hits, chunking or preemption: one "
+        "stored form per weight (a GGUF file's blocks as they are, or the dtype), attention row by row, decode steps "
+        "eager (auto: on for bfloat16 when treadle's attention kernel builds)"
+    ),
+    "max_grammar_compile_seconds": (
+        "a request whose output constraint (JSON schema, regex, grammar) takes longer to compile is refused (a 400), "
+        "and refused at once the next time"
+    ),
+    "speculative_config": (
+        'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine '
+        'proposes only where it pays unless "adaptive": false'
+    ),
     "seed": "seed of the sampler for requests without their own seed",
     "device": "torch device to run on",
     "threads": "compute threads (default: torch's choice)",

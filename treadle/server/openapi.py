@@ -1,8 +1,8 @@
 """/openapi.json: the document a client generator or an API fuzzer can trust.
 
-FastAPI describes the request models by itself; what each route answers is the dicts the dialect
-modules build, so it is written down in `openapi_models.ROUTES` (the 2xx body's model, the other
-media types a route streams in, the error statuses it can return) and put into the document here:
+FastAPI describes the request models by itself; what each route answers is declared beside its
+handler (`openapi_models.replies`: the 2xx body's model, the other media types a route streams in,
+the error statuses it can return), read here from the app's routes and put into the document:
 every 2xx JSON response references a named component schema, streamed replies declare their
 media type, and every error status carries its dialect's error body (OpenAI's, Anthropic's or
 Ollama's; errors.py). Request validation errors are 400s here, not FastAPI's 422.
@@ -11,9 +11,10 @@ Ollama's; errors.py). Request validation errors are 400s here, not FastAPI's 422
 from typing import Any
 
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from treadle.server.openapi_models import ERROR_MODELS, GLOBAL_ERRORS, ROUTES
+from treadle.server.openapi_models import ERROR_MODELS, GLOBAL_ERRORS, Replies
 
 REASONS = {
     400: "Bad request: invalid JSON, a parameter out of range or of the wrong type, a prompt too long",
@@ -87,27 +88,52 @@ def _schema_ref(components: dict, model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+def documented_routes(app) -> list[tuple[APIRoute, str]]:
+    """(route, method) for every route of the document; each must say what it answers."""
+    out = []
+    for route in api_routes(app.routes):
+        if route.include_in_schema:
+            if not isinstance(getattr(route.endpoint, "replies", None), Replies):
+                raise TypeError(f"{route.path}: its handler {route.endpoint.__qualname__} has no @replies(...)")
+            out += [(route, method) for method in sorted(route.methods)]
+    return out
+
+
+def api_routes(routes) -> list[APIRoute]:
+    """The APIRoutes under `routes`, an included router's too (FastAPI 0.165 keeps an included
+    router as one entry of the app's routes, its own routes inside; treadle includes its routers
+    without a prefix, so their paths are the app's)."""
+    out = []
+    for route in routes:
+        if isinstance(route, APIRoute):
+            out.append(route)
+        elif getattr(route, "original_router", None) is not None:
+            out += api_routes(route.original_router.routes)
+    return out
+
+
 def openapi_document(app) -> dict[str, Any]:
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes, description=__doc__.split("\n\n")[0])
     components = spec.setdefault("components", {}).setdefault("schemas", {})
-    for (method, path), entry in ROUTES.items():
+    for route, method in documented_routes(app):
+        path, entry = route.path_format, route.endpoint.replies
         operation = spec["paths"].get(path, {}).get(method.lower())
         if operation is None:
             continue
         ok: dict[str, Any] = {"description": "OK", "content": {}}
-        if entry["ok"] is not None:
-            ok["content"]["application/json"] = {"schema": _schema_ref(components, entry["ok"])}
-        for media in entry.get("media", ()):
+        if entry.ok is not None:
+            ok["content"]["application/json"] = {"schema": _schema_ref(components, entry.ok)}
+        for media in entry.media:
             ok["content"][media] = {"schema": MEDIA_SCHEMAS.get(media, {"type": "string"})}
         responses = {"200": ok}
-        error_model = ERROR_MODELS[entry["dialect"]]
-        for status in sorted(set(entry["errors"]) | set(GLOBAL_ERRORS)):
-            body = entry["error_bodies"].get(status, error_model)
+        error_model = ERROR_MODELS[entry.dialect]
+        for status in sorted(set(entry.errors) | set(GLOBAL_ERRORS)):
+            body = entry.error_bodies.get(status, error_model)
             responses[str(status)] = {"description": REASONS.get(status, "Error")}
             if body is not None:
                 responses[str(status)]["content"] = {"application/json": {"schema": _schema_ref(components, body)}}
         operation["responses"] = responses
-        if entry["dialect"] == "anthropic":  # Anthropic's clients send these; accepted, not required
+        if entry.dialect == "anthropic":  # Anthropic's clients send these; accepted, not required
             operation.setdefault("parameters", []).extend(
                 {"name": name, "in": "header", "required": False, "schema": {"type": "string"}, "description": text}
                 for name, text in (

@@ -17,11 +17,12 @@ Objects that also appear inside streamed snapshots (a Responses `response.create
 response, Anthropic's `message_start` message) allow the null those snapshots carry; the streams
 themselves (SSE, NDJSON) are not modeled.
 
-`ROUTES` lists every route `build_app` registers: its 2xx JSON model, the other 2xx media types
-it can answer with, its dialect (which picks the error body, ERROR_MODELS) and the error statuses
-it can really return.
+Each route says what it answers where it is defined: its handler is decorated with `replies(...)`
+(the 2xx JSON model, other media types, its dialect, which picks the error body from ERROR_MODELS,
+and the error statuses it can really return), and openapi.py reads that from the app's routes.
 """
 
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from treadle.server.protocol import ModelCard, ModelList
 
 __all__ = [
-    "ROUTES",
+    "replies",
+    "Replies",
     "ERROR_MODELS",
     "GLOBAL_ERRORS",
     "ModelCard",
@@ -641,8 +643,7 @@ class Version(BaseModel):
 
 
 class StatsMemory(BaseModel):
-    """/stats' memory: the front end's resident set (null where /proc is not), and the core's numbers once it
-    reported."""
+    """/stats' memory: the front end's resident set (null where /proc is not), the core's numbers once reported."""
 
     front_end_rss_bytes: int | None
     front_end_peak_rss_bytes: int | None
@@ -740,17 +741,18 @@ ERROR_MODELS: dict[str, type[BaseModel]] = {
     "plain": OpenAIError,  # errors.dialect_of: every path outside /v1/messages* and /api/* gets OpenAI's body
 }
 
-# Any route: BodyGate (app.py) wraps the whole app, so a body larger than --max-request-bytes is a 413
-# and one not complete within --request-body-timeout a 408 (both with the dialect's error body).
-_GATE = [408, 413]
-# The protected prefixes (app.PROTECTED_PREFIXES): 401 when --api-key is set and the key is wrong
-# or missing; 429 with --max-concurrent-per-key.
-_KEYED = [401, 429]
+# Any route: BodyGate (middleware.py) wraps the whole app, so a body larger than --max-request-bytes is
+# a 413 and one not complete within --request-body-timeout a 408 (both with the dialect's error body).
+GATE = (408, 413)
+# The protected prefixes (middleware.PROTECTED_PREFIXES): 401 when --api-key is set and the key is
+# wrong or missing; 429 with --max-concurrent-per-key.
+KEYED = (401, 429)
 # A generation: 400 (validation; request checks; a grammar the core refuses; GenerationFailed 400),
 # 404 (check_model), 503 (require_ready; queue full; engine dead; a stream aborted by shutdown),
 # 500 (an engine step failed: GenerationFailed 500), 499 (the client left before a non-streamed
-# reply: an empty body, see error_bodies).
-_GENERATE = [400, 404, 499, 500, 503]
+# reply: an empty body, see EMPTY_499).
+GENERATE = (400, 404, 499, 500, 503)
+EMPTY_499 = {499: None}
 
 # Not per route: 404 for an unknown path and 405 for a known path with another method (Starlette's
 # HTTPException -> app.on_http_error, the path's dialect's error body, 405 with an Allow header);
@@ -758,116 +760,33 @@ _GENERATE = [400, 404, 499, 500, 503]
 GLOBAL_ERRORS = [404, 405, 500]
 
 
-def _route(
-    ok,
-    dialect: str,
-    errors: list[int],
-    media: list[str] | None = None,
-    error_bodies: dict | None = None,
-    in_schema: bool = True,
-) -> dict:
-    error_bodies = error_bodies or {}
-    return {
-        "ok": ok,
-        "media": media or [],
-        "dialect": dialect,
-        "errors": sorted(set(errors)),
-        "error_bodies": error_bodies,
-        "unavailable": error_bodies.get(503),  # the 503 body's model where it is not the error body (/health)
-        "in_schema": in_schema,
-    }
-
-
-def _anthropic(statuses: list[int]) -> list[int]:
+def anthropic_statuses(statuses) -> tuple[int, ...]:
     """errors.anthropic_status: Anthropic's dialect answers 503 as 529 overloaded_error."""
-    return [529 if s == 503 else s for s in statuses]
+    return tuple(529 if s == 503 else s for s in statuses)
 
 
-_EMPTY_499 = {499: None}
+@dataclass(frozen=True)
+class Replies:
+    """What one route answers: the 2xx JSON body's model (None where the 2xx body is not JSON), the
+    other 2xx media types it can answer with, its dialect (openai | anthropic | ollama | plain:
+    ERROR_MODELS gives the error body), the error statuses it can really return (GLOBAL_ERRORS
+    aside), and the statuses whose body is not the dialect's error body (a model, or None: no body)."""
 
-# (method, FastAPI path) -> {
-#   "ok": the 2xx JSON body's model, None where the 2xx body is not JSON;
-#   "media": other 2xx media types the route can answer with;
-#   "dialect": openai | anthropic | ollama | plain (ERROR_MODELS gives the error body);
-#   "errors": the error statuses the route can return (GLOBAL_ERRORS aside);
-#   "error_bodies": statuses whose body is not the dialect's error body: a model, or None for no body;
-#   "unavailable": error_bodies' 503 model, or None (the dialect's error body);
-#   "in_schema": False for the routes FastAPI leaves out of /openapi.json.
-# }
-ROUTES: dict[tuple[str, str], dict] = {
-    # ---------------------------------------------------------------- plain endpoints (app.py)
-    ("GET", "/health"): _route(Health, "plain", [503] + _GATE, error_bodies={503: Health}),
-    ("GET", "/version"): _route(Version, "plain", _GATE),
-    ("GET", "/metrics"): _route(
-        None, "plain", [401] + _GATE, media=["text/plain"]
-    ),  # 401 only with --metrics-require-key
-    ("GET", "/stats"): _route(Stats, "plain", [400, 404, 503] + _KEYED + _GATE),  # 404: ?model= names no model
-    ("POST", "/tokenize"): _route(TokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
-    ("POST", "/detokenize"): _route(DetokenizeResponse, "plain", [400, 404, 503] + _KEYED + _GATE),
-    # ---------------------------------------------------------------- OpenAI
-    ("GET", "/v1/models"): _route(ModelList, "openai", [400] + _KEYED + _GATE),  # 400: ?loaded= not a boolean
-    ("GET", "/v1/models/{model_id}"): _route(ModelCard, "openai", [404] + _KEYED + _GATE),
-    ("POST", "/v1/chat/completions"): _route(
-        ChatCompletion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
-    ),
-    ("POST", "/v1/completions"): _route(
-        Completion, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
-    ),
-    # 404 also for an unknown previous_response_id
-    ("POST", "/v1/responses"): _route(
-        ResponseObject, "openai", _GENERATE + _KEYED + _GATE, media=["text/event-stream"], error_bodies=_EMPTY_499
-    ),
-    ("GET", "/v1/responses/{response_id}"): _route(ResponseObject, "openai", [404] + _KEYED + _GATE),
-    ("DELETE", "/v1/responses/{response_id}"): _route(ResponseDeleted, "openai", [404] + _KEYED + _GATE),
-    # 499 here is a RequestError: OpenAI's error body, not an empty one
-    # vLLM's LoRA routes: a plain-text success; 400 a bad adapter or name, 404 an unknown one, 503 the engine down
-    ("POST", "/v1/load_lora_adapter"): _route(None, "openai", [400, 404, 503] + _KEYED + _GATE, media=["text/plain"]),
-    ("POST", "/v1/unload_lora_adapter"): _route(None, "openai", [400, 404, 503] + _KEYED + _GATE, media=["text/plain"]),
-    ("POST", "/v1/embeddings"): _route(EmbeddingList, "openai", [400, 404, 499, 500, 503] + _KEYED + _GATE),
-    # ---------------------------------------------------------------- Anthropic
-    ("POST", "/v1/messages"): _route(
-        AnthropicMessage,
-        "anthropic",
-        _anthropic(_GENERATE) + _KEYED + _GATE,
-        media=["text/event-stream"],
-        error_bodies=_EMPTY_499,
-    ),
-    ("POST", "/v1/messages/count_tokens"): _route(
-        AnthropicTokenCount, "anthropic", _anthropic([400, 404, 503]) + _KEYED + _GATE
-    ),
-    # ---------------------------------------------------------------- Ollama (stream defaults to true)
-    ("POST", "/api/chat"): _route(
-        OllamaChatResponse,
-        "ollama",
-        _GENERATE + _KEYED + _GATE,
-        media=["application/x-ndjson"],
-        error_bodies=_EMPTY_499,
-    ),
-    ("POST", "/api/generate"): _route(
-        OllamaGenerateResponse,
-        "ollama",
-        _GENERATE + _KEYED + _GATE,
-        media=["application/x-ndjson"],
-        error_bodies=_EMPTY_499,
-    ),
-    ("GET", "/api/tags"): _route(OllamaTags, "ollama", _KEYED + _GATE),
-    ("GET", "/api/ps"): _route(OllamaPs, "ollama", _KEYED + _GATE),
-    ("POST", "/api/show"): _route(OllamaShow, "ollama", [400, 404, 503] + _KEYED + _GATE),
-    # the model store (400 also where the server has no --models-dir); delete and copy answer an empty 200
-    ("POST", "/api/pull"): _route(
-        OllamaPullStatus, "ollama", [400, 404] + _KEYED + _GATE, media=["application/x-ndjson"]
-    ),
-    ("DELETE", "/api/delete"): _route(None, "ollama", [400, 404] + _KEYED + _GATE),
-    ("POST", "/api/copy"): _route(None, "ollama", [400, 404] + _KEYED + _GATE),
-    # no 499: embed_texts gets no request to watch here
-    ("POST", "/api/embed"): _route(OllamaEmbed, "ollama", [400, 404, 500, 503] + _KEYED + _GATE),
-    ("GET", "/api/version"): _route(OllamaVersion, "ollama", _KEYED + _GATE),
-    # ---------------------------------------------------------------- not in the OpenAPI document
-    ("GET", "/openapi.json"): _route(OpenAPIDocument, "plain", _GATE, in_schema=False),
-    ("HEAD", "/openapi.json"): _route(None, "plain", _GATE, in_schema=False),
-    # the web chat: FileResponse / StaticFiles (a Range request may get 206, or 416 in text/plain)
-    ("GET", "/"): _route(None, "plain", [416] + _GATE, media=["text/html"], error_bodies={416: None}, in_schema=False),
-    ("GET", "/static/{path}"): _route(
-        None, "plain", [404, 416] + _GATE, media=["*/*"], error_bodies={416: None}, in_schema=False
-    ),
-}
+    ok: type[BaseModel] | None
+    dialect: str
+    errors: tuple[int, ...]
+    media: tuple[str, ...] = ()
+    error_bodies: dict = field(default_factory=dict)
+
+
+def replies(ok, dialect: str, *errors, media=(), error_bodies=None):
+    """A handler's decorator, under its route's: what the route answers (`Replies`), which
+    /openapi.json reads from the app's routes. `errors`: statuses or tuples of them."""
+    flat = sorted({s for e in errors for s in (e if isinstance(e, tuple | list) else (e,))})
+    described = Replies(ok, dialect, tuple(flat), tuple(media), dict(error_bodies or {}))
+
+    def mark(endpoint):
+        endpoint.replies = described
+        return endpoint
+
+    return mark

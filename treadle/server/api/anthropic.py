@@ -21,6 +21,16 @@ from treadle.server.api.sse import sse, stream_response
 from treadle.server.checked_route import checked_router
 from treadle.server.errors import anthropic_body, anthropic_status
 from treadle.server.generation import Generation, GenerationFailed
+from treadle.server.openapi_models import (
+    EMPTY_499,
+    GATE,
+    GENERATE,
+    KEYED,
+    AnthropicMessage,
+    AnthropicTokenCount,
+    anthropic_statuses,
+    replies,
+)
 from treadle.server.prepare import Prepared, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
 from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from treadle.server.tools import tool_setup
@@ -61,6 +71,15 @@ router = checked_router()
 
 
 @router.post("/v1/messages")
+@replies(
+    AnthropicMessage,
+    "anthropic",
+    anthropic_statuses(GENERATE),
+    KEYED,
+    GATE,
+    media=["text/event-stream"],
+    error_bodies=EMPTY_499,
+)
 async def messages(body: MessagesRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
@@ -83,6 +102,7 @@ async def messages(body: MessagesRequest, request: Request):
 
 
 @router.post("/v1/messages/count_tokens")
+@replies(AnthropicTokenCount, "anthropic", anthropic_statuses((400, 404, 503)), KEYED, GATE)
 async def count_tokens(body: CountTokensRequest, request: Request):
     server = request.app.state.treadle
     async with serving(server, body.model) as state:

@@ -8,6 +8,7 @@ from treadle.server.api.chat_completions import error_event, top_logprobs
 from treadle.server.api.sse import DONE, sse, stream_response
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import Choice, Generation, GenerationFailed
+from treadle.server.openapi_models import EMPTY_499, GATE, GENERATE, KEYED, Completion, replies
 from treadle.server.prepare import Prepared, prepare_completion, serving
 from treadle.server.protocol import CompletionRequest, new_id
 
@@ -15,6 +16,7 @@ router = checked_router()
 
 
 @router.post("/v1/completions")
+@replies(Completion, "openai", GENERATE, KEYED, GATE, media=["text/event-stream"], error_bodies=EMPTY_499)
 async def completions(body: CompletionRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()

@@ -18,6 +18,7 @@ from treadle.engine.request import validate_prompt
 from treadle.sampling_params import SamplingParams
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import ClientGone, Generation, GenerationFailed
+from treadle.server.openapi_models import GATE, KEYED, EmbeddingList, replies
 from treadle.server.prepare import ServerState, check_token_ids, require_ready, serving
 from treadle.server.protocol import RequestError, StrictModel, new_id
 
@@ -34,6 +35,7 @@ router = checked_router()
 
 
 @router.post("/v1/embeddings")
+@replies(EmbeddingList, "openai", 400, 404, 499, 500, 503, KEYED, GATE)
 async def embeddings(body: EmbeddingRequest, request: Request):
     server = request.app.state.treadle
     if body.encoding_format not in ("float", "base64"):

@@ -6,6 +6,7 @@ from fastapi.responses import PlainTextResponse
 
 from treadle.server.checked_route import checked_router
 from treadle.server.engine_client import EngineDead
+from treadle.server.openapi_models import GATE, KEYED, replies
 from treadle.server.prepare import model_card
 from treadle.server.protocol import LoadLoraRequest, ModelCard, ModelList, RequestError, UnloadLoraRequest
 
@@ -17,7 +18,8 @@ def adapter_card(hub, adapter) -> ModelCard:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request, loaded: bool = False):
+@replies(ModelList, "openai", 400, KEYED, GATE)  # 400: ?loaded= not a boolean
+async def models(request: Request, loaded: bool = False):
     state = request.app.state.treadle
     hub = state.hub
     cards = [model_card(state, spec) for spec in hub.catalog.specs() if not loaded or spec.name in hub.loaded]
@@ -26,7 +28,8 @@ async def list_models(request: Request, loaded: bool = False):
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request):
+@replies(ModelCard, "openai", 404, KEYED, GATE)
+async def model(model_id: str, request: Request):
     state = request.app.state.treadle
     hub = state.hub
     if model_id in hub.adapters:
@@ -35,6 +38,7 @@ async def get_model(model_id: str, request: Request):
 
 
 @router.post("/v1/load_lora_adapter")
+@replies(None, "openai", 400, 404, 503, KEYED, GATE, media=["text/plain"])
 async def load_lora_adapter(body: LoadLoraRequest, request: Request):
     """vLLM's: serve a PEFT LoRA folder as the model `lora_name` (plain-text success, as vLLM's)."""
     try:
@@ -45,6 +49,7 @@ async def load_lora_adapter(body: LoadLoraRequest, request: Request):
 
 
 @router.post("/v1/unload_lora_adapter")
+@replies(None, "openai", 400, 404, 503, KEYED, GATE, media=["text/plain"])
 async def unload_lora_adapter(body: UnloadLoraRequest, request: Request):
     try:
         await request.app.state.treadle.hub.unload_adapter(body.lora_name)

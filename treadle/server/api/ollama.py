@@ -29,6 +29,21 @@ from treadle.server.chat_output import is_json
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import Generation, GenerationFailed
 from treadle.server.model_hub import COMMAND_LINE, EMBEDDED, parse_keep_alive
+from treadle.server.openapi_models import (
+    EMPTY_499,
+    GATE,
+    GENERATE,
+    KEYED,
+    OllamaChatResponse,
+    OllamaEmbed,
+    OllamaGenerateResponse,
+    OllamaPs,
+    OllamaPullStatus,
+    OllamaShow,
+    OllamaTags,
+    OllamaVersion,
+    replies,
+)
 from treadle.server.prepare import (
     LOAD_WAIT,
     Prepared,
@@ -135,6 +150,7 @@ router = checked_router()
 
 
 @router.post("/api/chat")
+@replies(OllamaChatResponse, "ollama", GENERATE, KEYED, GATE, media=["application/x-ndjson"], error_bodies=EMPTY_499)
 async def chat(body: OllamaChatRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
@@ -145,12 +161,15 @@ async def chat(body: OllamaChatRequest, request: Request):
     async with serving(server, body.model, body.keep_alive) as state:
         name = state.settings.served_model_name
         prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
-        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        generation = await prepared.start(state, new_id("ollama"), arrival)
         generation.load_seconds = LOAD_WAIT.get()
     return await _respond(generation, prepared, body.stream, request, chat=True, name=name)
 
 
 @router.post("/api/generate")
+@replies(
+    OllamaGenerateResponse, "ollama", GENERATE, KEYED, GATE, media=["application/x-ndjson"], error_bodies=EMPTY_499
+)
 async def generate(body: OllamaGenerateRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
@@ -177,12 +196,13 @@ async def generate(body: OllamaGenerateRequest, request: Request):
                 name,
             )
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        generation = await prepared.start(state, new_id("ollama"), None, arrival)
+        generation = await prepared.start(state, new_id("ollama"), arrival)
         generation.load_seconds = LOAD_WAIT.get()
     return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
 
 
 @router.get("/api/tags")
+@replies(OllamaTags, "ollama", KEYED, GATE)
 async def tags(request: Request):
     server = request.app.state.treadle
     hub = server.hub
@@ -190,6 +210,7 @@ async def tags(request: Request):
 
 
 @router.get("/api/ps")
+@replies(OllamaPs, "ollama", KEYED, GATE)
 async def ps(request: Request):
     server = request.app.state.treadle
     hub = server.hub
@@ -210,6 +231,7 @@ async def ps(request: Request):
 
 
 @router.post("/api/show")
+@replies(OllamaShow, "ollama", 400, 404, 503, KEYED, GATE)
 async def show(body: OllamaModelRequest, request: Request):
     server = request.app.state.treadle
     hub = server.hub
@@ -243,6 +265,7 @@ async def show(body: OllamaModelRequest, request: Request):
 
 
 @router.post("/api/embed")
+@replies(OllamaEmbed, "ollama", 400, 404, 500, 503, KEYED, GATE)  # no 499: embed_texts gets no request to watch here
 async def embed(body: OllamaEmbedRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
@@ -261,6 +284,9 @@ async def embed(body: OllamaEmbedRequest, request: Request):
 
 
 @router.post("/api/pull")
+@replies(
+    OllamaPullStatus, "ollama", 400, 404, KEYED, GATE, media=["application/x-ndjson"]
+)  # 400 also without --models-dir
 async def pull(body: OllamaPullRequest, request: Request):
     server = request.app.state.treadle
     hub = server.hub
@@ -296,6 +322,7 @@ async def pull(body: OllamaPullRequest, request: Request):
 
 
 @router.delete("/api/delete")
+@replies(None, "ollama", 400, 404, KEYED, GATE)  # an empty 200
 async def delete(body: OllamaModelRequest, request: Request):
     server = request.app.state.treadle
     hub = server.hub
@@ -315,6 +342,7 @@ async def delete(body: OllamaModelRequest, request: Request):
 
 
 @router.post("/api/copy")
+@replies(None, "ollama", 400, 404, KEYED, GATE)
 async def copy(body: OllamaCopyRequest, request: Request):
     server = request.app.state.treadle
     hub = server.hub
@@ -331,6 +359,7 @@ async def copy(body: OllamaCopyRequest, request: Request):
 
 
 @router.get("/api/version")
+@replies(OllamaVersion, "ollama", KEYED, GATE)
 async def version(request: Request):
     return {"version": __version__}
 
@@ -376,7 +405,7 @@ async def _pull(store, ref: str) -> dict:
     from treadle.store import StoreError
 
     try:
-        return await asyncio.to_thread(store.pull, ref, None, False, lambda text: None)
+        return await asyncio.to_thread(store.pull, ref, False, lambda text: None)
     except StoreError as e:
         raise RequestError(str(e), "model", status=404 if "no such repository" in str(e) else 400) from None
 

@@ -8,6 +8,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from treadle import __version__
 from treadle.server.checked_route import checked_router
+from treadle.server.openapi_models import GATE, KEYED, Health, Stats, Version, replies
 from treadle.server.prepare import require_ready
 from treadle.server.protocol import RequestError
 
@@ -22,6 +23,7 @@ async def index():
 
 
 @router.get("/health")
+@replies(Health, "plain", 503, GATE, error_bodies={503: Health})
 async def health(request: Request):
     hub = request.app.state.treadle.hub
     entry = hub.primary_entry  # the command line's model, while it is loaded
@@ -35,17 +37,20 @@ async def health(request: Request):
 
 
 @router.get("/version")
+@replies(Version, "plain", GATE)
 async def version():
     return {"version": __version__}
 
 
 @router.get("/metrics")
+@replies(None, "plain", 401, GATE, media=["text/plain"])  # 401 only with --metrics-require-key
 async def metrics(request: Request):
     state = request.app.state.treadle
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/stats")
+@replies(Stats, "plain", 400, 404, 503, KEYED, GATE)  # 404: ?model= names no model
 async def stats(request: Request, model: str | None = None):
     """The engine's numbers of `model` (default: the command line's), and every loaded model's
     memory and expiry under "models"."""

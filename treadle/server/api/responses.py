@@ -20,6 +20,7 @@ from treadle.server.api.reply_parts import PartStream, ReplyPart, complete_calls
 from treadle.server.api.sse import stream_response
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import Generation, GenerationFailed
+from treadle.server.openapi_models import EMPTY_499, GATE, GENERATE, KEYED, ResponseDeleted, ResponseObject, replies
 from treadle.server.prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
 from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 
@@ -75,6 +76,7 @@ router = checked_router()
 
 
 @router.post("/v1/responses")
+@replies(ResponseObject, "openai", GENERATE, KEYED, GATE, media=["text/event-stream"], error_bodies=EMPTY_499)
 async def create_response(body: ResponsesRequest, request: Request):
     server = request.app.state.treadle
     store = request.app.state.responses
@@ -106,6 +108,7 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 
 @router.get("/v1/responses/{response_id}")
+@replies(ResponseObject, "openai", 404, KEYED, GATE)
 async def get_response(response_id: str, request: Request):
     store = request.app.state.responses
     found = store.get(response_id)
@@ -115,6 +118,7 @@ async def get_response(response_id: str, request: Request):
 
 
 @router.delete("/v1/responses/{response_id}")
+@replies(ResponseDeleted, "openai", 404, KEYED, GATE)
 async def delete_response(response_id: str, request: Request):
     store = request.app.state.responses
     if not store.delete(response_id):

@@ -5,6 +5,7 @@ import asyncio
 from fastapi import Request
 
 from treadle.server.checked_route import checked_router
+from treadle.server.openapi_models import GATE, KEYED, DetokenizeResponse, TokenizeResponse, replies
 from treadle.server.prepare import chat_template, check_token_ids, plain_messages, render_chat, require_ready, serving
 from treadle.server.protocol import DetokenizeRequest, RequestError, TokenizeRequest
 from treadle.server.tools import prepare_messages, template_supports_tools
@@ -13,6 +14,7 @@ router = checked_router()
 
 
 @router.post("/tokenize")
+@replies(TokenizeResponse, "plain", 400, 404, 503, KEYED, GATE)
 async def tokenize(body: TokenizeRequest, request: Request):
     state = request.app.state.treadle
     async with serving(state, body.model) as served:
@@ -39,6 +41,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 
 
 @router.post("/detokenize")
+@replies(DetokenizeResponse, "plain", 400, 404, 503, KEYED, GATE)
 async def detokenize(body: DetokenizeRequest, request: Request):
     state = request.app.state.treadle
     async with serving(state, body.model) as served:

@@ -340,3 +340,18 @@ def test_the_argmax_of_a_quantized_head_in_slices_is_the_whole_outputs(kind, dty
         assert linear.argmax_output(x[:0]).shape == (0,)
     dense = Linear(torch.randn(rows, cols).to(dtype))
     assert dense.argmax_output(x) is None  # not one quantized part: the caller takes the logits
+
+
+def test_the_c_library_s_block_table_is_quant_lib_s_and_a_difference_refuses_it(monkeypatch):
+    """quant.c's Q_TYPES is the one table of block sizes; each library is checked against TYPES at load."""
+    from treadle.model.kernels import quant_lib
+
+    lib = quant_lib.library()
+    quant_lib.check_block_table(lib)  # what each load does: passes
+    monkeypatch.setitem(quant_lib.TYPES, "Q4_K", (12, 256, 146))
+    with pytest.raises(RuntimeError, match=r"quant.c's block table .* is not quant_lib.TYPES'"):
+        quant_lib.check_block_table(lib)
+    monkeypatch.setitem(quant_lib.TYPES, "Q4_K", (12, 256, 144))
+    monkeypatch.delitem(quant_lib.TYPES, "IQ4_XS")  # a type the library has and TYPES lacks
+    with pytest.raises(RuntimeError, match="block table"):
+        quant_lib.check_block_table(lib)

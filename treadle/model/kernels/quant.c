@@ -63,10 +63,14 @@
 
 #define M_TILE 32 /* rows of x per pass over an unpacked weight row */
 
-enum {
-    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
-};
+/* Each quantized type's GGUF id, values per block and bytes per block: the one table of them. The
+ * library exports it (treadle_q_block_geometry) and quant_lib checks its TYPES against it at load. */
+#define Q_TYPES(X)                                                                                     \
+    X(Q4_0, 2, 32, 18) X(Q4_1, 3, 32, 20) X(Q5_0, 6, 32, 22) X(Q5_1, 7, 32, 24) X(Q8_0, 8, 32, 34)     \
+    X(Q2_K, 10, 256, 84) X(Q3_K, 11, 256, 110) X(Q4_K, 12, 256, 144) X(Q5_K, 13, 256, 176)            \
+    X(Q6_K, 14, 256, 210) X(IQ4_NL, 20, 32, 18) X(IQ4_XS, 23, 256, 136)
+#define Q_TYPE_ENUM(name, id, elems, bytes) T_##name = id, name##_ELEMS = elems, name##_BYTES = bytes,
+enum { Q_TYPES(Q_TYPE_ENUM) };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 #define PACKED 0x100 /* in a type argument: the weight is held in the packed layout */
 
@@ -280,18 +284,18 @@ typedef struct {
 
 static int qtype_fields(int type, qtype *t) {
     switch (type) {
-    case T_Q4_0: *t = (qtype){32, 18, 8, 3, 0, unpack_q4_0}; return 0;
-    case T_Q4_1: *t = (qtype){32, 20, 0, 0, 1, unpack_q4_1}; return 0;
-    case T_Q5_0: *t = (qtype){32, 22, 16, 4, 0, unpack_q5_0}; return 0;
-    case T_Q5_1: *t = (qtype){32, 24, 0, 0, 1, unpack_q5_1}; return 0;
-    case T_Q8_0: *t = (qtype){32, 34, 128, 7, 0, unpack_q8_0}; return 0;
-    case T_IQ4_NL: *t = (qtype){32, 18, 128, 7, 0, unpack_iq4_nl}; return 0;
-    case T_Q2_K: *t = (qtype){256, 84, 0, 0, 1, unpack_q2_k}; return 0;
-    case T_Q3_K: *t = (qtype){256, 110, 4, 2, 0, unpack_q3_k}; return 0;
-    case T_Q4_K: *t = (qtype){256, 144, 0, 0, 1, unpack_q4_k}; return 0;
-    case T_Q5_K: *t = (qtype){256, 176, 0, 0, 1, unpack_q5_k}; return 0;
-    case T_Q6_K: *t = (qtype){256, 210, 32, 5, 0, unpack_q6_k}; return 0;
-    case T_IQ4_XS: *t = (qtype){256, 136, 128, 7, 0, unpack_iq4_xs}; return 0;
+    case T_Q4_0: *t = (qtype){Q4_0_ELEMS, Q4_0_BYTES, 8, 3, 0, unpack_q4_0}; return 0;
+    case T_Q4_1: *t = (qtype){Q4_1_ELEMS, Q4_1_BYTES, 0, 0, 1, unpack_q4_1}; return 0;
+    case T_Q5_0: *t = (qtype){Q5_0_ELEMS, Q5_0_BYTES, 16, 4, 0, unpack_q5_0}; return 0;
+    case T_Q5_1: *t = (qtype){Q5_1_ELEMS, Q5_1_BYTES, 0, 0, 1, unpack_q5_1}; return 0;
+    case T_Q8_0: *t = (qtype){Q8_0_ELEMS, Q8_0_BYTES, 128, 7, 0, unpack_q8_0}; return 0;
+    case T_IQ4_NL: *t = (qtype){IQ4_NL_ELEMS, IQ4_NL_BYTES, 128, 7, 0, unpack_iq4_nl}; return 0;
+    case T_Q2_K: *t = (qtype){Q2_K_ELEMS, Q2_K_BYTES, 0, 0, 1, unpack_q2_k}; return 0;
+    case T_Q3_K: *t = (qtype){Q3_K_ELEMS, Q3_K_BYTES, 4, 2, 0, unpack_q3_k}; return 0;
+    case T_Q4_K: *t = (qtype){Q4_K_ELEMS, Q4_K_BYTES, 0, 0, 1, unpack_q4_k}; return 0;
+    case T_Q5_K: *t = (qtype){Q5_K_ELEMS, Q5_K_BYTES, 0, 0, 1, unpack_q5_k}; return 0;
+    case T_Q6_K: *t = (qtype){Q6_K_ELEMS, Q6_K_BYTES, 32, 5, 0, unpack_q6_k}; return 0;
+    case T_IQ4_XS: *t = (qtype){IQ4_XS_ELEMS, IQ4_XS_BYTES, 128, 7, 0, unpack_iq4_xs}; return 0;
     default: return -1;
     }
 }
@@ -453,14 +457,14 @@ TARGET_AVX2F static void unpack_row_avx2(int type, const uint8_t *row, int64_t K
     if (type == T_Q8_0) {
         const __m256i x80 = _mm256_set1_epi8((char)0x80);
         for (int64_t e = 0; e < K; e += 32) {
-            const uint8_t *b = row + (e / 32) * 34;
+            const uint8_t *b = row + (e / Q8_0_ELEMS) * Q8_0_BYTES;
             _mm256_storeu_si256((__m256i *)(uq + e), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), x80));
             _mm256_storeu_ps(s4 + e / 4, _mm256_set1_ps(f16_avx2(b)));
         }
         return;
     }
     if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1) {
-        const int size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int size = type == T_Q4_0 ? Q4_0_BYTES : type == T_Q4_1 ? Q4_1_BYTES : type == T_Q5_0 ? Q5_0_BYTES : Q5_1_BYTES;
         const int with_min = type == T_Q4_1 || type == T_Q5_1;
         for (int64_t e = 0; e < K; e += 32) {
             const uint8_t *b = row + (e / 32) * size;
@@ -475,7 +479,7 @@ TARGET_AVX2F static void unpack_row_avx2(int type, const uint8_t *row, int64_t K
         switch (type) {
         case T_Q4_K: case T_Q5_K: {
             const int q5 = type == T_Q5_K;
-            const uint8_t *blk = row + (e / 256) * (q5 ? 176 : 144), *qs = blk + (q5 ? 48 : 16);
+            const uint8_t *blk = row + (e / Q4_K_ELEMS) * (q5 ? Q5_K_BYTES : Q4_K_BYTES), *qs = blk + (q5 ? 48 : 16);
             const float d = f16_avx2(blk), dmin = f16_avx2(blk + 2);
             const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
@@ -499,7 +503,7 @@ TARGET_AVX2F static void unpack_row_avx2(int type, const uint8_t *row, int64_t K
             break;
         }
         case T_Q6_K: {
-            const uint8_t *blk = row + (e / 256) * 210;
+            const uint8_t *blk = row + (e / Q6_K_ELEMS) * Q6_K_BYTES;
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = f16_avx2(blk + 208);
             for (int half = 0; half < 2; half++) {
@@ -581,14 +585,14 @@ typedef struct {
 
 static int pack_desc(int type, packdesc *p) {
     switch (type) {
-    case T_Q4_0: case T_IQ4_NL: case T_Q5_0: *p = (packdesc){2, type == T_Q5_0 ? 22 : 18, 0}; return 1;
-    case T_Q4_1: case T_Q5_1: *p = (packdesc){4, type == T_Q5_1 ? 24 : 20, 0}; return 1;
-    case T_Q8_0: *p = (packdesc){2, 34, 1}; return 1;
-    case T_Q4_K: case T_Q5_K: *p = (packdesc){4, type == T_Q5_K ? 176 : 144, 0}; return 1;
+    case T_Q4_0: case T_IQ4_NL: case T_Q5_0: *p = (packdesc){2, type == T_Q5_0 ? Q5_0_BYTES : Q4_0_BYTES, 0}; return 1;
+    case T_Q4_1: case T_Q5_1: *p = (packdesc){4, type == T_Q5_1 ? Q5_1_BYTES : Q4_1_BYTES, 0}; return 1;
+    case T_Q8_0: *p = (packdesc){2, Q8_0_BYTES, 1}; return 1;
+    case T_Q4_K: case T_Q5_K: *p = (packdesc){4, type == T_Q5_K ? Q5_K_BYTES : Q4_K_BYTES, 0}; return 1;
     case T_Q6_K: *p = (packdesc){0, 208, 0}; return 1;
     case T_Q2_K: *p = (packdesc){0, 80, 0}; return 1;
     case T_Q3_K: *p = (packdesc){0, 108, 0}; return 1;
-    case T_IQ4_XS: *p = (packdesc){4, 136, 0}; return 1;
+    case T_IQ4_XS: *p = (packdesc){4, IQ4_XS_BYTES, 0}; return 1;
     default: return 0;
     }
 }
@@ -883,6 +887,16 @@ int treadle_q_isa_supported(int isa) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     default: return 0;
+    }
+}
+
+/* a type's values and bytes per block (Q_TYPES) through elems and bytes, or -1 for a type it lacks */
+int treadle_q_block_geometry(int type, int *elems, int *bytes) {
+    switch (type) {
+#define Q_TYPE_CASE(name, id, e, b) \
+    case id: *elems = e; *bytes = b; return 0;
+        Q_TYPES(Q_TYPE_CASE)
+    default: return -1;
     }
 }
 

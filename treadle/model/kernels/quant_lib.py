@@ -13,7 +13,8 @@ import numpy as np
 
 from treadle.model.kernels.build import build
 
-# ggml type id, values per block, bytes per block
+# name -> (GGUF type id, values per block, bytes per block); quant.c's Q_TYPES must say the same
+# (check_block_table, at each library's load).
 TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
@@ -74,8 +75,24 @@ def _variant(path: str, exact: bool | None = None) -> ctypes.CDLL:
                 lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
                 lib.treadle_q_quantize.argtypes = [i32, ptr, i64, i64, ptr]
+                lib.treadle_q_block_geometry.argtypes = [i32, ptr, ptr]
+                check_block_table(lib)
                 _libs[key] = lib
     return lib
+
+
+def check_block_table(lib: ctypes.CDLL) -> None:
+    """The library's block table (quant.c's Q_TYPES: GGUF id -> values, bytes per block) is TYPES'
+    exactly, or the library is refused: a row's bytes computed on one side and read on the other
+    must agree."""
+    elems, nbytes = ctypes.c_int(), ctypes.c_int()
+    found = {}
+    for type_id in range(64):  # GGUF's type ids are below 64
+        if lib.treadle_q_block_geometry(type_id, ctypes.byref(elems), ctypes.byref(nbytes)) == 0:
+            found[type_id] = (elems.value, nbytes.value)
+    expected = {type_id: (values, size) for type_id, values, size in TYPES.values()}
+    if found != expected:
+        raise RuntimeError(f"quant.c's block table {found} is not quant_lib.TYPES' {expected}")
 
 
 def product_library(path: str, exact: bool) -> ctypes.CDLL:

@@ -88,7 +88,11 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
                                                                 char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
                                                                 int half) {
     const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
-    const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? Q4_0_BYTES
+                      : type == T_Q4_1                     ? Q4_1_BYTES
+                      : type == T_Q5_0                     ? Q5_0_BYTES
+                      : type == T_Q5_1                     ? Q5_1_BYTES
+                                                           : Q8_0_BYTES;
     const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : 2, qhoff = with_min ? 4 : 2;
     const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
     const VI m15 = I_SET1_8(15);
@@ -132,7 +136,7 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
 TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
                                                                char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
                                                                int half) {
-    const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+    const int bytes = type == T_Q4_K ? Q4_K_BYTES : type == T_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
     const VI m15 = I_SET1_8(15), m3 = I_SET1_8(3), m63 = I_SET1_32(63), m30 = I_SET1_32(0x30);
     const VI x10 = I_SET1_8(16);
     arow a[8];
@@ -199,7 +203,7 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
 TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
                                                                char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
                                                                int half) {
-    const int bytes = type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : 136;
+    const int bytes = type == T_Q2_K ? Q2_K_BYTES : type == T_Q3_K ? Q3_K_BYTES : IQ4_XS_BYTES;
     const VI m15 = I_SET1_8(15), m3 = I_SET1_8(3), x4 = I_SET1_8(4);
     const VI table = SFX(iq4_table)();
     arow a[8];

@@ -1,5 +1,5 @@
 """How well the served model's embeddings separate paraphrases from unrelated sentences, for each
-pooling, and what embedding a batch costs: the figures docs/benchmarks.md records.
+pooling, and what embedding a batch costs: the figures docs/benchmarks/embeddings.md records.
 
     python bench/embeddings.py [--model M] [--dtype auto]
 

@@ -85,7 +85,7 @@ def test_default_embeddings_do_not_depend_on_batch_chunking_or_cache(default_llm
 
 
 def test_default_model_puts_paraphrases_closer_than_unrelated_sentences(default_llm):
-    """The separation docs/benchmarks.md reports (both poolings, a larger set); here the default, last."""
+    """The separation docs/benchmarks/embeddings.md reports (both poolings, a larger set); here the default, last."""
     for anchor, paraphrase, unrelated in TRIPLES:
         a, p, u = (np.array(v) for v in default_llm.embed([anchor, paraphrase, unrelated]))
         assert a @ p > a @ u, (anchor, a @ p, a @ u)

@@ -1,5 +1,5 @@
 """Long prompts in a fixed budget: memory stays flat from request to request (the CI-sized form of
-the 20 x 30K-token check; docs/benchmarks.md has the long-context figures)."""
+the 20 x 30K-token check; docs/benchmarks/kv-memory.md has the long-context figures)."""
 
 from treadle import LLM, SamplingParams
 from treadle.utils import process_memory

@@ -60,7 +60,7 @@ def chat_prompt(llm, content: str) -> str:
 def test_schema_set_finishes_and_validates_in_mixed_batches(make_llm):
     """The defaults (bfloat16, prefix caching, temperature 1), the developers' schema set, max_tokens
     512, in one batch with unconstrained requests: at least 90% stop, and every one that stops
-    validates. (Greedy, the 135M model loops inside a few strings: docs/benchmarks.md.)"""
+    validates. (Greedy, the 135M model loops inside a few strings: docs/benchmarks/structured-output.md.)"""
     llm = make_llm(dtype="bfloat16")
     reqs = []
     for i, (prompt, schema) in enumerate(SCHEMAS):

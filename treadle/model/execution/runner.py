@@ -470,7 +470,7 @@ class ModelRunner:
         """(rows, blocks per row, the metadata a compiled graph takes) for a step one can take, else
         None. Kernel graphs: every row decodes or verifies and samples; one table per row. SDPA
         graphs (with SDPA's decode fields): one-token decode rows only (a verification as
-        decode rows gathers its blocks once per row: slower than eager, docs/benchmarks.md)."""
+        decode rows gathers its blocks once per row: slower than eager, docs/benchmarks/speculative-decoding.md)."""
         if self.compiled is None or num_sampled != num_rows:
             return None
         graph_metas = []

@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 from peer_compare import cpu_description  # noqa: E402
 
 from treadle import LLM, SamplingParams  # noqa: E402
-from treadle.engine.block_pool import extend_block_hashes  # noqa: E402
+from treadle.engine.block_hash import extend_block_hashes  # noqa: E402
 
 
 def filler(tok, n: int, seed: int = 0) -> list[int]:

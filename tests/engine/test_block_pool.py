@@ -2,7 +2,8 @@
 
 import pytest
 
-from treadle.engine.block_pool import BlockPool, hash_block_tokens
+from treadle.engine.block_hash import hash_block_tokens
+from treadle.engine.block_pool import BlockPool
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.request import Request
 from treadle.sampling_params import SamplingParams

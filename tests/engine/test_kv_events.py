@@ -10,7 +10,7 @@ import zmq
 from tests.support.fuzz_model_files import write_seed_hf
 from tests.support.server_process import free_port_pair
 from treadle import LLM, SamplingParams
-from treadle.engine.block_pool import hash_block_tokens
+from treadle.engine.block_hash import hash_block_tokens
 from treadle.engine.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 BLOCK = 16

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from treadle import SamplingParams
-from treadle.engine.block_pool import extend_block_hashes
+from treadle.engine.block_hash import extend_block_hashes
 from treadle.engine.kv_events import BlockStored
 from treadle.engine.kv_tiers import HEADER, DiskTier, HostTier, KVTiers, tier_key
 

@@ -131,7 +131,7 @@ def test_suffix_tree_proposes_the_most_frequent_continuation_of_the_best_match()
 from tests.conftest import MODEL  # noqa: E402
 from tests.e2e.test_invariance import PROMPTS, chat  # noqa: E402
 from treadle import SamplingParams  # noqa: E402
-from treadle.engine.block_pool import hash_block_tokens  # noqa: E402
+from treadle.engine.block_hash import hash_block_tokens  # noqa: E402
 
 FORCED = {
     "method": "ngram",

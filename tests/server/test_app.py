@@ -625,7 +625,7 @@ def test_the_engine_core_publishes_kv_events_where_stats_says(limited):
     """--kv-events-port P: the engine core process publishes on the server's host at P (replay at
     P + 1), /stats names both, and a prompt's full blocks are announced by their chained hashes."""
     from tests.engine.test_kv_events import replay
-    from treadle.engine.block_pool import hash_block_tokens
+    from treadle.engine.block_hash import hash_block_tokens
 
     s = limited
     stats = _stats(s, "two")

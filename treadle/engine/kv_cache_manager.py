@@ -27,7 +27,8 @@ tiers before the step that overwrites it runs (the same `take_moves`).
 
 from dataclasses import dataclass, field
 
-from treadle.engine.block_pool import Block, BlockPool, extend_block_hashes
+from treadle.engine.block_hash import extend_block_hashes
+from treadle.engine.block_pool import Block, BlockPool
 from treadle.engine.kv_events import BlockRemoved, BlockStored
 from treadle.engine.kv_tiers import DISK, HOST, KVTiers, tier_key
 from treadle.engine.request import Request

@@ -15,7 +15,7 @@ sequence numbers) from the worker's replay socket.
 import logging
 import threading
 
-from treadle.engine.block_pool import extend_block_hashes
+from treadle.engine.block_hash import extend_block_hashes
 from treadle.engine.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 
 log = logging.getLogger("treadle.router")

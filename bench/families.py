@@ -53,7 +53,7 @@ ARCHS = [
 def fidelity(args) -> None:
     import torch
 
-    from tests import test_fast_paths
+    from tests.e2e import test_fast_paths
     from tests.support.tiny_models import save_hf_model
     from treadle import LLM, SamplingParams
 

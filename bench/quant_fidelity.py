@@ -40,7 +40,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from bench.peer_compare import cpu_description, find_or_build_llama_tool
-    from tests import test_fast_paths
+    from tests.e2e import test_fast_paths
     from tests.e2e.test_reference import CHAT, PROMPTS
     from tests.support.reference import assert_matches_reference, hf_greedy
     from treadle import LLM, SamplingParams

@@ -71,7 +71,7 @@ def test_float32_embeddings_are_the_same_alone_and_beside_others(make_llm):
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM()  # what a user gets: bfloat16, batch-invariant, prefix caching on
+    return LLM(dtype="bfloat16")  # what a user of a bf16 CPU gets: batch-invariant, prefix caching on
 
 
 def test_default_embeddings_do_not_depend_on_batch_chunking_or_cache(default_llm):
@@ -80,7 +80,7 @@ def test_default_embeddings_do_not_depend_on_batch_chunking_or_cache(default_llm
         alone = [llm.embed(t, pooling)[0] for t in TEXTS]
         assert llm.embed(TEXTS, pooling) == alone  # bit for bit, batched
         assert llm.embed(TEXTS[1], pooling)[0] == alone[1]  # again, its prefix cached (last) or not (mean)
-    chunked = LLM(max_num_batched_tokens=5)
+    chunked = LLM(dtype="bfloat16", max_num_batched_tokens=5)
     assert chunked.embed(TEXTS, "mean") == [llm.embed(t, "mean")[0] for t in TEXTS]
 
 

@@ -204,7 +204,7 @@ def test_bfloat16_default_path_honours_the_window(tiny, monkeypatch):
     """The defaults a user gets (bfloat16, treadle's attention kernel, prefix caching): the float32
     greedy continuation teacher-forced through it stays within test_fast_paths' KL bound, on prompts
     longer than the window (an attention that ignored the window would not)."""
-    from tests import test_fast_paths
+    from tests.e2e import test_fast_paths
 
     arch, folder, _, _ = tiny
     monkeypatch.setattr(test_fast_paths, "NUM_TOKENS", 20)
@@ -212,7 +212,7 @@ def test_bfloat16_default_path_honours_the_window(tiny, monkeypatch):
     prompts = shared_prefix_prompts()[:4]
     conts = [o.outputs[0].token_ids for o in exact.generate(prompts, GREEDY)]
     reference = (prompts, conts, test_fast_paths.forced_logprobs(exact, prompts, conts))
-    fast = LLM(folder, block_size=BLOCK, max_model_len=128)
+    fast = LLM(folder, dtype="bfloat16", block_size=BLOCK, max_model_len=128)
     assert fast.engine.core.dtype == torch.bfloat16 and fast.engine.core.runner.attention_kernel
     kl, agreement = test_fast_paths.compare(fast, reference)
     assert kl < test_fast_paths.KL_BOUND, (kl, agreement)

@@ -159,10 +159,10 @@ def test_bf16_default_is_invariant_to_batching_and_chunking(bamba):
     folder, _ = bamba
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     batch = prompts(6, seed=11)
-    llm = LLM(folder, max_model_len=128)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=128)
     assert llm.stats()["batch_invariant"]
     alone = [llm.generate([p], params)[0].outputs[0] for p in batch[:2]]
-    chunked = LLM(folder, max_model_len=128, max_num_batched_tokens=7)
+    chunked = LLM(folder, dtype="bfloat16", max_model_len=128, max_num_batched_tokens=7)
     # batched, chunked, and again with the first two prompts' prefixes cached (checkpoints restored)
     for run in (llm.generate(batch, params), chunked.generate(batch, params), chunked.generate(batch, params)):
         for a, b in zip(alone, run):

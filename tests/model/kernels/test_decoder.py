@@ -47,7 +47,7 @@ def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
     q/k norms, a local layer with its own RoPE base), quantized at load to Q8_0, bfloat16 rows:
     batch of four, prompts of 2 to 300 tokens."""
     save_hf_model(str(tmp_path), arch)
-    llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=400, block_size=8, max_num_seqs=4)
+    llm = LLM(str(tmp_path), dtype="bfloat16", quantization="q8_0", max_model_len=400, block_size=8, max_num_seqs=4)
     if arch == "qwen2":  # transformers starts biases at zero: give them values, so that they count
         model = llm.engine.core.worker.runner.model
         g = torch.Generator().manual_seed(0)
@@ -68,7 +68,7 @@ def test_the_c_layer_step_gives_the_python_bits(tmp_path, arch):
 def test_the_default_model_with_linears_in_parts_gives_the_same_bits():
     """The embedded model (Q4_1 matrices, a Q8_0 embedding), its q/k/v and gate/up each held as
     separate parts, as a file of mixed types gives them: a product per part, into its columns."""
-    llm = LLM(max_model_len=512, max_num_seqs=4)
+    llm = LLM(dtype="bfloat16", max_model_len=512, max_num_seqs=4)
     model = llm.engine.core.worker.runner.model
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -91,7 +91,7 @@ def test_families_the_kernel_does_not_compute_keep_their_python(tmp_path, arch):
     """Mixtures of experts (OLMoE's q/k norms over all heads too) and a hybrid with recurrent
     layers (its own residual stream) are not the kernel's layers: their steps stay in Python."""
     save_hf_model(str(tmp_path), arch)
-    llm = LLM(str(tmp_path), quantization="q8_0", max_model_len=64, max_num_seqs=2)
+    llm = LLM(str(tmp_path), dtype="bfloat16", quantization="q8_0", max_model_len=64, max_num_seqs=2)
     assert llm.engine.core.worker.runner.model.layer_stepper() is None
 
 
@@ -100,7 +100,7 @@ def test_a_family_that_changes_the_layer_or_opts_out_keeps_its_python():
     `decoder_kernel = False`, does not qualify; the unchanged class does."""
     from treadle.model.kernels.decoder import LayerStepper
 
-    llm = LLM(max_model_len=64, max_num_seqs=2)
+    llm = LLM(dtype="bfloat16", max_model_len=64, max_num_seqs=2)
     model = llm.engine.core.worker.runner.model
     base = type(model)
     assert LayerStepper.for_model(model) is not None

@@ -162,7 +162,7 @@ def test_bf16_default_is_batch_invariant_with_experts(qwen3_moe):
     """The user's default (bf16, batch-invariant): a request's tokens and logprobs are the same
     alone and beside others, though its experts' products hold other tokens' rows."""
     folder, _ = qwen3_moe
-    llm = LLM(folder, compile=False, max_model_len=128)
+    llm = LLM(folder, dtype="bfloat16", compile=False, max_model_len=128)
     assert llm.stats()["batch_invariant"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     batch = prompts(8, seed=13)

@@ -118,51 +118,52 @@ def test_a_lower_layer_imports_nothing_from_a_higher_one(lower, upper):
     assert wrong == []
 
 
+def imports_outside(prefix: str, into: str, allowed: tuple[str, ...], graph=None) -> list[str]:
+    """ "module -> target" for each import by a module under `prefix` of a module under `into` that is
+    under none of `allowed`."""
+    return sorted(
+        f"{m} -> {t}"
+        for m, targets in imports_of(prefix, graph).items()
+        for t in targets
+        if under(t, into) and not under(t, *allowed)
+    )
+
+
+FAMILIES_MAY_IMPORT = (
+    "treadle.model.families",
+    "treadle.model.layers",
+    "treadle.model.kernels",
+    "treadle.model.config",
+    "treadle.model.loading.gguf_names",
+    "treadle.kv_layout",
+)
+
+
 def test_families_import_layers_the_interface_the_config_and_the_gguf_names_only():
-    allowed = (
-        "treadle.model.families",
-        "treadle.model.layers",
-        "treadle.model.kernels",
-        "treadle.model.config",
-        "treadle.model.loading.gguf_names",
-        "treadle.kv_layout",
-    )
-    wrong = sorted(
-        f"{m} -> {t}" for m, ts in imports_of("treadle.model.families").items() for t in ts if not under(t, *allowed)
-    )
-    assert wrong == []
+    assert imports_outside("treadle.model.families", "treadle", FAMILIES_MAY_IMPORT) == []
 
 
 def test_loading_reaches_a_family_only_through_the_registry_and_the_interface():
     gateway = ("treadle.model.families.registry", "treadle.model.families.interface")
-    wrong = sorted(
-        f"{m} -> {t}"
-        for m, ts in imports_of("treadle.model.loading").items()
-        for t in ts
-        if under(t, "treadle.model.families") and t not in gateway
-    )
-    assert wrong == []
+    assert imports_outside("treadle.model.loading", "treadle.model.families", gateway) == []
 
 
 def test_text_imports_of_the_model_only_the_gguf_reader_and_the_load_error():
     allowed = ("treadle.model.loading.gguf_file", "treadle.model.config")
-    wrong = sorted(
-        f"{m} -> {t}"
-        for m, ts in imports_of("treadle.text").items()
-        for t in ts
-        if under(t, "treadle.model") and t not in allowed
-    )
-    assert wrong == []
+    assert imports_outside("treadle.text", "treadle.model", allowed) == []
 
 
 def test_the_rules_find_a_wrong_import():
     graph = {
-        "treadle.model.families.llama": {"treadle.model.execution.runner"},
-        "treadle.text.tokenizer": {"treadle.engine.core"},
+        "treadle.model.families.llama": {"treadle.model.execution.runner", "treadle.model.layers.norm"},
+        "treadle.text.tokenizer": {"treadle.engine.core", "treadle.model.loading.loader"},
     }
-    assert imports_of("treadle.model.families", graph) == {
-        "treadle.model.families.llama": {"treadle.model.execution.runner"}
-    }
+    wrong = ["treadle.model.families.llama -> treadle.model.execution.runner"]
+    assert imports_outside("treadle.model.families", "treadle", FAMILIES_MAY_IMPORT, graph) == wrong
+    allowed = ("treadle.model.loading.gguf_file",)
+    assert imports_outside("treadle.text", "treadle.model", allowed, graph) == [
+        "treadle.text.tokenizer -> treadle.model.loading.loader"
+    ]
     assert under("treadle.engine.core", "treadle.engine") and not under("treadle.engine_config", "treadle.engine")
 
 

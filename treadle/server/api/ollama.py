@@ -161,7 +161,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     async with serving(server, body.model, body.keep_alive) as state:
         name = state.settings.served_model_name
         prepared = await prepare_renamed(prepare_chat, state, _chat_request(body, name), RENAMED)
-        generation = await prepared.start(state, new_id("ollama"), arrival)
+        generation = await prepared.start(state, new_id("ollama"), None, arrival)
         generation.load_seconds = LOAD_WAIT.get()
     return await _respond(generation, prepared, body.stream, request, chat=True, name=name)
 
@@ -196,7 +196,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
                 name,
             )
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
-        generation = await prepared.start(state, new_id("ollama"), arrival)
+        generation = await prepared.start(state, new_id("ollama"), None, arrival)
         generation.load_seconds = LOAD_WAIT.get()
     return await _respond(generation, prepared, body.stream, request, chat=False, name=name)
 
@@ -405,7 +405,7 @@ async def _pull(store, ref: str) -> dict:
     from treadle.store import StoreError
 
     try:
-        return await asyncio.to_thread(store.pull, ref, False, lambda text: None)
+        return await asyncio.to_thread(store.pull, ref, None, False, lambda text: None)
     except StoreError as e:
         raise RequestError(str(e), "model", status=404 if "no such repository" in str(e) else 400) from None
 

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from treadle.engine.messages import lora_cache_salt
 from treadle.engine.outputs import RequestOutput
 from treadle.server.engine_client import EngineDead
+from treadle.server.openapi_models import PromptTokensDetails, Usage
 from treadle.server.prometheus import RequestTimer
 from treadle.server.protocol import RequestError
 
@@ -261,14 +262,14 @@ class Generation:
         finally:
             self.close()
 
-    def usage(self) -> dict:
-        """OpenAI's usage object; the other dialects rename its numbers."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached},
-        }
+    def usage(self) -> Usage:
+        """OpenAI's usage object (Chat Completions and Completions); the other dialects rename its numbers."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached),
+        )
 
     def close(self) -> None:
         """Whatever way the response ended: nothing stays in the engine, the request is counted once."""

@@ -1,14 +1,18 @@
 """Response bodies of every route, as pydantic models, for the OpenAPI schema and its conformance tests.
 
-These models describe what the handlers really send (the dicts built in server/api/*.py and
-app.py, the `model_dump()` of protocol.py's models, errors.py's error bodies); nothing here builds
-a response. The rules they follow, so that a response checked against its schema (Schemathesis)
-never fails for a reason of the schema's own:
+These models are what the handlers send: server/api/*.py builds each 2xx JSON reply as its model
+and sends `model_dump(exclude_unset=True)` (a field passed as None is a null, one not passed is
+absent; a model declares its fields in the order its reply sends them); /v1/models sends
+protocol.py's models. The open-ended bodies stay dicts (/stats, for the engine core's numbers;
+/api/show, for its model_info), and so do errors.py's error bodies and the streams' events. The rules
+the models follow, so that a response checked against its schema (Schemathesis) never fails for a
+reason of the schema's own:
 
 - a key every response of that shape carries is a required field; a key that is only sometimes
   there is optional (default None), which the schema then also lets be null;
 - a value that may be null allows None; a number that may be an int or a float is `float`
-  (JSON schema "number" takes both), an `int` field only ever holds ints;
+  (JSON schema "number" takes both), or `EchoedNumber` where a request's value is echoed back
+  as given; an `int` field only ever holds ints;
 - no model forbids extra keys (pydantic's default: `additionalProperties` stays open), and the
   open-ended bodies (/stats, /api/show's model_info, request fields echoed back) model only the
   keys they always carry.
@@ -25,7 +29,7 @@ and the error statuses it can really return), and openapi.py reads that from the
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from treadle.server.protocol import ModelCard, ModelList
 
@@ -107,6 +111,10 @@ __all__ = [
     "DetokenizeResponse",
     "OpenAPIDocument",
 ]
+
+# A JSON number kept as given: a request's int echoed back stays an int (a plain `float` field would
+# turn 0 into 0.0); the schema says "number", as a float field's does.
+EchoedNumber = Annotated[int | float, WithJsonSchema({"type": "number"})]
 
 
 # ====================================================================== OpenAI
@@ -355,11 +363,11 @@ class ResponseObject(BaseModel):
     previous_response_id: str | None
     reasoning: ResponseReasoning
     store: bool
-    temperature: float
+    temperature: EchoedNumber
     text: dict[str, Any] = Field(description="the request's text object as given, or {format: {type: text}}")
     tool_choice: str | dict[str, Any]
     tools: list[dict[str, Any]] = Field(description="the request's tools as given")
-    top_p: float
+    top_p: EchoedNumber
     truncation: Literal["disabled"]
     usage: ResponseUsage | None = Field(
         description="an object in every finished response; null only within a stream's early events"
@@ -511,12 +519,17 @@ class OllamaMessage(BaseModel):
     tool_calls: list[OllamaToolCall] | None = Field(None, description="present only when the reply called tools")
 
 
-class _OllamaDone(BaseModel):
-    """The fields every finished /api/chat and /api/generate reply carries; the timings (ns) are absent from the
-    load reply."""
+# The two finished replies of /api/chat and /api/generate: each declares its fields in the order the reply
+# sends them (model_dump's order), its own (message; response, thinking) between created_at and done, so
+# the common ones are not a shared base class; the timings (ns) are absent from the load and unload replies.
+
+
+class OllamaChatResponse(BaseModel):
+    """POST /api/chat with stream false (or with no messages: the load reply, whatever stream says)."""
 
     model: str
     created_at: str = Field(description="RFC 3339 time, UTC")
+    message: OllamaMessage
     done: bool
     done_reason: str = Field(description="stop, length, or load (a request with nothing to generate)")
     total_duration: int | None = None
@@ -527,17 +540,21 @@ class _OllamaDone(BaseModel):
     eval_duration: int | None = None
 
 
-class OllamaChatResponse(_OllamaDone):
-    """POST /api/chat with stream false (or with no messages: the load reply, whatever stream says)."""
-
-    message: OllamaMessage
-
-
-class OllamaGenerateResponse(_OllamaDone):
+class OllamaGenerateResponse(BaseModel):
     """POST /api/generate with stream false (or with no prompt nor system: the load reply)."""
 
+    model: str
+    created_at: str = Field(description="RFC 3339 time, UTC")
     response: str
     thinking: str | None = Field(None, description="present only when the model reasoned (--reasoning-parser)")
+    done: bool
+    done_reason: str = Field(description="stop, length, or load (a request with nothing to generate)")
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
 
 
 class OllamaModelDetails(BaseModel):
@@ -596,6 +613,7 @@ class OllamaShow(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
     modelfile: str
     parameters: str
+    license: str | None = Field(None, description="the model's license as its metadata names it (empty if none)")
     template: str
     details: OllamaModelDetails
     model_info: OllamaModelInfo

@@ -26,8 +26,13 @@ from treadle.server.openapi_models import (
     GATE,
     GENERATE,
     KEYED,
+    AnthropicContentBlock,
     AnthropicMessage,
+    AnthropicTextBlock,
+    AnthropicThinkingBlock,
     AnthropicTokenCount,
+    AnthropicToolUseBlock,
+    AnthropicUsage,
     anthropic_statuses,
     replies,
 )
@@ -96,7 +101,7 @@ async def messages(body: MessagesRequest, request: Request):
         stop_reason, stop_sequence = _stop(choice.finish_reason, choice.stop_reason, blocks)
         return _message(
             generation, [_content(b, True) for b in blocks], stop_reason, stop_sequence, generation.completion_tokens
-        )
+        ).model_dump(exclude_unset=True)
 
     return await generation.reply(request, whole)
 
@@ -111,7 +116,8 @@ async def count_tokens(body: CountTokensRequest, request: Request):
         chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
         tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         text = await asyncio.to_thread(chat_prompt, state, chat, tools)
-        return {"input_tokens": len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))}
+        count = len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))
+        return AnthropicTokenCount(input_tokens=count).model_dump(exclude_unset=True)
 
 
 # ---------------------------------------------------------------- request in
@@ -302,39 +308,41 @@ def _stop(finish_reason: str, stop_reason, blocks: list[ReplyPart]) -> tuple[str
     return "end_turn", None
 
 
-def _content(block: ReplyPart, done: bool) -> dict:
+def _content(block: ReplyPart, done: bool) -> AnthropicContentBlock:
     if block.kind == "text":
-        return {"type": "text", "text": block.text if done else ""}
+        return AnthropicTextBlock(type="text", text=block.text if done else "")
     if block.kind == "reasoning":
-        return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
-    return {
-        "type": "tool_use",
-        "id": block.call_id,
-        "name": block.name,
-        "input": json.loads(block.text) if done and block.text else {},
-    }
+        return AnthropicThinkingBlock(type="thinking", thinking=block.text if done else "", signature="")
+    return AnthropicToolUseBlock(
+        type="tool_use",
+        id=block.call_id,
+        name=block.name,
+        input=json.loads(block.text) if done and block.text else {},
+    )
 
 
-def _usage(generation: Generation, output_tokens: int) -> dict:
-    return {
-        "input_tokens": generation.prompt_tokens - generation.cached,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": generation.cached,
-        "output_tokens": output_tokens,
-    }
+def _usage(generation: Generation, output_tokens: int) -> AnthropicUsage:
+    return AnthropicUsage(
+        input_tokens=generation.prompt_tokens - generation.cached,
+        cache_creation_input_tokens=0,
+        cache_read_input_tokens=generation.cached,
+        output_tokens=output_tokens,
+    )
 
 
-def _message(generation: Generation, content: list[dict], stop_reason, stop_sequence, output_tokens: int) -> dict:
-    return {
-        "id": generation.id,
-        "type": "message",
-        "role": "assistant",
-        "model": generation.state.settings.served_model_name,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": _usage(generation, output_tokens),
-    }
+def _message(
+    generation: Generation, content: list[AnthropicContentBlock], stop_reason, stop_sequence, output_tokens: int
+) -> AnthropicMessage:
+    return AnthropicMessage(
+        id=generation.id,
+        type="message",
+        role="assistant",
+        model=generation.state.settings.served_model_name,
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=_usage(generation, output_tokens),
+    )
 
 
 _DELTA = {
@@ -354,7 +362,11 @@ async def stream(generation: Generation, prepared: Prepared):
             if ev.what == "start":
                 lines.append(
                     sse(
-                        {"type": "content_block_start", "index": b.index, "content_block": _content(b, False)},
+                        {
+                            "type": "content_block_start",
+                            "index": b.index,
+                            "content_block": _content(b, False).model_dump(exclude_unset=True),
+                        },
                         "content_block_start",
                     )
                 )
@@ -378,9 +390,8 @@ async def stream(generation: Generation, prepared: Prepared):
             async for events in blocks.follow(generation, prepared.chat_output()):
                 if not started:  # with the first engine output: the cache hit is known then
                     started = True
-                    yield sse(
-                        {"type": "message_start", "message": _message(generation, [], None, None, 0)}, "message_start"
-                    )
+                    message = _message(generation, [], None, None, 0).model_dump(exclude_unset=True)
+                    yield sse({"type": "message_start", "message": message}, "message_start")
                 for line in translate(events):
                     yield line
         except GenerationFailed as e:
@@ -391,7 +402,7 @@ async def stream(generation: Generation, prepared: Prepared):
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": _usage(generation, generation.completion_tokens),
+                "usage": _usage(generation, generation.completion_tokens).model_dump(exclude_unset=True),
             },
             "message_delta",
         )

@@ -8,7 +8,19 @@ from treadle.server.api.sse import DONE, sse, stream_response
 from treadle.server.checked_route import checked_router
 from treadle.server.errors import openai_type
 from treadle.server.generation import Choice, Generation, GenerationFailed
-from treadle.server.openapi_models import EMPTY_499, GATE, GENERATE, KEYED, ChatCompletion, replies
+from treadle.server.openapi_models import (
+    EMPTY_499,
+    GATE,
+    GENERATE,
+    KEYED,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    replies,
+)
 from treadle.server.prepare import Prepared, prepare_chat, serving
 from treadle.server.protocol import ChatCompletionRequest, error_body, new_id
 
@@ -38,21 +50,21 @@ def reply(generation: Generation, body: ChatCompletionRequest, prepared: Prepare
     for c in results:
         out = prepared.chat_output()
         choices.append(
-            {
-                "index": c.index,
-                "message": out.message(c.text),
-                "logprobs": chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
-                "finish_reason": out.finish_reason(c.finish_reason),
-            }
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatCompletionMessage(**out.message(c.text)),
+                logprobs=chat_logprobs(c.logprobs, body.top_logprobs) if body.logprobs else None,
+                finish_reason=out.finish_reason(c.finish_reason),
+            )
         )
-    return {
-        "id": generation.id,
-        "object": "chat.completion",
-        "created": generation.created,
-        "model": generation.state.settings.served_model_name,
-        "choices": choices,
-        "usage": generation.usage(),
-    }
+    return ChatCompletion(
+        id=generation.id,
+        object="chat.completion",
+        created=generation.created,
+        model=generation.state.settings.served_model_name,
+        choices=choices,
+        usage=generation.usage(),
+    ).model_dump(exclude_unset=True)
 
 
 async def stream(generation: Generation, body: ChatCompletionRequest, prepared: Prepared):
@@ -99,7 +111,11 @@ async def stream(generation: Generation, body: ChatCompletionRequest, prepared: 
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs):
                     continue
                 parts = outputs[d.index].feed(d.text, final=d.finish_reason is not None) or [{}]
-                lp = chat_logprobs(d.logprobs, body.top_logprobs) if body.logprobs else None
+                lp = (
+                    chat_logprobs(d.logprobs, body.top_logprobs).model_dump(exclude_unset=True)
+                    if body.logprobs
+                    else None
+                )
                 if not d.finish_reason and parts == [{}] and lp is None:
                     continue  # text held back (a tag, a call being parsed)
                 rounds += [[] for _ in range(len(parts) - len(rounds))]
@@ -117,7 +133,7 @@ async def stream(generation: Generation, body: ChatCompletionRequest, prepared: 
                 if choices:
                     yield chunk(choices)
         if include_usage:
-            yield chunk([], generation.usage())
+            yield chunk([], generation.usage().model_dump(exclude_unset=True))
         yield DONE
     finally:
         generation.close()
@@ -128,24 +144,24 @@ def top_logprobs(entry: dict, k: int) -> list:
     return sorted((lp for lp in entry.items() if lp[1].rank is not None and lp[1].rank <= k), key=lambda kv: kv[1].rank)
 
 
-def chat_logprobs(pairs, k: int | None) -> dict:
+def chat_logprobs(pairs, k: int | None) -> ChatLogprobs:
     content = []
     for token_id, entry in pairs:
         chosen = entry[token_id]
         token = chosen.decoded_token or ""
         content.append(
-            {
-                "token": token,
-                "logprob": chosen.logprob,
-                "bytes": list(token.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": lp.decoded_token or "",
-                        "logprob": lp.logprob,
-                        "bytes": list((lp.decoded_token or "").encode("utf-8")),
-                    }
+            ChatTokenLogprob(
+                token=token,
+                logprob=chosen.logprob,
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    ChatTopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode("utf-8")),
+                    )
                     for _, lp in top_logprobs(entry, k or 0)
                 ],
-            }
+            )
         )
-    return {"content": content}
+    return ChatLogprobs(content=content)

@@ -8,7 +8,16 @@ from treadle.server.api.chat_completions import error_event, top_logprobs
 from treadle.server.api.sse import DONE, sse, stream_response
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import Choice, Generation, GenerationFailed
-from treadle.server.openapi_models import EMPTY_499, GATE, GENERATE, KEYED, Completion, replies
+from treadle.server.openapi_models import (
+    EMPTY_499,
+    GATE,
+    GENERATE,
+    KEYED,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    replies,
+)
 from treadle.server.prepare import Prepared, prepare_completion, serving
 from treadle.server.protocol import CompletionRequest, new_id
 
@@ -35,22 +44,22 @@ def _prompt_text(generation: Generation, prepared: Prepared, index: int) -> str:
 
 def reply(generation: Generation, body: CompletionRequest, prepared: Prepared, results: list[Choice]) -> dict:
     choices = [
-        {
-            "index": c.index,
-            "text": (_prompt_text(generation, prepared, c.index) if body.echo else "") + c.text,
-            "logprobs": completion_logprobs(c.logprobs, body.logprobs, 0) if body.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-        }
+        CompletionChoice(
+            index=c.index,
+            text=(_prompt_text(generation, prepared, c.index) if body.echo else "") + c.text,
+            logprobs=completion_logprobs(c.logprobs, body.logprobs, 0) if body.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+        )
         for c in results
     ]
-    return {
-        "id": generation.id,
-        "object": "text_completion",
-        "created": generation.created,
-        "model": generation.state.settings.served_model_name,
-        "choices": choices,
-        "usage": generation.usage(),
-    }
+    return Completion(
+        id=generation.id,
+        object="text_completion",
+        created=generation.created,
+        model=generation.state.settings.served_model_name,
+        choices=choices,
+        usage=generation.usage(),
+    ).model_dump(exclude_unset=True)
 
 
 async def stream(generation: Generation, body: CompletionRequest, prepared: Prepared):
@@ -94,7 +103,7 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs is not None):
                     continue
                 lp = (
-                    completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index])
+                    completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index]).model_dump(exclude_unset=True)
                     if body.logprobs is not None
                     else None
                 )
@@ -103,13 +112,13 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
             if choices:
                 yield chunk(choices)
         if include_usage:
-            yield chunk([], generation.usage())
+            yield chunk([], generation.usage().model_dump(exclude_unset=True))
         yield DONE
     finally:
         generation.close()
 
 
-def completion_logprobs(pairs, k: int | None, offset: int) -> dict:
+def completion_logprobs(pairs, k: int | None, offset: int) -> CompletionLogprobs:
     k = k or 0
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in pairs:
@@ -123,4 +132,4 @@ def completion_logprobs(pairs, k: int | None, offset: int) -> dict:
         )
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)

@@ -18,7 +18,7 @@ from treadle.engine.request import validate_prompt
 from treadle.sampling_params import SamplingParams
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import ClientGone, Generation, GenerationFailed
-from treadle.server.openapi_models import GATE, KEYED, EmbeddingList, replies
+from treadle.server.openapi_models import GATE, KEYED, Embedding, EmbeddingList, EmbeddingUsage, replies
 from treadle.server.prepare import ServerState, check_token_ids, require_ready, serving
 from treadle.server.protocol import RequestError, StrictModel, new_id
 
@@ -54,13 +54,13 @@ async def embeddings(body: EmbeddingRequest, request: Request):
         value = (
             base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if body.encoding_format == "base64" else v
         )
-        data.append({"object": "embedding", "index": i, "embedding": value})
-    return {
-        "object": "list",
-        "data": data,
-        "model": state.settings.served_model_name,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }
+        data.append(Embedding(object="embedding", index=i, embedding=value))
+    return EmbeddingList(
+        object="list",
+        data=data,
+        model=state.settings.served_model_name,
+        usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+    ).model_dump(exclude_unset=True)
 
 
 def matryoshka_dimensions(state: ServerState) -> list[int] | None:

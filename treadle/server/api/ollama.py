@@ -37,10 +37,16 @@ from treadle.server.openapi_models import (
     OllamaChatResponse,
     OllamaEmbed,
     OllamaGenerateResponse,
+    OllamaMessage,
+    OllamaModel,
+    OllamaModelDetails,
     OllamaPs,
     OllamaPullStatus,
+    OllamaRunningModel,
     OllamaShow,
     OllamaTags,
+    OllamaToolCall,
+    OllamaToolCallFunction,
     OllamaVersion,
     replies,
 )
@@ -156,7 +162,7 @@ async def chat(body: OllamaChatRequest, request: Request):
     arrival = time.monotonic()
     if not body.messages:  # Ollama: an empty conversation loads the model (keep_alive 0: unloads it)
         return await _load_or_unload(
-            server, body.model, body.keep_alive, {"message": {"role": "assistant", "content": ""}}
+            server, body.model, body.keep_alive, OllamaChatResponse, message=OllamaMessage(role="assistant", content="")
         )
     async with serving(server, body.model, body.keep_alive) as state:
         name = state.settings.served_model_name
@@ -177,7 +183,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
         if getattr(body, field):
             raise RequestError(f"{field} is not supported", field)
     if not body.prompt and body.system is None:
-        return await _load_or_unload(server, body.model, body.keep_alive, {"response": ""})
+        return await _load_or_unload(server, body.model, body.keep_alive, OllamaGenerateResponse, response="")
     async with serving(server, body.model, body.keep_alive) as state:
         name = state.settings.served_model_name
         if body.raw:
@@ -206,7 +212,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
 async def tags(request: Request):
     server = request.app.state.treadle
     hub = server.hub
-    return {"models": [_model_entry(spec) for spec in hub.catalog.specs()]}
+    return OllamaTags(models=[_model_entry(spec) for spec in hub.catalog.specs()]).model_dump(exclude_unset=True)
 
 
 @router.get("/api/ps")
@@ -219,15 +225,14 @@ async def ps(request: Request):
         entry = _model_entry(hub.catalog.lookup(loaded["name"]))
         expires = loaded["expires_at"]
         out.append(
-            {
-                **entry,
-                "size": loaded["rss_bytes"],
-                "expires_at": _iso(expires) if expires is not None else "2318-01-01T00:00:00Z",  # Ollama's "forever"
-                "size_vram": 0,
-                "context_length": loaded["max_model_len"],
-            }
+            OllamaRunningModel(
+                **(dict(entry) | {"size": loaded["rss_bytes"]}),
+                expires_at=_iso(expires) if expires is not None else "2318-01-01T00:00:00Z",  # Ollama's "forever"
+                size_vram=0,
+                context_length=loaded["max_model_len"],
+            )
         )
-    return {"models": out}
+    return OllamaPs(models=out).model_dump(exclude_unset=True)
 
 
 @router.post("/api/show")
@@ -241,18 +246,20 @@ async def show(body: OllamaModelRequest, request: Request):
     template = spec.chat_template or info.chat_template
     loaded = hub.loaded.get(spec.name)
     context = loaded.engine.max_model_len if loaded is not None and loaded.engine.ready else info.context_length
-    family = entry["details"]["family"]
+    family = entry.details.family
     capabilities = (
         ["completion"]
         + (["tools"] if template_supports_tools(template) else [])
         + (["thinking"] if server.settings.reasoning_parser else [])
     )
+    # a dict, not OllamaShow: model_info is open-ended (its family-named key sits among the modeled ones, and
+    # its context length is null where the model does not say); the details are the model's
     return {
         "modelfile": "",
         "parameters": "\n".join(f"{k} {json.dumps(v)}" for k, v in info.defaults.items()),
         "license": info.license,
         "template": template,
-        "details": entry["details"],
+        "details": entry.details.model_dump(exclude_unset=True),
         "model_info": {
             "general.architecture": family,
             "general.parameter_count": info.parameters or 0,
@@ -260,7 +267,7 @@ async def show(body: OllamaModelRequest, request: Request):
             "general.context_length": context,
         },
         "capabilities": capabilities,
-        "modified_at": entry["modified_at"],
+        "modified_at": entry.modified_at,
     }
 
 
@@ -274,13 +281,13 @@ async def embed(body: OllamaEmbedRequest, request: Request):
     inputs = [body.input] if isinstance(body.input, str) else body.input
     async with serving(server, body.model, body.keep_alive) as state:
         vectors, prompt_tokens = await embed_texts(state, inputs, body.dimensions, "input", truncate=body.truncate)
-    return {
-        "model": body.model,
-        "embeddings": vectors,
-        "total_duration": _ns(time.monotonic() - arrival),
-        "load_duration": _ns(LOAD_WAIT.get()),
-        "prompt_eval_count": prompt_tokens,
-    }
+    return OllamaEmbed(
+        model=body.model,
+        embeddings=vectors,
+        total_duration=_ns(time.monotonic() - arrival),
+        load_duration=_ns(LOAD_WAIT.get()),
+        prompt_eval_count=prompt_tokens,
+    ).model_dump(exclude_unset=True)
 
 
 @router.post("/api/pull")
@@ -293,7 +300,7 @@ async def pull(body: OllamaPullRequest, request: Request):
     store, ref = _store(hub), _required_name(body)
     if not body.stream:
         manifest = await _pull(store, ref)
-        return {"status": "success", "model": manifest["name"]}
+        return OllamaPullStatus(status="success", model=manifest["name"]).model_dump(exclude_unset=True)
 
     async def lines():
         yield json.dumps({"status": "pulling manifest"}) + "\n"
@@ -361,20 +368,27 @@ async def copy(body: OllamaCopyRequest, request: Request):
 @router.get("/api/version")
 @replies(OllamaVersion, "ollama", KEYED, GATE)
 async def version(request: Request):
-    return {"version": __version__}
+    return OllamaVersion(version=__version__).model_dump(exclude_unset=True)
 
 
-async def _load_or_unload(server: ServerState, model: str, keep_alive, fields: dict) -> dict:
+async def _load_or_unload(
+    server: ServerState, model: str, keep_alive, reply: type[OllamaChatResponse | OllamaGenerateResponse], **fields
+) -> dict:
     """Ollama's empty request: load the model and answer done_reason "load", or, with keep_alive 0,
-    unload it and answer "unload"."""
+    unload it and answer "unload"; `reply` (OllamaChatResponse or OllamaGenerateResponse) with `fields`
+    (its empty message or response)."""
     hub = server.hub
     if keep_alive is not None and parse_keep_alive(keep_alive) == 0:
         spec = _spec(server, model)
         await hub.unload(spec.name)
-        return {"model": spec.name, "created_at": _now(), **fields, "done": True, "done_reason": "unload"}
-    async with serving(server, model, keep_alive) as state:
-        require_ready(state)
-        return _loaded(state.settings.served_model_name, fields)
+        done_reason, name = "unload", spec.name
+    else:
+        async with serving(server, model, keep_alive) as state:
+            require_ready(state)
+            done_reason, name = "load", state.settings.served_model_name
+    return reply(model=name, created_at=_now(), **fields, done=True, done_reason=done_reason).model_dump(
+        exclude_unset=True
+    )
 
 
 def _spec(server: ServerState, model: str | None):
@@ -410,28 +424,28 @@ async def _pull(store, ref: str) -> dict:
         raise RequestError(str(e), "model", status=404 if "no such repository" in str(e) else 400) from None
 
 
-def _model_entry(spec) -> dict:
+def _model_entry(spec) -> OllamaModel:
     info = describe_cached(spec.path)
     name = full_name(spec.name)
     try:
         modified = os.path.getmtime(spec.path)
     except OSError:
         modified = time.time()
-    return {
-        "name": name,
-        "model": name,
-        "modified_at": _iso(modified),
-        "size": info.size,
-        "digest": "",
-        "details": {
-            "parent_model": "",
-            "format": info.format,
-            "family": info.architecture,
-            "families": [info.architecture],
-            "parameter_size": human_count(info.parameters),
-            "quantization_level": info.quantization,
-        },
-    }
+    return OllamaModel(
+        name=name,
+        model=name,
+        modified_at=_iso(modified),
+        size=info.size,
+        digest="",
+        details=OllamaModelDetails(
+            parent_model="",
+            format=info.format,
+            family=info.architecture,
+            families=[info.architecture],
+            parameter_size=human_count(info.parameters),
+            quantization_level=info.quantization,
+        ),
+    )
 
 
 def _iso(t: float) -> str:
@@ -444,10 +458,6 @@ def _now() -> str:
 
 def _ns(seconds: float) -> int:
     return max(0, int(seconds * 1e9))
-
-
-def _loaded(name: str, fields: dict) -> dict:
-    return {"model": name, "created_at": _now(), **fields, "done": True, "done_reason": "load"}
 
 
 def _sampling(options: dict | None) -> dict:
@@ -553,19 +563,24 @@ def _done_reason(finish_reason: str) -> str:
     return "length" if finish_reason == "length" else "stop"
 
 
-def _tool_calls(parts) -> list[dict]:
-    return [{"function": {"name": b.name, "arguments": json.loads(b.text)}} for b in parts if b.kind == "tool_call"]
+def _tool_calls(parts) -> list[OllamaToolCall]:
+    return [
+        OllamaToolCall(function=OllamaToolCallFunction(name=b.name, arguments=json.loads(b.text)))
+        for b in parts
+        if b.kind == "tool_call"
+    ]
 
 
-def _message(parts) -> dict:
-    msg = {"role": "assistant", "content": "".join(b.text for b in parts if b.kind == "text")}
+def _message(parts) -> OllamaMessage:
+    """The reply's message: thinking (with --reasoning-parser) and tool_calls only when there are some."""
+    extra = {}
     thinking = "".join(b.text for b in parts if b.kind == "reasoning")
     if thinking:
-        msg["thinking"] = thinking
+        extra["thinking"] = thinking
     calls = _tool_calls(parts)
     if calls:
-        msg["tool_calls"] = calls
-    return msg
+        extra["tool_calls"] = calls
+    return OllamaMessage(role="assistant", content="".join(b.text for b in parts if b.kind == "text"), **extra)
 
 
 def _generated(parts) -> dict:
@@ -590,14 +605,15 @@ async def _respond(
         else:
             parts = reply_parts(prepared.chat_output(), choice.text)
             fields = {"message": _message(parts)} if chat else _generated(parts)
-        return {
-            "model": name,
-            "created_at": _now(),
+        reply = OllamaChatResponse if chat else OllamaGenerateResponse
+        return reply(
+            model=name,
+            created_at=_now(),
             **fields,
-            "done": True,
-            "done_reason": _done_reason(choice.finish_reason),
+            done=True,
+            done_reason=_done_reason(choice.finish_reason),
             **_timings(generation),
-        }
+        ).model_dump(exclude_unset=True)
 
     return await generation.reply(request, whole)
 
@@ -626,7 +642,7 @@ async def _stream(generation: Generation, prepared: Prepared, chat: bool, name: 
             elif ev.what == "delta" and ev.part.kind == "reasoning":
                 lines.append(piece(thinking=ev.delta))
             elif ev.what == "stop" and ev.part.kind == "tool_call" and is_json(ev.part.text):
-                lines.append(piece(tool_calls=_tool_calls([ev.part])))
+                lines.append(piece(tool_calls=[c.model_dump(exclude_unset=True) for c in _tool_calls([ev.part])]))
         return lines
 
     try:

@@ -29,17 +29,16 @@ async def health(request: Request):
     entry = hub.primary_entry  # the command line's model, while it is loaded
     if entry is not None and not entry.engine.ready:
         engine = entry.engine
-        body = {"status": "loading" if engine.state == "ready" else engine.state}
-        if engine.reason:
-            body["reason"] = engine.reason
-        return JSONResponse(body, status_code=503)
-    return {"status": "ok"}
+        status = "loading" if engine.state == "ready" else engine.state
+        body = Health(status=status, reason=engine.reason) if engine.reason else Health(status=status)
+        return JSONResponse(body.model_dump(exclude_unset=True), status_code=503)
+    return Health(status="ok").model_dump(exclude_unset=True)
 
 
 @router.get("/version")
 @replies(Version, "plain", GATE)
 async def version():
-    return {"version": __version__}
+    return Version(version=__version__).model_dump(exclude_unset=True)
 
 
 @router.get("/metrics")

@@ -20,7 +20,27 @@ from treadle.server.api.reply_parts import PartStream, ReplyPart, complete_calls
 from treadle.server.api.sse import stream_response
 from treadle.server.checked_route import checked_router
 from treadle.server.generation import Generation, GenerationFailed
-from treadle.server.openapi_models import EMPTY_499, GATE, GENERATE, KEYED, ResponseDeleted, ResponseObject, replies
+from treadle.server.openapi_models import (
+    EMPTY_499,
+    GATE,
+    GENERATE,
+    KEYED,
+    ResponseDeleted,
+    ResponseError,
+    ResponseFunctionCall,
+    ResponseIncompleteDetails,
+    ResponseInputTokensDetails,
+    ResponseObject,
+    ResponseOutputItem,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseOutputTokensDetails,
+    ResponseReasoning,
+    ResponseReasoningItem,
+    ResponseReasoningText,
+    ResponseUsage,
+    replies,
+)
 from treadle.server.prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
 from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 
@@ -52,7 +72,8 @@ class ResponsesRequest(StrictModel):
 
 
 class ResponseStore:
-    """Stored responses by id: the response object and the conversation it ends (chat messages)."""
+    """Stored responses by id: the response object (as sent: ResponseObject's dump) and the conversation it
+    ends (chat messages)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -123,7 +144,7 @@ async def delete_response(response_id: str, request: Request):
     store = request.app.state.responses
     if not store.delete(response_id):
         raise RequestError(f"Response with id '{response_id}' not found.", "response_id", status=404)
-    return {"id": response_id, "object": "response", "deleted": True}
+    return ResponseDeleted(id=response_id, object="response", deleted=True).model_dump(exclude_unset=True)
 
 
 # ---------------------------------------------------------------- request in
@@ -272,28 +293,33 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
 # ---------------------------------------------------------------- response out
 
 
-def _part(block: ReplyPart, text: str) -> dict:
+def _part(block: ReplyPart, text: str) -> ResponseOutputText | ResponseReasoningText:
     if block.kind == "text":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "reasoning_text", "text": text}
+        return ResponseOutputText(type="output_text", text=text, annotations=[], logprobs=[])
+    return ResponseReasoningText(type="reasoning_text", text=text)
 
 
-def _item(block: ReplyPart, item_id: str, done: bool) -> dict:
+def _item(block: ReplyPart, item_id: str, done: bool) -> ResponseOutputItem:
     status = "completed" if done else "in_progress"
     if block.kind == "text":
         content = [_part(block, block.text)] if done else []
-        return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+        return ResponseOutputMessage(id=item_id, type="message", status=status, role="assistant", content=content)
     if block.kind == "reasoning":
         content = [_part(block, block.text)] if done else []
-        return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "status": status,
-        "call_id": block.call_id,
-        "name": block.name,
-        "arguments": block.text if done else "",
-    }
+        return ResponseReasoningItem(id=item_id, type="reasoning", status=status, summary=[], content=content)
+    return ResponseFunctionCall(
+        id=item_id,
+        type="function_call",
+        status=status,
+        call_id=block.call_id,
+        name=block.name,
+        arguments=block.text if done else "",
+    )
+
+
+def _dump(model) -> dict:
+    """A reply's or an event's object as sent: exactly the fields it was built with."""
+    return model.model_dump(exclude_unset=True)
 
 
 _ITEM_PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
@@ -324,51 +350,53 @@ class _Reply:
     def response(
         self,
         status: str,
-        output: list[dict],
-        usage: dict | None,
+        output: list[ResponseOutputItem],
+        usage: ResponseUsage | None,
         incomplete: str | None = None,
-        error: dict | None = None,
-    ) -> dict:
+        error: ResponseError | None = None,
+    ) -> ResponseObject:
         b = self.body
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "error": error,
-            "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": b.instructions,
-            "max_output_tokens": b.max_output_tokens,
-            "model": self.state.settings.served_model_name,
-            "output": output,
-            "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
-            "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
-            "store": b.store,
-            "temperature": 1.0 if b.temperature is None else b.temperature,
-            "text": b.text or {"format": {"type": "text"}},
-            "tool_choice": b.tool_choice or "auto",
-            "tools": b.tools or [],
-            "top_p": 1.0 if b.top_p is None else b.top_p,
-            "truncation": "disabled",
-            "usage": usage,
-            "user": b.user,
-            "metadata": b.metadata or {},
-        }
+        return ResponseObject(
+            id=self.id,
+            object="response",
+            created_at=self.created,
+            status=status,
+            error=error,
+            incomplete_details=ResponseIncompleteDetails(reason=incomplete) if incomplete else None,
+            instructions=b.instructions,
+            max_output_tokens=b.max_output_tokens,
+            model=self.state.settings.served_model_name,
+            output=output,
+            parallel_tool_calls=True if b.parallel_tool_calls is None else b.parallel_tool_calls,
+            previous_response_id=b.previous_response_id,
+            reasoning=ResponseReasoning(effort=None, summary=None),
+            store=b.store,
+            temperature=1.0 if b.temperature is None else b.temperature,
+            text=b.text or {"format": {"type": "text"}},
+            tool_choice=b.tool_choice or "auto",
+            tools=b.tools or [],
+            top_p=1.0 if b.top_p is None else b.top_p,
+            truncation="disabled",
+            usage=usage,
+            user=b.user,
+            metadata=b.metadata or {},
+        )
 
-    def usage(self, generation: Generation, parts: list[ReplyPart]) -> dict:
+    def usage(self, generation: Generation, parts: list[ReplyPart]) -> ResponseUsage:
         tok = self.state.engine.tokenizer
         reasoning = sum(len(tok.encode(b.text, add_special_tokens=False)) for b in parts if b.kind == "reasoning")
-        return {
-            "input_tokens": generation.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": generation.cached},
-            "output_tokens": generation.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": min(reasoning, generation.completion_tokens)},
-            "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-        }
+        return ResponseUsage(
+            input_tokens=generation.prompt_tokens,
+            input_tokens_details=ResponseInputTokensDetails(cached_tokens=generation.cached),
+            output_tokens=generation.completion_tokens,
+            output_tokens_details=ResponseOutputTokensDetails(
+                reasoning_tokens=min(reasoning, generation.completion_tokens)
+            ),
+            total_tokens=generation.prompt_tokens + generation.completion_tokens,
+        )
 
     def final(self, generation: Generation, parts: list[ReplyPart], finish_reason: str) -> dict:
-        """The finished response (stored if asked); a call cut short by max_output_tokens (its
+        """The finished response as sent (stored if asked); a call cut short by max_output_tokens (its
         arguments not JSON) is left out, so that a later turn's history renders."""
         parts = complete_calls(parts)
         output = [_item(b, self._item_id(b), True) for b in parts]
@@ -376,8 +404,9 @@ class _Reply:
         if finish_reason == "length":
             status, incomplete = "incomplete", "max_output_tokens"
         elif finish_reason == "abort":  # the server ended it (shutting down)
-            status, error = "failed", {"code": "server_error", "message": "the request was aborted before it finished"}
-        response = self.response(status, output, self.usage(generation, parts), incomplete, error)
+            error = ResponseError(code="server_error", message="the request was aborted before it finished")
+            status = "failed"
+        response = _dump(self.response(status, output, self.usage(generation, parts), incomplete, error))
         if self.body.store and status != "failed":
             self.store.put(response, self.conversation + [_as_message(parts)])
         return response
@@ -400,10 +429,12 @@ class _Reply:
                 where = {"item_id": item_id, "output_index": b.index}
                 if ev.what == "start":
                     lines.append(
-                        event("response.output_item.added", output_index=b.index, item=_item(b, item_id, False))
+                        event("response.output_item.added", output_index=b.index, item=_dump(_item(b, item_id, False)))
                     )
                     if b.kind != "tool_call":
-                        lines.append(event("response.content_part.added", **where, content_index=0, part=_part(b, "")))
+                        lines.append(
+                            event("response.content_part.added", **where, content_index=0, part=_dump(_part(b, "")))
+                        )
                 elif ev.what == "delta":
                     if b.kind == "text":
                         lines.append(
@@ -422,31 +453,29 @@ class _Reply:
                         else:
                             lines.append(event("response.reasoning_text.done", **where, content_index=0, text=b.text))
                         lines.append(
-                            event("response.content_part.done", **where, content_index=0, part=_part(b, b.text))
+                            event("response.content_part.done", **where, content_index=0, part=_dump(_part(b, b.text)))
                         )
                     else:
                         lines.append(
                             event("response.function_call_arguments.done", **where, name=b.name, arguments=b.text)
                         )
-                    lines.append(event("response.output_item.done", output_index=b.index, item=_item(b, item_id, True)))
+                    lines.append(
+                        event("response.output_item.done", output_index=b.index, item=_dump(_item(b, item_id, True)))
+                    )
             return lines
 
         try:
-            yield event("response.created", response=self.response("in_progress", [], None))
-            yield event("response.in_progress", response=self.response("in_progress", [], None))
+            yield event("response.created", response=_dump(self.response("in_progress", [], None)))
+            yield event("response.in_progress", response=_dump(self.response("in_progress", [], None)))
             try:
                 async for events in parts.follow(generation, prepared.chat_output()):
                     for line in translate(events):
                         yield line
             except GenerationFailed as e:
                 yield event("error", code=e.code, message=e.message, param=e.param)
-                failed = self.response(
-                    "failed",
-                    [],
-                    None,
-                    error={"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message},
-                )
-                yield event("response.failed", response=failed)
+                code = "server_error" if e.status >= 500 else "invalid_prompt"
+                failed = self.response("failed", [], None, error=ResponseError(code=code, message=e.message))
+                yield event("response.failed", response=_dump(failed))
                 return
             response = self.final(generation, parts.parts, generation.reasons.get(0, "abort"))
             yield event(

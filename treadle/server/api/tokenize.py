@@ -5,7 +5,7 @@ import asyncio
 from fastapi import Request
 
 from treadle.server.checked_route import checked_router
-from treadle.server.openapi_models import GATE, KEYED, DetokenizeResponse, TokenizeResponse, replies
+from treadle.server.openapi_models import GATE, KEYED, DetokenizeResponse, TokenizeResponse, TokenPiece, replies
 from treadle.server.prepare import chat_template, check_token_ids, plain_messages, render_chat, require_ready, serving
 from treadle.server.protocol import DetokenizeRequest, RequestError, TokenizeRequest
 from treadle.server.tools import prepare_messages, template_supports_tools
@@ -24,8 +24,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
             add = True if body.add_special is None else body.add_special
             ids = tok.encode(body.content, add_special_tokens=add)
             if body.with_pieces:
-                return {"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids]}
-            return {"tokens": ids}
+                pieces = [TokenPiece(id=i, piece=tok.decode([i], skip_special_tokens=False)) for i in ids]
+                return TokenizeResponse(tokens=pieces).model_dump(exclude_unset=True)
+            return TokenizeResponse(tokens=ids).model_dump(exclude_unset=True)
         if body.messages is not None:
             messages, _ = prepare_messages(
                 plain_messages(body.messages), None, template_supports_tools(chat_template(served))
@@ -37,7 +38,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
             ids = tok.encode(body.prompt, add_special_tokens=add)
         else:
             raise RequestError("one of prompt, messages or content is required", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_model_len}
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=served.engine.max_model_len).model_dump(
+            exclude_unset=True
+        )
 
 
 @router.post("/detokenize")
@@ -48,4 +51,4 @@ async def detokenize(body: DetokenizeRequest, request: Request):
         require_ready(served)
         check_token_ids(served, body.tokens, "tokens")
         text = served.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return {"prompt": text, "content": text}
+        return DetokenizeResponse(prompt=text, content=text).model_dump(exclude_unset=True)

@@ -16,9 +16,6 @@ from treadle.server.openapi_models import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionMessage,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     replies,
 )
 from treadle.server.prepare import Prepared, prepare_chat, serving
@@ -111,11 +108,7 @@ async def stream(generation: Generation, body: ChatCompletionRequest, prepared: 
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs):
                     continue
                 parts = outputs[d.index].feed(d.text, final=d.finish_reason is not None) or [{}]
-                lp = (
-                    chat_logprobs(d.logprobs, body.top_logprobs).model_dump(exclude_unset=True)
-                    if body.logprobs
-                    else None
-                )
+                lp = chat_logprobs(d.logprobs, body.top_logprobs) if body.logprobs else None
                 if not d.finish_reason and parts == [{}] and lp is None:
                     continue  # text held back (a tag, a call being parsed)
                 rounds += [[] for _ in range(len(parts) - len(rounds))]
@@ -144,24 +137,26 @@ def top_logprobs(entry: dict, k: int) -> list:
     return sorted((lp for lp in entry.items() if lp[1].rank is not None and lp[1].rank <= k), key=lambda kv: kv[1].rank)
 
 
-def chat_logprobs(pairs, k: int | None) -> ChatLogprobs:
+def chat_logprobs(pairs, k: int | None) -> dict:
+    """A choice's logprobs in ChatLogprobs' shape, as a dict: a stream sends it as is, once per
+    chunk; a whole reply's ChatCompletionChoice validates it into the model."""
     content = []
     for token_id, entry in pairs:
         chosen = entry[token_id]
         token = chosen.decoded_token or ""
         content.append(
-            ChatTokenLogprob(
-                token=token,
-                logprob=chosen.logprob,
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=[
-                    ChatTopLogprob(
-                        token=lp.decoded_token or "",
-                        logprob=lp.logprob,
-                        bytes=list((lp.decoded_token or "").encode("utf-8")),
-                    )
+            {
+                "token": token,
+                "logprob": chosen.logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or "").encode("utf-8")),
+                    }
                     for _, lp in top_logprobs(entry, k or 0)
                 ],
-            )
+            }
         )
-    return ChatLogprobs(content=content)
+    return {"content": content}

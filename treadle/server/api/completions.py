@@ -15,7 +15,6 @@ from treadle.server.openapi_models import (
     KEYED,
     Completion,
     CompletionChoice,
-    CompletionLogprobs,
     replies,
 )
 from treadle.server.prepare import Prepared, prepare_completion, serving
@@ -103,7 +102,7 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
                 if not d.text and not d.finish_reason and not (d.logprobs and body.logprobs is not None):
                     continue
                 lp = (
-                    completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index]).model_dump(exclude_unset=True)
+                    completion_logprobs(d.logprobs, body.logprobs, text_offsets[d.index])
                     if body.logprobs is not None
                     else None
                 )
@@ -118,7 +117,9 @@ async def stream(generation: Generation, body: CompletionRequest, prepared: Prep
         generation.close()
 
 
-def completion_logprobs(pairs, k: int | None, offset: int) -> CompletionLogprobs:
+def completion_logprobs(pairs, k: int | None, offset: int) -> dict:
+    """A choice's logprobs in CompletionLogprobs' shape, as a dict: a stream sends it as is; a whole
+    reply's CompletionChoice validates it into the model."""
     k = k or 0
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in pairs:
@@ -132,4 +133,4 @@ def completion_logprobs(pairs, k: int | None, offset: int) -> CompletionLogprobs
         )
         offsets.append(offset)
         offset += len(tokens[-1])
-    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -22,7 +22,7 @@ from treadle.model.families.registry import resolve_model_class
 from treadle.model.kernels import paged
 from treadle.model.layers.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from treadle.model.layers.linear import LORA_ROWS
-from treadle.model.layers.mamba import Segment
+from treadle.model.layers.recurrent import Segment
 from treadle.sampling_params import SamplingParams
 from treadle.step import SampledToken, StepInput, TokenHistory
 from treadle.utils import zeroed_pages

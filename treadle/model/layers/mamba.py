@@ -14,7 +14,7 @@ chunks or one token at a time, so a request's outputs do not depend on how the s
 (the batch-invariant rule); transformers' prefill uses the chunked SSD form, the same recurrence
 summed in another order (equal to float32 rounding).
 
-The runner owns the states (`RecurrentState`, one per request, made when a request starts at
+The runner owns the states (`recurrent.RecurrentState`, one per request, made when a request starts at
 position 0, copied to a forked choice, dropped when it finishes or is preempted) and hands each
 step's per-request row ranges to the model through `AttentionMetadata.recurrent`.
 """
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError
+from treadle.model.layers.recurrent import RecurrentState, Segment, conv_segment  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -49,43 +50,9 @@ class MambaConfig:
     def conv_dim(self) -> int:
         return self.inner + 2 * self.groups * self.d_state
 
-
-class RecurrentState:
-    """One request's state in every recurrent layer, and how many of its tokens it has consumed."""
-
-    __slots__ = ("conv", "ssm", "position")
-
-    def __init__(self, conv: list[torch.Tensor], ssm: list[torch.Tensor]):
-        self.conv, self.ssm, self.position = conv, ssm, 0
-
-    @classmethod
-    def zeros(cls, cfg: MambaConfig, layers: int, dtype: torch.dtype, device) -> "RecurrentState":
-        conv = [torch.zeros(cfg.conv_dim, cfg.d_conv - 1, dtype=dtype, device=device) for _ in range(layers)]
-        ssm = [
-            torch.zeros(cfg.heads, cfg.head_dim, cfg.d_state, dtype=torch.float32, device=device) for _ in range(layers)
-        ]
-        return cls(conv, ssm)
-
-    def copy(self) -> "RecurrentState":
-        out = RecurrentState([c.clone() for c in self.conv], [s.clone() for s in self.ssm])
-        out.position = self.position
-        return out
-
-    @staticmethod
-    def nbytes(cfg: MambaConfig, layers: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return layers * (cfg.conv_dim * (cfg.d_conv - 1) * elem + cfg.heads * cfg.head_dim * cfg.d_state * 4)
-
-
-@dataclass
-class Segment:
-    """One request's rows of the step: rows [start, start + length) of the flattened batch."""
-
-    start: int
-    length: int
-    state: RecurrentState
-    # (offset, checkpoint): copy the state after the first `offset` rows into the checkpoint
-    saves: list = None
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.head_dim, self.d_state)
 
 
 class Mamba2Mixer:
@@ -143,19 +110,10 @@ class Mamba2Mixer:
         cfg = self.cfg
         n = proj.shape[0]
         xbc, dt = proj[:, : cfg.conv_dim], proj[:, cfg.conv_dim :]
-        conv_state = state.conv[self.index]
-        seq = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)  # [conv_dim, d_conv - 1 + n]
-        conv_state.copy_(seq[:, -(cfg.d_conv - 1) :])
+        xbc = conv_segment(xbc, state.conv[self.index], self.conv_weight, self.conv_bias, saves, self.index)
         at = {}
-        for (
-            offset,
-            checkpoint,
-        ) in saves:  # the conv state after `offset` rows: the d_conv - 1 inputs before row `offset`
-            checkpoint.conv[self.index].copy_(seq[:, offset : offset + cfg.d_conv - 1])
+        for offset, checkpoint in saves:
             at.setdefault(offset, []).append(checkpoint)
-        xbc = F.silu(
-            F.conv1d(seq.unsqueeze(0), self.conv_weight, self.conv_bias, groups=cfg.conv_dim)[0]
-        ).t()  # [n, conv_dim]
         xs, B, C = xbc.float().split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
         xs = xs.view(n, cfg.heads, cfg.head_dim)
         per_group = cfg.heads // cfg.groups

@@ -137,6 +137,29 @@ def hf_config(arch: str, vocab_size: int):
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
             tie_word_embeddings=False,
         )  # fmt: skip
+    if arch in GATED_DELTANET_ARCHITECTURES:
+        import transformers
+
+        # three Gated DeltaNet layers (2 key heads, 4 value heads: r = 2) and one gated attention
+        # layer (a quarter of each 16-wide head rotates); experts: 8, top-2, a gated shared expert
+        hybrid = dict(
+            **{**common, "num_hidden_layers": 4, "pad_token_id": 0}, head_dim=16, linear_conv_kernel_dim=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        experts = dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        )
+        if arch == "qwen3_next":
+            return transformers.Qwen3NextConfig(
+                **hybrid, **experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]
+            )
+        if arch == "qwen3_5_text":
+            return transformers.Qwen3_5TextConfig(**hybrid)
+        return transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in hybrid.items() if k != "intermediate_size"},
+                                                 **experts)  # fmt: skip
     if arch in MOE_ARCHITECTURES:
         import transformers
 
@@ -172,6 +195,22 @@ def hf_config(arch: str, vocab_size: int):
 
 
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+GATED_DELTANET_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _long_memory_gated_deltanet(model) -> None:
+    """Decays near 1 and every norm away from its init (transformers' init forgets within a token,
+    and its zero (1 + w) norms and unit gated norms would hide a w / 1 + w mix-up)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-5.0, -3.0)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 0.0)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("norm.weight"):
+                p.normal_(0.0, 0.2)
 
 
 def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
@@ -195,6 +234,8 @@ def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
                 if getattr(layer, "mamba", None) is not None:
                     layer.mamba.A_log.uniform_(-5.0, -3.0)  # A in -0.05..-0.007
                     layer.mamba.dt_bias.uniform_(-1.0, 0.0)
+    if arch in GATED_DELTANET_ARCHITECTURES:
+        _long_memory_gated_deltanet(model)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(os.path.join(folder, "tokenizer.json"))

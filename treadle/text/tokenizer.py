@@ -41,6 +41,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in words (llama.cpp's "qwen35")
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _split_then_bytes(pattern: str):
@@ -77,6 +82,7 @@ BPE_PRE_TOKENIZERS = {
     "llama-v3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "smaug-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "qwen35": lambda: _split_then_bytes(_QWEN35_SPLIT),
     "deepseek-r1-qwen": lambda: _split_then_bytes(_QWEN2_SPLIT),
 }
 

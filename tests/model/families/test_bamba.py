@@ -14,30 +14,16 @@ forward's.
 import pytest
 import torch
 
-from tests.support.reference import assert_matches_reference, greedy_continuation, hf_greedy, hf_greedy_uncached
+from tests.support.hybrid import GREEDY, check, prompts, shared_heads
+from tests.support.reference import hf_greedy, hf_greedy_uncached
 from tests.support.tiny_models import save_hf_model
 from treadle import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def bamba(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("bamba"))
     return folder, save_hf_model(folder, "bamba", seed=1)
-
-
-def prompts(n: int = 4, seed: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 260, (int(k),), generator=g).tolist() for k in torch.randint(5, 45, (n,), generator=g)]
-
-
-def check(model, llm, batch, outs=None):
-    outs = outs or llm.generate(batch, GREEDY)
-    cont = greedy_continuation(llm)
-    for ids, out in zip(batch, outs):
-        ref, rows = hf_greedy_uncached(model, ids, GREEDY.max_tokens)
-        assert_matches_reference(ids, out.outputs[0].token_ids, ref, rows, cont)
 
 
 def test_hybrid_matches_transformers_batched_chunked_and_preempted(bamba):
@@ -63,13 +49,6 @@ def test_forked_choices_start_from_their_parents_state(bamba):
     for ids, out in zip(batch, outs):
         ref, _ = hf_greedy_uncached(model, ids, 12)
         assert [o.token_ids for o in out.outputs] == [ref] * 3
-
-
-def shared_heads(seed: int = 5) -> list[list[int]]:
-    """Six prompts, three pairs sharing a 32-token head (8 blocks of 4)."""
-    g = torch.Generator().manual_seed(seed)
-    heads = [torch.randint(0, 260, (32,), generator=g).tolist() for _ in range(3)]
-    return [h + torch.randint(0, 260, (n,), generator=g).tolist() for h in heads for n in (3, 9)]
 
 
 def test_prefix_hits_restore_the_recurrent_state_checkpointed_at_their_end(bamba, monkeypatch):

@@ -41,6 +41,9 @@ FAMILIES = (
     "treadle.model.families.olmoe:OlmoeModel",
     "treadle.model.families.bamba:BambaModel",
     "treadle.model.families.granite_hybrid:GraniteHybridModel",
+    "treadle.model.families.qwen3_next:Qwen3NextModel",
+    "treadle.model.families.qwen3_next:Qwen35Model",
+    "treadle.model.families.qwen3_next:Qwen35MoeModel",
 )
 NAME_FIELDS = ("hf_model_types", "hf_architectures", "gguf_architectures")
 

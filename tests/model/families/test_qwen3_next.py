@@ -1,0 +1,246 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet hybrids) against transformers.
+
+Tiny random models built here: three Gated DeltaNet layers (2 key heads serving 4 value heads)
+and one gated attention layer; experts with a gated shared expert for Next (one dense layer among
+them: `mlp_only_layers`) and 3.5-MoE. Decays are long-lived and every norm is randomised, so a
+wrong state, order or norm convention shows in the tokens. As for Bamba (test_bamba.py), what
+these tests hold is that the state follows the request: across prompt chunks, batch neighbours,
+preemption, forked choices, prefix hits and rejected speculative proposals.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support.hybrid import GREEDY, check, prompts, shared_heads
+from tests.support.reference import hf_greedy_uncached
+from tests.support.tiny_models import GATED_DELTANET_ARCHITECTURES, save_hf_model
+from treadle import LLM, SamplingParams
+from treadle.model.config import ModelLoadError
+
+# prompts long enough for transformers' chunked prefill (64-token chunks) to take several chunks
+LONG = dict(low=5, high=100)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for i, arch in enumerate(GATED_DELTANET_ARCHITECTURES):
+        folder = str(tmp_path_factory.mktemp(arch))
+        out[arch] = folder, save_hf_model(folder, arch, seed=10 + i)
+    return out
+
+
+@pytest.mark.parametrize("arch", GATED_DELTANET_ARCHITECTURES)
+def test_matches_transformers_batched_chunked_and_preempted(models, arch):
+    folder, model = models[arch]
+    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=160)
+    cfg = llm.engine.core.model_config
+    assert cfg.layer_types == ["recurrent"] * 3 + ["attention"] and cfg.recurrent
+    assert (cfg.moe is None) == (arch == "qwen3_5_text")
+    batch = prompts(4, seed=3, **LONG)
+    check(model, llm, batch)
+    assert llm.engine.runner.states == {}, "a finished request's recurrent state is dropped"
+    # 8-token prompt chunks, and a pool small enough that requests are preempted and recomputed
+    tight = LLM(folder, dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=8, num_kv_blocks=40)
+    check(model, tight, batch)
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+def test_a_multimodal_folder_serves_its_text_model(models, tmp_path):
+    """A released Qwen3.5 folder is the multimodal model: `text_config`, the text weights under
+    model.language_model., a vision tower and an MTP head beside them (not read)."""
+    src, model = models["qwen3_5_text"]
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in weights.items()}  # fmt: skip
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    text = json.loads(open(os.path.join(src, "config.json")).read())
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+              "vision_config": {"depth": 2}, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128)
+    assert llm.engine.core.model_config.architecture == "qwen3_5"
+    check(model, llm, prompts(2, seed=4))
+
+
+def test_forked_choices_start_from_their_parents_state(models):
+    folder, model = models["qwen3_next"]
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    batch = prompts(2, seed=5)
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=3))
+    for ids, out in zip(batch, outs):
+        ref, _ = hf_greedy_uncached(model, ids, 10)
+        assert [o.token_ids for o in out.outputs] == [ref] * 3
+
+
+def test_prefix_hits_restore_the_checkpointed_state(models, monkeypatch):
+    """A follow-up with a cached head restores the state checkpointed where its hit ends; under
+    8-token chunks and a pool that preempts, with two checkpoint slots, a hit never restores a
+    state that is not its prefix's."""
+    from treadle.engine import state_cache
+
+    monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
+    folder, model = models["qwen3_5_text"]
+    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=128)
+    batch = shared_heads(seed=6)
+    llm.generate(batch[::2], GREEDY)
+    before = llm.stats()["prefix_cache_hits"]
+    check(model, llm, batch[1::2])
+    assert llm.stats()["prefix_cache_hits"] - before == 3 * 32
+    tight = LLM(folder, dtype="float32", block_size=4, max_model_len=64, max_num_batched_tokens=8, num_kv_blocks=24,
+                recurrent_checkpoints=2)  # fmt: skip
+    tight.generate(batch[::2], GREEDY)
+    check(model, tight, batch)
+    stats = tight.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_speculative_decoding_rolls_the_state_back(models):
+    folder, _ = models["qwen3_5_moe_text"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1}
+    llm = LLM(folder, dtype="float32", max_model_len=160, speculative_config=spec)
+    plain = LLM(folder, dtype="float32", max_model_len=160)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    head = [11, 12, 13, 14, 15] * 3
+    seen = plain.generate([head], params)[0].outputs[0].token_ids
+    # repeated tokens: this model's replies repeat a little, so some proposals are accepted and some not
+    for prompt in [[7] * 40, [3, 4] * 20, head + seen + head + seen[:5], *prompts(2, seed=8)]:
+        ours = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert ours == plain.generate([prompt], params)[0].outputs[0].token_ids
+    stats = llm.stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    assert llm.engine.runner.states == {} and llm.engine.runner.draft_states == {}
+
+
+def test_the_states_come_out_of_the_kv_budget(models):
+    folder, _ = models["qwen3_next"]
+    budget = 1 << 20
+    llm = LLM(folder, dtype="float32", max_model_len=128, block_size=16, max_num_seqs=4, kv_cache_memory_bytes=budget)
+    cfg = llm.engine.core.model_config
+    state = cfg.state_bytes(torch.float32)
+    g = cfg.gdn
+    assert state == 3 * (g.conv_dim * (g.d_conv - 1) * 4 + g.num_v_heads * g.head_k_dim * g.head_v_dim * 4)
+    per_block = 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # one attention layer, float32
+    slots = llm.engine.core.kv.checkpoints.num_slots
+    assert llm.stats()["kv_blocks_total"] == (budget - (4 + slots) * state) // per_block
+
+
+def test_bf16_default_is_invariant_to_batching_chunking_and_hits(models):
+    folder, _ = models["qwen3_5_moe_text"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    batch = prompts(5, seed=11, **LONG)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=160)
+    assert llm.stats()["batch_invariant"]
+    alone = [llm.generate([p], params)[0].outputs[0] for p in batch[:2]]
+    chunked = LLM(folder, dtype="bfloat16", max_model_len=160, max_num_batched_tokens=7, block_size=4)
+    for run in (llm.generate(batch, params), chunked.generate(batch, params), chunked.generate(batch, params)):
+        for a, b in zip(alone, run):
+            assert (a.token_ids, a.logprobs) == (b.outputs[0].token_ids, b.outputs[0].logprobs)
+    assert chunked.stats()["prefix_cache_hits"] > 0
+
+
+def test_the_c_scan_equals_the_torch_loop_and_value_head_orders_agree():
+    """The C kernel against the layer's torch loop (to float32 rounding) with checkpoint copies at
+    offsets inside segments; and a layer whose per-value-head weights are permuted to llama.cpp's
+    "tiled" order computes the grouped layer's outputs in that order."""
+    from treadle.model.families.llama import LayerWeights
+    from treadle.model.kernels import recurrent_scan
+    from treadle.model.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+    from treadle.model.layers.recurrent import RecurrentState, Segment
+
+    nk, nv, d, h = 2, 6, 8, 32
+    g = torch.Generator().manual_seed(0)
+
+    def weights(cfg):
+        """Random HF weights; for "tiled", value heads p = i * nk + k of the grouped j = k * r + i."""
+        w = {
+            n: torch.randn(shape, generator=g) * 0.3
+            for n, shape in {
+                "in_proj_qkv.weight": (cfg.conv_dim, h),
+                "in_proj_z.weight": (cfg.value_dim, h),
+                "in_proj_b.weight": (nv, h),
+                "in_proj_a.weight": (nv, h),
+                "conv1d.weight": (cfg.conv_dim, 1, 4),
+                "dt_bias": (nv,),
+                "A_log": (nv,),
+                "norm.weight": (d,),
+                "out_proj.weight": (h, cfg.value_dim),
+            }.items()
+        }
+        return w  # fmt: skip
+
+    grouped = GatedDeltaNetConfig(nk, nv, d, d)
+    tiled = GatedDeltaNetConfig(nk, nv, d, d, v_order="tiled")
+    raw = weights(grouped)
+    r = nv // nk
+    perm = torch.arange(nv).view(nk, r).t().reshape(-1)  # tiled position p holds grouped head perm[p]
+    rows = torch.cat([torch.arange(2 * nk * d), 2 * nk * d + (perm[:, None] * d + torch.arange(d)).reshape(-1)])
+    value_rows = (perm[:, None] * d + torch.arange(d)).reshape(-1)
+    raw_tiled = dict(raw, **{
+        "in_proj_qkv.weight": raw["in_proj_qkv.weight"][rows], "in_proj_z.weight": raw["in_proj_z.weight"][value_rows],
+        "in_proj_b.weight": raw["in_proj_b.weight"][perm], "in_proj_a.weight": raw["in_proj_a.weight"][perm],
+        "conv1d.weight": raw["conv1d.weight"][rows], "dt_bias": raw["dt_bias"][perm], "A_log": raw["A_log"][perm],
+        "out_proj.weight": raw["out_proj.weight"][:, value_rows]})  # fmt: skip
+
+    def layer(cfg, w):
+        lw = LayerWeights({f"linear_attn.{k}": v.clone() for k, v in w.items()}, "", torch.float32, "cpu", None)
+        return GatedDeltaNet(cfg, lw, index=0)
+
+    x = torch.randn(23, h, generator=g)
+
+    def run(mixer, cfg, use_kernel: bool):
+        state = RecurrentState.zeros(cfg, 1, torch.float32, "cpu")
+        other = RecurrentState.zeros(cfg, 1, torch.float32, "cpu")
+        checkpoint = RecurrentState.zeros(cfg, 1, torch.float32, "cpu")
+        segments = [Segment(0, 9, state, [(4, checkpoint)]), Segment(9, 14, other)]
+        original = recurrent_scan.delta_rule
+        if not use_kernel:
+            recurrent_scan.delta_rule = lambda *a: False
+        try:
+            first = mixer(x, segments)
+            second = mixer(x[9:], [Segment(0, 14, state)])  # the first request goes on
+        finally:
+            recurrent_scan.delta_rule = original
+        return first, second, state.ssm[0].clone(), checkpoint.ssm[0].clone()
+
+    assert recurrent_scan.available()
+    c_run, torch_run = run(layer(grouped, raw), grouped, True), run(layer(grouped, raw), grouped, False)
+    for a, b in zip(c_run, torch_run):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert c_run[3].abs().sum() > 0 and not torch.equal(c_run[3], c_run[2])  # the checkpoint: the state after 4 rows
+    tiled_run = run(layer(tiled, raw_tiled), tiled, True)
+    torch.testing.assert_close(tiled_run[0], c_run[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tiled_run[2], c_run[2][perm], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"layer_types": ["linear_attention"] * 4}, "no full_attention"),
+        ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types"),
+        ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}, "layer_types"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        ({"linear_num_key_heads": 0}, "linear_num_key_heads"),
+        ({"linear_key_head_dim": "x"}, "linear_key_head_dim"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"linear_value_head_dim": 32}, "linear_attn"),  # the weights contradict the configuration
+    ],
+)
+def test_a_config_json_of_wrong_values_is_a_load_error(models, tmp_path, change, match):
+    src, _ = models["qwen3_5_text"]
+    for name in os.listdir(src):
+        (tmp_path / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    good = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**good, **change}))
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(str(tmp_path), dtype="float32", max_model_len=64)

@@ -1,0 +1,62 @@
+"""The recurrent layers' scans in one C call per layer and step (`recurrent_scan.c`): every
+request's segment, every head, token by token in float32 in a fixed order. Used on the CPU
+outside compiled graphs; elsewhere the layers' torch loops compute the same recurrences."""
+
+import ctypes
+
+import torch
+
+from treadle.model.kernels.build import Library, build
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _build() -> ctypes.CDLL:
+    lib = build("recurrent_scan.c", [])
+    lib.treadle_gated_delta_rule.argtypes = [_ptr] * 4 + [_i64] * 5 + [_ptr] * 3 + [_i64] + [_ptr] * 4
+    lib.treadle_gated_delta_rule.restype = None
+    return lib
+
+
+_kernel = Library(_build, "treadle's recurrent scan kernels are unavailable (%s): torch loops instead")
+available = _kernel.available
+
+MAX_HEAD_DIM = 1024  # the kernel's per-head buffers
+
+
+def _array(kind, values):
+    return (kind * max(1, len(values)))(*values)
+
+
+def _plan(layer_index: int, segments):
+    """The segments' starts, lengths and state pointers, and their checkpoint copies, as C arrays."""
+    starts = _array(_i64, [s.start for s in segments])
+    lengths = _array(_i64, [s.length for s in segments])
+    states = _array(_ptr, [s.state.ssm[layer_index].data_ptr() for s in segments])
+    saves = [(i, offset, c.ssm[layer_index].data_ptr()) for i, s in enumerate(segments) for offset, c in s.saves or ()]
+    save_arrays = (_array(_i64, [a for a, _, _ in saves]), _array(_i64, [b for _, b, _ in saves]),
+                   _array(_ptr, [c for _, _, c in saves]))  # fmt: skip
+    return starts, lengths, states, len(saves), save_arrays
+
+
+def delta_rule(layer, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments, out: torch.Tensor) -> bool:
+    """The gated delta rule of a Gated DeltaNet layer over every segment into `out` [T, nv, dv]
+    (states and checkpoints updated); False, having done nothing, where the kernel cannot run."""
+    cfg = layer.cfg
+    if (
+        mixed.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or max(cfg.head_k_dim, cfg.head_v_dim) > MAX_HEAD_DIM
+    ):
+        return False
+    if not available():
+        return False
+    mixed, g, beta = mixed.contiguous(), g.contiguous(), beta.contiguous()
+    key_heads = layer.key_heads.to(torch.int64).contiguous()
+    starts, lengths, states, num_saves, (save_segment, save_offset, save_state) = _plan(layer.index, segments)
+    _kernel.lib.treadle_gated_delta_rule(
+        mixed.data_ptr(), g.data_ptr(), beta.data_ptr(), key_heads.data_ptr(),
+        cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
+        len(segments), starts, lengths, states, num_saves, save_segment, save_offset, save_state, out.data_ptr(),
+    )  # fmt: skip
+    return True

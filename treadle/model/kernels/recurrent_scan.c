@@ -1,5 +1,6 @@
 /* The recurrences of a hybrid model's recurrent layers, token by token in float32, for every
- * request of a step in one call: the gated delta rule (Gated DeltaNet, layers/gated_deltanet.py).
+ * request of a step in one call: the gated delta rule (Gated DeltaNet, layers/gated_deltanet.py)
+ * and Mamba-2's selective scan (layers/mamba.py).
  *
  * Each (request, head) pair is one task: its state is read and written by that task alone, and
  * its sums run in one fixed order (over the key dimension, ascending), so a request's outputs and
@@ -76,6 +77,46 @@ void treadle_gated_delta_rule(const float *mixed, const float *g, const float *b
             for (int64_t p = 0; p < num_saves; p++)
                 if (save_segment[p] == seg && save_offset[p] == t + 1)
                     memcpy(save_state[p] + h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));
+        }
+    }
+}
+
+/*
+ * Mamba-2's scan. mixed [rows, heads hp + 2 groups n]: the conv's output (x, B, C) in float32;
+ * dt, decay [rows, heads] (decay = exp(dt A)); head h reads group h / (heads / groups); states
+ * [heads, hp, n] float32; saves and segments as above; out [rows, heads, hp]:
+ * h = decay h + (dt x) B^T, y = h C (D x is added by the caller).
+ */
+void treadle_mamba2_scan(const float *mixed, const float *dt, const float *decay, int64_t heads, int64_t hp,
+                         int64_t n, int64_t groups, int64_t num_segments, const int64_t *starts, const int64_t *lengths,
+                         float *const *states, int64_t num_saves, const int64_t *save_segment,
+                         const int64_t *save_offset, float *const *save_state, float *out) {
+    const int64_t width = heads * hp + 2 * groups * n, per_group = heads / groups;
+    int64_t work = 0;
+    for (int64_t s = 0; s < num_segments; s++) work += lengths[s];
+#pragma omp parallel for schedule(dynamic, 1) if (work * heads * hp * n >= 262144)
+    for (int64_t task = 0; task < num_segments * heads; task++) {
+        const int64_t seg = task / heads, h = task % heads, grp = h / per_group;
+        float *S = states[seg] + h * hp * n;
+        for (int64_t t = 0; t < lengths[seg]; t++) {
+            const int64_t row = starts[seg] + t;
+            const float *x = mixed + row * width + h * hp;
+            const float *B = mixed + row * width + heads * hp + grp * n, *C = B + groups * n;
+            const float d = decay[row * heads + h], step = dt[row * heads + h];
+            float *y = out + (row * heads + h) * hp;
+            for (int64_t p = 0; p < hp; p++) {
+                float *Sp = S + p * n;
+                const float dx = step * x[p];
+                float acc = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    Sp[j] = Sp[j] * d + dx * B[j];
+                    acc += Sp[j] * C[j];
+                }
+                y[p] = acc;
+            }
+            for (int64_t p = 0; p < num_saves; p++)
+                if (save_segment[p] == seg && save_offset[p] == t + 1)
+                    memcpy(save_state[p] + h * hp * n, S, sizeof(float) * (size_t)(hp * n));
         }
     }
 }

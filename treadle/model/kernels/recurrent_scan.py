@@ -1,8 +1,10 @@
 """The recurrent layers' scans in one C call per layer and step (`recurrent_scan.c`): every
 request's segment, every head, token by token in float32 in a fixed order. Used on the CPU
-outside compiled graphs; elsewhere the layers' torch loops compute the same recurrences."""
+outside compiled graphs, unless TREADLE_RECURRENT_KERNEL=0; elsewhere the layers' torch loops
+compute the same recurrences (to float32 rounding)."""
 
 import ctypes
+import os
 
 import torch
 
@@ -15,11 +17,17 @@ def _build() -> ctypes.CDLL:
     lib = build("recurrent_scan.c", [])
     lib.treadle_gated_delta_rule.argtypes = [_ptr] * 4 + [_i64] * 5 + [_ptr] * 3 + [_i64] + [_ptr] * 4
     lib.treadle_gated_delta_rule.restype = None
+    lib.treadle_mamba2_scan.argtypes = [_ptr] * 3 + [_i64] * 5 + [_ptr] * 3 + [_i64] + [_ptr] * 4
+    lib.treadle_mamba2_scan.restype = None
     return lib
 
 
 _kernel = Library(_build, "treadle's recurrent scan kernels are unavailable (%s): torch loops instead")
-available = _kernel.available
+
+
+def available() -> bool:
+    return os.environ.get("TREADLE_RECURRENT_KERNEL", "1") != "0" and _kernel.available()
+
 
 MAX_HEAD_DIM = 1024  # the kernel's per-head buffers
 
@@ -57,6 +65,21 @@ def delta_rule(layer, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, 
     _kernel.lib.treadle_gated_delta_rule(
         mixed.data_ptr(), g.data_ptr(), beta.data_ptr(), key_heads.data_ptr(),
         cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
+        len(segments), starts, lengths, states, num_saves, save_segment, save_offset, save_state, out.data_ptr(),
+    )  # fmt: skip
+    return True
+
+
+def mamba2(layer, mixed: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, segments, out: torch.Tensor) -> bool:
+    """A Mamba-2 mixer's scan over every segment into `out` [T, heads, head_dim] (before D x;
+    states and checkpoints updated); False, having done nothing, where the kernel cannot run."""
+    cfg = layer.cfg
+    if mixed.device.type != "cpu" or torch.compiler.is_compiling() or not available():
+        return False
+    mixed, dt, decay = mixed.contiguous(), dt.contiguous(), decay.contiguous()
+    starts, lengths, states, num_saves, (save_segment, save_offset, save_state) = _plan(layer.index, segments)
+    _kernel.lib.treadle_mamba2_scan(
+        mixed.data_ptr(), dt.data_ptr(), decay.data_ptr(), cfg.heads, cfg.head_dim, cfg.d_state, cfg.groups,
         len(segments), starts, lengths, states, num_saves, save_segment, save_offset, save_state, out.data_ptr(),
     )  # fmt: skip
     return True

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError
+from treadle.model.kernels import recurrent_scan
 from treadle.model.layers.recurrent import RecurrentState, Segment, conv_segment  # noqa: F401 - re-exported
 
 
@@ -91,51 +92,49 @@ class Mamba2Mixer:
 
     def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         cfg = self.cfg
+        t = x.shape[0]
         proj = self.in_proj(x)
-        out = torch.empty((x.shape[0], cfg.inner), dtype=torch.float32, device=x.device)
-        gates = proj[:, : cfg.inner]
+        gates, xbc, dt = proj.split([cfg.inner, cfg.conv_dim, cfg.heads], dim=-1)
+        mixed = torch.empty((t, cfg.conv_dim), dtype=torch.float32, device=x.device)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
-            out[rows] = self._segment(proj[rows, cfg.inner :], seg.state, seg.saves or ())
+            mixed[rows] = conv_segment(xbc[rows], seg.state.conv[self.index], self.conv_weight, self.conv_bias,
+                                       seg.saves or (), self.index)  # fmt: skip
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(cfg.time_step_min, cfg.time_step_max)  # [T, heads]
+        decay = torch.exp(dt * self.A)
+        ys = torch.empty((t, cfg.heads, cfg.head_dim), dtype=torch.float32, device=x.device)
+        if not recurrent_scan.mamba2(self, mixed, dt, decay, segments, ys):
+            for seg in segments:
+                rows = slice(seg.start, seg.start + seg.length)
+                ys[rows] = self._scan(mixed[rows], dt[rows], decay[rows], seg)
+        xs = mixed[:, : cfg.inner].view(t, cfg.heads, cfg.head_dim)
+        out = (ys + self.D[:, None] * xs).view(t, cfg.inner)
         y = out * F.silu(gates.float())  # the gate, then RMSNorm per group (norm_before_gate = False)
         grouped = y.view(y.shape[0], cfg.groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
         y = self.norm_weight * grouped.view(y.shape).to(x.dtype)
         return self.out_proj(y.to(x.dtype))
 
-    def _segment(self, proj: torch.Tensor, state: RecurrentState, saves) -> torch.Tensor:
-        """One request's n rows: the convolution over its conv state, then the scan over its SSM
-        state (both updated in place) -> y [n, inner] float32 (before the gate). `saves`: (offset,
-        checkpoint) pairs, each given this layer's state after `offset` rows."""
+    def _scan(self, mixed: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """The torch path of one segment's scan (the C kernel's reference) over its conv output
+        [n, conv_dim] float32 -> y [n, heads, head_dim] float32 (before D x), the SSM state updated
+        in place and copied into each checkpoint at its offset."""
         cfg = self.cfg
-        n = proj.shape[0]
-        xbc, dt = proj[:, : cfg.conv_dim], proj[:, cfg.conv_dim :]
-        xbc = conv_segment(xbc, state.conv[self.index], self.conv_weight, self.conv_bias, saves, self.index)
-        at = {}
-        for offset, checkpoint in saves:
-            at.setdefault(offset, []).append(checkpoint)
-        xs, B, C = xbc.float().split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
+        n = mixed.shape[0]
+        xs, B, C = mixed.split([cfg.inner, cfg.groups * cfg.d_state, cfg.groups * cfg.d_state], dim=-1)
         xs = xs.view(n, cfg.heads, cfg.head_dim)
         per_group = cfg.heads // cfg.groups
-        B = (
-            B.view(n, cfg.groups, 1, cfg.d_state)
-            .expand(n, cfg.groups, per_group, cfg.d_state)
-            .reshape(n, cfg.heads, cfg.d_state)
-        )
-        C = (
-            C.view(n, cfg.groups, 1, cfg.d_state)
-            .expand(n, cfg.groups, per_group, cfg.d_state)
-            .reshape(n, cfg.heads, cfg.d_state)
-        )
-        dt = F.softplus(dt.float() + self.dt_bias).clamp(cfg.time_step_min, cfg.time_step_max)  # [n, heads]
-        decay = torch.exp(dt * self.A)  # [n, heads]
+        B, C = (m.view(n, cfg.groups, 1, cfg.d_state).expand(n, cfg.groups, per_group, cfg.d_state)
+                .reshape(n, cfg.heads, cfg.d_state) for m in (B, C))  # fmt: skip
         dtx = dt[:, :, None] * xs  # [n, heads, head_dim]
-        h = state.ssm[self.index]
-        ys = torch.empty((n, cfg.heads, cfg.head_dim), dtype=torch.float32, device=proj.device)
+        at = {}
+        for offset, checkpoint in seg.saves or ():
+            at.setdefault(offset, []).append(checkpoint)
+        h = seg.state.ssm[self.index]
+        ys = torch.empty((n, cfg.heads, cfg.head_dim), dtype=torch.float32, device=mixed.device)
         for t in range(n):  # token by token: the same sums in the same order however the prompt is split
             h.mul_(decay[t, :, None, None]).add_(dtx[t, :, :, None] * B[t, :, None, :])
             ys[t] = torch.einsum("hpn,hn->hp", h, C[t])
             for checkpoint in at.get(t + 1, ()):
                 checkpoint.ssm[self.index].copy_(h)
-        ys += self.D[:, None] * xs
-        return ys.reshape(n, cfg.inner)
+        return ys

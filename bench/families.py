@@ -3,7 +3,8 @@
     python bench/families.py fidelity [--archs ...] [--tokens 32]
     python bench/families.py moe-step [--experts 8 64] [--top-k 4] [--batches 1 16] [--layers 8]
                                       [--hidden 512] [--expert-size 256] [--tokens 48]
-    python bench/families.py hybrid-prefix [--prefix 2048] [--suffix 32] [--layers 8] [--hidden 512]
+    python bench/families.py hybrid-prefix [--arch bamba|qwen3_5] [--prefix 2048] [--suffix 32] [--layers 8]
+                                           [--hidden 512]
 
 fidelity: for each architecture's tiny random model (tests/support/tiny_models.py, 2 layers, hidden 64,
 the float32 reference of tests/e2e/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
@@ -18,10 +19,12 @@ the time per output token of each, and the ratio to the smallest model. A step r
 its tokens chose: at one request that is top-k per layer whatever the model has; at 16 requests the
 model with more experts has more distinct ones chosen, which is more weights read per step.
 
-hybrid-prefix: a random Bamba (Mamba-2 mixers, every 4th layer attention), a `--prefix`-token
-shared prefix: TTFT (a 1-token generation) of prefix + suffix A with nothing cached (cold), then of
-prefix + suffix B (the prefix's KV found and its recurrent state restored from the checkpoint at
-its end), then of prefix + suffix C on a server with prefix caching off (cold again), in one run.
+hybrid-prefix: a random Bamba (Mamba-2 mixers) or Qwen3.5 (Gated DeltaNets), every 4th layer
+attention, a `--prefix`-token shared prefix: TTFT (a 1-token generation) of prefix + suffix A with
+nothing cached (cold), then of prefix + suffix B (the prefix's KV found and its recurrent state
+restored from the checkpoint at its end), then of prefix + suffix C on a server with prefix caching
+off (cold again), then cold once more with the scans' torch loops (TREADLE_RECURRENT_KERNEL=0), in
+one run.
 """
 
 import argparse
@@ -148,6 +151,28 @@ def moe_step(args) -> None:
         print(f"| {n} | {cells} |")
 
 
+def hybrid_config(arch: str, vocab: int, hidden: int, layers: int):
+    """A random hybrid's transformers config: attention at every 4th layer, recurrent layers of 16
+    heads with 64-wide states (Bamba) or 4 key / 8 value heads of 64 (Qwen3.5)."""
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192,
+                  tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    if arch == "bamba":
+        return transformers.BambaConfig(**common, attn_layer_indices=list(range(3, layers, 4)), mamba_n_heads=16,
+                                        mamba_d_state=64, mamba_d_conv=4, mamba_expand=2)  # fmt: skip
+    return transformers.Qwen3_5TextConfig(
+        **common,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        full_attention_interval=4,
+    )
+
+
 def hybrid_prefix(args) -> None:
     import torch
     import transformers
@@ -160,12 +185,7 @@ def hybrid_prefix(args) -> None:
     print("CPU:", cpu_description(), f"threads {args.threads}", flush=True)
     vocab = tiny_tokenizer().get_vocab_size()
     with tempfile.TemporaryDirectory() as folder:
-        config = transformers.BambaConfig(
-            vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=8, num_key_value_heads=4, attn_layer_indices=list(range(3, args.layers, 4)),
-            mamba_n_heads=16, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, max_position_embeddings=8192,
-            tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
+        config = hybrid_config(args.arch, vocab, args.hidden, args.layers)
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
@@ -173,7 +193,7 @@ def hybrid_prefix(args) -> None:
         tiny_tokenizer().save(os.path.join(folder, "tokenizer.json"))
         g = torch.Generator().manual_seed(3)
         prefix = torch.randint(0, 260, (args.prefix,), generator=g).tolist()
-        suffixes = [torch.randint(0, 260, (args.suffix,), generator=g).tolist() for _ in range(3)]
+        suffixes = [torch.randint(0, 260, (args.suffix,), generator=g).tolist() for _ in range(4)]
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
         def ttft(llm, prompt) -> float:
@@ -189,18 +209,22 @@ def hybrid_prefix(args) -> None:
         off = LLM(folder, max_model_len=4096, enable_prefix_caching=False)
         ttft(off, suffixes[2][:8])
         uncached = ttft(off, prefix + suffixes[2])
-    print(
-        f"\nBamba, {args.layers} layers (attention at {config.attn_layer_indices}), hidden {args.hidden}, "
-        f"bf16 default; {args.prefix}-token shared prefix + {args.suffix}-token suffixes:\n"
-    )
-    print("| | TTFT ms | / cold |")
-    print("|---|---|---|")
-    print(f"| cold (nothing cached) | {cold * 1000:.0f} | 1.00 |")
-    print(
-        f"| follow-up, prefix cached ({hits} tokens hit: KV and "
-        f"recurrent state) | {warm * 1000:.0f} | {warm / cold:.3f} |"
-    )
-    print(f"| follow-up, prefix caching off | {uncached * 1000:.0f} | {uncached / cold:.3f} |")
+        os.environ["TREADLE_RECURRENT_KERNEL"] = "0"
+        try:
+            loops = ttft(off, prefix + suffixes[3])
+        finally:
+            del os.environ["TREADLE_RECURRENT_KERNEL"]
+    kinds = "Mamba-2 mixers" if args.arch == "bamba" else "Gated DeltaNets"
+    print(f"\n{args.arch}, {args.layers} layers ({kinds}, attention every 4th), hidden {args.hidden}, bf16 default; "
+          f"{args.prefix}-token shared prefix + {args.suffix}-token suffixes:\n")  # fmt: skip
+    print("| | TTFT ms | / cold | ms per prompt token |")
+    print("|---|---|---|---|")
+    n = args.prefix + args.suffix
+    print(f"| cold (nothing cached) | {cold * 1000:.0f} | 1.00 | {cold * 1000 / n:.2f} |")
+    print(f"| follow-up, prefix cached ({hits} tokens hit: KV and recurrent state) | {warm * 1000:.0f} | "
+          f"{warm / cold:.3f} | |")  # fmt: skip
+    for label, t in (("follow-up, prefix caching off", uncached), ("the same, scans as torch loops", loops)):
+        print(f"| {label} | {t * 1000:.0f} | {t / cold:.3f} | {t * 1000 / n:.2f} |")
 
 
 def main() -> int:
@@ -219,6 +243,7 @@ def main() -> int:
     m.add_argument("--tokens", type=int, default=48)
     m.add_argument("--threads", type=int, default=2)
     h = sub.add_parser("hybrid-prefix")
+    h.add_argument("--arch", choices=["bamba", "qwen3_5"], default="bamba")
     h.add_argument("--prefix", type=int, default=2048)
     h.add_argument("--suffix", type=int, default=32)
     h.add_argument("--layers", type=int, default=8)

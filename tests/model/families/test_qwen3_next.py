@@ -149,9 +149,11 @@ def test_bf16_default_is_invariant_to_batching_chunking_and_hits(models):
     assert chunked.stats()["prefix_cache_hits"] > 0
 
 
-def test_the_c_scan_equals_the_torch_loop_and_value_head_orders_agree():
-    """The C kernel against the layer's torch loop (to float32 rounding) with checkpoint copies at
-    offsets inside segments; and a layer whose per-value-head weights are permuted to llama.cpp's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_scan_equals_the_torch_loop_and_value_head_orders_agree(dtype):
+    """The C kernel (convolution and rule) against the layer's torch operations, with checkpoint
+    copies at offsets inside segments, in float32 and in bfloat16 (the conv's output rounded as a
+    bf16 model rounds it); and a layer whose per-value-head weights are permuted to llama.cpp's
     "tiled" order computes the grouped layer's outputs in that order."""
     from treadle.model.families.llama import LayerWeights
     from treadle.model.kernels import recurrent_scan
@@ -193,34 +195,35 @@ def test_the_c_scan_equals_the_torch_loop_and_value_head_orders_agree():
         "out_proj.weight": raw["out_proj.weight"][:, value_rows]})  # fmt: skip
 
     def layer(cfg, w):
-        lw = LayerWeights({f"linear_attn.{k}": v.clone() for k, v in w.items()}, "", torch.float32, "cpu", None)
+        lw = LayerWeights({f"linear_attn.{k}": v.clone() for k, v in w.items()}, "", dtype, "cpu", None)
         return GatedDeltaNet(cfg, lw, index=0)
 
-    x = torch.randn(23, h, generator=g)
+    x = torch.randn(23, h, generator=g).to(dtype)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
 
     def run(mixer, cfg, use_kernel: bool):
         state = RecurrentState.zeros(cfg, 1, torch.float32, "cpu")
         other = RecurrentState.zeros(cfg, 1, torch.float32, "cpu")
         checkpoint = RecurrentState.zeros(cfg, 1, torch.float32, "cpu")
         segments = [Segment(0, 9, state, [(4, checkpoint)]), Segment(9, 14, other)]
-        original = recurrent_scan.delta_rule
+        original = recurrent_scan.gated_delta_net
         if not use_kernel:
-            recurrent_scan.delta_rule = lambda *a: False
+            recurrent_scan.gated_delta_net = lambda *a: False
         try:
             first = mixer(x, segments)
             second = mixer(x[9:], [Segment(0, 14, state)])  # the first request goes on
         finally:
-            recurrent_scan.delta_rule = original
-        return first, second, state.ssm[0].clone(), checkpoint.ssm[0].clone()
+            recurrent_scan.gated_delta_net = original
+        return first, second, state.ssm[0].clone(), checkpoint.ssm[0].clone(), checkpoint.conv[0].clone()
 
     assert recurrent_scan.available()
     c_run, torch_run = run(layer(grouped, raw), grouped, True), run(layer(grouped, raw), grouped, False)
     for a, b in zip(c_run, torch_run):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, **tolerance)
     assert c_run[3].abs().sum() > 0 and not torch.equal(c_run[3], c_run[2])  # the checkpoint: the state after 4 rows
     tiled_run = run(layer(tiled, raw_tiled), tiled, True)
-    torch.testing.assert_close(tiled_run[0], c_run[0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(tiled_run[2], c_run[2][perm], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tiled_run[0], c_run[0], **tolerance)
+    torch.testing.assert_close(tiled_run[2], c_run[2][perm], **tolerance)
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ class Qwen3NextConfig(ModelConfig):
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state in every Gated DeltaNet layer."""
-        return RecurrentState.nbytes(self.gdn, self.layer_types.count("recurrent"), dtype)
+        return RecurrentState.nbytes(self.gdn, self.layer_types.count("recurrent"), torch.float32)  # conv state too
 
 
 def interval_layer_types(layers: int, interval: int) -> list[str]:
@@ -270,7 +270,7 @@ class Qwen3NextModel(LlamaModel):
 
     def new_state(self) -> RecurrentState:
         """A request's state in every Gated DeltaNet layer, zeroed (the runner makes one per request)."""
-        return RecurrentState.zeros(self.config.gdn, self.recurrent_layers, self.dtype, self.device)
+        return RecurrentState.zeros(self.config.gdn, self.recurrent_layers, torch.float32, self.device)
 
     def linears(self):
         out = [self.lm_head]

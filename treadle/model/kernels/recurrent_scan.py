@@ -15,8 +15,9 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 def _build() -> ctypes.CDLL:
     lib = build("recurrent_scan.c", [])
-    lib.treadle_gated_delta_rule.argtypes = [_ptr] * 4 + [_i64] * 5 + [_ptr] * 3 + [_i64] + [_ptr] * 4
-    lib.treadle_gated_delta_rule.restype = None
+    lib.treadle_gated_delta_net.argtypes = [_ptr, _ptr, _i64, _i64] + [_ptr] * 4 + [_i64] * 5 + [_ptr] * 4 + [_i64]
+    lib.treadle_gated_delta_net.argtypes += [_ptr] * 5
+    lib.treadle_gated_delta_net.restype = None
     lib.treadle_mamba2_scan.argtypes = [_ptr] * 3 + [_i64] * 5 + [_ptr] * 3 + [_i64] + [_ptr] * 4
     lib.treadle_mamba2_scan.restype = None
     return lib
@@ -47,25 +48,26 @@ def _plan(layer_index: int, segments):
     return starts, lengths, states, len(saves), save_arrays
 
 
-def delta_rule(layer, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments, out: torch.Tensor) -> bool:
-    """The gated delta rule of a Gated DeltaNet layer over every segment into `out` [T, nv, dv]
-    (states and checkpoints updated); False, having done nothing, where the kernel cannot run."""
+def gated_delta_net(layer, qkv, dtype, g, beta, segments, mixed, out) -> bool:
+    """A Gated DeltaNet layer's convolution (into `mixed` [T, channels]) and gated delta rule (into
+    `out` [T, nv, dv]) over every segment, from its projected qkv [T, channels] float32 (states and
+    checkpoints updated; `dtype`: the model's, whose rounding the conv's output takes); False,
+    having done nothing, where the kernel cannot run."""
     cfg = layer.cfg
-    if (
-        mixed.device.type != "cpu"
-        or torch.compiler.is_compiling()
-        or max(cfg.head_k_dim, cfg.head_v_dim) > MAX_HEAD_DIM
-    ):
+    if qkv.device.type != "cpu" or torch.compiler.is_compiling() or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not available():
+    if max(cfg.head_k_dim, cfg.head_v_dim) > MAX_HEAD_DIM or not available():
         return False
-    mixed, g, beta = mixed.contiguous(), g.contiguous(), beta.contiguous()
+    qkv, g, beta = qkv.contiguous(), g.contiguous(), beta.contiguous()
     key_heads = layer.key_heads.to(torch.int64).contiguous()
     starts, lengths, states, num_saves, (save_segment, save_offset, save_state) = _plan(layer.index, segments)
-    _kernel.lib.treadle_gated_delta_rule(
-        mixed.data_ptr(), g.data_ptr(), beta.data_ptr(), key_heads.data_ptr(),
-        cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
-        len(segments), starts, lengths, states, num_saves, save_segment, save_offset, save_state, out.data_ptr(),
+    conv_states = _array(_ptr, [s.state.conv[layer.index].data_ptr() for s in segments])
+    save_conv = _array(_ptr, [c.conv[layer.index].data_ptr() for s in segments for _, c in s.saves or ()])
+    _kernel.lib.treadle_gated_delta_net(
+        qkv.data_ptr(), layer.conv_weight.data_ptr(), cfg.d_conv, int(dtype == torch.bfloat16), mixed.data_ptr(),
+        g.data_ptr(), beta.data_ptr(), key_heads.data_ptr(), cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim,
+        cfg.head_v_dim, len(segments), starts, lengths, conv_states, states, num_saves, save_segment, save_offset,
+        save_conv, save_state, out.data_ptr(),
     )  # fmt: skip
     return True
 

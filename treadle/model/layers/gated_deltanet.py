@@ -13,8 +13,9 @@ inputs of its short causal convolution and, per value head, a float32 matrix S [
 The rule runs token by token in float32 in a fixed order, whether a prompt arrives whole, in chunks
 or one token at a time, so a request's outputs do not depend on how the scheduler split it or on a
 prefix hit (the batch-invariant rule); transformers' prefill sums the same recurrence in chunks of
-64 (the WY form), equal to float32 rounding. On the CPU the whole step's segments go through one C
-call (kernels/recurrent_scan.c); elsewhere a torch loop computes the same.
+64 (the WY form), equal to float32 rounding. The conv state is float32 (its inputs are the model's
+dtype's values, held exactly). On the CPU the step's convolution and rule, every segment, go
+through one C call (kernels/recurrent_scan.c); elsewhere torch operations compute the same.
 
 Value heads come in one of two orders: "grouped" (Hugging Face's: key head g serves value heads
 g*r .. g*r + r - 1) or "tiled" (llama.cpp's qwen35 files: value head p reads key head p % nk). Every
@@ -122,7 +123,7 @@ class GatedDeltaNet:
                 f"weight {lw.prefix}{p}conv1d.weight: shape {tuple(conv.shape)}, "
                 f"expected ({cfg.conv_dim}, 1, {cfg.d_conv})"
             )
-        self.conv_weight = conv.reshape(cfg.conv_dim, 1, cfg.d_conv)
+        self.conv_weight = conv.float().reshape(cfg.conv_dim, 1, cfg.d_conv)  # float32, as the conv state
         self.dt_bias = lw.take_float(p + "dt_bias")
         if lw.prefix + p + "A" in lw.w:  # a GGUF file's ssm_a: -exp(A_log), as llama.cpp's converter stores it
             self.A = lw.take_float(p + "A")
@@ -149,15 +150,15 @@ class GatedDeltaNet:
         qkv, z, b, a = self.in_proj(x).split([cfg.conv_dim, cfg.value_dim, nv, nv], dim=-1)
         beta = torch.sigmoid(b).float()  # in the model's dtype first, as transformers rounds it
         g = self.A * F.softplus(a.float() + self.dt_bias)  # [T, nv] float32, <= 0
+        qkv = qkv.float()
         mixed = torch.empty((t, cfg.conv_dim), dtype=torch.float32, device=x.device)
-        for seg in segments:
-            rows = slice(seg.start, seg.start + seg.length)
-            mixed[rows] = conv_segment(qkv[rows], seg.state.conv[self.index], self.conv_weight, None, seg.saves or (),
-                                       self.index)  # fmt: skip
         o = torch.empty((t, nv, dv), dtype=torch.float32, device=x.device)
-        if not recurrent_scan.delta_rule(self, mixed, g, beta, segments, o):
+        if not recurrent_scan.gated_delta_net(self, qkv, x.dtype, g, beta, segments, mixed, o):
+            rounding = None if x.dtype == torch.float32 else x.dtype  # the conv's output and silu in the model's dtype
             for seg in segments:
                 rows = slice(seg.start, seg.start + seg.length)
+                mixed[rows] = conv_segment(qkv[rows], seg.state.conv[self.index], self.conv_weight, None,
+                                           seg.saves or (), self.index, rounding)  # fmt: skip
                 o[rows] = self._scan(mixed[rows], g[rows], beta[rows], seg)
         o = o.to(x.dtype).float()  # transformers hands the rule's output on in the model's dtype
         normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)).to(x.dtype)

@@ -2,7 +2,7 @@
 the rows of a step that carry it.
 
 Every recurrent layer keeps, per request, the last `d_conv - 1` inputs of its short causal
-convolution (the model's dtype) and a float32 matrix state (`cfg.state_shape`); a checkpoint is
+convolution (the model's dtype, or float32) and a float32 matrix state (`cfg.state_shape`); a checkpoint is
 the same object, copied. The runner makes one per request at position 0, copies it to a forked
 choice or out of a checkpoint, drops it when the request finishes or is preempted
 (execution/runner.py), and hands each step's per-request row ranges to the layers as `Segment`s.
@@ -51,15 +51,17 @@ class Segment:
     saves: list = None
 
 
-def conv_segment(xbc: torch.Tensor, conv_state: torch.Tensor, weight, bias, saves, index: int) -> torch.Tensor:
+def conv_segment(xbc: torch.Tensor, conv_state: torch.Tensor, weight, bias, saves, index: int, round_to=None):
     """A segment's short causal convolution: its rows xbc [n, channels] after the layer's conv state
     (updated in place to the last d_conv - 1 inputs; each checkpoint in `saves` given the state
-    after its offset), silu -> [n, channels] in the state's dtype."""
+    after its offset), silu -> [n, channels] in the state's dtype (the conv's output rounded to
+    `round_to` first where given, and the silu computed in it)."""
     d_conv = weight.shape[-1]
     seq = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)  # [channels, d_conv - 1 + n]
     conv_state.copy_(seq[:, -(d_conv - 1) :])
     for offset, checkpoint in saves:  # the d_conv - 1 inputs before row `offset`
         checkpoint.conv[index].copy_(seq[:, offset : offset + d_conv - 1])
-    return torch.nn.functional.silu(
-        torch.nn.functional.conv1d(seq.unsqueeze(0), weight, bias, groups=weight.shape[0])[0]
-    ).t()
+    out = torch.nn.functional.conv1d(seq.unsqueeze(0), weight, bias, groups=weight.shape[0])[0]
+    if round_to is not None:
+        return torch.nn.functional.silu(out.to(round_to)).to(conv_state.dtype).t()
+    return torch.nn.functional.silu(out).t()

@@ -117,6 +117,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             spec=self.spec,
             max_loras=config.max_loras,
+            # a hybrid's running requests each hold a recurrent state: as many as the budget has slots
+            state_slots=w.state_slots if self.model_config.recurrent else None,
         )
         # structured output: grammars compile on a thread while their requests wait (never in a step)
         self.structured = StructuredOutputManager(

@@ -45,13 +45,16 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         spec=None,
         max_loras: int | None = None,
+        state_slots: int | None = None,
     ):
         self.kv = kv
+        # a hybrid model's recurrent-state slots: a hard cap on running requests, forks included
+        self.state_slots = state_slots
         self.max_loras = max_loras  # most distinct LoRA adapters among the running requests
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.spec = spec  # the SpeculationPolicy, told of every verification
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = max_num_seqs if state_slots is None else min(max_num_seqs, state_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -256,10 +259,11 @@ class Scheduler:
         self.kv.trim(req, req.num_computed_tokens)
 
     def admit_forked(self, parent: Request, child: Request) -> None:
-        """Run `child` beside its parent on shared blocks, or queue it for recompute if no block is
-        free. Either way it reports its parent's prefix-cache hit (the request's)."""
+        """Run `child` beside its parent on shared blocks, or queue it for recompute if no block (or
+        no recurrent-state slot) is free. Either way it reports its parent's prefix-cache hit (the request's)."""
         child.num_cached_tokens = parent.num_cached_tokens
-        copies = self.kv.fork(parent, child)
+        full = self.state_slots is not None and len(self.running) >= self.state_slots
+        copies = False if full else self.kv.fork(parent, child)
         if copies is False:
             self.waiting.appendleft(child)
             return

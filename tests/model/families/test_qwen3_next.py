@@ -247,3 +247,48 @@ def test_a_config_json_of_wrong_values_is_a_load_error(models, tmp_path, change,
     (tmp_path / "config.json").write_text(json.dumps({**good, **change}))
     with pytest.raises(ModelLoadError, match=match):
         LLM(str(tmp_path), dtype="float32", max_model_len=64)
+
+
+def test_admission_waits_for_a_free_state_slot(models):
+    """A budget with room for two running states: five requests run two at a time (the others
+    wait, as for blocks), each as transformers computes it, and every slot and block comes back."""
+    folder, model = models["qwen3_next"]
+    probe = LLM(folder, dtype="float32", max_model_len=64)
+    state = probe.engine.core.model_config.state_bytes(torch.float32)
+    budget = 3 * state + 48 * 1024
+    assert budget // 2 // state == 2
+    llm = LLM(folder, dtype="float32", max_model_len=64, block_size=16, kv_cache_memory_bytes=budget,
+              recurrent_checkpoints=2)  # fmt: skip
+    assert llm.engine.core.scheduler.max_num_seqs == 2
+    seen = []
+    step = llm.engine.runner.execute
+
+    def counting(*args, **kwargs):
+        seen.append(len(llm.engine.runner.states))
+        return step(*args, **kwargs)
+
+    llm.engine.runner.execute = counting
+    check(model, llm, prompts(5, seed=12, high=40))
+    assert max(seen) == 2 and llm.engine.runner.states == {}
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_the_default_budget_serves_16_users_of_a_2b_shaped_model():
+    """Qwen3.5-2B's shape (24 layers, 18 of them Gated DeltaNets of 16 heads of 128 x 128): the
+    default flags' budget holds at least 16 running states beside checkpoints and KV pages."""
+    from types import SimpleNamespace
+
+    from treadle.engine_config import DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig
+    from treadle.model.execution.worker import ModelWorker
+    from treadle.model.families.qwen3_next import Qwen3NextConfig, interval_layer_types
+    from treadle.model.layers.gated_deltanet import GatedDeltaNetConfig
+
+    shape = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_layers=24, num_heads=8,
+                 num_kv_heads=2, head_dim=256)  # fmt: skip
+    gdn = GatedDeltaNetConfig(16, 16, 128, 128)
+    cfg = Qwen3NextConfig(architecture="qwen35", **shape, layer_types=interval_layer_types(24, 4), gdn=gdn)
+    worker = SimpleNamespace(config=EngineConfig(), dtype=torch.bfloat16)
+    running, checkpoints = ModelWorker._state_budget(worker, cfg)
+    assert running >= 16 and checkpoints >= 2
+    assert (running + checkpoints) * cfg.state_bytes(torch.bfloat16) <= DEFAULT_KV_CACHE_CAP_BYTES * 3 // 4

@@ -126,8 +126,9 @@ class ModelWorker:
         self.num_blocks, self.max_model_len = self._size_kv_cache(self.model_config)
         pool_bytes = config.kv_cache_memory_bytes or self.num_blocks * ModelRunner.kv_bytes_per_block(
             self.model_config, config.block_size, self.dtype, self.kv_int8
-        )
-        self.num_state_checkpoints = self._checkpoints(self.model_config, pool_bytes)
+        ) + self._states_bytes(self.model_config)
+        # a hybrid's recurrent states: requests running at once (admission waits for a slot), checkpoints
+        self.state_slots, self.num_state_checkpoints = self._state_budget(self.model_config)
         available = available_memory()
         if available is not None and pool_bytes > available:  # the pool's pages are taken as it fills, not now
             log.warning(
@@ -200,14 +201,27 @@ class ModelWorker:
             )
         return reason is None if self.config.batch_invariant is None else self.config.batch_invariant
 
-    def _checkpoints(self, mc: ModelConfig, pool_bytes: int) -> int:
-        """How many checkpoints of a hybrid's recurrent states the prefix cache keeps (0: none)."""
+    def _state_budget(self, mc: ModelConfig) -> tuple[int, int]:
+        """A hybrid's recurrent states, out of the one memory budget (`kv_cache_memory_bytes`, or the
+        default pool's cap): (running slots, prefix-cache checkpoints). Running requests' states
+        take up to half of it (at most max_num_seqs: admission waits for a free slot, as for
+        blocks), checkpoints up to a quarter (2 at least, 4 per running slot at most); the KV pages
+        get the rest. (0, 0) for a model without recurrent layers."""
         cfg = self.config
-        if not mc.recurrent or not cfg.enable_prefix_caching:
-            return 0
+        if not mc.recurrent:
+            return 0, 0
+        budget = cfg.kv_cache_memory_bytes or DEFAULT_KV_CACHE_CAP_BYTES
+        state = mc.state_bytes(self.dtype)
+        running = max(1, min(cfg.max_num_seqs, budget // 2 // state))
+        if not cfg.enable_prefix_caching:
+            return running, 0
         if cfg.recurrent_checkpoints is not None:
-            return cfg.recurrent_checkpoints
-        return max(2, min(4 * cfg.max_num_seqs, pool_bytes // 4 // mc.state_bytes(self.dtype)))
+            return running, cfg.recurrent_checkpoints
+        return running, max(2, min(4 * running, budget // 4 // state))
+
+    def _states_bytes(self, mc: ModelConfig) -> int:
+        """One budget: a hybrid's recurrent states (its running slots and checkpoints) come out of it first."""
+        return sum(self._state_budget(mc)) * mc.state_bytes(self.dtype) if mc.recurrent else 0
 
     def _size_kv_cache(self, mc: ModelConfig) -> tuple[int, int]:
         """(blocks in the pool, max_model_len): the pool holds at least one request of
@@ -227,17 +241,10 @@ class ModelWorker:
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_memory_bytes is not None:
-            # one budget: a hybrid's recurrent states (one per running request, and the prefix
-            # cache's checkpoints) come out of it first
-            states = (
-                (cfg.max_num_seqs + self._checkpoints(mc, cfg.kv_cache_memory_bytes)) * mc.state_bytes(self.dtype)
-                if mc.recurrent
-                else 0
-            )
-            num_blocks = (cfg.kv_cache_memory_bytes - states) // per_block
+            num_blocks = (cfg.kv_cache_memory_bytes - self._states_bytes(mc)) // per_block
         else:
             wanted = cfg.max_num_seqs * blocks(max_len)
-            num_blocks = min(wanted, max(1, DEFAULT_KV_CACHE_CAP_BYTES // per_block))
+            num_blocks = min(wanted, max(1, (DEFAULT_KV_CACHE_CAP_BYTES - self._states_bytes(mc)) // per_block))
         if num_blocks < 1:
             raise ValueError(f"the KV cache holds no block: one block needs {per_block} bytes")
         if blocks(max_len) > num_blocks:

@@ -162,15 +162,23 @@ class KVCacheManager:
 
     def checkpoint_saves(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
         """(offset in the step's tokens, slot): where a hybrid request computing tokens [start, end)
-        saves its recurrent state (state_cache.boundaries), each a new checkpoint."""
+        saves its recurrent state (state_cache.boundaries), each a new checkpoint; past its prompt,
+        the last block boundary the step crosses is its trailing checkpoint."""
         if self.checkpoints is None:
             return []
         hashes = self._block_hashes(req)
         saves = []
-        for b in boundaries(start, end, req.num_prompt_tokens, self.block_size):
+        marks = boundaries(start, end, req.num_prompt_tokens, self.block_size)
+        for b in marks:
             slot = self.checkpoints.reserve(hashes[b // self.block_size - 1])
             if slot is not None:
                 saves.append((b - start, slot))
+        blocks = end // self.block_size  # past the prompt: the last boundary this step crosses
+        last = blocks * self.block_size
+        if start < last and last > req.num_prompt_tokens and last not in marks and blocks <= len(hashes):
+            slot = self.checkpoints.reserve_trailing(req.request_id, hashes[blocks - 1])
+            if slot is not None:
+                saves.append((last - start, slot))
         return saves
 
     def block_table(self, request_id: str) -> list[list[int]]:
@@ -359,6 +367,8 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so a shared head outlives the tail in the LRU queue."""
         if self.tiers is not None:
             self.tiers.release(req.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.release(req.request_id)
         for table in self.req_blocks.pop(req.request_id, ()):
             self.pool.free(b for b in reversed(table) if b is not None)
         self.num_hashed_blocks.pop(req.request_id, None)

@@ -13,6 +13,12 @@ prompt sent again) and its last full block (a longer prompt that extends it: a c
 turn). A hit of n blocks needs a checkpoint at block n: the manager shortens an attention hit to
 the longest such n.
 
+While a request generates, it also keeps one trailing checkpoint: at the last block boundary its
+generated tokens crossed, each new one replacing its own previous one (so a running request holds
+one slot, however long its reply). When it finishes, that checkpoint stays: a conversation's next
+turn (the prompt, the reply, the new message) hits up to the end of the reply, and recomputes only
+the tokens after it.
+
 A checkpoint reserved while a step is scheduled holds data only once the step ran: it becomes
 findable at the next step (`commit`), and is dropped if the step failed (`forget`).
 """
@@ -28,6 +34,7 @@ class StateCheckpoints:
         self.free = list(range(num_slots - 1, -1, -1))
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # findable, least recently used first
         self.pending: dict[bytes, int] = {}  # reserved by the step being scheduled or run
+        self.trailing: dict[str, bytes] = {}  # a running request's trailing checkpoint
         self.saved = 0
 
     def find(self, block_hash: bytes) -> int | None:
@@ -51,11 +58,27 @@ class StateCheckpoints:
         self.saved += 1
         return slot
 
+    def reserve_trailing(self, owner: str, block_hash: bytes) -> int | None:
+        """As `reserve`, for a request's trailing checkpoint: its previous one is let go first."""
+        previous = self.trailing.pop(owner, None)
+        if previous is not None and previous in self.slots:
+            self.free.append(self.slots.pop(previous))
+        slot = self.reserve(block_hash)
+        if slot is not None:
+            self.trailing[owner] = block_hash
+        return slot
+
+    def release(self, owner: str) -> None:
+        """The request finished or was preempted: its trailing checkpoint stays, as any other."""
+        self.trailing.pop(owner, None)
+
     def commit(self) -> None:
         self.slots.update(self.pending)
         self.pending = {}
 
     def forget(self) -> None:
+        for owner in [o for o, h in self.trailing.items() if h in self.pending]:
+            del self.trailing[owner]
         self.free.extend(self.pending.values())
         self.pending = {}
 

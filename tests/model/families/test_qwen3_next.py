@@ -292,3 +292,21 @@ def test_the_default_budget_serves_16_users_of_a_2b_shaped_model():
     running, checkpoints = ModelWorker._state_budget(worker, cfg)
     assert running >= 16 and checkpoints >= 2
     assert (running + checkpoints) * cfg.state_bytes(torch.bfloat16) <= DEFAULT_KV_CACHE_CAP_BYTES * 3 // 4
+
+
+def test_a_conversations_next_turn_hits_up_to_the_end_of_the_reply(models):
+    """Turn 2 (the prompt, the reply, a new message) restores the state checkpointed at the last
+    block boundary of turn 1's reply, and recomputes only the rest; the reply's trailing checkpoint
+    replaces itself as it grows (one slot per running request)."""
+    folder, model = models["qwen3_5_text"]
+    llm = LLM(folder, dtype="float32", block_size=4, max_model_len=160)
+    first = prompts(1, seed=13, low=37, high=38)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reply = llm.generate([first], params)[0].outputs[0].token_ids
+    checkpoints = llm.engine.core.kv.checkpoints
+    assert len(checkpoints.slots) == 3 and checkpoints.trailing == {}  # two at the prompt's ends, one trailing
+    second = first + reply + [5, 6, 7, 8, 9, 10]
+    before = llm.stats()["prefix_cache_hits"]
+    check(model, llm, [second])
+    computed = len(first) + len(reply) - 1  # the reply's last token was sampled, never an input
+    assert llm.stats()["prefix_cache_hits"] - before == computed // 4 * 4

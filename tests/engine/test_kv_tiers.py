@@ -375,3 +375,39 @@ def test_the_disk_folder_is_another_for_another_compute_dtype(make_llm, tmp_path
         for d in ("float32", "bfloat16")
     }
     assert len(folders) == 2
+
+
+# ---------------------------------------------------------------- a hybrid's state checkpoints
+
+
+@pytest.mark.parametrize("arch", ["bamba", "qwen3_5_text"])
+def test_a_hybrids_state_checkpoints_go_to_the_tiers_and_come_back(tmp_path, monkeypatch, arch):
+    """Checkpoints of recurrent states that leave the pool's four slots go to the host tier (and
+    every checkpoint to disk): a follow-up restores its head's state from there, and a restarted
+    engine on the same folder from disk, with transformers' tokens each time."""
+    from tests.support.hybrid import GREEDY as HYBRID_GREEDY
+    from tests.support.hybrid import check, shared_heads
+    from tests.support.tiny_models import save_hf_model
+    from treadle import LLM
+    from treadle.engine import state_cache
+    from treadle.engine.kv_tiers import STATE_TAG
+
+    monkeypatch.setattr(state_cache, "INTERVAL_BLOCKS", 2)
+    folder = str(tmp_path / "model")
+    model = save_hf_model(folder, arch, seed=3)
+    args = dict(dtype="float32", block_size=4, max_model_len=128, recurrent_checkpoints=4,
+                kv_cache_dir=str(tmp_path / "kv"))  # fmt: skip
+    llm = LLM(folder, kv_offload_bytes=64 << 20, **args)
+    batch = shared_heads(seed=9)
+    for prompt in batch[::2]:  # one at a time: each saves its head's checkpoints, evicting the one before's
+        llm.generate([prompt], HYBRID_GREEDY)
+    tiers = llm.engine.core.kv.tiers
+    assert any(k[-1] == STATE_TAG for k in tiers.host.pages), "evicted checkpoints reach the host tier"
+    before = llm.stats()["prefix_cache_hits"]
+    check(model, llm, batch[1::2])
+    assert llm.stats()["prefix_cache_hits"] - before == 3 * 32
+    tiers.flush()
+    assert any(name.endswith("ff.kv") for name in os.listdir(tiers.disk.folder)), "and the disk tier"
+    restarted = LLM(folder, **args)
+    check(model, restarted, batch[1::2])  # the same prompts again: each hits its own blocks up to its last
+    assert restarted.stats()["prefix_cache_hits"] == sum((len(p) - 1) // 4 * 4 for p in batch[1::2])

@@ -172,19 +172,27 @@ class EngineCore:
                 groups=[(g.window, g.layers) for g in layout.groups],
                 block_size=cfg.block_size,
                 quantization=cfg.quantization,
+                state_bytes=self.runner.state_bytes,
             )
-        return KVTiers(cfg.kv_offload_bytes, cfg.kv_cache_dir, cfg.kv_disk_bytes, identity, self.runner.page_bytes)
+        return KVTiers(
+            cfg.kv_offload_bytes, cfg.kv_cache_dir, cfg.kv_disk_bytes, identity, self.runner.page_bytes,
+            self.runner.state_bytes,
+        )  # fmt: skip
 
     def _move_kv(self) -> None:
         """The lower tiers' copies for this step, before its forward: evicted blocks saved first
         (a load or the step may overwrite them), then hits' pages loaded."""
         saves, loads = self.kv.take_moves()
+        state_saves, state_loads = self.kv.take_state_moves()  # a hybrid's recurrent-state checkpoints
         if saves:
             for (_, key), page in zip(saves, self.runner.read_blocks([b for b, _ in saves])):
                 self.kv.tiers.save(key, page)
-        if loads:
+        for (_, key), page in zip(state_saves, self.runner.read_states([s for s, _ in state_saves])):
+            self.kv.tiers.save(key, page)
+        if loads or state_loads:
             started = time.perf_counter()
             self.runner.write_blocks([b for b, _ in loads], [p for _, p in loads])
+            self.runner.write_states(state_loads)
             self.kv.tiers.count_load_seconds(time.perf_counter() - started)
 
     # ------------------------------------------------------------ LoRA adapters
@@ -404,6 +412,9 @@ class EngineCore:
         if written:  # the disk tier gets every block as it is computed (its writer thread does the I/O)
             for (_, key), page in zip(written, self.runner.read_blocks([b for b, _ in written])):
                 self.kv.tiers.disk.put(key, page)
+        written = self.kv.take_written_states()  # and every checkpoint saved (but requests' trailing ones)
+        for (_, key), page in zip(written, self.runner.read_states([s for s, _ in written])):
+            self.kv.tiers.disk.put(key, page)
         decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) - s.num_drafts == 1)
         drafts = sum(s.num_drafts for s in step.scheduled)
         self.step_cost.observe(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from treadle.engine.block_hash import extend_block_hashes
 from treadle.engine.block_pool import Block, BlockPool
 from treadle.engine.kv_events import BlockRemoved, BlockStored
-from treadle.engine.kv_tiers import DISK, HOST, KVTiers, tier_key
+from treadle.engine.kv_tiers import DISK, HOST, KVTiers, state_key, tier_key
 from treadle.engine.request import Request
 from treadle.engine.state_cache import StateCheckpoints, boundaries
 from treadle.kv_layout import CacheGroup, KVLayout
@@ -53,6 +53,7 @@ class PrefixHit:
 
     blocks: list[list[Block | TierPage | None]] = field(default_factory=list)
     state_slot: int | None = None  # a hybrid model's: the checkpoint of its recurrent state at the hit's end
+    state_page: TierPage | None = None  # ... where only a lower tier holds it (given a slot at allocation)
     pending: bool = False  # pages of the hit are being read from disk: the request waits
 
     @property
@@ -85,7 +86,10 @@ class KVCacheManager:
         self.tiers = tiers if enable_caching else None
         if self.tiers is not None:
             self.pool.evicted = []
+            if self.checkpoints is not None:
+                self.checkpoints.evicted = []
         self.step_loads: list[tuple[int, object]] = []  # (block id, page) to load before the step's forward
+        self.step_state_loads: list[tuple[int, int, object]] = []  # (checkpoint slot, position, page), the same
 
     @property
     def num_free_blocks(self) -> int:
@@ -226,7 +230,7 @@ class KVCacheManager:
             else:
                 found.append([self._lookup(h, g, rid, _disk) for h in hashes[:n]])
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
-        state_slot = None
+        state_slot = state_page = None
         while n:
             if all(
                 all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n])
@@ -237,6 +241,9 @@ class KVCacheManager:
                 state_slot = self.checkpoints.find(hashes[n - 1])
                 if state_slot is not None:
                     break
+                state_page = self._lookup_state(hashes[n - 1], rid, _disk)
+                if state_page is not None:
+                    break
             n -= 1
         if not n:
             return NO_HIT
@@ -245,11 +252,21 @@ class KVCacheManager:
             first = self._first_visible(n * self.block_size, window)
             blocks.append([None] * first + found[g][first:n])
         from_disk = [b.key for table in blocks for b in table if isinstance(b, TierPage) and b.medium == DISK]
+        if state_page is not None and state_page.medium == DISK:
+            from_disk.append(state_page.key)
         if from_disk:
             if not self.tiers.prefetch(rid, from_disk):
                 return PrefixHit(pending=True)
             return self.find_cached_prefix(req, _disk=False)  # the pages read are staged (HOST) now, the bad ones gone
-        return PrefixHit(blocks, state_slot)
+        return PrefixHit(blocks, state_slot, state_page)
+
+    def _lookup_state(self, block_hash: bytes, owner: str, disk: bool) -> TierPage | None:
+        """A recurrent-state checkpoint after this block that only a lower tier holds."""
+        if self.tiers is None:
+            return None
+        key = state_key(block_hash)
+        medium = self.tiers.locate(key, owner)
+        return TierPage(key, medium) if medium == HOST or (medium == DISK and disk) else None
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and any cached hit).
@@ -276,6 +293,8 @@ class KVCacheManager:
         reserved = sum(1 for hits in hit_blocks for b in hits if isinstance(b, Block) and b.ref_count == 0)
         if sum(needs) > self.pool.num_free_blocks - reserved:
             return False
+        if hit.state_page is not None and not self._state_slot_for(hit, req.request_id):
+            return False
         if new:
             self.req_blocks[req.request_id] = tables
         for hits in hit_blocks:  # every group's hits out of the free queue before any allocation pops one
@@ -295,6 +314,42 @@ class KVCacheManager:
         # proposed tokens (speculative decoding) are not the request's yet: never hash their blocks
         self._cache_full_blocks(req, tables, min(total, req.num_tokens))
         return True
+
+    def _state_slot_for(self, hit: PrefixHit, owner: str) -> bool:
+        """A checkpoint slot for a hit's state from a lower tier (loaded before the step's forward,
+        findable from the next step), or the one another request's hit took this step; False if
+        no slot can be had."""
+        block_hash = hit.state_page.key[:-1]
+        slot = self.checkpoints.pending.get(block_hash)
+        if slot is None:
+            slot = self.checkpoints.reserve(block_hash)
+            if slot is None:
+                return False
+            position = hit.num_blocks * self.block_size
+            self.step_state_loads.append((slot, position, self.tiers.page(hit.state_page.key, owner)))
+        hit.state_slot = slot
+        return True
+
+    def take_state_moves(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, int, object]]]:
+        """The lower tiers' checkpoint work before this step's forward: (slot, key) of the evicted
+        checkpoints to save (read them first: a load or the step may overwrite them), then (slot,
+        position, page) to load."""
+        if self.tiers is None or self.checkpoints is None:
+            return [], []
+        saves = [(slot, state_key(h)) for slot, h in self.checkpoints.evicted if self.tiers.wants(state_key(h))]
+        self.checkpoints.evicted = []
+        loads, self.step_state_loads = self.step_state_loads, []
+        return saves, loads
+
+    def take_written_states(self) -> list[tuple[int, bytes]]:
+        """After a step ran: (slot, key) of the checkpoints it saved that the disk tier lacks (a
+        request's trailing one excepted: it goes to the tiers when evicted)."""
+        if self.tiers is None or self.tiers.disk is None or self.checkpoints is None:
+            return []
+        trailing = set(self.checkpoints.trailing.values())
+        disk = self.tiers.disk
+        return [(slot, state_key(h)) for h, slot in self.checkpoints.pending.items()
+                if h not in trailing and state_key(h) not in disk]  # fmt: skip
 
     def _release_out_of_window(self, tables: list[list[Block | None]], first_query: int) -> None:
         """Let go of each sliding group's entries before the window of a query at `first_query`

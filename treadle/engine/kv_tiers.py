@@ -14,7 +14,10 @@ pool asks the tiers:
   request; a later step loads it from there as from the host tier.
 
 Keys: a block's chain hash (it covers every token before the block, the cache_salt and so a LoRA
-adapter's digest) and its cache group, 33 bytes. The disk tier's folder is named by the model's
+adapter's digest) and its cache group, 33 bytes. A hybrid model's recurrent-state checkpoint
+(state_cache.py) is a page too, keyed by the hash of the block that ends its prefix and the tag
+STATE_TAG in place of a group: the state after that block, every recurrent layer's conv window then
+its matrix state (`ModelRunner.read_states`), `state_bytes` long. The disk tier's folder is named by the model's
 identity (`model_identity`: the digest of the model's files, the compute and KV dtypes, batch
 invariance, the block size, the layout of the page), so a restarted server, or another server on
 the same model and folder, finds the blocks of an earlier one, and a server on another model never
@@ -51,7 +54,8 @@ log = logging.getLogger("treadle")
 MAGIC = b"TRDLKV01"
 HEADER = struct.Struct("<8s32s33sQI")
 KEY_BYTES = 33
-FORMAT_VERSION = b"treadle-kv-tiers-1"  # change it when a page's layout or the KV's numerics change
+FORMAT_VERSION = b"treadle-kv-tiers-2"  # change it when a page's layout or the KV's numerics change
+STATE_TAG = 255  # a key's last byte: a recurrent-state checkpoint, not a cache group's KV
 MAX_PENDING_WRITE_BYTES = 256 << 20  # past this the writer is behind: further writes are dropped, never waited for
 READ_DELAY_ENV = "TREADLE_KV_DISK_READ_DELAY"  # seconds added to every disk read (tests of a slow disk)
 WRITE_DELAY_ENV = "TREADLE_KV_DISK_WRITE_DELAY"  # seconds between writing a file and renaming it (tests)
@@ -61,6 +65,11 @@ HOST, DISK = "HOST", "DISK"  # the KV event media of the tiers (the pool's is kv
 
 def tier_key(block_hash: bytes, group: int) -> bytes:
     return block_hash + bytes([group])
+
+
+def state_key(block_hash: bytes) -> bytes:
+    """The key of the recurrent-state checkpoint after this block."""
+    return block_hash + bytes([STATE_TAG])
 
 
 def files_digest(paths: list[str]) -> bytes:
@@ -178,13 +187,12 @@ class DiskTier:
     """Pages as files in `<root>/<identity hex>/`, under a byte budget (least recently used file out
     first), written by one thread and read by another."""
 
-    def __init__(self, root: str, identity: bytes, budget: int, page_bytes: int, emit):
+    def __init__(self, root: str, identity: bytes, budget: int, page_bytes: int, emit, state_bytes: int = 0):
         self.identity = identity
         self.emit = emit  # emit(medium, key, stored?): a KV event (called from the writer thread too)
         self.folder = os.path.join(root, identity.hex()[:32])
         self.budget = budget
-        self.page_bytes = page_bytes
-        self.file_bytes = HEADER.size + page_bytes
+        self.page_bytes, self.state_bytes = page_bytes, state_bytes
         self.stats = TierStats()
         self.lock = threading.Lock()
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest use first
@@ -203,6 +211,12 @@ class DiskTier:
         ]
         for t in self._threads:
             t.start()
+
+    def payload_bytes(self, key: bytes) -> int:
+        return self.state_bytes if key[-1] == STATE_TAG else self.page_bytes
+
+    def file_bytes(self, key: bytes) -> int:
+        return HEADER.size + self.payload_bytes(key)
 
     def path(self, key: bytes) -> str:
         return os.path.join(self.folder, key.hex() + ".kv")
@@ -224,7 +238,7 @@ class DiskTier:
                 st = entry.stat()
             except (ValueError, OSError):
                 continue
-            if len(key) != KEY_BYTES or st.st_size != self.file_bytes:
+            if len(key) != KEY_BYTES or st.st_size != self.file_bytes(key):
                 self.stats.corrupt += 1
                 _unlink(entry.path)
                 continue
@@ -243,10 +257,10 @@ class DiskTier:
             if key in self.index:
                 self.index.move_to_end(key)
                 return True
-            if self.pending_bytes + self.file_bytes > MAX_PENDING_WRITE_BYTES:
+            if self.pending_bytes + self.file_bytes(key) > MAX_PENDING_WRITE_BYTES:
                 self.stats.dropped += 1
                 return False
-            self.pending_bytes += self.file_bytes
+            self.pending_bytes += self.file_bytes(key)
         self.writes.put((key, page))
         return True
 
@@ -262,7 +276,7 @@ class DiskTier:
                 log.warning("KV disk tier: cannot write %s: %s", self.path(key), e)
             finally:
                 with self.lock:
-                    self.pending_bytes -= self.file_bytes
+                    self.pending_bytes -= self.file_bytes(key)
 
     def _write(self, key: bytes, page) -> None:
         data = memoryview(page).cast("B")
@@ -278,8 +292,8 @@ class DiskTier:
         os.replace(tmp, final)
         with self.lock:
             if key not in self.index:
-                self.index[key] = self.file_bytes
-                self.nbytes += self.file_bytes
+                self.index[key] = self.file_bytes(key)
+                self.nbytes += self.file_bytes(key)
                 self.stats.stored += 1
             self._evict_over_budget()
         self.emit(DISK, key, True)
@@ -324,7 +338,7 @@ class DiskTier:
         except OSError:
             self._forget(key, corrupt=False)
             return None
-        ok = len(data) == self.file_bytes
+        ok = len(data) == self.file_bytes(key)
         if ok:
             magic, identity, stored_key, length, crc = HEADER.unpack_from(data)
             payload = memoryview(data)[HEADER.size :]
@@ -332,7 +346,7 @@ class DiskTier:
                 magic == MAGIC
                 and identity == self.identity
                 and stored_key == key
-                and length == self.page_bytes
+                and length == self.payload_bytes(key)
                 and zlib.crc32(payload) == crc
             )
         if not ok:
@@ -418,6 +432,7 @@ class KVTiers:
         disk_bytes: int = 0,
         identity: bytes = b"",
         page_bytes: int = 0,
+        state_bytes: int = 0,
     ):
         """host_bytes: the host tier's budget (0: none); disk_root: the disk tier's folder (None: none),
         disk_bytes its budget (EngineConfig holds both defaults)."""
@@ -425,7 +440,9 @@ class KVTiers:
         # atomic: the disk writer appends from its thread)
         self.events: deque[tuple[str, bytes, bool]] | None = None
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
-        self.disk = DiskTier(disk_root, identity, disk_bytes, page_bytes, self._emit) if disk_root else None
+        self.disk = (
+            DiskTier(disk_root, identity, disk_bytes, page_bytes, self._emit, state_bytes) if disk_root else None
+        )
         self.staged: dict[str, Staged] = {}  # request id -> its pages read from disk
 
     def locate(self, key: bytes, owner: str) -> str | None:

@@ -35,6 +35,9 @@ class StateCheckpoints:
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # findable, least recently used first
         self.pending: dict[bytes, int] = {}  # reserved by the step being scheduled or run
         self.trailing: dict[str, bytes] = {}  # a running request's trailing checkpoint
+        # (slot, hash) of checkpoints evicted to make room, for the lower tiers (kv_tiers.py) to copy
+        # before the step overwrites them; None: not kept (no tiers)
+        self.evicted: list[tuple[int, bytes]] | None = None
         self.saved = 0
 
     def find(self, block_hash: bytes) -> int | None:
@@ -51,7 +54,9 @@ class StateCheckpoints:
         if self.free:
             slot = self.free.pop()
         elif self.slots:
-            _, slot = self.slots.popitem(last=False)
+            old, slot = self.slots.popitem(last=False)
+            if self.evicted is not None:
+                self.evicted.append((slot, old))
         else:
             return None
         self.pending[block_hash] = slot

@@ -187,6 +187,40 @@ class ModelRunner:
         flat = pages.view(len(block_ids), -1).view(torch.uint8)
         return [flat[i].numpy().copy() for i in range(len(block_ids))]
 
+    @property
+    def state_bytes(self) -> int:
+        """A hybrid's recurrent-state checkpoint as a tier's page (read_states); 0 for other models."""
+        if not self.model.config.recurrent:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._state_tensors(self.model.new_state()))
+
+    @staticmethod
+    def _state_tensors(state) -> list[torch.Tensor]:
+        return state.conv + state.ssm
+
+    def read_states(self, slots: list[int]) -> list:
+        """Copies of these checkpoint slots' states, each a uint8 numpy array of `state_bytes`
+        (every recurrent layer's conv window, then every layer's matrix state)."""
+        out = []
+        for slot in slots:
+            parts = [t.reshape(-1).view(torch.uint8) for t in self._state_tensors(self.checkpoints[slot])]
+            out.append(torch.cat(parts).cpu().numpy())
+        return out
+
+    def write_states(self, loads: list[tuple[int, int, object]]) -> None:
+        """Put pages made by read_states into checkpoint slots: (slot, position after, page)."""
+        for slot, position, page in loads:
+            target = self.checkpoints.get(slot)
+            if target is None:
+                target = self.checkpoints[slot] = self.model.new_state()
+            raw = torch.frombuffer(memoryview(page).cast("B"), dtype=torch.uint8)
+            offset = 0
+            for t in self._state_tensors(target):
+                n = t.numel() * t.element_size()
+                t.view(-1).view(torch.uint8).copy_(raw[offset : offset + n])
+                offset += n
+            target.position = position
+
     def write_blocks(self, block_ids: list[int], pages: list) -> None:
         """Put pages made by read_blocks (by this model, dtype and block size) into these blocks."""
         if not block_ids:

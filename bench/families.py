@@ -75,7 +75,7 @@ def fidelity(args) -> None:
             conts = [o.outputs[0].token_ids for o in outs]
             reference = (prompts, conts, test_fast_paths.forced_logprobs(ref_llm, prompts, conts))
             del ref_llm
-            kl, agreement = test_fast_paths.compare(LLM(folder, max_model_len=256), reference)
+            kl, agreement = test_fast_paths.compare(LLM(folder, dtype="bfloat16", max_model_len=256), reference)
             print(f"| {arch} | {kl:.4f} | {agreement:.1%} |", flush=True)
 
 

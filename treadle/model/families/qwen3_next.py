@@ -204,6 +204,9 @@ class Qwen3NextModel(LlamaModel):
             v_order=cls.gguf_value_order,
         )
         moe = gguf.moe(norm_topk=True)  # llama.cpp renormalises the chosen experts of all three
+        if moe is not None:  # a layer without a router keeps a dense MLP (a Qwen3-Next's mlp_only_layers)
+            sparse = [f"blk.{i}.ffn_gate_inp.weight" in gguf.tensor_names for i in range(layers)]
+            moe = replace(moe, sparse_layers=None if all(sparse) else sparse)
         dense = gguf.get("feed_forward_length")
         config = gguf.llama_style(
             Qwen3NextConfig,

@@ -137,7 +137,8 @@ class GGUFConfig:
                 "vocab_size", len(vocab) if isinstance(vocab, list) and vocab else 1
             ),  # the embedding's rows, once read
             hidden_size=hidden,
-            intermediate_size=self.get("feed_forward_length", required=True),
+            # (a family that sizes its feed-forward otherwise gives it: a file may lack the key)
+            intermediate_size=fields.get("intermediate_size") or self.get("feed_forward_length", required=True),
             num_layers=self.get("block_count", required=True),
             num_heads=heads,
             num_kv_heads=kv_heads,

@@ -5,6 +5,7 @@
                                       [--hidden 512] [--expert-size 256] [--tokens 48]
     python bench/families.py hybrid-prefix [--arch bamba|qwen3_5] [--prefix 2048] [--suffix 32] [--layers 8]
                                            [--hidden 512]
+    python bench/families.py scan [--tokens 512] [--batch 16]
 
 fidelity: for each architecture's tiny random model (tests/support/tiny_models.py, 2 layers, hidden 64,
 the float32 reference of tests/e2e/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
@@ -227,6 +228,64 @@ def hybrid_prefix(args) -> None:
         print(f"| {label} | {t * 1000:.0f} | {t / cold:.3f} | {t * 1000 / n:.2f} |")
 
 
+def scan(args) -> None:
+    """One Gated DeltaNet layer of Qwen3.5-2B's shape (16 key / 16 value heads of 128, hidden 2048):
+    the layer's conv and delta rule after its input projection, as a prompt segment of --tokens and
+    as a decode step of --batch requests, in the C kernel and in the torch loop."""
+    import torch
+
+    from bench.peer_compare import cpu_description
+    from treadle.model.kernels import recurrent_scan
+    from treadle.model.layers.gated_deltanet import GatedDeltaNetConfig
+    from treadle.model.layers.recurrent import RecurrentState, Segment
+
+    torch.set_num_threads(args.threads)
+    print("CPU:", cpu_description(), f"threads {args.threads}", flush=True)
+    cfg = GatedDeltaNetConfig(16, 16, 128, 128)
+
+    from treadle.model.families.llama import LayerWeights
+    from treadle.model.layers.gated_deltanet import GatedDeltaNet
+    from treadle.model.layers.recurrent import conv_segment
+
+    h = 2048
+    shapes = {"in_proj_qkv.weight": (cfg.conv_dim, h), "in_proj_z.weight": (cfg.value_dim, h),
+              "in_proj_b.weight": (16, h), "in_proj_a.weight": (16, h), "conv1d.weight": (cfg.conv_dim, 1, 4),
+              "dt_bias": (16,), "A_log": (16,), "norm.weight": (128,),
+              "out_proj.weight": (h, cfg.value_dim)}  # fmt: skip
+    weights = {f"linear_attn.{n}": torch.randn(shape) * 0.02 for n, shape in shapes.items()}
+    layer = GatedDeltaNet(cfg, LayerWeights(weights, "", torch.float32, "cpu", None), index=0)
+
+    def run(rows: int, segments, kernel: bool) -> float:
+        qkv = torch.randn(rows, cfg.conv_dim)
+        g, beta = -torch.rand(rows, cfg.num_v_heads) * 0.1, torch.rand(rows, cfg.num_v_heads)
+        mixed = torch.empty(rows, cfg.conv_dim)
+        out = torch.empty(rows, cfg.num_v_heads, cfg.head_v_dim)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            if kernel:
+                recurrent_scan.gated_delta_net(layer, qkv, torch.float32, g, beta, segments, mixed, out)
+            else:
+                for seg in segments:
+                    r = slice(seg.start, seg.start + seg.length)
+                    mixed[r] = conv_segment(qkv[r], seg.state.conv[0], layer.conv_weight, None, (), 0)
+                    out[r] = layer._scan(mixed[r], g[r], beta[r], seg)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def states(n):
+        return [RecurrentState.zeros(cfg, 1, torch.float32, "cpu") for _ in range(n)]
+
+    prompt = [Segment(0, args.tokens, states(1)[0])]
+    decode = [Segment(i, 1, s) for i, s in enumerate(states(args.batch))]
+    print("\n| one layer (2B shape) | C kernel ms | torch loop ms | ratio |")
+    print("|---|---|---|---|")
+    for label, rows, segments in ((f"prompt of {args.tokens} tokens", args.tokens, prompt),
+                                  (f"decode step of {args.batch} requests", args.batch, decode)):  # fmt: skip
+        c, loop = run(rows, segments, True), run(rows, segments, False)
+        print(f"| {label} | {c * 1000:.2f} | {loop * 1000:.2f} | {loop / c:.1f}x |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -249,8 +308,12 @@ def main() -> int:
     h.add_argument("--layers", type=int, default=8)
     h.add_argument("--hidden", type=int, default=512)
     h.add_argument("--threads", type=int, default=2)
+    c = sub.add_parser("scan")
+    c.add_argument("--tokens", type=int, default=512)
+    c.add_argument("--batch", type=int, default=16)
+    c.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix}[args.what](args)
+    {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix, "scan": scan}[args.what](args)
     return 0
 
 

@@ -5,6 +5,16 @@ tokenizer, quantized by llama.cpp's own llama-quantize.
                                    [--out bench-results/synthetic]
     python bench/synthetic_gguf.py --qwen2      # Qwen2.5 0.5B's shape, vocabulary size and biases
 
+`--qwen35` writes a Qwen3.5-2B-shaped hybrid (`qwen35`; the shape as this session assumed it, the
+released config.json not being reachable here: 24 layers, every 4th gated full attention with 8
+heads of 256 / 2 KV heads, the rest Gated DeltaNets of 16 key and 16 value heads of 128, SwiGLU
+6,144, hidden 2,048, tied 248,320-token vocabulary); `--qwen35moe` Qwen3.5-35B-A3B's widths (hidden
+2,048, 16 / 2 heads of 256, 16 key / 32 value heads of 128, 256 experts of 512, top-8, a shared
+expert of 512) in `--layers` layers (default 4: three Gated DeltaNets and one attention layer, what
+fits two cores). Both are written as llama.cpp's converter writes these architectures
+(tests/support/qwen3_next_gguf.py checks that layout against the converter byte for byte), the
+MTP block left out (--no-mtp).
+
 `--qwen2` writes a file shaped as the Qwen2.5 0.5B Q4_K_M that people download: 896 wide (not a
 multiple of 256, so llama-quantize's Q4_K_M is mostly Q5_0 and Q8_0 with real Q4_K / Q6_K where a
 row allows), 24 layers, q/k/v biases, tied embeddings, and a random byte-level vocabulary of
@@ -99,6 +109,99 @@ def write_f16(path: str, args) -> None:
     w.close()
 
 
+def write_qwen35_f16(path: str, args) -> None:
+    """A random Qwen3.5 (`qwen35`) or Qwen3.5-MoE (`qwen35moe`) file in F16, as the converter lays it
+    out: norms stored as 1 + w (random w: 1 here), A as -exp(A_log), the conv kernel [channels, 4]."""
+    import gguf
+
+    moe = args.qwen35moe
+    arch = "qwen35moe" if moe else "qwen35"
+    h, heads, kv_heads, hd = args.hidden, args.heads, args.kv_heads, 256
+    nk, nv, d = 16, (32 if moe else 16), 128
+    conv_dim, value_dim = 2 * nk * d + nv * d, nv * d
+    kinds = ["attention" if (i + 1) % 4 == 0 else "recurrent" for i in range(args.layers)]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"random {arch} {h}x{args.layers}")
+    w.add_block_count(args.layers)
+    w.add_context_length(262144)
+    w.add_embedding_length(h)
+    if not moe:
+        w.add_feed_forward_length(args.ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_rope_freq_base(10000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if moe:
+        w.add_expert_count(256)
+        w.add_expert_used_count(8)
+        w.add_expert_feed_forward_length(512)
+        w.add_expert_shared_feed_forward_length(512)
+    w.add_ssm_conv_kernel(4)
+    w.add_ssm_state_size(d)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(value_dim)
+    w.add_array(f"{arch}.attention.recurrent_layers", [k == "recurrent" for k in kinds])
+    w.add_full_attention_interval(4)
+    w.add_rope_dimension_count(hd // 4)
+    vocab = write_random_byte_level_vocab(w, QWEN35_VOCAB)
+    w.add_vocab_size(vocab)
+
+    rng = np.random.default_rng(0)
+
+    def matrix(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+
+    def vector(n: int, value: float) -> np.ndarray:
+        return np.full(n, value, dtype=np.float32)
+
+    w.add_tensor("token_embd.weight", matrix(vocab, h))
+    w.add_tensor("output_norm.weight", vector(h, 1.0))
+    for i, kind in enumerate(kinds):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", vector(h, 1.0))
+        w.add_tensor(b + "post_attention_norm.weight", vector(h, 1.0))
+        if kind == "recurrent":
+            w.add_tensor(b + "attn_qkv.weight", matrix(conv_dim, h))
+            w.add_tensor(b + "attn_gate.weight", matrix(value_dim, h))
+            w.add_tensor(b + "ssm_beta.weight", matrix(nv, h))
+            w.add_tensor(b + "ssm_alpha.weight", matrix(nv, h))
+            w.add_tensor(b + "ssm_conv1d.weight", rng.standard_normal((conv_dim, 4), dtype=np.float32) * 0.2)
+            w.add_tensor(b + "ssm_dt.bias", vector(nv, 1.0))
+            w.add_tensor(b + "ssm_a", -np.exp(rng.uniform(-5, -3, nv)).astype(np.float32))
+            w.add_tensor(b + "ssm_norm.weight", vector(d, 1.0))
+            w.add_tensor(b + "ssm_out.weight", matrix(h, value_dim))
+        else:
+            w.add_tensor(b + "attn_q.weight", matrix(2 * heads * hd, h))
+            w.add_tensor(b + "attn_k.weight", matrix(kv_heads * hd, h))
+            w.add_tensor(b + "attn_v.weight", matrix(kv_heads * hd, h))
+            w.add_tensor(b + "attn_output.weight", matrix(h, heads * hd))
+            w.add_tensor(b + "attn_q_norm.weight", vector(hd, 1.0))
+            w.add_tensor(b + "attn_k_norm.weight", vector(hd, 1.0))
+        if moe:
+            w.add_tensor(b + "ffn_gate_inp.weight", rng.standard_normal((256, h), dtype=np.float32) * 0.02)
+            w.add_tensor(b + "ffn_gate_exps.weight", matrix(256, 512, h))
+            w.add_tensor(b + "ffn_up_exps.weight", matrix(256, 512, h))
+            w.add_tensor(b + "ffn_down_exps.weight", matrix(256, h, 512))
+            w.add_tensor(b + "ffn_gate_inp_shexp.weight", rng.standard_normal(h, dtype=np.float32) * 0.02)
+            w.add_tensor(b + "ffn_gate_shexp.weight", matrix(512, h))
+            w.add_tensor(b + "ffn_up_shexp.weight", matrix(512, h))
+            w.add_tensor(b + "ffn_down_shexp.weight", matrix(h, 512))
+        else:
+            w.add_tensor(b + "ffn_gate.weight", matrix(args.ffn, h))
+            w.add_tensor(b + "ffn_up.weight", matrix(args.ffn, h))
+            w.add_tensor(b + "ffn_down.weight", matrix(h, args.ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+QWEN35_VOCAB = 248320
 QWEN2_VOCAB = 151936
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -161,18 +264,26 @@ def main() -> int:
     ap.add_argument(
         "--qwen2", action="store_true", help="Qwen2.5 0.5B's shape (sets the widths), biases and vocabulary size"
     )
+    ap.add_argument("--qwen35", action="store_true", help="a Qwen3.5-2B-shaped Gated DeltaNet hybrid")
+    ap.add_argument("--qwen35moe", action="store_true", help="Qwen3.5-35B-A3B's widths in --layers layers")
     ap.add_argument("--out", default="bench-results/synthetic")
     args = ap.parse_args()
     if args.qwen2:
         args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 896, 24, 4864, 14, 2
+    if args.qwen35:
+        args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 2048, 24, 6144, 8, 2
+    if args.qwen35moe:
+        args.hidden, args.heads, args.kv_heads = 2048, 16, 2
+        args.layers = args.layers if "--layers" in sys.argv else 4
 
     from bench.peer_compare import find_or_build_llama_tool
 
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"random-{'qwen2' if args.qwen2 else 'llama'}-{args.hidden}x{args.layers}")
+    arch = "qwen35moe" if args.qwen35moe else "qwen35" if args.qwen35 else "qwen2" if args.qwen2 else "llama"
+    stem = os.path.join(args.out, f"random-{arch}-{args.hidden}x{args.layers}")
     f16 = stem + "-F16.gguf"
     if not os.path.exists(f16):
-        write_f16(f16 + ".part", args)
+        (write_qwen35_f16 if args.qwen35 or args.qwen35moe else write_f16)(f16 + ".part", args)
         os.replace(f16 + ".part", f16)
     out = f"{stem}-{args.type}.gguf"
     if not os.path.exists(out):

@@ -6,6 +6,7 @@
     python bench/families.py hybrid-prefix [--arch bamba|qwen3_5] [--prefix 2048] [--suffix 32] [--layers 8]
                                            [--hidden 512]
     python bench/families.py scan [--tokens 512] [--batch 16]
+    python bench/families.py second-turn --model FILE.gguf [--prompt 2048] [--reply 128] [--message 24] [--more 64]
 
 fidelity: for each architecture's tiny random model (tests/support/tiny_models.py, 2 layers, hidden 64,
 the float32 reference of tests/e2e/test_architectures.py), 8 random prompts x `--tokens` greedy tokens
@@ -29,7 +30,9 @@ one run.
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -286,6 +289,98 @@ def scan(args) -> None:
         print(f"| {label} | {c * 1000:.2f} | {loop * 1000:.2f} | {loop / c:.1f}x |")
 
 
+def second_turn(args) -> None:
+    """A chat's second turn on a hybrid file, treadle beside llama-server: turn 1 is a --prompt-token
+    prompt and a --reply-token greedy reply; turn 2 is that prompt, the reply and a --message-token
+    user message. Its TTFT (a 1-token request) on the server that ran turn 1, and on a fresh one (the
+    same prompt, nothing cached); then --more greedy tokens on both, which must be equal. treadle runs
+    in this process (LLM, prefix caching on: the default), llama-server over HTTP (cache_prompt on,
+    one slot; its `timings.prompt_n` says how many prompt tokens it computed)."""
+    import urllib.request
+
+    import torch
+
+    from bench.peer_compare import cpu_description, find_or_build_llama_server, free_port, wait_healthy
+    from treadle import LLM, SamplingParams
+
+    print("CPU:", cpu_description(), flush=True)
+    g = torch.Generator().manual_seed(5)
+    vocab_hi = 20000  # random ordinary tokens of the file's vocabulary
+    prompt = torch.randint(300, vocab_hi, (args.prompt,), generator=g).tolist()
+    message = torch.randint(300, vocab_hi, (args.message,), generator=g).tolist()
+
+    def greedy(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    def timed(fn):
+        t = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t, out
+
+    rows = {}
+    llm = LLM(args.model)
+    llm.generate([prompt[:16]], greedy(1))  # warm
+    reply = llm.generate([prompt], greedy(args.reply))[0].outputs[0].token_ids
+    second = prompt + reply + message
+    before = llm.stats()["prefix_cache_hits"]
+    ttft, _ = timed(lambda: llm.generate([second], greedy(1)))
+    hit = llm.stats()["prefix_cache_hits"] - before
+    more = llm.generate([second], greedy(args.more))[0].outputs[0].token_ids
+
+    fresh = LLM(args.model)
+    fresh.generate([prompt[:16]], greedy(1))
+    cold, _ = timed(lambda: fresh.generate([second], greedy(1)))
+    cold_more = fresh.generate([second], greedy(args.more))[0].outputs[0].token_ids
+
+    rows["treadle"] = (ttft, cold, f"{hit} tokens hit", more == cold_more)
+
+    server = find_or_build_llama_server()
+
+    def llama(body: dict, port: int) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=3600) as r:
+            return json.load(r)
+
+    def llama_server():
+        port = free_port()
+        proc = subprocess.Popen([server, "-m", args.model, "--port", str(port), "-np", "1", "-c", "8192", "-t", "2"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        return proc, port
+
+    def ask(port, tokens, n):
+        body = {"prompt": tokens, "n_predict": n, "temperature": 0, "cache_prompt": True, "ignore_eos": True,
+                "return_tokens": True}  # fmt: skip
+        return timed(lambda: llama(body, port))
+
+    proc, port = llama_server()
+    try:
+        _, first = ask(port, prompt, args.reply)
+        l_second = prompt + first["tokens"] + message
+        l_ttft, out = ask(port, l_second, 1)
+        computed = out["timings"]["prompt_n"]
+        _, l_more = ask(port, l_second, args.more)
+    finally:
+        proc.terminate()
+        proc.wait()
+    proc, port = llama_server()
+    try:
+        l_cold, _ = ask(port, l_second, 1)
+        _, l_cold_more = ask(port, l_second, args.more)
+    finally:
+        proc.terminate()
+        proc.wait()
+    rows["llama.cpp"] = (l_ttft, l_cold, f"{computed} prompt tokens computed",
+                         l_more["tokens"] == l_cold_more["tokens"])  # fmt: skip
+    print(f"\n{os.path.basename(args.model)}: turn 1 = {args.prompt}-token prompt + {args.reply}-token reply; "
+          f"turn 2 adds a {args.message}-token message ({len(second)} tokens)\n")  # fmt: skip
+    print("| server | turn-2 TTFT after turn 1, s | on a fresh server, s | ratio | cache | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, (warm, cold, note, same) in rows.items():
+        print(f"| {name} | {warm:.2f} | {cold:.2f} | {warm / cold:.3f} | {note} | {same} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -312,8 +407,16 @@ def main() -> int:
     c.add_argument("--tokens", type=int, default=512)
     c.add_argument("--batch", type=int, default=16)
     c.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("second-turn")
+    t.add_argument("--model", required=True)
+    t.add_argument("--prompt", type=int, default=2048)
+    t.add_argument("--reply", type=int, default=128)
+    t.add_argument("--message", type=int, default=24)
+    t.add_argument("--more", type=int, default=64)
     args = ap.parse_args()
-    {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix, "scan": scan}[args.what](args)
+    runs = {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix, "scan": scan,
+            "second-turn": second_turn}  # fmt: skip
+    runs[args.what](args)
     return 0
 
 

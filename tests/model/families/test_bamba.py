@@ -206,7 +206,10 @@ def test_transformers_cached_decode_is_not_the_reference(bamba):
     )
 
 
-@pytest.mark.parametrize("arch", ["bamba", "granitemoehybrid", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize(
+    "arch",
+    ["bamba", "granitemoehybrid", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text"],
+)
 def test_a_config_json_of_wrong_values_is_a_load_error(tmp_path, arch):
     """The new families' own keys given wrong values (a type, a sign, an absurd size): a
     ModelLoadError naming the file, never another exception or a huge allocation; and a mixer
@@ -221,7 +224,9 @@ def test_a_config_json_of_wrong_values_is_a_load_error(tmp_path, arch):
     keys = ["num_hidden_layers", "attn_layer_indices", "layer_types", "mamba_n_heads", "mamba_d_head", "mamba_expand",
             "mamba_n_groups", "time_step_limit", "num_local_experts", "num_experts", "num_experts_per_tok",
             "moe_intermediate_size", "shared_intermediate_size", "shared_expert_intermediate_size",
-            "decoder_sparse_step", "mlp_only_layers", "embedding_multiplier", "clip_qkv"]  # fmt: skip
+            "decoder_sparse_step", "mlp_only_layers", "embedding_multiplier", "clip_qkv", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "full_attention_interval", "rope_parameters"]  # fmt: skip
     for key in (k for k in keys if k in good):
         for value in (None, "x", -1, [1, 2], 10**12):
             path.write_text(json.dumps({**good, key: value}))

@@ -371,3 +371,40 @@ def test_a_quantized_gguf_keeps_the_float_files_predictions(models, tmp_path, ar
     conts = [o.outputs[0].token_ids for o in exact.generate(batch, GREEDY)]
     kl, agreement = compare(quantized, (batch, conts, forced_logprobs(exact, batch, conts)))
     assert kl < 0.2 and agreement >= 0.5, (kl, agreement)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("ssm.group_count", None, "ssm.group_count: missing"),
+        ("ssm.time_step_rank", 3, "ssm.time_step_rank"),
+        ("ssm.inner_size", 48, "ssm.inner_size"),
+        ("ssm.state_size", 32, "ssm.inner_size"),  # contradicts the inner size (and the tensors)
+        ("attention.recurrent_layers", [True, False], "recurrent_layers"),
+        ("attention.recurrent_layers", [True] * 5, "no full-attention layer"),
+        ("nextn_predict_layers", 7, "nextn_predict_layers"),
+        ("ssm.conv_kernel", 1000, "ssm.conv_kernel"),
+    ],
+)
+def test_gguf_metadata_of_wrong_values_is_a_load_error(models, tmp_path, key, value, match):
+    """A qwen35 file's own keys missing, contradicting each other or the tensors: a ModelLoadError
+    naming the key (or the tensor), never another exception."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    from tests.support.qwen3_next_gguf import write_gated_deltanet_gguf
+    from tests.support.tiny_models import tiny_tokenizer
+
+    good, bad = str(tmp_path / "good.gguf"), str(tmp_path / "bad.gguf")
+    write_gated_deltanet_gguf(good, models["qwen3_5_text"][1], tiny_tokenizer())
+    reader = gguf.GGUFReader(good)
+    writer = gguf.GGUFWriter(bad, "qwen35")
+    full = f"qwen35.{key}"
+    if value is None:
+        copy_with_new_metadata(reader, writer, {}, [full])
+    else:
+        kind = (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL) if isinstance(value, list) else (
+            gguf.GGUFValueType.UINT32, None)  # fmt: skip
+        copy_with_new_metadata(reader, writer, {full: MetadataDetails(kind[0], value, sub_type=kind[1])}, [])
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(bad, dtype="float32", max_model_len=64)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from tests.support.tiny_models import _write_tokenizer
+from tests.support.tiny_models import _GGUF_LAYER, _write_tokenizer
 
 ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3next",
@@ -50,14 +50,8 @@ QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # what the converter writes where rope_p
 # Hugging Face layer tensor -> GGUF name (after the converter's renames); the linear layers' projections
 # that the converter regroups or splits are handled apart
 _LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
+    **_GGUF_LAYER,  # the attention, MLP and expert tensors as every Llama-style file names them
     "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight",
@@ -68,17 +62,6 @@ _LAYER = {
     "linear_attn.A_log": "ssm_a",
     "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
-    "mlp.experts.up_proj": "ffn_up_exps.weight",
-    "mlp.experts.down_proj": "ffn_down_exps.weight",
-    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
     # the MTP block's own tensors, at layer L (the converter's names for mtp.fc, mtp.pre_fc_norm_*, mtp.norm)
     "eh_proj.weight": "nextn.eh_proj.weight",
     "enorm.weight": "nextn.enorm.weight",

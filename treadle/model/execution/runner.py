@@ -190,9 +190,8 @@ class ModelRunner:
     @property
     def state_bytes(self) -> int:
         """A hybrid's recurrent-state checkpoint as a tier's page (read_states); 0 for other models."""
-        if not self.model.config.recurrent:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self._state_tensors(self.model.new_state()))
+        config = self.model.config
+        return config.state_bytes(self.model.dtype) if config.recurrent else 0
 
     @staticmethod
     def _state_tensors(state) -> list[torch.Tensor]:

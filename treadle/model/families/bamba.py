@@ -14,7 +14,8 @@ import torch
 from treadle.model.config import ModelConfig, ModelLoadError, file_float, file_int
 from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
 from treadle.model.layers.attention import metadata_by_layer
-from treadle.model.layers.mamba import Mamba2Mixer, MambaConfig, RecurrentState
+from treadle.model.layers.mamba import Mamba2Mixer, MambaConfig
+from treadle.model.layers.recurrent import RecurrentState
 
 
 def mamba_config(hf) -> MambaConfig:
@@ -164,7 +165,8 @@ class BambaModel(LlamaModel):
         return out
 
     def tensors(self):
-        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm)]
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm,
+                                                      layer.k_norm) if n is not None]  # fmt: skip
         mixers = [t for layer in self.layers if layer.mixer is not None for t in layer.mixer.tensors()]
         return [self.embed, self.norm.weight2] + [n.weight2 for n in norms] + mixers
 

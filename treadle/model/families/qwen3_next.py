@@ -27,9 +27,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from treadle.model.config import LIMITS, ModelConfig, ModelLoadError, MoEConfig, file_float, file_int
-from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes
+from treadle.model.families.bamba import BambaModel
+from treadle.model.families.llama import DecoderLayer, LayerWeights, expected_shapes
 from treadle.model.families.qwen_moe import hf_moe
-from treadle.model.layers.attention import metadata_by_layer, paged_attention
+from treadle.model.layers.attention import paged_attention
 from treadle.model.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from treadle.model.layers.moe import MoE
 from treadle.model.layers.norm import RMSNorm
@@ -78,7 +79,9 @@ class Qwen3NextLayer(DecoderLayer):
             self.down = lw.linear(("mlp.down_proj.weight",))
 
 
-class Qwen3NextModel(LlamaModel):
+class Qwen3NextModel(BambaModel):
+    """A hybrid as Bamba's (its residual stream and state handling), with Gated DeltaNet layers."""
+
     hf_model_types = ("qwen3_next",)
     hf_architectures = ("Qwen3NextForCausalLM",)
     gguf_architectures = ("qwen3next",)
@@ -257,7 +260,6 @@ class Qwen3NextModel(LlamaModel):
             elif name.startswith("model.language_model."):
                 weights["model." + name.removeprefix("model.language_model.")] = weights.pop(name)
         super().__init__(config, weights, dtype, device, batch_invariant)
-        self.recurrent_layers = config.layer_types.count("recurrent")
 
     @staticmethod
     def _extra_block(config, name: str) -> bool:
@@ -282,12 +284,6 @@ class Qwen3NextModel(LlamaModel):
             out += layer.moe.linears() if layer.moe is not None else [layer.gate_up, layer.down]
         return out
 
-    def tensors(self):
-        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_attention_norm, layer.q_norm,
-                                                      layer.k_norm) if n is not None]  # fmt: skip
-        mixers = [t for layer in self.layers if layer.mixer is not None for t in layer.mixer.tensors()]
-        return [self.embed, self.norm.weight2] + [n.weight2 for n in norms] + mixers
-
     def attention(self, layer, x: torch.Tensor, tables, kv, layer_meta) -> torch.Tensor:
         cfg = self.config
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -299,21 +295,6 @@ class Qwen3NextModel(LlamaModel):
         q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
         attn = paged_attention(q, k, v.view(t, kv_heads, hd), kv[0], kv[1], layer_meta, self.scale)
         return layer.o_proj(attn.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
-
-    def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        h = self.embedding(input_ids)
-        tables = self.rotary.tables(positions)
-        segments = (meta[0] if isinstance(meta, list) else meta).recurrent
-        attention = zip(kv_caches, metadata_by_layer(meta, self.layer_groups))
-        for layer in self.layers:
-            x = layer.input_norm(h)
-            if layer.mixer is not None:
-                h += layer.mixer(x, segments)
-            else:
-                kv, layer_meta = next(attention)
-                h += self.attention(layer, x, tables, kv, layer_meta)
-            h += self.feed_forward(layer, layer.post_attention_norm(h))
-        return h
 
 
 class Qwen35Model(Qwen3NextModel):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError
 from treadle.model.kernels import recurrent_scan
-from treadle.model.layers.recurrent import RecurrentState, Segment, conv_segment  # noqa: F401 - re-exported
+from treadle.model.layers.recurrent import Segment, conv_segment
 
 
 @dataclass

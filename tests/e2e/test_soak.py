@@ -1,4 +1,4 @@
-"""The soak's short variant (bench/soak.py, 500 requests): chat and completions, streamed or not,
+"""The soak's short variant (bench/soak.py, 300 requests): chat and completions, streamed or not,
 n=2, logprobs, stop strings, shared prefixes, 10% client disconnects mid-stream, 10% invalid
 bodies, over a bf16 server whose KV pool is small enough to preempt. Zero 5xx, every request as
 expected, preemption exercised, every KV block free at the end, and resident memory (all the
@@ -13,14 +13,14 @@ from tests.support.server_process import ServerProcess
 sys.path.insert(0, paths.BENCH)
 import soak  # noqa: E402  (bench/ is not a package)
 
-REQUESTS = 500
+REQUESTS = 300
 
 
 def test_a_short_soak_keeps_every_promise():
     server = ServerProcess("--dtype", "bfloat16", "--num-kv-blocks", "40", "--max-num-seqs", "16")
     try:
         server.wait_healthy()
-        report = soak.run(server.url, REQUESTS, concurrency=8, server_pid=server.proc.pid, sample_every=125)
+        report = soak.run(server.url, REQUESTS, concurrency=8, server_pid=server.proc.pid, sample_every=75)
         assert (
             report.requests == REQUESTS
             and report.by_kind.get("invalid", 0) > 20

@@ -102,7 +102,7 @@ def test_stored_and_removed_blocks_are_published_with_their_chained_hashes(engin
 
 def test_replay_from_a_sequence_number_and_a_malformed_request_is_ignored(engine):
     llm, _, replay_endpoint = engine
-    everything = replay(replay_endpoint)
+    everything = replay_after(llm, replay_endpoint, tokens(4, BLOCK + 1), 0)
     later = replay(replay_endpoint, start=everything[-1][0])
     assert [seq for seq, _ in later] == [everything[-1][0]]
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -110,8 +110,17 @@ def test_replay_from_a_sequence_number_and_a_malformed_request_is_ignored(engine
     sock.connect(replay_endpoint)
     sock.send_multipart((b"nonsense",))  # one frame: ignored, the publisher goes on
     sock.close()
-    llm.generate([tokens(5, BLOCK + 1)], SamplingParams(max_tokens=1, temperature=0))
-    assert len(replay(replay_endpoint)) == len(everything) + 1
+    assert len(replay_after(llm, replay_endpoint, tokens(5, BLOCK + 1), len(everything))) == len(everything) + 1
+
+
+def replay_after(llm, endpoint: str, prompt: list[int], kept: int) -> list[tuple[int, object]]:
+    """The replay once the batch of a step that stored `prompt`'s block is kept beside the `kept`
+    earlier ones (the publisher's thread sends it after generate() returns)."""
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    deadline = time.time() + 10
+    while len(got := replay(endpoint)) <= kept and time.time() < deadline:
+        time.sleep(0.05)
+    return got
 
 
 def test_an_index_built_from_the_events_predicts_the_engines_cached_tokens(engine):

@@ -219,7 +219,9 @@ def test_a_slow_disk_holds_only_the_request_that_reads_it(make_llm, tmp_path, mo
     engine.add_request(
         "stream",
         tok.encode("Count from one to a thousand:"),
-        SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+        # 5 blocks at most: with the reader's 22 it fits the pool, so neither is preempted (a
+        # preempted reader would read its blocks again and count them twice)
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
     )
     for _ in range(3):
         engine.step()

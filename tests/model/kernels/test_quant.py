@@ -17,7 +17,16 @@ ISAS = quant.supported_isas()
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random valid blocks, with a subnormal float16 scale now and then."""
+    """Random valid blocks, with a subnormal float16 scale now and then (MXFP4: E8M0 scales
+    2^-18 .. 2^7, ggml's halved, and now and then one of 2^-128, 2^-127 and 2^-126: ggml's two
+    subnormal special cases and the first normal one)."""
+    if kind == "MXFP4":
+        g = np.random.default_rng(seed)
+        _, elems, size = quant.TYPES[kind]
+        flat = g.integers(0, 256, size=(rows * cols // elems, size), dtype=np.uint8)
+        flat[:, 0] = g.integers(110, 136, size=flat.shape[0])
+        flat[::7, 0] = np.arange(flat[::7].shape[0]) % 3
+        return flat.reshape(rows, cols // elems * size)
     blocks = gguf_random_blocks(kind, rows, cols, np.random.default_rng(seed))
     _, elems, size = quant.TYPES[kind]
     flat = blocks.reshape(-1, size)
@@ -355,3 +364,214 @@ def test_the_c_library_s_block_table_is_quant_lib_s_and_a_difference_refuses_it(
     monkeypatch.delitem(quant_lib.TYPES, "IQ4_XS")  # a type the library has and TYPES lacks
     with pytest.raises(RuntimeError, match="block table"):
         quant_lib.check_block_table(lib)
+
+
+# ---- MXFP4 (gpt-oss's experts): the scale's exactness, the loader, the experts' product, the repack
+
+
+def e2m1(code: int) -> float:
+    """An FP4 (E2M1) code's value from the format's definition (OCP MX v1.0): sign bit 3, a 2-bit
+    exponent of bias 1, one mantissa bit; exponent 0 is subnormal."""
+    sign, exponent, mantissa = -1.0 if code & 8 else 1.0, (code >> 1) & 3, code & 1
+    return sign * (mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa / 2))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_every_scale_and_code_is_its_fp4_value_times_a_power_of_two(isa, monkeypatch):
+    """All 256 E8M0 scale bytes (ggml's subnormal special cases e < 2 and e = 255 included) with
+    all 256 code bytes: gguf-py's bits, and the value the formats define, 2^(e - 127) times the
+    FP4 value (float32: infinite where it overflows; the FP4 -0 is ggml's 0)."""
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+    cols = 16 * 32  # block k of a row holds the code bytes 16k .. 16k + 15
+    qs = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    blocks = np.empty((256, 16, 17), dtype=np.uint8)
+    blocks[:, :, 0] = np.arange(256, dtype=np.uint8)[:, None]
+    blocks[:, :, 1:] = qs
+    blocks = blocks.reshape(256, 16 * 17)
+    got = quant.QuantizedTensor("MXFP4", torch.from_numpy(blocks), cols).rows().numpy()
+    with np.errstate(over="ignore"):
+        assert np.array_equal(got.view(np.uint32), reference("MXFP4", blocks).view(np.uint32))
+        codes = np.concatenate([qs & 15, qs >> 4], axis=1)  # value j of a block: byte j's low nibble, j - 16's high
+        values = np.array([e2m1(c) for c in range(16)])[codes]
+        expect = (values[None] * np.ldexp(1.0, np.arange(256) - 127)[:, None, None]).reshape(256, cols)
+        np.testing.assert_array_equal(got, expect.astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_scales_stay_exact_powers_of_two_in_both_products(isa, monkeypatch):
+    """A weight row per scale byte e (0 .. 254), its one non-zero value ggml's 1 (FP4 0.5): the
+    float32 product of a one-hot x is 2^(e - 128) exactly, and the int8 product of x = 127 there
+    (scale 1, code 127) 127 * 2^(e - 128) exactly, subnormal scales included: no path loses the
+    power of two (rows 0 .. 239 in 16-row groups where packed, the rest one at a time)."""
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+    e = np.arange(255)
+    blocks = np.zeros((255, 2, 17), dtype=np.uint8)
+    blocks[:, :, 0] = e[:, None]
+    blocks[:, 0, 1] = 1  # value 0: code 1
+    weight = quant.QuantizedTensor("MXFP4", torch.from_numpy(blocks.reshape(255, 34)), 64)
+    x = torch.zeros(3, 64)
+    x[:, 0] = 1.0
+    expect = torch.from_numpy(np.ldexp(1.0, e - 128).astype(np.float32)).expand(3, -1)
+    y = weight.matmul(x)
+    assert torch.equal(y.view(torch.int32), expect.view(torch.int32))
+    y = weight.matmul((x * 127).bfloat16())
+    finite = e <= 248  # 127 * 2^(e - 128) overflows bfloat16 above
+    expect = torch.from_numpy(127.0 * np.ldexp(1.0, e[finite] - 128)).bfloat16().expand(3, -1)  # exact values
+    assert torch.equal(y[:, torch.from_numpy(finite)].view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_gguf_tensors_load_as_blocks_and_run_as_experts(tmp_path, isa, monkeypatch):
+    """A GGUF file's MXFP4 (type 39) tensors: a matrix loads as a QuantizedTensor of the file's
+    blocks, stacked `*_exps` ones as one per expert (ExpertWeights), and the grouped experts'
+    product on them is the product of gguf-py's dequantization (float32 x: to float32 rounding;
+    bfloat16 x, int8 activations: close)."""
+    from treadle.model.layers import moe
+    from treadle.model.loading.gguf_file import open_gguf
+    from treadle.model.loading.gguf_loader import _check_supported, _quantized_experts, _quantized_weight
+
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+    experts, hidden, inter = 4, 64, 96
+    stacked = {
+        "gate": random_blocks("MXFP4", experts * inter, hidden, seed=1).reshape(experts, inter, -1),
+        "up": random_blocks("MXFP4", experts * inter, hidden, seed=2).reshape(experts, inter, -1),
+        "down": random_blocks("MXFP4", experts * hidden, inter, seed=3).reshape(experts, hidden, -1),
+    }
+    path = str(tmp_path / "experts.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for name, data in stacked.items():
+        w.add_tensor(f"blk.0.ffn_{name}_exps.weight", data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.add_tensor("blk.0.attn_q.weight", stacked["gate"][1], raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    for tensor in tensors.values():
+        assert tensor.tensor_type.name == "MXFP4"
+        _check_supported(path, tensor)  # a type the loader takes
+    matrix = _quantized_weight(path, reader, tensors["blk.0.attn_q.weight"], None)
+    assert matrix.kind == "MXFP4" and tuple(matrix.shape) == (inter, hidden)
+    assert np.array_equal(matrix.blocks().numpy(), stacked["gate"][1])
+    parts, dense = {}, {}
+    for name, data in stacked.items():
+        held = _quantized_experts(path, reader, tensors[f"blk.0.ffn_{name}_exps.weight"])
+        assert tuple(held.shape) == (experts, *((hidden, inter) if name == "down" else (inter, hidden)))
+        for e, part in enumerate(held.parts):
+            assert part.kind == "MXFP4" and part.packed == (isa in quant.PACKED_ISAS)
+            assert np.array_equal(part.blocks().numpy(), data[e])
+        parts[name] = held.parts
+        dense[name] = [torch.from_numpy(reference("MXFP4", np.ascontiguousarray(d))).double() for d in data]
+    gate_up = [moe._joined([g, u], "experts") for g, u in zip(parts["gate"], parts["up"])]
+    down = [moe._joined([d], "experts") for d in parts["down"]]
+    assert {kind for _, _, kind in gate_up + down} == {"MXFP4"}
+    g = torch.Generator().manual_seed(4)
+    tokens = 9
+    x = torch.randn(tokens, hidden, generator=g) * 0.05
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(2):
+            e = int(chosen[t, j])
+            a = x[t].double()
+            h = torch.nn.functional.silu(dense["gate"][e] @ a) * (dense["up"][e] @ a)
+            want[t] += float(weights[t, j]) * (dense["down"][e] @ h)
+
+    def run(x):
+        return moe.run_experts(
+            x,
+            chosen,
+            weights,
+            [d for d, _, _ in gate_up],
+            [d for d, _, _ in down],
+            gate_up[0][1],
+            down[0][1],
+            0,
+            gate_up_bias=[],
+            down_bias=[],
+            swiglu_limit=0.0,
+            swiglu_alpha=1.0,
+        )  # (no biases, a plain SwiGLU)
+
+    scale = float(want.abs().max())
+    torch.testing.assert_close(run(x).double(), want, rtol=1e-4, atol=1e-5 * scale)
+    assert float((run(x.bfloat16()).double() - want).abs().max()) < 0.05 * scale
+
+
+# llama.cpp's converter for gpt-oss (vendor/llama.cpp/conversion/gpt_oss.py, GptOssModel, in
+# llama-cpp-python 0.3.36), its repack copied as it is: the file's MXFP4 bytes of HF blocks and scales.
+def converter_transform_nibble_layout(tensor):
+    assert tensor.dtype == torch.uint8
+    assert tensor.shape[-1] == 16
+    # swap nibbles
+    t_lo = tensor & 0x0F
+    t_hi = tensor & 0xF0
+    t_swapped = (t_lo << 4) | (t_hi >> 4)
+    tensor = t_swapped
+    # transform aaaa...bbbb... to abababab...
+    blk_a, blk_b = tensor.chunk(2, dim=-1)
+    # get a_
+    blk_a0 = (blk_a & 0xF0).view(-1, 1)
+    blk_a1 = (blk_a << 4).view(-1, 1)
+    blk_a = torch.stack((blk_a0, blk_a1), dim=2).view(tensor.shape)
+    # get _b
+    blk_b0 = (blk_b >> 4).view(-1, 1)
+    blk_b1 = (blk_b & 0x0F).view(-1, 1)
+    blk_b = torch.stack((blk_b0, blk_b1), dim=2).view(tensor.shape)
+    # swap once more
+    out = blk_a | blk_b
+    out_h = out & 0xF0
+    out_l = out & 0x0F
+    out = (out_h >> 4) | (out_l << 4)
+    return out
+
+
+def converter_repack_mxfp4(blocks, scales):  # GptOssModel.repack_mxfp4, less the writer
+    assert blocks.dtype == torch.uint8
+    assert scales.dtype == torch.uint8
+    scales = scales.unsqueeze(-1)
+    assert len(blocks.shape) == 4
+    assert len(scales.shape) == 4
+    blocks = converter_transform_nibble_layout(blocks)
+    new_data = torch.concat((scales, blocks), dim=-1)
+    return new_data.view(new_data.shape[0], new_data.shape[1], new_data.shape[2] * new_data.shape[3])
+
+
+def test_mxfp4_from_hf_is_transformers_dequantization_and_the_converters_bytes():
+    """gpt-oss's Hugging Face blocks and scales (every scale byte once), repacked: gguf-py's
+    dequantization of the bytes is transformers' `convert_moe_packed_tensors` exactly (float32,
+    its [experts, in, out] transposed back to rows; its FP4 -0 is ggml's 0, every other value
+    the same bits), on every path once held; and the bytes are those llama.cpp's converter writes,
+    gate and up split from the fused rows as it splits them."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    experts, rows, groups = 4, 16, 4
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randperm(256, generator=g).to(torch.uint8).reshape(experts, rows, groups)
+    got = quant.mxfp4_from_hf(blocks, scales)
+    assert got.dtype == torch.uint8 and tuple(got.shape) == (experts, rows, groups * 17)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    with np.errstate(over="ignore"):
+        values = torch.from_numpy(reference("MXFP4", got.reshape(experts * rows, -1).numpy())).view(experts, rows, -1)
+    assert torch.equal(values, want)
+    nonzero = want != 0
+    assert torch.equal(values[nonzero].view(torch.int32), want[nonzero].view(torch.int32))
+    for isa in ISAS:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TREADLE_QUANT_ISA", isa)
+            held = quant.QuantizedTensor("MXFP4", got.reshape(experts * rows, -1), groups * 32)
+            assert torch.equal(held.rows(), want.reshape(experts * rows, -1))
+    assert torch.equal(got, converter_repack_mxfp4(blocks, scales))
+    for part in (slice(0, None, 2), slice(1, None, 2)):  # the converter's gate (rows ::2) and up (1::2)
+        assert torch.equal(
+            quant.mxfp4_from_hf(blocks[:, part], scales[:, part]),
+            converter_repack_mxfp4(blocks[:, part].contiguous(), scales[:, part].contiguous()),
+        )
+    assert torch.equal(quant.mxfp4_from_hf(blocks[0, 0], scales[0, 0]), got[0, 0])  # any leading shape
+    with pytest.raises(ValueError, match="expected uint8"):
+        quant.mxfp4_from_hf(blocks, scales[..., :1])
+    with pytest.raises(ValueError, match="expected uint8"):
+        quant.mxfp4_from_hf(blocks.to(torch.int16), scales)

@@ -1,8 +1,8 @@
 /* Matrix products with weights held as GGUF's quantized blocks, at the file's bits.
  *
- * A weight row is a run of blocks (32 values for Q4_0 ... Q8_0 and IQ4_NL, 256 for the K-quants
- * and IQ4_XS). Every type is read through one unpacking rule: block -> unsigned integers `uq`
- * (one byte per value), a float scale per group of 4 values (`s4`) and, for the types with a
+ * A weight row is a run of blocks (32 values for Q4_0 ... Q8_0, IQ4_NL and MXFP4, 256 for the
+ * K-quants and IQ4_XS). Every type is read through one unpacking rule: block -> unsigned integers
+ * `uq` (one byte per value), a float scale per group of 4 values (`s4`) and, for the types with a
  * minimum, a float minimum per group of 4 (`m4`). The value is
  *
  *     w = s4 * (float)(uq - off) - m4        (the type's constant offset `off`)
@@ -68,13 +68,24 @@
 #define Q_TYPES(X)                                                                                     \
     X(Q4_0, 2, 32, 18) X(Q4_1, 3, 32, 20) X(Q5_0, 6, 32, 22) X(Q5_1, 7, 32, 24) X(Q8_0, 8, 32, 34)     \
     X(Q2_K, 10, 256, 84) X(Q3_K, 11, 256, 110) X(Q4_K, 12, 256, 144) X(Q5_K, 13, 256, 176)            \
-    X(Q6_K, 14, 256, 210) X(IQ4_NL, 20, 32, 18) X(IQ4_XS, 23, 256, 136)
+    X(Q6_K, 14, 256, 210) X(IQ4_NL, 20, 32, 18) X(IQ4_XS, 23, 256, 136) X(MXFP4, 39, 32, 17)
 #define Q_TYPE_ENUM(name, id, elems, bytes) T_##name = id, name##_ELEMS = elems, name##_BYTES = bytes,
 enum { Q_TYPES(Q_TYPE_ENUM) };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 #define PACKED 0x100 /* in a type argument: the weight is held in the packed layout */
 
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* ggml's kvalues_mxfp4: the FP4 (E2M1) values doubled, code 8 (-0) as 0; ggml_e8m0_to_fp32_half halves the scale */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: an E8M0 scale byte e as 2^(e - 128), exactly (e < 2: a subnormal, as ggml
+ * writes it; e = 255, E8M0's NaN, as 2^127, as ggml and gguf-py read it) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -170,6 +181,17 @@ static void unpack_iq4_nl(const uint8_t *b, uint8_t *uq, float *s4, float *m4) {
         uq[j + 16] = (uint8_t)(IQ4_VALUES[qs[j] >> 4] + 128);
     }
     fill(s4, f16_to_f32(b), 8);
+}
+
+/* codes MXFP4_VALUES + 16 (4 .. 28: below 64, AVX2's cheaper products), offset 16; the scale a power of two */
+static void unpack_mxfp4(const uint8_t *b, uint8_t *uq, float *s4, float *m4) {
+    (void)m4;
+    const uint8_t *qs = b + 1;
+    for (int j = 0; j < 16; j++) {
+        uq[j] = (uint8_t)(MXFP4_VALUES[qs[j] & 15] + 16);
+        uq[j + 16] = (uint8_t)(MXFP4_VALUES[qs[j] >> 4] + 16);
+    }
+    fill(s4, e8m0_half(b[0]), 8);
 }
 
 static void unpack_q2_k(const uint8_t *b, uint8_t *uq, float *s4, float *m4) {
@@ -296,6 +318,7 @@ static int qtype_fields(int type, qtype *t) {
     case T_Q5_K: *t = (qtype){Q5_K_ELEMS, Q5_K_BYTES, 0, 0, 1, unpack_q5_k}; return 0;
     case T_Q6_K: *t = (qtype){Q6_K_ELEMS, Q6_K_BYTES, 32, 5, 0, unpack_q6_k}; return 0;
     case T_IQ4_XS: *t = (qtype){IQ4_XS_ELEMS, IQ4_XS_BYTES, 128, 7, 0, unpack_iq4_xs}; return 0;
+    case T_MXFP4: *t = (qtype){MXFP4_ELEMS, MXFP4_BYTES, 16, 4, 0, unpack_mxfp4}; return 0;
     default: return -1;
     }
 }
@@ -574,13 +597,15 @@ TARGET_FAST static void quantize_row_avx512(const void *x, int x_bf16, int64_t K
  * For every type, a weight of N rows is stored as
  * N / 16 groups of 16 rows, then the N % 16 last rows as the file has them. A group holds, for
  * each block b of the row in turn, the 16 rows' block b with its bytes moved: every float16 field
- * (d, m, dmin) as the 16 rows' fields side by side, every other byte in 4-byte pieces, piece t of
- * the 16 rows side by side (one 64-byte vector per piece). Q8_0's quants are stored + 128 (as
- * unsigned bytes). A vector then holds the same 4 values of 16 rows (in its low and high nibbles,
- * for the 4-bit codes): what the integer dot product multiplies with one broadcast quad of x. */
+ * (d, m, dmin) as the 16 rows' fields side by side (MXFP4's one-byte scale likewise, 16 bytes),
+ * every other byte in 4-byte pieces, piece t of the 16 rows side by side (one 64-byte vector per
+ * piece). Q8_0's quants are stored + 128 (as unsigned bytes). A vector then holds the same 4
+ * values of 16 rows (in its low and high nibbles, for the 4-bit codes): what the integer dot
+ * product multiplies with one broadcast quad of x. */
 
 typedef struct {
     int p0, p1, xor80; /* bytes [p0, p1) of a block in 4-byte pieces; the rest are 2-byte fields */
+    int b1;            /* ... but bytes [0, b1) are 1-byte fields (MXFP4's scale) */
 } packdesc;
 
 static int pack_desc(int type, packdesc *p) {
@@ -593,6 +618,7 @@ static int pack_desc(int type, packdesc *p) {
     case T_Q2_K: *p = (packdesc){0, 80, 0}; return 1;
     case T_Q3_K: *p = (packdesc){0, 108, 0}; return 1;
     case T_IQ4_XS: *p = (packdesc){4, IQ4_XS_BYTES, 0}; return 1;
+    case T_MXFP4: *p = (packdesc){1, MXFP4_BYTES, 0, 1}; return 1;
     default: return 0;
     }
 }
@@ -600,6 +626,7 @@ static int pack_desc(int type, packdesc *p) {
 /* where byte j of row r's block lands in the 16 rows' packed block: a field or a piece starting at
  * byte f of the block, of n bytes, lands at 16 * f, row r's n bytes at 16 * f + r * n */
 static inline int packed_pos(const packdesc *p, int r, int j) {
+    if (j < p->b1) return 16 * j + r;
     if (j >= p->p0 && j < p->p1) {
         const int f = j - (j - p->p0) % 4;
         return 16 * f + r * 4 + (j - f);
@@ -630,7 +657,16 @@ static inline void pack_block(const packdesc *p, int bytes, uint8_t *rows, int64
     const uint32_t flip = p->xor80 ? 0x80808080u : 0;
     for (int f = 0; f < bytes;) {
         const uint32_t x = f >= p->p0 ? flip : 0;
-        if (f >= p->p0 && f < p->p1) { /* a piece */
+        if (f < p->b1) { /* a 1-byte field */
+            for (int r = 0; r < 16; r++) {
+                uint8_t *row = rows + r * rb + f, *at = packed + 16 * f + r;
+                if (to_file)
+                    *row = *at;
+                else
+                    *at = *row;
+            }
+            f += 1;
+        } else if (f >= p->p0 && f < p->p1) { /* a piece */
             for (int r = 0; r < 16; r++) {
                 uint8_t *row = rows + r * rb + f, *at = packed + 16 * f + r * 4;
                 uint32_t v;
@@ -728,6 +764,9 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #define LOADV(p) _mm512_loadu_si512((const void *)(p))
 #define F16V(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define U16V(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p)))
+#define U8V(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define I_MAX32 _mm512_max_epi32
+#define F_BITS _mm512_castsi512_ps
 #define ADD_WHERE(u, bits, mask, addend) _mm512_mask_add_epi8((u), _mm512_test_epi8_mask((bits), (mask)), (u), (addend))
 #define DOT4(acc, u, x4, wide) _mm512_dpbusd_epi32((acc), (u), _mm512_set1_epi32(x4))
 #define DOT8(acc, u0, u1, x0, x1, wide) DOT4(DOT4((acc), (u0), (x0), (wide)), (u1), (x1), (wide))
@@ -767,6 +806,9 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #undef LOADV
 #undef F16V
 #undef U16V
+#undef U8V
+#undef I_MAX32
+#undef F_BITS
 #undef ADD_WHERE
 #undef DOT4
 #undef DOT8
@@ -848,6 +890,9 @@ TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v)
 #define LOADV(p) _mm256_loadu_si256((const __m256i *)(p))
 #define F16V(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define U16V(p) _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define U8V(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define I_MAX32 _mm256_max_epi32
+#define F_BITS _mm256_castsi256_ps
 #define ADD_WHERE(u, bits, mask, addend) \
     _mm256_add_epi8((u), _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256((bits), (mask)), _mm256_setzero_si256()), (addend)))
 #define DOT4(acc, u, x4, wide) dot4_avx2((acc), (u), (x4), (wide))

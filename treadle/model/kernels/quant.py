@@ -164,6 +164,37 @@ class QuantizedTensor:
         return QuantizedTensor(first.kind, torch.cat([p.blocks() for p in parts]), first.shape[1])
 
 
+def mxfp4_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face MXFP4 weight (gpt-oss's `*_blocks`, uint8 [..., G, 16], and `*_scales`,
+    uint8 [..., G]) as GGUF's MXFP4 blocks, uint8 [..., G * 17]: rows of G * 32 values, what
+    `QuantizedTensor("MXFP4", ...)` takes. Only bits move (llama.cpp's converter writes the same
+    bytes): the scale byte is the same E8M0 exponent (transformers' 2^(s - 127) times the FP4 value
+    is ggml's 2^(s - 128) times its doubled table) and the 4-bit codes index the same table; the
+    order within a block changes, from value 2i in byte i's low nibble and 2i + 1 in its high one
+    (transformers' `convert_moe_packed_tensors`) to value j in byte j's low nibble and j + 16 in its
+    high one (ggml's `block_mxfp4`). gpt-oss's fused `gate_up_proj` interleaves its rows (gate
+    rows 0, 2, ..., up rows 1, 3, ...): a caller splits them (rows ::2 and 1::2) before or after."""
+    if (
+        blocks.dtype != torch.uint8
+        or scales.dtype != torch.uint8
+        or blocks.dim() < 2
+        or blocks.shape[-1] != 16
+        or tuple(scales.shape) != tuple(blocks.shape[:-1])
+    ):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} ({blocks.dtype}) and scales {tuple(scales.shape)} ({scales.dtype}): "
+            "expected uint8 [..., G, 16] and uint8 [..., G]"
+        )
+    out = torch.empty((*blocks.shape[:-1], 17), dtype=torch.uint8, device=blocks.device)
+    out[..., 0] = scales
+    first, second = blocks[..., :8], blocks[..., 8:]  # values 0 .. 15 (two a byte), values 16 .. 31
+    # GGUF byte 1 + j holds value j (low nibble) and j + 16 (high): for j = 2i value 2i is the low
+    # nibble of first[i], for j = 2i + 1 value 2i + 1 is its high nibble; values 16 + j alike in second
+    out[..., 1::2] = (first & 0x0F) | (second << 4)
+    out[..., 2::2] = (first >> 4) | (second & 0xF0)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
+
+
 def _pack(data: torch.Tensor, type_id: int, cols: int, to_file: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """A weight's blocks into the packed layout, or (to_file) back (a numpy array: quant_lib.pack),
     into `out` where given."""

@@ -10,12 +10,13 @@
  *   SFX(name)            the names of this width's functions
  *   LANES                16 or 8
  *   VI, VF               the integer and float vector types
- *   and the operations below (I_*, F_*, LOADV, F16V, U16V, DOT4, DOT8, ADD_WHERE, STOREV);
+ *   and the operations below (I_*, F_*, LOADV, F16V, U16V, U8V, DOT4, DOT8, ADD_WHERE, STOREV);
  *   TREADLE_Q_EXACT      1: the float32 product's tiles (f32_*), 0: the int8 one's (q8_*).
  *
  * `half` selects a group's rows 8 * half .. 8 * half + 7 on AVX2 and is 0 on AVX-512: a 64-byte
  * piece of the layout holds 16 rows' 4 bytes, of which this width reads bytes 32 * half on;
- * a float16 field holds 16 rows' 2 bytes, of which it reads bytes 16 * half on. */
+ * a float16 field holds 16 rows' 2 bytes, of which it reads bytes 16 * half on (a 1-byte field,
+ * MXFP4's scale: bytes 8 * half on). */
 
 #define P_OFF(half) ((half) * LANES * 4)  /* into a piece */
 #define H_OFF(half) ((half) * LANES * 2)  /* into a float16 field */
@@ -82,21 +83,35 @@ TW static inline VI SFX(iq4_table)(void) { /* IQ4_VALUES + 128, in each 128-bit 
                                     (char)241));
 }
 
+TW static inline VI SFX(mxfp4_table)(void) { /* MXFP4_VALUES + 16, in each 128-bit lane */
+    return I_BCAST128(_mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4));
+}
+
+/* e8m0_half of the LANES scale bytes at p, lane by lane: (e - 1) << 23, or for e < 2 the subnormal
+ * (e + 1) << 21 (0x00200000 << e); as signed integers the larger of the two is the right one for
+ * every e (4 (e - 1) >= e + 1 exactly where e >= 2), so one max takes the place of a select */
+TW static inline VF SFX(e8m0_half)(const uint8_t *p) {
+    const VI e = U8V(p);
+    return F_BITS(I_MAX32(I_SLLI32(I_SUB32(e, I_SET1_32(1)), 23), I_SLLI32(I_ADD32(e, I_SET1_32(1)), 21)));
+}
+
 /* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
  * operations, lane r for weight row n0 + r (the 32-value types) */
 TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
                                                                 char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy, int y_bf16, int64_t n0,
                                                                 int half) {
-    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1, mx = type == T_MXFP4;
     const int bytes = type == T_Q4_0 || type == T_IQ4_NL ? Q4_0_BYTES
                       : type == T_Q4_1                     ? Q4_1_BYTES
                       : type == T_Q5_0                     ? Q5_0_BYTES
                       : type == T_Q5_1                     ? Q5_1_BYTES
+                      : mx                                 ? MXFP4_BYTES
                                                            : Q8_0_BYTES;
-    const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : 2, qhoff = with_min ? 4 : 2;
-    const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
+    /* where the codes' pieces start (bytes of the block, times 16): MXFP4's after its 1-byte scale */
+    const int qoff = type == T_Q4_1 || type == T_Q5_0 ? (type == T_Q4_1 ? 4 : 6) : type == T_Q5_1 ? 8 : mx ? 1 : 2, qhoff = with_min ? 4 : 2;
+    const int off = type == T_Q4_0 ? 8 : type == T_Q5_0 || mx ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
     const VI m15 = I_SET1_8(15);
-    const VI table = SFX(iq4_table)();
+    const VI table = mx ? SFX(mxfp4_table)() : SFX(iq4_table)();
     const VI spread = I_BCAST128(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
     arow a[8];
     const float *xr[8];
@@ -105,7 +120,7 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
         prefetch_ahead(gb, 16 * bytes);
-        const VF d = F16V(gb + H_OFF(half));
+        const VF d = mx ? SFX(e8m0_half)(gb + half * LANES) : F16V(gb + H_OFF(half));
         const VF mn = with_min ? F16V(gb + 32 + H_OFF(half)) : F_ZERO;
         VI u[8];
         if (type == T_Q8_0) {
@@ -116,7 +131,7 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
                 u[q] = I_AND(v, m15);
                 u[q + 4] = I_AND(I_SRLI16(v, 4), m15);
             }
-            if (type == T_IQ4_NL)
+            if (type == T_IQ4_NL || mx)
                 for (int q = 0; q < 8; q++) u[q] = I_SHUF8(table, u[q]);
             if (five) { /* value 4q + i of a row takes bit 4q + i of its qh */
                 const VI qh = PIECE(gb + 16 * qhoff, 0, half);
@@ -295,6 +310,7 @@ TILE_TYPE(T_Q5_0, tile32)
 TILE_TYPE(T_Q5_1, tile32)
 TILE_TYPE(T_Q8_0, tile32)
 TILE_TYPE(T_IQ4_NL, tile32)
+TILE_TYPE(T_MXFP4, tile32)
 TILE_TYPE(T_Q4_K, tilek)
 TILE_TYPE(T_Q5_K, tilek)
 TILE_TYPE(T_Q6_K, tilek)
@@ -315,7 +331,7 @@ static group_fn SFX(group_kernel)(int type, int exact) {
     case TYPE: return exact ? NULL : SFX(q8_##TYPE);
 #endif
     switch (type) {
-        CASE(T_Q4_0) CASE(T_Q4_1) CASE(T_Q5_0) CASE(T_Q5_1) CASE(T_Q8_0) CASE(T_IQ4_NL)
+        CASE(T_Q4_0) CASE(T_Q4_1) CASE(T_Q5_0) CASE(T_Q5_1) CASE(T_Q8_0) CASE(T_IQ4_NL) CASE(T_MXFP4)
         CASE(T_Q4_K) CASE(T_Q5_K) CASE(T_Q6_K) CASE(T_Q2_K) CASE(T_Q3_K) CASE(T_IQ4_XS)
     default: return NULL;
     }

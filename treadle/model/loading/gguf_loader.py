@@ -54,6 +54,7 @@ SUPPORTED_TENSOR_TYPES = (
     "Q6_K",
     "IQ4_NL",
     "IQ4_XS",
+    "MXFP4",
 )
 
 

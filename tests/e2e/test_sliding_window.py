@@ -2,7 +2,7 @@
 
 Mistral: every layer within a 24-token window (one sliding cache group). Gemma 3: a local layer
 (a 12-token window) and a global one: two cache groups (kv_layout.py). Gemma 2: the same two kinds,
-with its scores soft-capped (treadle's kernel on the bfloat16 path, `softcapped_attention` on
+with its scores soft-capped (treadle's kernel on the bfloat16 path, `eager_attention` on
 float32's). The window is honoured by
 freeing the blocks out of it, not only by masking; these tests hold both.
 """

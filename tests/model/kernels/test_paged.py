@@ -31,9 +31,11 @@ def request(length: int, seed: int):
     return blocks, q
 
 
-def reference(q, k_cache, v_cache, blocks, window=None, softcap=None):
+def reference(q, k_cache, v_cache, blocks, window=None, softcap=None, sinks=None):
     """float32 textbook attention: causal (and windowed) softmax(q k^T / sqrt(d)) v, heads grouped;
-    softcap: the scores soft-capped first, softcap * tanh(s / softcap) (Gemma 2)."""
+    softcap: the scores soft-capped first, softcap * tanh(s / softcap) (Gemma 2); sinks: each head's
+    logit joins the softmax as one more column whose probability is dropped (gpt-oss, as
+    transformers' eager attention)."""
     n = q.shape[0]
     if k_cache.dtype == torch.int8:  # the values the int8 rows stand for
         k_cache, v_cache = dequantize_kv(k_cache, torch.float32), dequantize_kv(v_cache, torch.float32)
@@ -47,6 +49,9 @@ def reference(q, k_cache, v_cache, blocks, window=None, softcap=None):
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.float()[:, None, None].expand(-1, n, 1)
+        return torch.einsum("hqk,khd->qhd", F.softmax(torch.cat([scores, column], -1), dim=-1)[..., :-1], v)
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
@@ -90,6 +95,26 @@ def test_soft_capped_scores_match_textbook_attention(cache):
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 37])
+def test_attention_sinks_match_textbook_attention(cache, window):
+    """gpt-oss's sinks: per query head, some far above the scores (the head attends to almost
+    nothing), some far below (no effect), some among them."""
+    k_cache, v_cache = cache
+    blocks, q = request(120, seed=5)
+    sinks = torch.tensor([8.0, -30.0, 0.5, 2.0, -1.0, 12.0, 0.0, 1.5, -4.0])
+    positions = torch.arange(120)
+    key_end = positions + 1
+    key_begin = (key_end - window).clamp(min=0) if window else torch.zeros_like(key_end)
+    zeros = torch.zeros(120, dtype=torch.long)
+    out = kernels.paged_attention(q, k_cache, v_cache, blocks[None], zeros, key_begin, key_end, D**-0.5, sinks=sinks)
+    want = reference(q, k_cache, v_cache, blocks, window, sinks=sinks)
+    torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
+    assert (want - reference(q, k_cache, v_cache, blocks, window)).abs().max() > 0.1  # without them: another answer
+    with pytest.raises(ValueError, match="sinks"):
+        kernels.paged_attention(q, k_cache, v_cache, blocks[None], zeros, key_begin, key_end, D**-0.5, sinks=sinks[:3])
+
+
+@needs_kernel
 def test_a_rows_bits_do_not_depend_on_its_company(cache):
     k_cache, v_cache = cache
     a_blocks, a_q = request(90, seed=2)
@@ -124,10 +149,11 @@ def test_a_rows_bits_do_not_depend_on_its_company(cache):
 def test_the_portable_code_gives_the_vector_codes_bits(kv, monkeypatch):
     """The kernel built without AVX-512 (the portable C that states the arithmetic) against the one
     this machine runs (AVX-512 where it has it): the same bits, for head sizes with and without a
-    64-wide tail, groups up to 16, soft-capping, keys that do not fill 16 and prompts of many rows."""
+    64-wide tail, groups up to 16, soft-capping, sinks, keys that do not fill 16 and prompts of many rows."""
     portable = kernels._build(("-mno-avx512f",))
     g = torch.Generator().manual_seed(7)
-    for head_dim, kv_heads, group, softcap in ((64, 3, 3, 0.0), (80, 2, 7, 0.0), (256, 1, 4, 30.0), (128, 1, 16, 0.0)):
+    cases = ((64, 3, 3, 0.0, False), (80, 2, 7, 0.0, True), (256, 1, 4, 30.0, False), (128, 1, 16, 0.0, True))
+    for head_dim, kv_heads, group, softcap, with_sinks in cases:
         shape = (40, BLOCK, kv_heads, head_dim)
         k, v = (torch.randn(shape, generator=g) * 2).bfloat16(), torch.randn(shape, generator=g).bfloat16()
         if kv == "int8":
@@ -138,10 +164,11 @@ def test_the_portable_code_gives_the_vector_codes_bits(kv, monkeypatch):
         key_begin = torch.cat([torch.zeros(5, dtype=torch.long), (key_end[5:] - 37).clamp(min=0)])
         q = (torch.randn(45, kv_heads * group, head_dim, generator=g) * 3).bfloat16()
         args = (q, k, v, tables, rows, key_begin, key_end, head_dim**-0.5)
-        native = kernels.paged_attention(*args, softcap=softcap)
+        sinks = torch.randn(kv_heads * group, generator=g) * 3 if with_sinks else None
+        native = kernels.paged_attention(*args, softcap=softcap, sinks=sinks)
         monkeypatch.setattr(kernels._kernel, "lib", portable)
         assert torch.equal(
-            kernels.paged_attention(*args, softcap=softcap).view(torch.int16), native.view(torch.int16)
+            kernels.paged_attention(*args, softcap=softcap, sinks=sinks).view(torch.int16), native.view(torch.int16)
         ), (head_dim, group)
         monkeypatch.undo()
 

@@ -1,7 +1,7 @@
 """Gemma 2: Gemma 3's decoder (gemma3.py) without the q/k norms, with one RoPE base for every
 layer, every other layer local (layers 0, 2, ... within the sliding window), and soft-capping of
 the attention scores (`attn_logit_softcapping`, 50 in the released models: treadle's kernel and the
-SDPA path's `softcapped_attention` both apply it before the softmax) and of the final logits (30).
+SDPA path's `eager_attention` both apply it before the softmax) and of the final logits (30).
 """
 
 import dataclasses

@@ -25,7 +25,7 @@ typedef void (*rotary_fn)(const uint16_t *x, int64_t rows, int64_t heads, int64_
 typedef int (*attention_fn)(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
                             int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
                             const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
-                            uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8);
+                            const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8);
 
 #define MAX_PARTS 4
 
@@ -131,7 +131,7 @@ int treadle_decoder_attention(const model_args *m, const layer_args *l, const st
         memcpy(l->v_cache + s->slots[t] * kv_row, s->qkv + t * width + (H + KVH) * D, (size_t)kv_row * 2);
     }
     code = m->attention(s->qk, (H + KVH) * D, l->k_cache, l->v_cache, l->block_size, KVH, D, H / KVH, s->tables, s->table_stride,
-                        s->row_table, s->key_begin, s->key_end, m->scale, m->softcap, s->attn, H * D, T, s->span, 0);
+                        s->row_table, s->key_begin, s->key_end, m->scale, m->softcap, NULL, s->attn, H * D, T, s->span, 0);
     if (code) return code;
     code = linear(m, &l->o, s->attn, H * D, T, s->out);
     if (code) return code;

@@ -36,6 +36,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         ctypes.c_float,
         ctypes.c_float,
         ptr,
+        ptr,
         i64,
         i64,
         i64,
@@ -70,13 +71,15 @@ def paged_attention(
     scale: float,
     span: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
     kv_heads, head_dim] bf16, or int8 KV's [blocks, block_size, kv_heads, head_dim + 4] int8 rows
     (values, then a float32 scale: attention.quantize_kv); tables: [n, width] int64; row_table,
     key_begin, key_end: [rows] int64; span: the largest key_end - key_begin (computed when not
-    given); softcap > 0: scores soft-capped, softcap * tanh(s / softcap). Returns [rows, heads,
+    given); softcap > 0: scores soft-capped, softcap * tanh(s / softcap); sinks: None, or float32
+    [heads], each head's sink logit in the softmax's denominator (gpt-oss). Returns [rows, heads,
     head_dim] bf16."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
@@ -85,10 +88,13 @@ def paged_attention(
     out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
     if span is None:
         span = int((key_end - key_begin).max())
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"attention sinks: expected float32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     code = _kernel.lib.treadle_paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
         heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
-        key_end.data_ptr(), scale, softcap, out.data_ptr(), out.stride(0), rows, span, int(k_cache.dtype == torch.int8),
+        key_end.data_ptr(), scale, softcap, None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0),
+        rows, span, int(k_cache.dtype == torch.int8),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"paged attention kernel: error {code} (head_dim {head_dim}, group {heads // kv_heads})")
@@ -127,16 +133,19 @@ def paged_attention_op(
     key_end: torch.Tensor,
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` as a torch operator, for the compiled decode graphs: inductor calls it as
     an opaque kernel (the same C code, so the same bits as the eager path)."""
     if not available():
         raise RuntimeError(f"treadle's attention kernel is unavailable ({_kernel.error})")
-    return paged_attention(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap=softcap)
+    return paged_attention(
+        q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap=softcap, sinks=sinks
+    )
 
 
 @paged_attention_op.register_fake
-def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap):
+def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap, sinks=None):
     return q.new_empty(q.shape)
 
 

@@ -25,6 +25,11 @@
  * Soft-capping (Gemma 2's attn_logit_softcapping, softcap > 0): each score s = (q . k) * scale
  * becomes softcap * tanhf(s / softcap) before the softmax, one scalar libm call per score (never
  * vectorized: no -ffast-math), so the same bits on every path.
+ *
+ * Attention sinks (gpt-oss: one learned logit per query head, sinks != NULL): the sink joins the
+ * softmax's denominator and nothing else, p_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m))
+ * with m the maximum over the scores and the sink, as transformers' eager attention computes it.
+ * Without sinks the sink is -inf: the same maximum and sum, so the same bits as before.
  */
 
 #include <math.h>
@@ -143,8 +148,13 @@ static void scores_portable(const float *qf, const void *k_cache, const int64_t 
     }
 }
 
-static float softmax_portable(float *s, int64_t n) {
-    float m = -INFINITY;
+/* The denominator's sum of the scores' exponentials, plus the sink's (none: sink = -inf). */
+static inline float with_sink(float sum, float sink, float m) {
+    return sink == -INFINITY ? sum : sum + exp_nonpositive(sink - m);
+}
+
+static float softmax_portable(float *s, int64_t n, float sink) {
+    float m = sink;
     for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
     float part[LANES] = {0};
     int64_t j = 0;
@@ -157,7 +167,7 @@ static float softmax_portable(float *s, int64_t n) {
         s[j + l] = exp_nonpositive(s[j + l] - m);
         part[l] += s[j + l];
     }
-    return 1.0f / lane_sum(part);
+    return 1.0f / with_sink(lane_sum(part), sink, m);
 }
 
 static void values_portable(const float *p, const void *v_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
@@ -270,8 +280,8 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-static float softmax_avx512(float *s, int64_t n) {
-    __m512 m16 = _mm512_set1_ps(-INFINITY);
+static float softmax_avx512(float *s, int64_t n, float sink) {
+    __m512 m16 = _mm512_set1_ps(sink);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(s + j));
     float m = _mm512_reduce_max_ps(m16);
@@ -286,7 +296,7 @@ static float softmax_avx512(float *s, int64_t n) {
     }
     float lanes[16];
     _mm512_storeu_ps(lanes, part);
-    return 1.0f / lane_sum(lanes);
+    return 1.0f / with_sink(lane_sum(lanes), sink, m);
 }
 
 /* acc[g0 + g][d0 .. d0 + 16 NV) over every key (G, NV constants where inlined) */
@@ -352,7 +362,8 @@ static void attend_item(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
-    uint16_t *out, int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets, int kv_int8) {
+    const float *sinks, uint16_t *out, int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets,
+    int kv_int8) {
     enum { MAX_GROUP = 16, MAX_DIM = 256 };
     const int64_t row_elems = kv_int8 ? head_dim + 4 : head_dim;  /* one cache row, in cache elements */
     const int64_t slot_stride = kv_heads * row_elems;
@@ -373,7 +384,7 @@ static void attend_item(
     SCORES(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
     if (softcap > 0.0f)
         for (int64_t i = 0; i < group * n; i++) scratch[i] = softcap * tanhf(scratch[i] / softcap);
-    for (int64_t g = 0; g < group; g++) inv[g] = SOFTMAX(scratch + g * n, n);
+    for (int64_t g = 0; g < group; g++) inv[g] = SOFTMAX(scratch + g * n, n, sinks ? sinks[h * group + g] : -INFINITY);
     VALUES(scratch, v_cache, offsets, n, head_dim, group, kv_int8, acc);
     for (int64_t g = 0; g < group; g++) {
         uint16_t *o = out + row * out_stride + (h * group + g) * head_dim;
@@ -407,13 +418,14 @@ static int64_t first_item(const int64_t *ends, int64_t rows, int64_t kv_heads, i
  * key_begin/end:[rows] the row attends to keys key_begin .. key_end - 1 (key_end = position + 1)
  * span:         the largest key_end - key_begin
  * softcap:      > 0: scores soft-capped (see the header); 0: not
+ * sinks:        NULL, or [kv_heads * group] float32: each query head's sink logit (see the header)
  * Returns 0, -1 for an unsupported shape, -2 when out of memory.
  */
 int treadle_paged_attention(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
-    uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
+    const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
     if (head_dim % LANES != 0 || head_dim > 256 || group > 16) return -1;
     /* each thread takes one contiguous run of items of about equal cost (keys, plus a fixed share) */
     int64_t *ends = malloc(sizeof(int64_t) * (size_t)(rows + 1));
@@ -434,7 +446,7 @@ int treadle_paged_attention(
             const int64_t last = first_item(ends, rows, kv_heads, ends[rows] * (t + 1) / threads);
             for (int64_t item = first; item < last; item++)
                 attend_item(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
-                            row_table, key_begin, key_end, scale, softcap, out, out_stride, item / kv_heads, item % kv_heads,
+                            row_table, key_begin, key_end, scale, softcap, sinks, out, out_stride, item / kv_heads, item % kv_heads,
                             scratch, offsets, (int)kv_int8);
         }
         free(scratch);

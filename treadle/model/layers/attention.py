@@ -78,9 +78,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. softcap: scores soft-capped before the softmax,
-    softcap * tanh(s / softcap) (Gemma 2)."""
+    softcap * tanh(s / softcap) (Gemma 2). sinks: float32 [H], each head's learned logit in the
+    softmax's denominator (gpt-oss's attention sinks), or None."""
     num_blocks, block_size, kv_heads, row = k_cache.shape
     head_dim = q.shape[-1]
     flat_k = k_cache.view(-1, kv_heads, row)
@@ -101,14 +103,15 @@ def paged_attention(
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
             return torch.ops.treadle.paged_attention(
-                q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0
+                q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0, sinks
             )
         return paged.paged_attention(
-            q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0
+            q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0, sinks
         )
-    attend = (
-        F.scaled_dot_product_attention if softcap is None else functools.partial(softcapped_attention, softcap=softcap)
-    )
+    if softcap is None and sinks is None:
+        attend = F.scaled_dot_product_attention
+    else:
+        attend = functools.partial(eager_attention, softcap=softcap)
     n = meta.num_decode_tokens
     decode_out = None
     if n:
@@ -123,8 +126,9 @@ def paged_attention(
             _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         )
         group = q.shape[1] // kv_heads
+        extra = {} if sinks is None else {"sinks": sinks.view(1, kv_heads, group, 1)}  # a head's query rows
         decode_out = attend(
-            q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale
+            q[:n].reshape(n, kv_heads, group, head_dim), keys, values, attn_mask=meta.decode_mask, scale=scale, **extra
         ).view(n, q.shape[1], head_dim)
         if not meta.prefills:
             return decode_out
@@ -151,27 +155,36 @@ def paged_attention(
             is_causal=chunk.mask is None,
             scale=scale,
             enable_gqa=True,
+            **({} if sinks is None else {"sinks": sinks.view(1, -1, 1, 1)}),
         )
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
-def softcapped_attention(
-    query, key, value, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=False, *, softcap: float
+def eager_attention(
+    query, key, value, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=False, *, softcap=None, sinks=None
 ):
-    """SDPA's arguments, with the scores soft-capped before the mask and the softmax, in float32 (as
-    transformers' eager Gemma 2 attention computes them; torch's SDPA has no soft-capping)."""
+    """SDPA's arguments, in float32, with what torch's SDPA lacks (as transformers' eager attention
+    computes them): the scores soft-capped before the mask and the softmax (Gemma 2), and sinks
+    (gpt-oss: a logit per head, broadcast against the scores [..., heads, queries, 1], that joins
+    the softmax as one more column whose probability is dropped)."""
     group = query.shape[1] // key.shape[1]
     if group > 1:
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = (query.float() @ key.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         q_len, k_len = scores.shape[-2:]
         attn_mask = torch.full((q_len, k_len), float("-inf"), device=scores.device).triu(k_len - q_len + 1)
     if attn_mask is not None:
         scores = scores + attn_mask
-    return (torch.softmax(scores, dim=-1) @ value.float()).to(query.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        column = sinks.float().expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return (probs @ value.float()).to(query.dtype)
 
 
 def metadata_by_layer(

@@ -15,6 +15,12 @@ fits two cores). Both are written as llama.cpp's converter writes these architec
 (tests/support/qwen3_next_gguf.py checks that layout against the converter byte for byte), the
 MTP block left out (--no-mtp).
 
+`--gpt-oss` writes gpt-oss-20b's widths (hidden 2,880, 64 query / 8 KV heads of 64, 32 experts of
+2,880 with top-4, a 201,088-token vocabulary, a 128-token window on every other layer, YaRN) in
+`--layers` layers (default 6 of its 24), the experts' weights written as MXFP4 blocks of random codes
+(as the converter keeps a checkpoint's), the rest F16; `--type MXFP4_MOE` (its default) then gives what
+llama-quantize makes of the real file: MXFP4 experts, Q8_0 elsewhere.
+
 `--qwen2` writes a file shaped as the Qwen2.5 0.5B Q4_K_M that people download: 896 wide (not a
 multiple of 256, so llama-quantize's Q4_K_M is mostly Q5_0 and Q8_0 with real Q4_K / Q6_K where a
 row allows), 24 layers, q/k/v biases, tied embeddings, and a random byte-level vocabulary of
@@ -201,6 +207,79 @@ def write_qwen35_f16(path: str, args) -> None:
     w.close()
 
 
+def write_gpt_oss_f16(path: str, args) -> None:
+    """A random gpt-oss file: F16 matrices, F32 norms, sinks and biases, MXFP4 experts (random codes,
+    scales 2^-7 .. 2^-6: weights up to ~0.1), as llama.cpp's converter lays gpt-oss out."""
+    import gguf
+
+    h, heads, kv_heads, hd, f, n = args.hidden, args.heads, args.kv_heads, 64, args.ffn, 32
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_name(f"random gpt-oss {h}x{args.layers}")
+    w.add_block_count(args.layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(f)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_rope_scaling_yarn_beta_fast(32.0)
+    w.add_rope_scaling_yarn_beta_slow(1.0)
+    w.add_rope_freq_base(150000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(n)
+    w.add_expert_used_count(4)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    w.add_sliding_window(128)
+    w.add_expert_feed_forward_length(f)
+    vocab = write_random_byte_level_vocab(w, GPT_OSS_VOCAB)
+    w.add_vocab_size(vocab)
+
+    rng = np.random.default_rng(0)
+
+    def matrix(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+
+    def vector(n: int, scale: float, value: float = 0.0) -> np.ndarray:
+        return (value + rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float32)
+
+    def mxfp4(experts: int, rows: int, cols: int) -> np.ndarray:
+        blocks = rng.integers(0, 256, (experts, rows, cols // 32, 17), dtype=np.uint8)
+        blocks[..., 0] = rng.integers(120, 122, blocks.shape[:3], dtype=np.uint8)  # E8M0 scales
+        return blocks.reshape(experts, rows, cols // 32 * 17)
+
+    w.add_tensor("token_embd.weight", matrix(vocab, h))
+    w.add_tensor("output_norm.weight", vector(h, 0.0, 1.0))
+    w.add_tensor("output.weight", matrix(vocab, h))
+    for i in range(args.layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", vector(h, 0.0, 1.0))
+        w.add_tensor(b + "post_attention_norm.weight", vector(h, 0.0, 1.0))
+        for name, rows in (("attn_q", heads * hd), ("attn_k", kv_heads * hd), ("attn_v", kv_heads * hd)):
+            w.add_tensor(b + name + ".weight", matrix(rows, h))
+            w.add_tensor(b + name + ".bias", vector(rows, 0.02))
+        w.add_tensor(b + "attn_output.weight", matrix(h, heads * hd))
+        w.add_tensor(b + "attn_output.bias", vector(h, 0.02))
+        w.add_tensor(b + "attn_sinks.weight", vector(heads, 1.0))
+        w.add_tensor(b + "ffn_gate_inp.weight", rng.standard_normal((n, h), dtype=np.float32) * 0.02)
+        w.add_tensor(b + "ffn_gate_inp.bias", vector(n, 0.1))
+        mx = gguf.GGMLQuantizationType.MXFP4
+        w.add_tensor(b + "ffn_gate_exps.weight", mxfp4(n, f, h), raw_dtype=mx)
+        w.add_tensor(b + "ffn_up_exps.weight", mxfp4(n, f, h), raw_dtype=mx)
+        w.add_tensor(b + "ffn_down_exps.weight", mxfp4(n, h, f), raw_dtype=mx)
+        w.add_tensor(b + "ffn_gate_exps.bias", rng.standard_normal((n, f), dtype=np.float32) * 0.02)
+        w.add_tensor(b + "ffn_up_exps.bias", rng.standard_normal((n, f), dtype=np.float32) * 0.02)
+        w.add_tensor(b + "ffn_down_exps.bias", rng.standard_normal((n, h), dtype=np.float32) * 0.02)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+GPT_OSS_VOCAB = 201088
 QWEN35_VOCAB = 248320
 QWEN2_VOCAB = 151936
 CHATML = (
@@ -266,8 +345,13 @@ def main() -> int:
     )
     ap.add_argument("--qwen35", action="store_true", help="a Qwen3.5-2B-shaped Gated DeltaNet hybrid")
     ap.add_argument("--qwen35moe", action="store_true", help="Qwen3.5-35B-A3B's widths in --layers layers")
+    ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's widths in --layers layers (default 6)")
     ap.add_argument("--out", default="bench-results/synthetic")
     args = ap.parse_args()
+    if args.gpt_oss:
+        args.hidden, args.ffn, args.heads, args.kv_heads = 2880, 2880, 64, 8
+        args.layers = args.layers if "--layers" in sys.argv else 6
+        args.type = args.type if "--type" in sys.argv else "MXFP4_MOE"
     if args.qwen2:
         args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 896, 24, 4864, 14, 2
     if args.qwen35:
@@ -279,11 +363,15 @@ def main() -> int:
     from bench.peer_compare import find_or_build_llama_tool
 
     os.makedirs(args.out, exist_ok=True)
-    arch = "qwen35moe" if args.qwen35moe else "qwen35" if args.qwen35 else "qwen2" if args.qwen2 else "llama"
+    arch = (
+        "gpt-oss" if args.gpt_oss else "qwen35moe" if args.qwen35moe else "qwen35" if args.qwen35
+        else "qwen2" if args.qwen2 else "llama"
+    )  # fmt: skip
     stem = os.path.join(args.out, f"random-{arch}-{args.hidden}x{args.layers}")
     f16 = stem + "-F16.gguf"
     if not os.path.exists(f16):
-        (write_qwen35_f16 if args.qwen35 or args.qwen35moe else write_f16)(f16 + ".part", args)
+        writer = write_gpt_oss_f16 if args.gpt_oss else write_qwen35_f16 if args.qwen35 or args.qwen35moe else write_f16
+        writer(f16 + ".part", args)
         os.replace(f16 + ".part", f16)
     out = f"{stem}-{args.type}.gguf"
     if not os.path.exists(out):

@@ -100,14 +100,17 @@ def make_llm():
 
     def load_once(model, version):
         # the loader defers converting float tensors to the model; for many engines, convert once
-        # here (quantized tensors stay the file's blocks, as the model uses them)
+        # here (quantized tensors stay the file's blocks, as the model uses them; integer tensors,
+        # such as an HF folder's MXFP4 blocks, their bytes)
         files = original(model)
-        return dataclasses.replace(
-            files,
-            weights={
-                k: v if isinstance(v, (QuantizedTensor, ExpertWeights)) else v.float() for k, v in files.weights.items()
-            },
-        )
+
+        def once(v):
+            if isinstance(v, (QuantizedTensor, ExpertWeights)):
+                return v
+            dtype = getattr(v, "dtype", None)
+            return v.to(dtype=dtype) if dtype is not None and not dtype.is_floating_point else v.float()
+
+        return dataclasses.replace(files, weights={k: once(v) for k, v in files.weights.items()})
 
     original = model_worker.load_model_files
     cached = functools.lru_cache(maxsize=4)(load_once)

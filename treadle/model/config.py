@@ -41,13 +41,19 @@ class RopeConfig:
 class MoEConfig:
     """A mixture-of-experts feed-forward (moe.py): each token's `top_k` of `num_experts` experts,
     weighted by the router's softmax (renormalised over the chosen when `norm_topk`), plus a shared
-    expert of `shared_size` on every token where the model has one (Qwen2-MoE, gated by a sigmoid)."""
+    expert of `shared_size` on every token where the model has one (Qwen2-MoE, gated by a sigmoid).
+    gpt-oss's block: biases on the router and the experts, the softmax over the top-k logits alone,
+    and a clamped SwiGLU (`swiglu_limit` > 0; moe.py's `expert_activation`)."""
 
     num_experts: int
     top_k: int
     expert_size: int  # each expert's intermediate size
     norm_topk: bool = False
     shared_size: int = 0
+    biases: bool = False
+    softmax_after_topk: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
     # per layer, whether its feed-forward is the experts (Qwen's decoder_sparse_step and
     # mlp_only_layers); None: every layer
     sparse_layers: list[bool] | None = None

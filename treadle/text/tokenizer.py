@@ -47,6 +47,13 @@ _QWEN35_SPLIT = (
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k's (gpt-oss, GPT-4o; llama.cpp's "gpt-4o"): cased words, numbers in threes, "/" kept after punctuation
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def _split_then_bytes(pattern: str):
     from tokenizers import Regex, pre_tokenizers
@@ -84,6 +91,7 @@ BPE_PRE_TOKENIZERS = {
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
     "qwen35": lambda: _split_then_bytes(_QWEN35_SPLIT),
     "deepseek-r1-qwen": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "gpt-4o": lambda: _split_then_bytes(_GPT4O_SPLIT),
 }
 
 
@@ -113,8 +121,11 @@ GEMMA_TEMPLATE = (
 )
 BUILTIN_TEMPLATES = [(("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE)]
 # Control tokens that end a turn in some family's template: a stop wherever the vocabulary has
-# them (llama.cpp's end-of-generation set), beside the file's EOS.
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+# them (llama.cpp's end-of-generation set), beside the file's EOS. Harmony (gpt-oss) ends a turn
+# with <|return|> or <|call|>; its <|end|> ends a message and the turn goes on, so a vocabulary
+# with both of those has no <|end|> stop (as llama.cpp decides).
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>")
+HARMONY_TURN_ENDS = ("<|return|>", "<|call|>")
 
 
 def builtin_template(vocab: set[str]) -> str | None:
@@ -288,6 +299,8 @@ def tokenizer_from_gguf(
     }
     control = {tok: i for i, (tok, tt) in enumerate(zip(tokens, token_types)) if tt == TOKEN_CONTROL}
     stop.update(control[t] for t in END_OF_TURN_TOKENS if t in control)
+    if all(t in control for t in HARMONY_TURN_ENDS) and "<|end|>" in control:
+        stop.discard(control["<|end|>"])
     template = meta.get("tokenizer.chat_template")
     if template is None:
         template = builtin_template(set(control))

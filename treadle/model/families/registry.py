@@ -44,6 +44,7 @@ FAMILIES = (
     "treadle.model.families.qwen3_next:Qwen3NextModel",
     "treadle.model.families.qwen3_next:Qwen35Model",
     "treadle.model.families.qwen3_next:Qwen35MoeModel",
+    "treadle.model.families.gpt_oss:GptOssModel",
 )
 NAME_FIELDS = ("hf_model_types", "hf_architectures", "gguf_architectures")
 

@@ -1,9 +1,10 @@
-"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) and their families.
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss) and their families.
 
 A router (one small matrix) scores every expert for each token; the token goes to its `top_k`
 experts, weighted by the softmax of the scores (renormalised over the chosen ones where the model
 says so), and the weighted sum of their SwiGLU outputs is the block's output. Qwen2-MoE adds a
-shared expert on every token, scaled by a sigmoid gate.
+shared expert on every token, scaled by a sigmoid gate. gpt-oss adds biases (router and experts),
+takes the softmax over the top-k scores alone, and clamps its SwiGLU (`expert_activation`).
 
 The experts run grouped: the step's (token, choice) pairs are sorted by expert, each chosen
 expert's rows are gathered into one matrix, and that expert runs once (one gate-and-up product, one
@@ -42,6 +43,15 @@ def _product(x: torch.Tensor, weight: torch.Tensor, type_id: int, row_chunk: int
     return F.linear(x, weight)
 
 
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """silu(gate) * up; with limit > 0 gpt-oss's clamped SwiGLU: gate clamped above at `limit`, up
+    to +-limit, then (up + 1) * gate * sigmoid(alpha * gate) (as transformers' GptOssExperts)."""
+    if not limit:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def run_experts(
     x: torch.Tensor,
     chosen: torch.Tensor,
@@ -51,9 +61,14 @@ def run_experts(
     gate_up_type: int,
     down_type: int,
     row_chunk: int,
+    gate_up_bias: list[torch.Tensor],
+    down_bias: list[torch.Tensor],
+    swiglu_limit: float,
+    swiglu_alpha: float,
 ) -> torch.Tensor:
     """x [T, H]; chosen [T, k] expert ids, weights [T, k] float32 -> [T, H] in x's dtype: the sum
-    over each token's choices of weight * down(silu(gate) * up), each chosen expert run once."""
+    over each token's choices of weight * down(act(gate, up)), each chosen expert run once (with
+    each expert's biases after its products, where given (else empty lists): gpt-oss)."""
     t, k = chosen.shape
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
@@ -64,8 +79,12 @@ def run_experts(
     for expert, n in enumerate(counts):
         if not n:
             continue
-        gate, up = _product(gathered[start : start + n], gate_up[expert], gate_up_type, row_chunk).chunk(2, dim=-1)
-        out[order[start : start + n]] = _product(F.silu(gate) * up, down[expert], down_type, row_chunk)
+        projected = _product(gathered[start : start + n], gate_up[expert], gate_up_type, row_chunk)
+        if gate_up_bias:
+            projected = projected + gate_up_bias[expert]
+        gate, up = projected.chunk(2, dim=-1)
+        y = _product(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down[expert], down_type, row_chunk)
+        out[order[start : start + n]] = y + down_bias[expert] if down_bias else y
         if expert_run_hook is not None:
             expert_run_hook(expert, n)
         start += n
@@ -81,7 +100,7 @@ moe_experts_op = torch.library.custom_op("treadle::moe_experts", run_experts, mu
 
 
 @moe_experts_op.register_fake
-def _(x, chosen, weights, gate_up, down, gate_up_type, down_type, row_chunk):
+def _(x, chosen, weights, gate_up, down, gate_up_type, down_type, row_chunk, *rest):
     return torch.empty_like(x)
 
 
@@ -142,8 +161,10 @@ class MoE:
     ):
         moe: MoEConfig = config.moe
         self.fused_gate_up = fused_gate_up  # the stacked gate-and-up weight's name, where a checkpoint fuses them
-        self.top_k, self.norm_topk = moe.top_k, moe.norm_topk
-        self.router = lw.linear((router,))
+        self.top_k, self.norm_topk, self.softmax_after_topk = moe.top_k, moe.norm_topk, moe.softmax_after_topk
+        self.swiglu = (moe.swiglu_limit, moe.swiglu_alpha)
+        router_bias = lw.take(router.removesuffix("weight") + "bias") if moe.biases else None
+        self.router = lw.linear((router,), router_bias)
         gate, up, down = (self._experts(lw, experts, name, moe.num_experts, fused_gate_up) for name in names)
         gate_up = [_joined([g, u], lw.prefix + experts) for g, u in zip(gate, up)]
         downs = [_joined([d], lw.prefix + experts) for d in down]
@@ -152,6 +173,11 @@ class MoE:
                 raise ModelLoadError(f"{lw.prefix}{experts}: the experts' {what} weights are not all of one type")
         self.gate_up, self.gate_up_type, self.gate_up_kind = [d for d, _, _ in gate_up], gate_up[0][1], gate_up[0][2]
         self.down, self.down_type, self.down_kind = [d for d, _, _ in downs], downs[0][1], downs[0][2]
+        self.gate_up_bias, self.down_bias = [], []
+        if moe.biases:  # stacked [experts, rows], named after the weights: `{experts}.{name}_bias`
+            gate_b, up_b, down_b = (lw.take(f"{experts}.{name}_bias") for name in names)
+            self.gate_up_bias = list(torch.cat([gate_b, up_b], dim=1).unbind(0))
+            self.down_bias = list(down_b.unbind(0))
         self.row_chunk = 0  # batch-invariant mode: dense expert products in chunks of this many rows
         self.shared = self.shared_gate = None
         if moe.shared_size:
@@ -192,12 +218,18 @@ class MoE:
         return [lw.take_part(f"{experts}.{e}.{name}.weight") for e in range(n)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        probs = self.router(x).float().softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.softmax_after_topk:  # gpt-oss: the softmax over the chosen experts' scores alone
+            scores, chosen = self.router(x).float().topk(self.top_k, dim=-1)
+            weights = scores.softmax(dim=-1)
+        else:
+            weights, chosen = self.router(x).float().softmax(dim=-1).topk(self.top_k, dim=-1)
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         run = moe_experts_op if torch.compiler.is_compiling() else run_experts
-        y = run(x, chosen, weights, self.gate_up, self.down, self.gate_up_type, self.down_type, self.row_chunk)
+        y = run(
+            x, chosen, weights, self.gate_up, self.down, self.gate_up_type, self.down_type, self.row_chunk,
+            self.gate_up_bias, self.down_bias, *self.swiglu,
+        )  # fmt: skip
         if self.shared is not None:
             y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return y

@@ -19,7 +19,7 @@ class DeferredWeight:
     float32 copy: a bfloat16 checkpoint's weights arrive in a bfloat16 model as they are read), and
     `rows(begin, end)`, float32 rows of a matrix read alone (a quantizer's pieces)."""
 
-    __slots__ = ("_load", "_stored", "_rows", "shape")
+    __slots__ = ("_load", "_stored", "_rows", "shape", "dtype")
 
     def __init__(
         self,
@@ -27,9 +27,11 @@ class DeferredWeight:
         shape: tuple[int, ...],
         stored: Callable[[], torch.Tensor] | None = None,
         rows: Callable[[int, int], torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self._load, self._stored, self._rows = load, stored, rows
         self.shape = torch.Size(shape)
+        self.dtype = dtype  # the file's dtype, where known (integer tensors are not weights to widen)
 
     def dim(self) -> int:
         return len(self.shape)

@@ -304,15 +304,14 @@ class SafetensorsFile:
         return data.view(dtype).reshape(shape if not shape else (end - begin, *row_shape))
 
     def deferred(self, name: str) -> "DeferredWeight":
-        import torch
 
         from treadle.model.loading.deferred import DeferredWeight
 
         dtype, shape, _ = self.entries[name]
-        floating = dtype in (torch.float32, torch.float16, torch.bfloat16)
         return DeferredWeight(
             lambda: self.read(name).float(),
             shape,
-            stored=(lambda: self.read(name)) if floating else None,
+            stored=lambda: self.read(name),  # (integer tensors too: MXFP4 blocks are taken as their bytes)
             rows=lambda begin, end: self.read(name, begin, end).float(),
+            dtype=dtype,
         )

@@ -161,30 +161,43 @@ def paged_attention(
     return out
 
 
+EAGER_QUERY_ROWS = 128  # eager_attention's query rows at a time: a 2,048-token prompt's scores in pieces
+
+
 def eager_attention(
     query, key, value, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=False, *, softcap=None, sinks=None
 ):
     """SDPA's arguments, in float32, with what torch's SDPA lacks (as transformers' eager attention
     computes them): the scores soft-capped before the mask and the softmax (Gemma 2), and sinks
     (gpt-oss: a logit per head, broadcast against the scores [..., heads, queries, 1], that joins
-    the softmax as one more column whose probability is dropped)."""
+    the softmax's denominator and nothing else). Queries EAGER_QUERY_ROWS at a time, so that the
+    float32 scores of a long prompt (64 heads x 2,048 x 2,048: 1 GB) are never all held at once."""
     group = query.shape[1] // key.shape[1]
     if group > 1:
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    keys_t, values = key.float().transpose(-1, -2), value.float()
     if is_causal:
-        q_len, k_len = scores.shape[-2:]
-        attn_mask = torch.full((q_len, k_len), float("-inf"), device=scores.device).triu(k_len - q_len + 1)
-    if attn_mask is not None:
-        scores = scores + attn_mask
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        column = sinks.float().expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    return (probs @ value.float()).to(query.dtype)
+        attn_mask = torch.full((q_len, k_len), float("-inf"), device=query.device).triu(k_len - q_len + 1)
+    out = []
+    for start in range(0, q_len, EAGER_QUERY_ROWS):
+        rows = slice(start, start + EAGER_QUERY_ROWS)
+        scores = (query[..., rows, :].float() @ keys_t) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attn_mask is not None:
+            scores = scores + (attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., rows, :])
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink's share of the denominator: exp(sink - m), m the maximum over the scores and the sink
+            sink = sinks.float()
+            if sink.shape[-2] != 1:
+                sink = sink[..., rows, :]
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            probs = torch.exp(scores - top)
+            probs = probs / (probs.sum(-1, keepdim=True) + torch.exp(sink - top))
+        out.append(probs @ values)
+    return torch.cat(out, dim=-2).to(query.dtype)
 
 
 def metadata_by_layer(

@@ -580,14 +580,18 @@ def _add_serve_reply_args(srv) -> None:
         default="auto",
         choices=TOOL_PARSERS,
         help=(
-            "how tool calls are read from replies under tool_choice auto; auto: from the chat template (default: auto)"
+            "how tool calls are read from replies under tool_choice auto; auto: from the chat template, harmony "
+            "(gpt-oss) where it writes <|channel|>; openai: harmony (default: auto)"
         ),
     )
     srv.add_argument(
         "--reasoning-parser",
         default=None,
         choices=REASONING_PARSERS,
-        help="split <think>...</think> reasoning from the answer into message.reasoning (default: off)",
+        help=(
+            "split <think>...</think> reasoning from the answer into message.reasoning; openai_gptoss: harmony's "
+            "analysis channel (on by itself where the chat template writes <|channel|>) (default: off)"
+        ),
     )
     srv.add_argument(
         "--max-stored-responses",

@@ -12,7 +12,10 @@ class StructuredOutputsParams:
     """vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar, json_object).
 
     `after_token`: the constraint starts after this token appears in the output (a reasoning
-    model's end-of-thinking token; the server sets it); None: from the first output token."""
+    model's end-of-thinking token; the server sets it); None: from the first output token.
+    `frame`: a Lark grammar of the whole output, the constraint where it says `@constraint` (the
+    messages a harmony reply writes before its final one; the server sets it); None: the
+    constraint is the whole output."""
 
     json: dict | bool | str | None = None  # a JSON schema (a dict, or its text)
     regex: str | None = None
@@ -20,6 +23,7 @@ class StructuredOutputsParams:
     grammar: str | None = None  # EBNF / GBNF (llama.cpp) or Lark
     json_object: bool = False
     after_token: int | None = None
+    frame: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -58,11 +62,12 @@ class StructuredOutputsParams:
         value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(
             self.kind, True
         )
-        return self.kind + ":" + json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        key = self.kind + ":" + json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        return key if self.frame is None else key + "\nframe:" + self.frame
 
     def text_size(self) -> int:
-        """Bytes of the constraint as the client sent it (near enough: its canonical text)."""
-        return len(self.key().encode())
+        """Bytes of the constraint as the client sent it (near enough: its canonical text, no frame)."""
+        return len(self.key().split("\nframe:", 1)[0].encode())
 
 
 def as_structured(value) -> StructuredOutputsParams | None:

@@ -19,7 +19,6 @@ REFUSED_CHAT = {
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "modalities": ["audio"],
-    "reasoning_effort": "low",
 }
 REFUSED_COMPLETION = {"best_of": 2, "store": True, "suffix": "x"}
 
@@ -63,6 +62,7 @@ EFFECT = {
     "tools": "server.api.test_chat_completions::test_required_named_and_auto_calls",
     "tool_choice": "server.api.test_chat_completions::test_required_named_and_auto_calls",
     "parallel_tool_calls": "server.api.test_chat_completions::test_parallel_tool_calls_false_allows_one_call",
+    "reasoning_effort": "server.api.test_harmony::test_reasoning_effort_reaches_the_template_and_bad_values_are_400",
 }
 
 
@@ -237,6 +237,7 @@ from treadle.server.api.responses import ResponsesRequest  # noqa: E402
 
 D = "server.api.test_dialects::"
 T = "server.api.test_chat_completions::test_reasoning_and_auto_calls_in_every_dialect"
+H = "server.api.test_harmony::"
 KEEP_ALIVE = "server.test_model_hub::test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic"
 # model -> (route, a minimal body, {field: effect test}, {field: refused value}, documented no-ops)
 DIALECTS = {
@@ -257,8 +258,9 @@ DIALECTS = {
             "tools": D + "test_responses_json_schema_and_forced_tool_call",
             "tool_choice": D + "test_responses_json_schema_and_forced_tool_call",
             "parallel_tool_calls": D + "test_responses_json_schema_and_forced_tool_call",
+            "reasoning": H + "test_every_dialects_effort_reaches_the_template_and_one_that_does_not_read_it_ignores_it",
         },
-        {"truncation": "auto", "reasoning": {"effort": "high"}, "include": ["reasoning.encrypted_content"]},
+        {"truncation": "auto", "include": ["reasoning.encrypted_content"]},
         {"user", "metadata", "service_tier"},
     ),
     MessagesRequest: (

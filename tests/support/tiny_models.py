@@ -483,45 +483,183 @@ HERMES_TEMPLATE = (
 )
 
 
-def save_scripted_model(folder: str, script: list[str], template: str = HERMES_TEMPLATE) -> None:
-    """A one-layer llama whose greedy reply to any chat prompt is `script` (each piece an added
-    token), then <|im_end|>. Attention and MLP are zero, so each position's logits depend on its own
-    token only: the prompt's last token ("\\n" after "assistant") points to the first piece, each
-    piece to the next, the last to <|im_end|>; every other token has all-zero logits."""
+HARMONY_SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+# gpt-oss's template (llama.cpp's models/templates/openai-gpt-oss-120b.jinja) in the parts a server
+# relies on, with its own structure: the system message's `reasoning_effort`, the developer message
+# (instructions, tools: here as JSON, not TypeScript), an assistant's `thinking` kept before a tool
+# call until a later assistant message without calls, one call per message, tool results named
+# after the call before them, and the generation prompt `<|start|>assistant`.
+HARMONY_TEMPLATE = (
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "<|start|>system<|message|>You are a test model.\nReasoning: {{ reasoning_effort }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{%- endif %}<|end|>"
+    "{%- if messages[0].role == 'developer' or messages[0].role == 'system' %}"
+    "{%- set developer_message = messages[0].content %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set developer_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if developer_message or tools %}<|start|>developer<|message|>"
+    "{%- if developer_message %}# Instructions\n\n{{ developer_message }}\n\n{%- endif %}"
+    "{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{%- for tool in tools %}{{- '// ' + tool.function.description + '\n' }}type {{ tool.function.name }} = "
+    "(_: {{ tool.function.parameters | tojson }}) => any;\n\n{%- endfor %}} // namespace functions{%- endif %}"
+    "<|end|>{%- endif %}"
+    "{%- set last_tool_call = namespace(name=none) %}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{%- if 'content' in message and ('<|channel|>analysis<|message|>' in message.content"
+    " or '<|channel|>final<|message|>' in message.content) %}"
+    "{{- raise_exception('channel tags in content') }}{%- endif %}"
+    "{%- if 'tool_calls' in message %}"
+    "{%- set future_final_message = namespace(found=false) %}"
+    "{%- for future_message in loop_messages[loop.index:] %}"
+    "{%- if future_message.role == 'assistant' and 'tool_calls' not in future_message %}"
+    "{%- set future_final_message.found = true %}{%- endif %}{%- endfor %}"
+    "{%- set tool_call = message.tool_calls[0] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content and message.thinking %}"
+    "{{- raise_exception('Cannot pass both content and thinking in an assistant message with tool calls!') }}"
+    "{%- elif message.content and not future_final_message.found %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.thinking and not future_final_message.found %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' }}"
+    "{{- tool_call.arguments | tojson }}<|call|>"
+    "{%- set last_tool_call.name = tool_call.name %}"
+    "{%- elif loop.last and not add_generation_prompt %}"
+    "{%- if 'thinking' in message %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|return|>' }}"
+    "{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- set last_tool_call.name = none %}{%- endif %}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if last_tool_call.name is none %}{{- raise_exception('a tool result without a call') }}{%- endif %}"
+    "{{- '<|start|>functions.' + last_tool_call.name + ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{- message.content | tojson + '<|end|>' }}"
+    "{%- elif message.role == 'user' -%}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+def save_scripted_model(
+    folder: str,
+    script: list[str],
+    template: str = HERMES_TEMPLATE,
+    *,
+    specials: tuple[str, ...] = (),
+    end: str | None = "<|im_end|>",
+    stops: tuple[str, ...] | None = None,
+    replies: tuple[tuple[list[dict], list[str]], ...] = (),
+) -> None:
+    """A one-layer llama whose greedy reply to a chat prompt is `script` (each piece a token: an
+    added one, or one of `specials`, special tokens added to the vocabulary), then `end` (None: the
+    script ends with its own stop token). `replies`: (conversation, pieces) pairs: the reply to a
+    prompt that ends as that conversation's does instead (give its last message a text that is a
+    piece of no script, so that it is a token of its own). `stops`: the model's end-of-sequence
+    tokens (generation_config.json), `end` if not given.
+
+    The next token is a function of the last K + 1 tokens, K the fewest that tell every step of
+    every reply apart (0 when the pieces are all distinct). Each of K attention heads looks at one
+    earlier position only: a constant query and key, rotated (RoPE) so that their score peaks at
+    that distance; its value is the token there, written to a subspace of its own. The LM head is a
+    linear classifier of those K + 1 tokens (a perceptron fit to the replies' steps: tokens that are
+    no piece, end or special count as one "other" token of no weight); MLP is zero."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from treadle.text.chat_template import render
+
     tok = tiny_tokenizer()
-    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in script])
-    chain = [tok.token_to_id("Ċ")] + [tok.token_to_id(p) for p in script] + [tok.token_to_id("<|im_end|>")]
-    assert None not in chain and len(set(chain)) == len(chain), "script pieces must be distinct tokens"
-    vocab = tok.get_vocab_size()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    branches = [([{"role": "user", "content": "Hi"}], script), *replies]
+    pieces = [p for _, reply in branches for p in reply] + [m[-1]["content"] for m, _ in replies]
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in dict.fromkeys(pieces) if p not in specials])
+    sequences = []  # per reply: (its prompt's ids, then the reply's)
+    for messages, reply in branches:
+        prompt = render(
+            template, {"messages": messages, "add_generation_prompt": True, "bos_token": "", "eos_token": ""}
+        )
+        ids = tok.encode(prompt).ids
+        tail = [tok.token_to_id(p) for p in reply] + ([tok.token_to_id(end)] if end is not None else [])
+        assert None not in tail, "every piece must be one token"
+        sequences.append((len(ids), ids + tail))
+    known = {tok.token_to_id(p) for p in [*pieces, *specials, *([end] if end else [])]}
+    known |= {ids[n - 1] for n, ids in sequences}  # each prompt's last token: where a reply starts
+    index = {t: k for k, t in enumerate(sorted(known))}
+    other = len(index)  # every other token
+    steps = lambda k: [  # noqa: E731 - ((the last k + 1 tokens, latest first), the next token)
+        (tuple(index.get(ids[m - j], other) if m >= j else other for j in range(k + 1)), ids[m + 1])
+        for n, ids in sequences
+        for m in range(n - 1, len(ids) - 1)
+    ]
+    context = next(k for k in range(12) if len({c: y for c, y in steps(k)}) == len(set(steps(k))))
+    examples = sorted(set(steps(context)))
+    # a perceptron over the (distance, token) features, to a margin of 1 over every other token
+    weights = np.zeros((tok.get_vocab_size(), context + 1, other + 1))
+    for _ in range(1000):
+        wrong = 0
+        for ctx, label in examples:
+            scores = sum(weights[:, j, c] for j, c in enumerate(ctx))
+            rival = np.argmax(np.where(np.arange(len(scores)) == label, -np.inf, scores))
+            if scores[label] - max(scores[rival], 0.0) < 1.0:
+                wrong += 1
+                for j, c in enumerate(ctx):
+                    if c != other:
+                        weights[label, j, c] += 1.0
+                        weights[rival, j, c] -= 1.0 if scores[rival] >= 0 else 0.0
+        if not wrong:
+            break
+    assert not wrong, "the script cannot be learned (a reply's step cannot be told apart from another's)"
+    width = other + 1  # one subspace per distance, one dimension per known token and one for the rest
+    head_dim, heads, theta, amplitude = 64, max(context, 1), 2.0, 6.0
+    step = 8 * heads  # transformers: hidden_size a multiple of the heads
+    hidden = max(64, -(-((context + 1) * width + 1) // step) * step)
+    const = hidden - 1  # every token's embedding has it: the constant query and key
+    assert width <= head_dim, "too many distinct pieces"
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=hidden,
         intermediate_size=64,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        eos_token_id=tok.token_to_id("<|im_end|>"),
+        eos_token_id=[tok.token_to_id(t) for t in (stops or [end])],
         bos_token_id=None,
     )
-    assert len(chain) <= config.hidden_size
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    scale = math.sqrt(hidden / 2)  # each embedding's two ones, after the RMS norm
+    freqs = theta ** (-np.arange(0, head_dim, 2) / head_dim)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
         emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        for k, token in enumerate(chain[:-1]):
-            emb[token, k] = 1.0
-            head[chain[k + 1], k] = 10.0
+        for t in range(config.vocab_size):
+            emb[t, index.get(t, other)] = emb[t, const] = 1.0
+        attn = model.model.layers[0].self_attn
+        for h in range(context):  # head h looks back h + 1 positions
+            rows = slice(h * head_dim, h * head_dim + head_dim // 2)
+            attn.q_proj.weight[rows, const] = amplitude / scale
+            attn.k_proj.weight[rows, const] = torch.tensor(amplitude * np.cos((h + 1) * freqs) / scale)
+            rows = slice(h * head_dim + head_dim // 2, (h + 1) * head_dim)
+            attn.k_proj.weight[rows, const] = torch.tensor(amplitude * np.sin((h + 1) * freqs) / scale)
+            for d in range(width):
+                attn.v_proj.weight[h * head_dim + d, d] = 1.0 / scale
+                attn.o_proj.weight[(h + 1) * width + d, h * head_dim + d] = 1.0
+        norm = math.sqrt(hidden / (context + 2))  # the residual's K + 2 ones, after the final norm
+        for j in range(context + 1):
+            head[:, j * width : (j + 1) * width] = torch.tensor(10.0 * weights[:, j, :] / norm, dtype=torch.float32)
+    for (n, ids), (_, reply) in zip(sequences, branches):  # the model says its script
+        out = model.generate(torch.tensor([ids[:n]]), max_new_tokens=len(ids) - n, do_sample=False)
+        assert out[0, n:].tolist() == ids[n:], (reply, tok.decode(out[0, n:].tolist(), skip_special_tokens=False))
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "chat_template": template}, f)
+        json.dump({"eos_token": (stops or [end])[0], "chat_template": template}, f)
 
 
 def write_hybrid_gguf(path: str, model, tok: Tokenizer) -> None:

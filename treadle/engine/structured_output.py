@@ -44,7 +44,19 @@ PROBE_TOKENS = 3  # tokens a new grammar is walked through at compile time, to r
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a constraint; ValueError naming the problem if it has none."""
+    """The llguidance grammar of a constraint, within its frame if it has one; ValueError naming
+    the problem if it has none."""
+    spec = _constraint_spec(so)
+    if so.frame is None:
+        return spec
+    try:  # a top-level grammar (JSON: a schema's, a regex's) of one grammar, or Lark text
+        (inner,) = json.loads(spec)["grammars"]
+    except ValueError:
+        inner = {"lark_grammar": spec}
+    return json.dumps({"grammars": [{"lark_grammar": so.frame}, {**inner, "name": "constraint"}]})
+
+
+def _constraint_spec(so: StructuredOutputsParams) -> str:
     import llguidance
 
     kind = so.kind

@@ -12,7 +12,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from treadle.server.prepare import ServerSettings, ServerState, prepare_chat, prepare_completion
+from treadle.server.prepare import ServerSettings, ServerState, prepare_chat, prepare_completion, reasons
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("treadle.router")
@@ -75,9 +75,7 @@ class PromptReader:
             return RoutedPrompt(prepared.prompts[0][1], body.cache_salt)
         if path == "/v1/messages":
             return await self._chat(
-                anthropic.chat_request(
-                    anthropic.MessagesRequest(**data), self.state.settings.reasoning_parser is not None
-                ),
+                anthropic.chat_request(anthropic.MessagesRequest(**data), reasons(self.state)),
                 None,
             )
         if path == "/api/chat":

@@ -316,7 +316,7 @@ class ResponseIncompleteDetails(BaseModel):
 
 
 class ResponseReasoning(BaseModel):
-    """The reasoning settings echoed back (always nulls here)."""
+    """The request's reasoning settings echoed back (nulls where it gave none)."""
 
     effort: str | None
     summary: str | None

@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from treadle.engine.request import validate_prompt
+from treadle.sampling_params import StructuredOutputsParams
+from treadle.server import harmony
 from treadle.server.chat_output import ChatOutput
 from treadle.server.engine_client import EngineClient
 from treadle.server.generation import Generation
@@ -45,8 +47,8 @@ class ServerSettings:
     max_stream_buffer_bytes: int = (
         1024 * 1024
     )  # a stream's bytes not yet taken by its client; past it the stream is aborted
-    tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, or auto: from the chat template
-    reasoning_parser: str | None = None  # qwen3, deepseek_r1
+    tool_call_parser: str = "auto"  # hermes, llama3_json, mistral, openai (harmony), or auto: from the chat template
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1, openai_gptoss (harmony)
     max_stored_responses: int = 1000  # Responses API: kept in memory, oldest dropped first
     pooling: str = "last"  # embeddings: the last token's final hidden state, or the mean of all
     generation_config: str = (
@@ -239,6 +241,19 @@ def chat_template(state: ServerState) -> str:
     return template
 
 
+def is_harmony(state: ServerState) -> bool:
+    """Whether this model's replies are harmony (server/harmony.py): its template writes channels,
+    or a parser flag says so."""
+    settings = state.settings
+    template = settings.chat_template or state.engine.tokenizer.chat_template
+    return harmony.applies(template, settings.reasoning_parser, settings.tool_call_parser)
+
+
+def reasons(state: ServerState) -> bool:
+    """Whether replies come with their reasoning split off: a --reasoning-parser, or harmony."""
+    return state.settings.reasoning_parser is not None or is_harmony(state)
+
+
 def plain_messages(messages) -> list[dict]:
     """Request messages as the template gets them: text parts joined into one string."""
     out = [m.model_dump(exclude_none=True) for m in messages]
@@ -324,11 +339,17 @@ def check_limits(settings: ServerSettings, params, logprobs_param: str) -> None:
 
 
 def _constrain(
-    state: ServerState, body, params: list, tool_constraint=None, after_token: int | None = None
+    state: ServerState,
+    body,
+    params: list,
+    tool_constraint=None,
+    after_token: int | None = None,
+    frame: str | None = None,
 ) -> str | None:
     """The request's output constraint (a structured-output parameter, or the tool_choice's call)
-    on every prompt's params, after reasoning if it is on; the parameter that carried it. Only its
-    size is checked here: the engine core compiles it (Prepared.start waits for that verdict)."""
+    on every prompt's params, after reasoning if it is on (`after_token`), or where a harmony reply's
+    `frame` puts it; the parameter that carried it. Only its size is checked here: the engine core
+    compiles it (Prepared.start waits for that verdict)."""
     found = body.structured()
     if tool_constraint is not None:
         if found is not None:
@@ -336,6 +357,8 @@ def _constrain(
                 f"{found[1].split('.')[0]} cannot be combined with a tool_choice that forces a call", "tool_choice"
             )
         found = (tool_constraint, "tools")
+    elif found is not None:
+        found[0].frame = frame
     if found is None:
         return None
     so, param = found
@@ -348,12 +371,24 @@ def _constrain(
     return param
 
 
+def template_messages(state: ServerState, messages: list[dict], tools: ToolSetup | None) -> tuple[list[dict], dict]:
+    """Messages and template variables as this model's chat template reads them: tools as it takes
+    them (or in the fallback prompt), a harmony template's reasoning and calls as it reads them."""
+    messages, kwargs = prepare_messages(messages, tools, template_supports_tools(chat_template(state)))
+    if is_harmony(state):
+        messages = harmony.template_messages(messages)
+        kwargs = {**kwargs, "tools": harmony.template_tools(kwargs["tools"])} if "tools" in kwargs else kwargs
+    return messages, kwargs
+
+
 def chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolSetup | None) -> str:
     """The conversation rendered through the chat template (tools as the template or the fallback
-    prompt takes them)."""
-    messages, tool_kwargs = prepare_messages(
-        plain_messages(body.messages), tools, template_supports_tools(chat_template(state))
-    )
+    prompt takes them; a harmony template's messages as it reads them). reasoning_effort is the
+    template's `reasoning_effort` (gpt-oss's; a template that does not read it ignores it), unless
+    chat_template_kwargs sets that itself."""
+    messages, tool_kwargs = template_messages(state, plain_messages(body.messages), tools)
+    if body.reasoning_effort is not None:
+        tool_kwargs["reasoning_effort"] = body.reasoning_effort
     text = render_chat(
         state, messages, body.add_generation_prompt, {**tool_kwargs, **(body.chat_template_kwargs or {})}
     )
@@ -378,6 +413,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     )  # the template is bounded, but not free: off the event loop
     ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
+    if is_harmony(state):
+        return _harmony_chat(state, body, tools, text, ids, params)
     reasoning = state.settings.reasoning_parser
     inside = starts_inside(reasoning, text) if reasoning else None
     after = _token_id(state, "</think>") if reasoning and not reasoning_closed(text) else None
@@ -385,6 +422,34 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     parser = state.settings.tool_call_parser
     family = family_of(chat_template(state)) if parser == "auto" else parser
     return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside), param)
+
+
+def _harmony_chat(state: ServerState, body, tools: ToolSetup | None, text: str, ids: list[int], params) -> Prepared:
+    """A harmony reply: read with its special tokens (the markers), stopped by <|return|> and
+    <|call|>, a forced call or a response format constrained where harmony puts it."""
+    marks = {m: _token_id(state, m) for m in harmony.MARKERS}
+    params.skip_special_tokens = False
+    stops = [marks[m] for m in harmony.STOPS if marks[m] is not None]
+    params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *stops]))
+    forced = tools is not None and tools.mode in ("required", "named")
+    constrained = body.structured()
+    missing = [m for m, i in marks.items() if i is None]
+    if (forced or constrained) and missing:
+        raise RequestError(
+            f"this model's vocabulary has no {missing[0]} token, which a constrained harmony reply needs",
+            "tool_choice" if forced else constrained[1].split(".")[0],
+        )
+    call = None
+    if forced:
+        from treadle.engine.structured_output import JSON_OPTIONS
+
+        call = StructuredOutputsParams(grammar=harmony.call_grammar(tools, marks, JSON_OPTIONS))
+    # the response format holds for the final message, unless the prompt already opened one
+    # (continue_final_message): then for the rest of it
+    frame = harmony.final_frame(marks) if text.endswith(harmony.GENERATION_PROMPT) and not missing else None
+    param = _constrain(state, body, [params], call, None, frame)
+    opened = harmony.opened_message(text)
+    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, None, None, harmony=opened), param)
 
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:

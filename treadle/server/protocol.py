@@ -36,6 +36,16 @@ class RequestError(ValueError):
 SERVER_OWNED_TEMPLATE_KEYS = TEMPLATE_OWNED | {"tools", "chat_template", "self"}
 
 
+# reasoning_effort's levels: the chat template's `reasoning_effort` (gpt-oss reads it; a template
+# that does not ignores it)
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def check_effort(effort, param: str) -> None:
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise RequestError(f"{param} must be 'low', 'medium' or 'high', got {effort!r}", param)
+
+
 def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> None:
     for key in kwargs or {}:
         if key in SERVER_OWNED_TEMPLATE_KEYS:
@@ -284,10 +294,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.modalities and self.modalities != ["text"]:
             raise RequestError("only the text modality is supported", "modalities")
         check_template_kwargs(self.chat_template_kwargs)
-        if self.reasoning_effort is not None:
-            raise RequestError(
-                "reasoning_effort is not supported (this model does not reason separately)", "reasoning_effort"
-            )
+        check_effort(self.reasoning_effort, "reasoning_effort")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise RequestError(

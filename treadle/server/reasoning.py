@@ -1,4 +1,5 @@
 """Reasoning parsers (`--reasoning-parser qwen3|deepseek_r1`): `<think>...</think>` apart from the answer.
+(`openai_gptoss`, vLLM's name for gpt-oss's, makes replies harmony: server/harmony.py.)
 
 A reply is reasoning from its start when it opens with `<think>`, or when the prompt left a think
 block open (templates that write `<think>` themselves: DeepSeek-R1, Qwen3's thinking models);
@@ -8,7 +9,7 @@ block (Qwen3 with `enable_thinking: false`) means no reasoning. A constraint (a 
 call) applies from the token after `</think>`.
 """
 
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 START, END = "<think>", "</think>"
 
 

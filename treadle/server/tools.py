@@ -5,7 +5,8 @@
   object, so it always parses and the arguments always match the function's schema.
 - "auto" lets the model write calls in its own format, parsed per family (`--tool-call-parser`):
   hermes `<tool_call>{...}</tool_call>`, llama3_json `{"name", "parameters"}` (after an optional
-  `<|python_tag|>`), mistral `[TOOL_CALLS][...]` or `[TOOL_CALLS]name[ARGS]{...}`. Whatever the
+  `<|python_tag|>`), mistral `[TOOL_CALLS][...]` or `[TOOL_CALLS]name[ARGS]{...}`; openai (gpt-oss's
+  harmony, also found from the template: server/harmony.py reads its calls). Whatever the
   family, a reply that is only a JSON object (or array of them, bare or in one ```json block) with
   a declared tool's `name` and `arguments` (or `parameters`) that validate against that tool's
   schema is a call too: small models often drop their family's tags.
@@ -22,7 +23,7 @@ from treadle.sampling_params import StructuredOutputsParams
 from treadle.server.protocol import RequestError
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai")
 FALLBACK_PROMPT = (
     "You can call functions. The functions, as JSON schemas:\n{tools}\n"
     'To call a function, reply with only a JSON object: {{"name": <function name>, "arguments": <arguments object>}}. '

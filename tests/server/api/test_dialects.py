@@ -222,7 +222,7 @@ def test_responses_errors_name_the_parameter(http):
         ),
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"model": MODEL, "input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"model": MODEL, "input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"model": MODEL, "input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
         ({"model": "other", "input": "x"}, "model"),
     ]:

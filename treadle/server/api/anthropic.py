@@ -36,7 +36,15 @@ from treadle.server.openapi_models import (
     anthropic_statuses,
     replies,
 )
-from treadle.server.prepare import Prepared, chat_prompt, prepare_chat, prepare_renamed, require_ready, serving
+from treadle.server.prepare import (
+    Prepared,
+    chat_prompt,
+    prepare_chat,
+    prepare_renamed,
+    reasons,
+    require_ready,
+    serving,
+)
 from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
 from treadle.server.tools import tool_setup
 
@@ -89,7 +97,7 @@ async def messages(body: MessagesRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
     async with serving(server, body.model) as state:
-        chat = chat_request(body, state.settings.reasoning_parser is not None)
+        chat = chat_request(body, reasons(state))
         prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
         generation = await prepared.start(state, new_id("msg", "_"), None, arrival)
     if body.stream:
@@ -113,7 +121,7 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     async with serving(server, body.model) as state:
         require_ready(state)
         fields = body.model_dump(exclude_none=True)
-        chat = chat_request(MessagesRequest(max_tokens=1, **fields), state.settings.reasoning_parser is not None)
+        chat = chat_request(MessagesRequest(max_tokens=1, **fields), reasons(state))
         tools = tool_setup(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         text = await asyncio.to_thread(chat_prompt, state, chat, tools)
         count = len(state.engine.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))
@@ -256,7 +264,7 @@ def _output_format(config: dict | None):
 
 
 def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionRequest:
-    """`reasoning`: the server splits reasoning (--reasoning-parser), so thinking can be enabled."""
+    """`reasoning`: the server splits reasoning (--reasoning-parser, or harmony), so thinking can be enabled."""
     if body.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {body.max_tokens}", "max_tokens")
     kwargs = None
@@ -267,7 +275,7 @@ def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionReques
         kwargs = {"enable_thinking": True}  # budget_tokens is advisory here: max_tokens bounds the reply
     elif body.thinking is not None:
         raise RequestError(
-            "thinking needs a server started with --reasoning-parser (a model that thinks), or type 'disabled'",
+            "thinking needs a model that thinks (--reasoning-parser, or a harmony template), or type 'disabled'",
             "thinking",
         )
     response_format = _output_format(body.output_config)

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import StrictBool, StrictStr
 
 from treadle import __version__
+from treadle.server import harmony
 from treadle.server.api.embeddings import embed_texts
 from treadle.server.api.reply_parts import PartStream, reply_parts
 from treadle.server.api.sse import stream_response
@@ -60,7 +61,14 @@ from treadle.server.prepare import (
     require_ready,
     serving,
 )
-from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StrictModel, new_id
+from treadle.server.protocol import (
+    REASONING_EFFORTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    StrictModel,
+    new_id,
+)
 from treadle.server.tools import template_supports_tools
 from treadle.store.inspect import describe_cached, human_count
 from treadle.store.store import full_name
@@ -106,7 +114,7 @@ class OllamaChatRequest(StrictModel):
     options: dict[str, Any] | None = None
     stream: StrictBool = True
     keep_alive: StrictStr | int | float | None = None  # how long the model stays loaded once idle (server/models.py)
-    think: StrictBool | None = None
+    think: StrictBool | StrictStr | None = None  # or a level: "low", "medium", "high" (gpt-oss's reasoning effort)
 
 
 class OllamaGenerateRequest(StrictModel):
@@ -118,7 +126,7 @@ class OllamaGenerateRequest(StrictModel):
     options: dict[str, Any] | None = None
     stream: StrictBool = True
     keep_alive: StrictStr | int | float | None = None
-    think: StrictBool | None = None
+    think: StrictBool | StrictStr | None = None
     suffix: StrictStr | None = None
     images: list[StrictStr] | None = None
     template: StrictStr | None = None
@@ -247,10 +255,10 @@ async def show(body: OllamaModelRequest, request: Request):
     loaded = hub.loaded.get(spec.name)
     context = loaded.engine.max_model_len if loaded is not None and loaded.engine.ready else info.context_length
     family = entry.details.family
+    settings = server.settings
+    thinks = settings.reasoning_parser or harmony.applies(template, None, settings.tool_call_parser)
     capabilities = (
-        ["completion"]
-        + (["tools"] if template_supports_tools(template) else [])
-        + (["thinking"] if server.settings.reasoning_parser else [])
+        ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if thinks else [])
     )
     # a dict, not OllamaShow: model_info is open-ended (its family-named key sits among the modeled ones, and
     # its context length is null where the model does not say); the details are the model's
@@ -534,16 +542,27 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
                 )
             msg["tool_calls"] = calls
         messages.append(msg)
-    kwargs = {"enable_thinking": body.think} if body.think is not None else None
+    kwargs, effort = _think(body.think)
     fields = dict(
         model=name,
         messages=messages,
         tools=body.tools,
         chat_template_kwargs=kwargs,
+        reasoning_effort=effort,
         **_sampling(body.options),
         **_format(body.format),
     )
     return _build(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
+
+
+def _think(think) -> tuple[dict | None, str | None]:
+    """Ollama's think: true / false (the template's enable_thinking), or a level, which is the
+    template's reasoning_effort (gpt-oss reads it) with thinking on."""
+    if think is None or isinstance(think, bool):
+        return ({"enable_thinking": think} if think is not None else None), None
+    if think not in REASONING_EFFORTS:
+        raise RequestError(f"think must be true, false, 'low', 'medium' or 'high', got {think!r}", "think")
+    return {"enable_thinking": True}, think
 
 
 def _timings(generation: Generation) -> dict:

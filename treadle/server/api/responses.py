@@ -42,7 +42,7 @@ from treadle.server.openapi_models import (
     replies,
 )
 from treadle.server.prepare import Prepared, ServerState, prepare_chat, prepare_renamed, serving
-from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, new_id
+from treadle.server.protocol import ChatCompletionRequest, Number, RequestError, StrictModel, check_effort, new_id
 
 # chat-request parameter names as this dialect calls them, for the errors the shared checks raise
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
@@ -260,12 +260,25 @@ def _response_format(text: dict | None):
     }
 
 
+SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _effort(reasoning: dict | None) -> str | None:
+    """reasoning.effort, for the chat template (gpt-oss reads it); reasoning.summary is accepted and
+    has no effect: the reasoning comes back whole, as the model wrote it."""
+    reasoning = reasoning or {}
+    unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+    if unknown:
+        raise RequestError(f"reasoning.{sorted(unknown)[0]} is not supported", f"reasoning.{sorted(unknown)[0]}")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) not in (None, *SUMMARIES):
+            raise RequestError(f"reasoning.{key} must be one of {', '.join(SUMMARIES)}", f"reasoning.{key}")
+    check_effort(reasoning.get("effort"), "reasoning.effort")
+    return reasoning.get("effort")
+
+
 def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise RequestError(
-            "reasoning (effort, summary) is not supported; reasoning models think as their template makes them",
-            "reasoning",
-        )
+    effort = _effort(body.reasoning)
     if body.include:
         raise RequestError(f"include {body.include[0]!r} is not supported", "include")
     if body.text is not None and set(body.text) - {"format"}:
@@ -283,6 +296,7 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body.text),
+        reasoning_effort=effort,
     )
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
@@ -369,7 +383,9 @@ class _Reply:
             output=output,
             parallel_tool_calls=True if b.parallel_tool_calls is None else b.parallel_tool_calls,
             previous_response_id=b.previous_response_id,
-            reasoning=ResponseReasoning(effort=None, summary=None),
+            reasoning=ResponseReasoning(
+                effort=(b.reasoning or {}).get("effort"), summary=(b.reasoning or {}).get("summary")
+            ),
             store=b.store,
             temperature=1.0 if b.temperature is None else b.temperature,
             text=b.text or {"format": {"type": "text"}},

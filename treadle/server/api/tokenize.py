@@ -6,9 +6,15 @@ from fastapi import Request
 
 from treadle.server.checked_route import checked_router
 from treadle.server.openapi_models import GATE, KEYED, DetokenizeResponse, TokenizeResponse, TokenPiece, replies
-from treadle.server.prepare import chat_template, check_token_ids, plain_messages, render_chat, require_ready, serving
+from treadle.server.prepare import (
+    check_token_ids,
+    plain_messages,
+    render_chat,
+    require_ready,
+    serving,
+    template_messages,
+)
 from treadle.server.protocol import DetokenizeRequest, RequestError, TokenizeRequest
-from treadle.server.tools import prepare_messages, template_supports_tools
 
 router = checked_router()
 
@@ -28,9 +34,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
                 return TokenizeResponse(tokens=pieces).model_dump(exclude_unset=True)
             return TokenizeResponse(tokens=ids).model_dump(exclude_unset=True)
         if body.messages is not None:
-            messages, _ = prepare_messages(
-                plain_messages(body.messages), None, template_supports_tools(chat_template(served))
-            )
+            messages, _ = template_messages(served, plain_messages(body.messages), None)
             text = await asyncio.to_thread(render_chat, served, messages, body.add_generation_prompt, None)
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:

@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import dataclass, field, fields
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_TREE_DEPTH = 256
 
@@ -71,6 +71,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.method draft_model needs model (the draft's GGUF file or folder)")
+        if self.method == "mtp" and self.model:
+            raise ValueError("speculative_config.method mtp drafts with the model's own MTP head: no model is taken")
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -253,7 +255,8 @@ ENGINE_HELP = {
     ),
     "speculative_config": (
         'speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s); the engine '
+        '"prompt_lookup_max": 5}\', \'{"method": "suffix"}\' (suffix_decoding_* keys as vLLM\'s), '
+        '\'{"model": DRAFT}\' or \'{"method": "mtp"}\' (the model\'s own MTP head); the engine '
         'proposes only where it pays unless "adaptive": false'
     ),
     "seed": "seed of the sampler for requests without their own seed",

@@ -27,6 +27,7 @@ from treadle.engine import stats
 from treadle.engine.draft_model import DraftModel
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.messages import CoreOutput, EngineCoreRequest, child_request_id
+from treadle.engine.mtp import MtpDraft
 from treadle.engine.request import Request, validate_prompt
 from treadle.engine.scheduler import Scheduler
 from treadle.engine.spec_decode import SpeculationPolicy, fill_proposals
@@ -102,7 +103,10 @@ class EngineCore:
             self.kv.record_events()
             self.kv_events = KVEventPublisher(config.kv_events_endpoint)
         self.step_cost = StepCostModel()
-        self.draft = DraftModel(w.draft_runner) if w.draft_runner is not None else None
+        self.draft = None
+        if w.draft_runner is not None:  # a draft model's runner, or the model's MTP head's
+            mtp = config.speculative_config.method == "mtp"
+            self.draft = MtpDraft(w.draft_runner, w.runner) if mtp else DraftModel(w.draft_runner)
         spec = config.speculative_config
         self.spec = None
         if spec is not None:
@@ -341,6 +345,8 @@ class EngineCore:
                 self._lora_done(req)
             if self.spec is not None:
                 self.spec.finish(req)
+            if isinstance(self.draft, MtpDraft):  # the target's hidden states it kept for the request
+                self.draft.forget([req.request_id])
             self._finished_for_runner.append(req.request_id)
             group = self.groups.get(req.group_id)
             if group is not None and group.finished:

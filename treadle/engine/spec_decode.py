@@ -15,7 +15,7 @@
 
 Code edits, answers quoting their sources and JSON echoing its fields repeat earlier text, and then
 the proposal is often right. Method "draft_model" (a smaller model's proposals) is
-`engine/draft_model.py`.
+`engine/draft_model.py`; method "mtp" (the model's own multi-token-prediction head) `engine/mtp.py`.
 """
 
 from collections import deque
@@ -45,7 +45,7 @@ class SpeculationPolicy:
         self.step_cost = step_cost  # measured step costs (engine/step_cost.py)
         self.max_model_len = max_model_len
         self.draft_max_position = draft_max_position  # with a draft model: its context length
-        self.proposer = None if config.method == "draft_model" else make_proposer(config)
+        self.proposer = None if config.method in ("draft_model", "mtp") else make_proposer(config)
         self.num_drafts = 0  # verifications: a request's proposals checked in one step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -134,7 +134,13 @@ class SpeculationPolicy:
             "accepted_per_position": list(self.accepted_per_pos),
             "mean_acceptance_length": 1 + self.num_accepted_tokens / d if d else None,
             "grammar_refused_draft_tokens": self.grammar_refused,
-            **(self.proposer.stats() if self.proposer is not None else {"draft_model": self.config.model}),
+            **(
+                self.proposer.stats()
+                if self.proposer is not None
+                else {"draft_model": self.config.model}
+                if self.config.method == "draft_model"
+                else {}
+            ),
         }
 
 

@@ -408,3 +408,82 @@ def test_gguf_metadata_of_wrong_values_is_a_load_error(models, tmp_path, key, va
         copy_with_new_metadata(reader, writer, {full: MetadataDetails(kind[0], value, sub_type=kind[1])}, [])
     with pytest.raises(ModelLoadError, match=match):
         LLM(bad, dtype="float32", max_model_len=64)
+
+
+# ---------------------------------------------------------------- the MTP head as a draft
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+
+
+def copy_folder(src: str, dst) -> str:
+    for name in os.listdir(src):
+        (dst / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    return str(dst)
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_mtp_drafts_keep_the_greedy_tokens(models, tmp_path, source):
+    """A random MTP head (a folder's mtp.*, or the nextn block llama.cpp's converter writes) drafts
+    through speculative decoding: the tokens are those without speculation, batched and chunked;
+    every finished request's hidden states and draft KV rows are let go."""
+    from tests.support.qwen3_next_gguf import add_mtp_weights, write_gated_deltanet_gguf
+    from tests.support.tiny_models import tiny_tokenizer
+
+    src, model = models["qwen3_5_moe_text"]
+    if source == "folder":
+        path = copy_folder(src, tmp_path)
+        add_mtp_weights(path, model, seed=2)
+    else:
+        path = str(tmp_path / "model.gguf")
+        write_gated_deltanet_gguf(path, model, tiny_tokenizer(), mtp=True, mtp_seed=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    batch = prompts(3, seed=21, **LONG)
+    plain = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_model_len=160).generate(batch, params)]
+    llm = LLM(path, dtype="float32", max_model_len=160, max_num_batched_tokens=16, speculative_config=MTP)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == plain
+    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in batch[:1]] == plain[:1]
+    stats = llm.stats()["spec_decode"]
+    assert stats["method"] == "mtp" and stats["num_draft_tokens"] > 0, stats
+    assert llm.engine.core.draft.hidden == {}
+
+
+def test_an_mtp_head_that_knows_the_answer_is_accepted(models, tmp_path):
+    """Weights built so that the head must predict the target's next token: every layer of the
+    target adds nothing (its output projections zero), so its next token is a function of the
+    current one, head(norm(embed(x))); the head's fc takes the embedding half, its layer adds
+    nothing and its final norm is the target's, so it computes the same function of the token it
+    is given. Acceptance >= 90%, and a token costs well under one target step."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.qwen3_next_gguf import mtp_weights
+
+    src, model = models["qwen3_5_text"]
+    path = copy_folder(src, tmp_path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    head = mtp_weights(model, seed=3)
+    h = model.config.hidden_size
+    head["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    head["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + w) = 1: a plain RMS normalisation
+    head["mtp.norm.weight"] = weights["model.norm.weight"].clone()
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        head[f"mtp.layers.0.{name}"] = torch.zeros_like(head[f"mtp.layers.0.{name}"])
+    save_file({**weights, **head}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    batch = prompts(2, seed=22)
+    plain_llm = LLM(path, dtype="float32", max_model_len=160)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(batch, params)]
+    llm = LLM(path, dtype="float32", max_model_len=160, speculative_config=MTP)
+    steps = llm.engine.core.num_steps
+    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in batch] == plain
+    stats = llm.stats()["spec_decode"]
+    assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0, stats
+    assert llm.engine.core.num_steps - steps < 0.5 * 2 * 32  # vs one step a token without the head
+
+
+def test_mtp_needs_a_head(models):
+    folder, _ = models["qwen3_5_text"]  # saved by transformers: no mtp.* weights
+    with pytest.raises(Exception, match="no MTP head"):
+        LLM(folder, dtype="float32", max_model_len=64, speculative_config=MTP)

@@ -89,12 +89,15 @@ class ModelRunner:
         fail_at_steps: frozenset[int] = frozenset(),
         batch_invariant: bool = False,
         kv_int8: bool = False,
+        model_class=None,
     ):
+        """model_class: the model's class where it is not the registry's for config.architecture (an
+        MTP head, built from its target's weights)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
-        model_class = resolve_model_class(config.architecture)
+        model_class = model_class or resolve_model_class(config.architecture)
         extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
         self.model = model_class(config, weights, dtype, self.device, **extra)
         release_freed_memory()  # the loader's float32 tensors, one per weight, before the KV pool
@@ -119,6 +122,9 @@ class ModelRunner:
         # their own, so that a text's vector is the same alone or beside others
         self.isolate_pooling = not batch_invariant
         self.requests: dict[str, RunnerRequest] = {}
+        # called after each forward as hidden_capture(scheduled, order, hidden): the final (normed)
+        # hidden state of every row, rows in `order` (an MTP draft keeps them: engine/mtp.py)
+        self.hidden_capture = None
         # a hybrid model's recurrent layers: each request's state (mamba.RecurrentState), made when it
         # starts at position 0 (again after a preemption), copied to a forked choice, dropped at its end
         self.recurrent = config.recurrent
@@ -337,8 +343,7 @@ class ModelRunner:
         each one whose prompt ends in this step is its pooled, L2-normalized hidden state."""
         self.copy_blocks(step.block_copies)
         scheduled = step.scheduled
-        # Single-token queries first (one batched attention call), then prompt chunks.
-        order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
+        order = self.row_order(scheduled)
         ids, positions, last_row = [], [], {}
         lora_rows: dict[int, list[int]] = {}  # adapter id -> the step's rows of its requests
         row = 0
@@ -376,19 +381,24 @@ class ModelRunner:
                 for lora, rows in sorted(lora_rows.items())
             ]
             try:
-                if pooling:
+                if pooling or self.hidden_capture is not None:
                     hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+                    if self.hidden_capture is not None:
+                        self.hidden_capture(scheduled, order, hidden)
                     return (
                         self.model.logits(hidden[logits_indices]),
                         sample_rows,
-                        self._pool(step, pooling, hidden, last_row),
+                        self._pool(step, pooling, hidden, last_row) if pooling else {},
                     )
                 return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
             finally:
                 LORA_ROWS.groups = []
-        if pooling:  # eagerly: the compiled graphs return logits only
+        if pooling or self.hidden_capture is not None:  # eagerly: the compiled graphs return logits only
             hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
-            return self.model.logits(hidden[logits_indices]), sample_rows, self._pool(step, pooling, hidden, last_row)
+            if self.hidden_capture is not None:  # (a row's norm is the row's alone: the logits' bits are forward's)
+                self.hidden_capture(scheduled, order, hidden)
+            pooled = self._pool(step, pooling, hidden, last_row) if pooling else {}
+            return self.model.logits(hidden[logits_indices]), sample_rows, pooled
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
@@ -407,6 +417,12 @@ class ModelRunner:
         if greedy and self.model.greedy_head():
             return self.model.greedy_forward(*inputs), sample_rows, {}
         return self.model.forward(*inputs), sample_rows, {}
+
+    @staticmethod
+    def row_order(scheduled) -> list[int]:
+        """The order of the scheduled requests' rows in a forward: single-token queries first (one
+        batched attention call), then prompt chunks."""
+        return sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)
 
     def _segments(self, scheduled, order) -> list:
         """Each request's rows and recurrent state, in row order; a request at position 0 starts

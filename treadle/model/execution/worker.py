@@ -142,8 +142,18 @@ class ModelWorker:
         files.config.position_table = position_table or self.max_model_len
         if draft_files is not None:
             draft_files.config.position_table = position_table or self.max_model_len
+        mtp = spec is not None and spec.method == "mtp"
+        if mtp:
+            if not hasattr(files.config, "keep_mtp"):
+                raise ValueError(
+                    f"speculative_config method mtp: {files.config.architecture} models have no MTP head "
+                    "(Qwen3-Next, Qwen3.5 and Qwen3.5-MoE have)"
+                )
+            files.config.keep_mtp = True
         self.runner = self._make_runner(files, config.seed, fail_at_steps=fail_at_steps)
         del files
+        if mtp:  # the head: its own weights and KV, the target's embedding and output head
+            draft_files = self._mtp_files(self.runner.model)
         self._weight_bytes = self.runner.model.weight_bytes()
         if torch.device(config.device).type == "cpu" and any(kind in quant.TYPES for kind in self._weight_bytes):
             # the library of this engine's product (float32 x, or int8 activations), built at load
@@ -163,8 +173,26 @@ class ModelWorker:
             self.runner.compiled = self.compiled
             self.compiled.start()
         # a draft has as many KV blocks as the target's: the target's block tables address both
-        self.draft_runner = None if draft_files is None else self._make_runner(draft_files, config.seed + 1)
+        self.draft_runner = None
+        if draft_files is not None:
+            extra = {"model_class": draft_files.model_class} if mtp else {}
+            self.draft_runner = self._make_runner(draft_files, config.seed + 1, **extra)
         release_free_heap()  # the float32 copies the weights were converted from
+
+    @staticmethod
+    def _mtp_files(model):
+        """The model's MTP head as model files (types.SimpleNamespace: config, weights, model_class):
+        the head's own weights, and the target's embedding and output head as they are stored."""
+        from types import SimpleNamespace
+
+        from treadle.model.families.qwen3_next import Qwen3NextMtp
+
+        config = model.mtp_config()
+        weights = dict(model.mtp_weights)
+        model.mtp_weights = {}
+        weights["model.embed_tokens.weight"] = model.embed
+        weights["lm_head.weight"] = model.lm_head.parts[0]
+        return SimpleNamespace(config=config, weights=weights, model_class=Qwen3NextMtp)
 
     def _make_runner(self, files, seed: int, **extra) -> ModelRunner:
         """A runner for these model files with the engine's settings (the target's, or a draft's)."""

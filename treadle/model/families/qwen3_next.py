@@ -13,11 +13,13 @@ and gated full-attention layers, three of the first to one of the second by defa
   `mlp_only_layers` say);
 - Qwen3.5's released folders are the multimodal model (`Qwen3_5ForConditionalGeneration`): the
   text model's hyperparameters in `text_config`, its weights under `model.language_model.`;
-  the vision tower (`model.visual.`) and the multi-token-prediction head (`mtp.`) are not read.
+  the vision tower (`model.visual.`) is not read;
+- the multi-token-prediction head (`mtp.`; a GGUF file's extra `nextn` block) is kept only where the
+  engine drafts with it (`--speculative-config '{"method": "mtp"}'`): `Qwen3NextMtp` below.
 
 GGUF files as llama.cpp's converter writes them (`qwen3next`, `qwen35`, `qwen35moe`): the layers'
 kinds from `attention.recurrent_layers` (or every `full_attention_interval`-th attends), the
-linear layers' sizes from `ssm.*`, the MTP block (`nextn_predict_layers` extra blocks) dropped;
+linear layers' sizes from `ssm.*`, the MTP block (`nextn_predict_layers` extra blocks) apart;
 the converter's layouts undone: norms stored as 1 + w (but `ssm_norm`), A as -exp(A_log), the
 conv kernel squeezed; qwen35 files keep their value heads "tiled" (the layer runs in that order).
 """
@@ -28,10 +30,11 @@ import torch
 
 from treadle.model.config import LIMITS, ModelConfig, ModelLoadError, MoEConfig, file_float, file_int
 from treadle.model.families.bamba import BambaModel
-from treadle.model.families.llama import DecoderLayer, LayerWeights, expected_shapes
+from treadle.model.families.llama import DecoderLayer, LayerWeights, expected_shapes, weight_part
 from treadle.model.families.qwen_moe import hf_moe
 from treadle.model.layers.attention import paged_attention
 from treadle.model.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from treadle.model.layers.linear import Linear
 from treadle.model.layers.moe import MoE
 from treadle.model.layers.norm import RMSNorm
 from treadle.model.layers.recurrent import RecurrentState
@@ -44,6 +47,7 @@ HF_LAYER_TYPES = {"linear_attention": "recurrent", "full_attention": "attention"
 @dataclass
 class Qwen3NextConfig(ModelConfig):
     gdn: GatedDeltaNetConfig = field(default_factory=lambda: GatedDeltaNetConfig(1, 1, 1, 1))
+    keep_mtp: bool = False  # the engine drafts with the MTP head: its weights are kept (`mtp_weights`)
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state in every Gated DeltaNet layer."""
@@ -254,20 +258,37 @@ class Qwen3NextModel(BambaModel):
     def __init__(
         self, config: Qwen3NextConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False
     ):
-        for name in list(weights):  # a multimodal folder's text model; its vision tower and MTP head are not read
-            if name.startswith(("model.visual.", "mtp.", "model.mtp.")) or self._extra_block(config, name):
+        # the MTP head's weights, under the checkpoint's names (mtp.fc.weight, mtp.layers.0. ...), where
+        # the engine drafts with it (`config.keep_mtp`); a multimodal folder's vision tower is not read
+        self.mtp_weights = {}
+        for name in list(weights):
+            mtp = _mtp_name(config, name)
+            if mtp is not None:
+                if config.keep_mtp:
+                    self.mtp_weights[mtp] = weights.pop(name)
+                else:
+                    del weights[name]
+            elif name.startswith("model.visual."):
                 del weights[name]
             elif name.startswith("model.language_model."):
                 weights["model." + name.removeprefix("model.language_model.")] = weights.pop(name)
         super().__init__(config, weights, dtype, device, batch_invariant)
 
-    @staticmethod
-    def _extra_block(config, name: str) -> bool:
-        """A GGUF file's MTP block: layers from num_layers on."""
-        if not name.startswith("model.layers."):
-            return False
-        index = name.split(".", 3)[2]
-        return index.isdigit() and int(index) >= config.num_layers
+    def mtp_config(self) -> Qwen3NextConfig:
+        """The MTP head's configuration: one full-attention layer of this model's shape, its feed-forward
+        the model's (experts where the model's last layer has them)."""
+        cfg = self.config
+        layer = f"mtp.layers.0.mlp.{'gate.weight' if cfg.moe is not None else 'gate_proj.weight'}"
+        if not self.mtp_weights or "mtp.fc.weight" not in self.mtp_weights or layer not in self.mtp_weights:
+            raise ModelLoadError(
+                f"{cfg.name}: speculative_config method mtp: the model file has no MTP head (mtp.* weights, "
+                "or a GGUF file's nextn block)"
+            )
+        moe = replace(cfg.moe, sparse_layers=None) if cfg.moe is not None else None
+        return replace(
+            cfg, architecture=cfg.architecture + "_mtp", num_layers=1, layer_types=["attention"], layer_windows=None,
+            moe=moe, keep_mtp=False,
+        )  # fmt: skip
 
     def make_norm(self, weight) -> RMSNorm:
         """(1 + weight), formed in float32, then in the model's dtype (as transformers computes it)."""
@@ -295,6 +316,85 @@ class Qwen3NextModel(BambaModel):
         q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
         attn = paged_attention(q, k, v.view(t, kv_heads, hd), kv[0], kv[1], layer_meta, self.scale)
         return layer.o_proj(attn.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
+
+
+def _mtp_name(config: Qwen3NextConfig, name: str) -> str | None:
+    """The checkpoint name (mtp.*) of an MTP head's weight: a folder's `mtp.` / `model.mtp.`, or a GGUF
+    file's extra block (layers from num_layers on: `nextn.*` and a full-attention layer); else None."""
+    if name.startswith(("mtp.", "model.mtp.")):
+        return name.removeprefix("model.")
+    if not name.startswith("model.layers."):
+        return None
+    _, _, index, rest = name.split(".", 3)
+    if not index.isdigit() or int(index) < config.num_layers:
+        return None
+    if rest.startswith("nextn."):
+        return GGUF_NEXTN.get(rest)  # None: the shared head or embedding a block may repeat (not read)
+    return f"mtp.layers.{int(index) - config.num_layers}.{rest}"
+
+
+# a GGUF nextn block's own tensors -> the checkpoint's
+GGUF_NEXTN = {
+    "nextn.eh_proj.weight": "mtp.fc.weight",
+    "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "mtp.norm.weight",
+}
+
+
+class Qwen3NextMtp(Qwen3NextModel):
+    """The multi-token-prediction head as a model of its own (the engine's MTP draft, engine/mtp.py):
+    row i takes the token at position i + 1 and the target's final hidden state at position i,
+    fc([norm(embed(token)), norm(hidden)]) through one full-attention layer (its own KV, at position i)
+    and a final norm into the target's head: a guess at the token at position i + 2. Built from the
+    target's `mtp_weights` with the target's embedding and head (the same tensors). `hidden_in`: the
+    step's hidden inputs, one row per input row in the runner's order (`ModelRunner.row_order`);
+    `hidden_out`: the final (normed) hidden states of the rows whose logits the last forward gave."""
+
+    hf_model_types = ()
+    hf_architectures = ()
+    gguf_architectures = ()
+
+    def __init__(
+        self, config: Qwen3NextConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False
+    ):
+        renamed = {}
+        for name, w in weights.items():
+            if name.startswith("mtp.layers.0."):
+                renamed["model.layers.0." + name.removeprefix("mtp.layers.0.")] = w
+            elif name.startswith("mtp.layers."):
+                continue  # a second MTP layer (none released): the first is used for every proposal
+            elif name == "mtp.norm.weight":
+                renamed["model.norm.weight"] = w
+            else:
+                renamed[name] = w
+        weights.clear()
+        if "mtp.fc.weight" not in renamed:
+            raise ModelLoadError("weight mtp.fc.weight: missing")
+        self.fc = Linear(weight_part(renamed, "mtp.fc.weight", dtype, device))  # (before: linears() lists it)
+        norms = [renamed.pop(f"mtp.pre_fc_norm_{n}.weight") for n in ("embedding", "hidden")]
+        super().__init__(replace(config, keep_mtp=False), renamed, dtype, device, batch_invariant)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = (self.make_norm(n) for n in norms)
+        self.hidden_in: torch.Tensor | None = None
+        self.hidden_out: torch.Tensor | None = None
+
+    @staticmethod
+    def expected_shapes(config: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
+        return Qwen3NextModel.expected_shapes(config)
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        e = self.pre_fc_norm_embedding(super().embedding(input_ids))
+        return self.fc(torch.cat([e, self.pre_fc_norm_hidden(self.hidden_in.to(e.dtype))], dim=-1))
+
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
+        self.hidden_out = self.norm(self.residual_stream(input_ids, positions, kv_caches, meta)[logits_indices])
+        return self.logits(self.hidden_out)
+
+    def greedy_head(self) -> bool:
+        return False
+
+    def linears(self):
+        return super().linears() + [self.fc]
 
 
 class Qwen35Model(Qwen3NextModel):

@@ -381,6 +381,56 @@ def second_turn(args) -> None:
         print(f"| {name} | {warm:.2f} | {cold:.2f} | {warm / cold:.3f} | {note} | {same} |")
 
 
+def speed(args) -> None:
+    """One file's single-stream decode and prefill, llama-bench then treadle, in one run: llama-bench
+    -p PROMPT -n TOKENS -t THREADS; treadle in this process (LLM, the default dtype), a 64-token
+    prompt and --tokens greedy tokens (per-token time from the second of two runs, after the first
+    token), and a --prompt-token prompt's time to its first token."""
+    import re
+
+    import torch
+
+    from bench.peer_compare import cpu_description, find_or_build_llama_tool
+    from treadle import LLM, SamplingParams
+
+    print("CPU:", cpu_description(), flush=True)
+    bench = find_or_build_llama_tool("llama-bench")
+    cmd = [bench, "-m", args.model, "-p", str(args.prompt), "-n", str(args.tokens), "-t", str(args.threads),
+           "-r", "1", "-o", "md"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(bench))
+    )
+    print(out.stdout, flush=True)
+    rates = dict(re.findall(r"\|\s*(pp\d+|tg\d+)\s*\|\s*([\d.]+)", out.stdout))
+    g = torch.Generator().manual_seed(3)
+    short = torch.randint(300, 20000, (64,), generator=g).tolist()
+    long = torch.randint(300, 20000, (args.prompt,), generator=g).tolist()
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, max_model_len=args.prompt + args.tokens + 64)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    per_token = []
+    for _ in range(2):
+        t = time.perf_counter()
+        first = llm.generate([short], SamplingParams(temperature=0, max_tokens=1))
+        t1 = time.perf_counter()
+        llm.generate([short], params)
+        t2 = time.perf_counter()
+        per_token.append(((t2 - t1) - (t1 - t)) / (args.tokens - 1))
+    del first
+    t = time.perf_counter()
+    llm.generate([long], SamplingParams(temperature=0, max_tokens=1))
+    prefill = time.perf_counter() - t
+    tg, pp = rates.get(f"tg{args.tokens}"), rates.get(f"pp{args.prompt}")
+    print(f"| | decode ms/token | {args.prompt}-token prompt s |")
+    print("|---|---|---|")
+    print(
+        f"| llama-bench | {1000 / float(tg):.1f} | {args.prompt / float(pp):.2f} |"
+        if tg and pp
+        else "| llama-bench | ? | ? |"
+    )
+    print(f"| treadle | {1000 * per_token[-1]:.1f} (first run {1000 * per_token[0]:.1f}) | {prefill:.2f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -413,9 +463,14 @@ def main() -> int:
     t.add_argument("--reply", type=int, default=128)
     t.add_argument("--message", type=int, default=24)
     t.add_argument("--more", type=int, default=64)
+    v = sub.add_parser("speed")
+    v.add_argument("--model", required=True)
+    v.add_argument("--prompt", type=int, default=512)
+    v.add_argument("--tokens", type=int, default=64)
+    v.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     runs = {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix, "scan": scan,
-            "second-turn": second_turn}  # fmt: skip
+            "second-turn": second_turn, "speed": speed}  # fmt: skip
     runs[args.what](args)
     return 0
 

@@ -171,6 +171,10 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4  # most distinct adapters among the requests running at once (one step's)
     max_lora_rank: int = 64  # an adapter of a higher rank is refused
+    # the model is a reranker (text/reranker.py): treadle's {"template", "instruction", "yes_token",
+    # "no_token"} or vLLM's Qwen3-Reranker hf_overrides {"classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true} (a JSON text or a dict); None: where a GGUF file says so
+    rerank_config: dict | str | None = None
 
     def __post_init__(self):
         for name, low in (
@@ -194,6 +198,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.rerank_config is not None:  # checked here: a wrong one fails the start, not every request
+            from treadle.text.reranker import RerankConfig
+
+            self.rerank_config = RerankConfig.parse(self.rerank_config)
 
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
@@ -264,6 +272,12 @@ ENGINE_HELP = {
     "threads": "compute threads (default: torch's choice)",
     "max_loras": "LoRA: most distinct adapters among the requests running at once (a request for one more waits)",
     "max_lora_rank": "LoRA: the highest adapter rank accepted",
+    "rerank_config": (
+        "serve the model as a reranker (/v1/rerank, /score), as JSON: treadle's "
+        '\'{"template": "...{instruction}...{query}...{doc}...", "instruction": "...", "yes_token": "yes", '
+        '"no_token": "no"}\' or vLLM\'s Qwen3-Reranker overrides \'{"classifier_from_token": ["no", "yes"], '
+        "\"is_original_qwen3_reranker\": true}' (default: a GGUF file's own rank pooling, else none)"
+    ),
 }
 
 
@@ -305,7 +319,7 @@ def add_engine_args(
             parser.add_argument(flag, choices=["q8_0", "q4_k", "q4_0"], default=default, help=help_text)
         elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
             parser.add_argument(flag, type=float, default=default, help=help_text)
-        elif f.name in ("device", "speculative_config", "kv_cache_dir"):
+        elif f.name in ("device", "speculative_config", "kv_cache_dir", "rerank_config"):
             parser.add_argument(flag, default=default, help=help_text)
         else:
             parser.add_argument(flag, type=int, default=default, help=help_text)

@@ -1,5 +1,6 @@
 """The offline interface: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
 
+import functools
 from dataclasses import replace
 
 from treadle.engine.llm_engine import LLMEngine
@@ -70,6 +71,34 @@ class LLM:
             prompts = [prompts]
         outs = self._run(list(prompts), SamplingParams(max_tokens=1, pooling=pooling), add_special_tokens=True)
         return [o.outputs[0].embedding for o in outs]
+
+    def score(self, text_1, text_2, instruction: str | None = None) -> list[float]:
+        """vLLM's LLM.score on a reranker (`rerank_config=...`, or a GGUF file that says it reranks):
+        p(yes) of each (text_1, text_2) pair, one text_1 against each text_2 or text_1[i] against
+        text_2[i]; `instruction` replaces the prompt's default one. The pairs run as one batch,
+        their shared prefix (instruction, query) computed once."""
+        reranker = self.reranker
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if not seconds or len(firsts) != len(seconds):
+            raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or as many")
+        prompts = [reranker.prompt_ids(q, d, instruction) for q, d in zip(firsts, seconds)]
+        params = SamplingParams(max_tokens=1, pooling="score", score_token_ids=reranker.score_token_ids)
+        return [o.outputs[0].embedding[0] for o in self._run(prompts, params, add_special_tokens=False)]
+
+    @functools.cached_property
+    def reranker(self):
+        """The model's `text.reranker.Reranker` (its prompt and yes / no tokens); ValueError if it is none."""
+        from treadle.model.loading.default_model import default_model_path
+        from treadle.text.reranker import Reranker, model_rerank_config
+
+        path = self.config.model or default_model_path()
+        config = model_rerank_config(path, self.config.rerank_config)
+        if config is None:
+            raise ValueError(f"the model {path} is not a reranker: give rerank_config (its prompt and yes / no tokens)")
+        return Reranker(config, self.tokenizer)
 
     def _run(self, prompts, params, add_special_tokens: bool, cache_salt=None, lora=None) -> list[RequestOutput]:
         if params is None:

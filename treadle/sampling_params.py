@@ -101,8 +101,10 @@ class SamplingParams:
     # a grammar the output must follow (JSON schema, regex, choice, EBNF); a dict is accepted
     structured_outputs: StructuredOutputsParams | None = None
     # an embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
-    # normalized; nothing is sampled
+    # normalized; nothing is sampled. "score": a scoring request (rerank): the softmax over the
+    # logits of score_token_ids (no, yes) at the prompt's last position; its output is [p(yes)]
     pooling: str | None = None
+    score_token_ids: list[int] | None = None  # pooling "score": the (no, yes) token ids
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -111,6 +113,8 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.score_token_ids, tuple):
+            self.score_token_ids = list(self.score_token_ids)
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
@@ -160,8 +164,29 @@ class SamplingParams:
             f"must leave room for n = {self.n} choices (seed + n - 1 < 2**64), got {self.seed}",
         )
         check(all(s for s in self.stop_strings), "stop", "must not contain empty strings")
-        check(self.pooling in (None, "last", "mean"), "pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
+        check(
+            self.pooling in (None, "last", "mean", "score"),
+            "pooling",
+            f"must be 'last', 'mean' or 'score', got {self.pooling!r}",
+        )
         check(self.pooling is None or self.n == 1, "n", "must be 1 for an embedding request")
+        scored = self.score_token_ids
+        check(
+            (self.pooling == "score") == (scored is not None),
+            "score_token_ids",
+            "must be given with pooling 'score', and only with it",
+        )
+        check(
+            scored is None
+            or (
+                isinstance(scored, list | tuple)
+                and len(scored) == 2
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in scored)
+                and scored[0] != scored[1]
+            ),
+            "score_token_ids",
+            f"must be two different token ids (no, yes), got {scored!r}",
+        )
 
     @property
     def greedy(self) -> bool:

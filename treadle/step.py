@@ -71,6 +71,6 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
-    token_id: int  # -1 for an embedding request, which samples nothing
+    token_id: int  # -1 for an embedding or scoring request, which samples nothing
     logprobs: list[tuple[int, float, int]] | None = None  # as CoreOutput.new_logprobs, one token
     embedding: list[float] | None = None

@@ -490,3 +490,14 @@ def test_live_multiturn_hits_the_prefix_cache(server):
     assert (
         result["prefix_cache_hit_tokens"] > 0 and 0 < result["prefix_cache_hit_rate"] < 1
     )  # later turns find their history
+
+
+def test_rerank_requests_have_exact_query_and_document_lengths(tok):
+    from treadle.bench.datasets import rerank_dataset
+
+    reqs = rerank_dataset(tok, 2, 12, 5, 30, seed=4)
+    for r in reqs:
+        assert len(tok.encode(r.prompt)) == 12 and len(r.documents) == 5
+        assert all(len(tok.encode(d)) == 30 for d in r.documents) and len(set(r.documents)) == 5
+        assert r.prompt_len == 5 * (12 + 30) and r.output_len == 0
+    assert reqs[0].prompt != reqs[1].prompt  # each request its own query

@@ -396,3 +396,37 @@ def test_dialect_refusals_are_4xx_naming_them_and_no_ops_are_accepted(http, mode
     }
     r = http.post(route, json={**body, **{f: values[f] for f in no_op}})
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- rerank and score (their server: test_rerank.py's)
+
+from treadle.server.api.rerank import DocumentObject, RerankRequest, ScoreRequest  # noqa: E402
+
+R = "server.api.test_rerank::"
+RERANK_FIELDS = {
+    RerankRequest: {
+        "model": R + "test_a_model_that_is_no_reranker_is_a_400_naming_the_model",
+        "query": R + "test_rerank_orders_documents_by_transformers_yes_probability",
+        "documents": R + "test_rerank_orders_documents_by_transformers_yes_probability",
+        "top_n": R + "test_jina_s_document_objects_return_documents_and_top_n",
+        "return_documents": R + "test_jina_s_document_objects_return_documents_and_top_n",
+        "instruction": R + "test_the_request_s_instruction_replaces_the_default",
+        "max_tokens_per_doc": R + "test_max_tokens_per_doc_cuts_each_document",
+    },
+    DocumentObject: {"text": R + "test_jina_s_document_objects_return_documents_and_top_n"},
+    ScoreRequest: {
+        "model": R + "test_a_model_that_is_no_reranker_is_a_400_naming_the_model",
+        "text_1": R + "test_score_pairs_one_to_one_one_to_many_and_many_to_many",
+        "text_2": R + "test_score_pairs_one_to_one_one_to_many_and_many_to_many",
+        "instruction": R + "test_score_pairs_one_to_one_one_to_many_and_many_to_many",
+    },
+}
+
+
+@pytest.mark.parametrize("model", list(RERANK_FIELDS), ids=lambda m: m.__name__)
+def test_every_rerank_and_score_field_is_tested_for_its_effect(model):
+    """None is refused or a no-op: every field has a test (the unknown ones are 400s naming them)."""
+    assert set(model.model_fields) == set(RERANK_FIELDS[model])
+    for name, where in RERANK_FIELDS[model].items():
+        module, test = where.split("::")
+        assert callable(getattr(importlib.import_module(f"tests.{module}"), test, None)), f"{name}: {where}"

@@ -1,5 +1,5 @@
-"""Benchmark workloads with exact token lengths: random, prefix_repetition, sharegpt; and editing
-(real code to rewrite, for speculative decoding).
+"""Benchmark workloads with exact token lengths: random, prefix_repetition, sharegpt; editing
+(real code to rewrite, for speculative decoding); multiturn; rerank (a query and its documents).
 
 Prompts are built from token ids of the served model's tokenizer, then decoded and re-encoded until
 the text is exactly the asked number of tokens, so that the server sees the length we report.
@@ -41,6 +41,7 @@ class BenchRequest:
     system: str | None = None
     system_len: int = 0
     messages: list[dict] | None = None  # multiturn: the whole conversation sent (set as the run goes)
+    documents: list[str] | None = None  # rerank: the documents scored against the prompt (the query)
 
 
 class EngineTokenizer:
@@ -265,10 +266,31 @@ def multiturn_dataset(
     return out
 
 
+def rerank_dataset(tok, num, query_len: int, num_documents: int, document_len: int, seed=0) -> list[BenchRequest]:
+    """Rerank requests (bench serve: POST /v1/rerank): each a query of `query_len` tokens and
+    `num_documents` documents of `document_len` tokens, random text as the random dataset's, new per
+    request. prompt_len counts the query once per document (what the server's prompts hold, less
+    the model's rerank template)."""
+    rng = random.Random(seed)
+    pool = tok.sample_ids()
+
+    def text(n: int) -> str:
+        return exact_text(tok, [rng.choice(pool) for _ in range(n)], n, rng, pool)
+
+    out = []
+    for _ in range(num):
+        query = text(query_len)
+        documents = [text(document_len) for _ in range(num_documents)]
+        out.append(BenchRequest(query, num_documents * (query_len + document_len), 0, documents=documents))
+    return out
+
+
 def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> None:
     """The dataset flags of `vllm bench serve`, shared by bench serve and bench throughput."""
     p.add_argument(
-        "--dataset-name", choices=["random", "prefix_repetition", "sharegpt", "editing", "multiturn"], default="random"
+        "--dataset-name",
+        choices=["random", "prefix_repetition", "sharegpt", "editing", "multiturn", "rerank"],
+        default="random",
     )
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     p.add_argument("--sharegpt-output-len", type=int, default=None)
@@ -295,6 +317,9 @@ def add_dataset_args(p, input_len: int, output_len: int, num_prompts: int) -> No
         default=256,
         help="multiturn: tokens of each conversation's own system prompt",
     )
+    p.add_argument("--rerank-query-len", type=int, default=32, help="rerank: tokens of each request's query")
+    p.add_argument("--rerank-num-documents", type=int, default=64, help="rerank: documents per request")
+    p.add_argument("--rerank-document-len", type=int, default=200, help="rerank: tokens of each document")
 
 
 def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
@@ -330,6 +355,10 @@ def build_dataset(args, tok, seed: int) -> list[BenchRequest]:
         )
     if args.dataset_name == "editing":
         return editing_dataset(tok, args.num_prompts, seed)
+    if args.dataset_name == "rerank":
+        return rerank_dataset(
+            tok, args.num_prompts, args.rerank_query_len, args.rerank_num_documents, args.rerank_document_len, seed
+        )
     if not args.dataset_path:
         raise SystemExit("treadle bench: --dataset-path is required for sharegpt")
     return sharegpt_dataset(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len, seed)

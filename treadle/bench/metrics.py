@@ -36,6 +36,7 @@ class RequestResult:
     structured: bool = False  # sent with a JSON schema (structured_outputs)
     text: str = ""  # the reply (multiturn: the next turn sends it back)
     turn: int | None = None  # multiturn: the turn's index in its conversation
+    documents: int = 0  # rerank: the documents the request scored
 
 
 def percentile_stats(values_s: list[float], percentiles: list[float]) -> dict:

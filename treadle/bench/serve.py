@@ -36,7 +36,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default=None, help="/v1/completions (openai) or /v1/chat/completions (openai-chat)")
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="/v1/completions (openai), /v1/chat/completions (openai-chat), /v1/rerank (--dataset-name rerank)",
+    )
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (default: $OPENAI_API_KEY)")
     p.add_argument("--tokenizer", default=None, help="a GGUF file or HF folder (default: the server's /tokenize)")
@@ -100,9 +104,36 @@ def headers(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
+async def send_rerank(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> RequestResult:
+    """One rerank request (Cohere's body, as LangChain's and LlamaIndex's rerankers send it): the
+    reply is whole, so its TTFT and latency are the same, and it generates no tokens."""
+    result = RequestResult(prompt_len=req.prompt_len)
+    result.start = start = time.perf_counter()
+    try:
+        resp = await client.post(url, json={"model": model, "query": req.prompt, "documents": req.documents})
+        now = time.perf_counter()
+        if resp.status_code != 200:
+            result.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            return result
+        body = resp.json()
+        if len(body.get("results") or []) != len(req.documents):
+            result.error = f"{len(body.get('results') or [])} results for {len(req.documents)} documents"
+            return result
+        result.ttft = result.latency = now - start
+        result.chunk_times = [now]
+        result.server_prompt_len = (body.get("usage") or {}).get("prompt_tokens", 0)
+        result.documents = len(req.documents)
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
 async def send_request(
     client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, chat: bool, args
 ) -> RequestResult:
+    if req.documents is not None:
+        return await send_rerank(client, url, model, req)
     payload = {
         "model": model,
         "max_tokens": req.output_len,
@@ -252,7 +283,8 @@ def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[flo
 
 async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
     chat = args.backend == "openai-chat" or args.dataset_name == "multiturn"  # a conversation is a chat
-    endpoint = args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
+    default = "/v1/rerank" if args.dataset_name == "rerank" else "/v1/chat/completions" if chat else "/v1/completions"
+    endpoint = args.endpoint or default
     url = base_url(args) + endpoint
     limit = args.max_concurrency or len(requests) or 1
     semaphore = asyncio.Semaphore(limit)
@@ -352,6 +384,9 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
     }
     if args.dataset_name == "multiturn":
         result["multiturn"] = multiturn_section(results)
+    if args.dataset_name == "rerank":
+        docs = sum(r.documents for r in results if r.success)
+        result["rerank"] = {"documents": docs, "document_throughput": docs / duration if duration else 0.0}
     if grammars is not None:
         result["structured_output"] = structured_section(args, results, duration, percentiles, goodput, grammars)
     return result
@@ -431,6 +466,10 @@ def print_report(result: dict, args) -> None:
         print(_line("Prompt tokens looked up:", result["prefix_cache_queried_tokens"]))
         print(_line("Prompt tokens found cached:", result["prefix_cache_hit_tokens"]))
         print(_num("Prefix cache hit rate (%):", 100 * result["prefix_cache_hit_rate"]))
+    if "rerank" in result:
+        print(_rule("Rerank"))
+        print(_line("Documents scored:", result["rerank"]["documents"]))
+        print(_num("Document throughput (docs/s):", result["rerank"]["document_throughput"]))
     if "multiturn" in result:
         print(_rule("Multi-turn: median TTFT by turn"))
         for t, m in result["multiturn"]["ttft_by_turn"].items():

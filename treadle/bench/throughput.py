@@ -23,6 +23,8 @@ def cmd_bench_throughput(args) -> int:
     llm = LLM(**{k: v for k, v in vars(config).items()})
     tok = EngineTokenizer(llm.tokenizer)
     reqs = build_dataset(args, tok, args.bench_seed)
+    if args.dataset_name == "rerank":
+        return _rerank(llm, reqs)
     prompts = [tok.encode(r.prompt) for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in reqs]
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
@@ -38,6 +40,24 @@ def cmd_bench_throughput(args) -> int:
     )
     if args.compare_transformers:
         _transformers(args, llm, prompts, [r.output_len for r in reqs])
+    return 0
+
+
+def _rerank(llm, reqs) -> int:
+    """The rerank workload on the engine alone (`--rerank-config`, or a reranker GGUF): each
+    request's documents scored against its query in one LLM.score call, one request after another."""
+    llm.score(reqs[0].prompt, reqs[0].documents[:1])  # warm-up
+    before = llm.stats()
+    start = time.perf_counter()
+    for r in reqs:
+        llm.score(r.prompt, r.documents)
+    elapsed = time.perf_counter() - start
+    after = llm.stats()
+    docs = sum(len(r.documents) for r in reqs)
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    looked = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    print(f"treadle ({llm.engine.dtype}): {len(reqs)} rerank requests, {docs} documents in {elapsed:.2f} s")
+    print(f"  documents/s {docs / elapsed:.1f}   prefix-cache hits {hits} of {looked} prompt tokens")
     return 0
 
 

@@ -250,7 +250,10 @@ class EngineCore:
                 raise ValueError(f"request id {rid!r} is already in use")
             validate_prompt(request.prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
             if params.pooling is not None and not self.worker.provides_hidden_states:
-                error = f"architecture {self.model_config.architecture} does not provide hidden states for embeddings"
+                error = (
+                    f"architecture {self.model_config.architecture} does not provide hidden states for embeddings "
+                    "or scores"
+                )
                 self._failed_outputs.append(
                     CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
                 )

@@ -119,7 +119,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None  # with finish_reason "error": what failed
     client_error: bool = False  # the request's own fault (its grammar could not go on), not the engine's
-    embedding: list[float] | None = None  # an embedding request's pooled, normalized vector
+    embedding: list[float] | None = None  # an embedding request's pooled, normalized vector; a scoring one's [p(yes)]
     grammar_ready: bool = False  # the request's grammar compiled: it is queued (no tokens yet)
 
 

@@ -19,7 +19,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
-    embedding: list[float] | None = None  # an embedding request's vector (no tokens)
+    embedding: list[float] | None = None  # an embedding request's vector; a scoring request's [p(yes)] (no tokens)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

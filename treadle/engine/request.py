@@ -86,3 +86,5 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
         raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
     if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids names a token id outside the vocabulary [0, {vocab_size})")
+    if params.score_token_ids and any(not 0 <= t < vocab_size for t in params.score_token_ids):
+        raise ValueError(f"score_token_ids names a token id outside the vocabulary [0, {vocab_size})")

@@ -20,6 +20,7 @@ from treadle.server.api import (
     models,
     ollama,
     operations,
+    rerank,
     responses,
     tokenize,
 )
@@ -35,7 +36,18 @@ from treadle.server.protocol import RequestError
 __all__ = ["ServerSettings", "build_app"]
 
 # Every router the app includes, in order: the plain endpoints, then one module per dialect.
-ROUTERS = (operations, models, tokenize, chat_completions, completions, responses, anthropic, embeddings, ollama)
+ROUTERS = (
+    operations,
+    models,
+    tokenize,
+    chat_completions,
+    completions,
+    responses,
+    anthropic,
+    embeddings,
+    rerank,
+    ollama,
+)
 
 # Union members show up in pydantic error locations ("temperature.int"); they are not parameters.
 _PYDANTIC_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|.*\[.*\].*|function-.*)$")

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from treadle.server.errors import dialect_of, error_response
 
-PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize", "/stats")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/rerank", "/score", "/stats")
 LOGGED_BODY_CHARS = 4096
 log = logging.getLogger("treadle.server")
 

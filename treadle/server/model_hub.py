@@ -370,6 +370,8 @@ class ModelHub:
 
     def _spawn(self, spec: ModelSpec, fatal: bool) -> Loaded:
         config = replace(self.engine_config, model=spec.path, lora_modules=self._adapters_of(spec.name))
+        if spec.name != self.primary:  # --rerank-config is the command line's model's, as --chat-template
+            config = replace(config, rerank_config=None)
         state = self.make_state(spec, self.make_engine(config))
         now = time.monotonic()
         keep = self.primary_keep_alive if fatal else self.keep_alive

@@ -73,6 +73,11 @@ __all__ = [
     "Embedding",
     "EmbeddingUsage",
     "EmbeddingList",
+    "RerankDocument",
+    "RerankResult",
+    "RerankResponse",
+    "ScoreData",
+    "ScoreResponse",
     # Anthropic
     "AnthropicError",
     "AnthropicErrorDetail",
@@ -405,6 +410,50 @@ class EmbeddingList(BaseModel):
     object: Literal["list"]
     data: list[Embedding]
     model: str
+    usage: EmbeddingUsage
+
+
+class RerankDocument(BaseModel):
+    """A rerank result's document (return_documents)."""
+
+    text: str
+
+
+class RerankResult(BaseModel):
+    """One document's score: its index in the request, p(yes)."""
+
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    """POST /v1/rerank, /rerank, /v2/rerank (Jina's and Cohere's shape, as vLLM and llama.cpp
+    answer): the results best first, top_n of them."""
+
+    id: str
+    object: Literal["list"]
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
+class ScoreData(BaseModel):
+    """One (text_1, text_2) pair's score, p(yes)."""
+
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    """POST /score, /v1/score (vLLM's): one score per pair, in the pairs' order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
     usage: EmbeddingUsage
 
 

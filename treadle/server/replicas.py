@@ -60,6 +60,7 @@ class ReplicaSet:
         if backend not in BACKENDS:
             raise ValueError(f"data-parallel backend {backend!r}: expected one of {', '.join(BACKENDS)}")
         self.router = RoutingPolicy(policy, balance_abs_threshold, balance_rel_threshold, cache_threshold)
+        self.config = config  # as EngineClient's (the front end reads the model's rerank_config)
         self.block_size = config.block_size
         self.backend = backend
         self._events_dir = tempfile.mkdtemp(prefix="treadle-kv-")

@@ -383,22 +383,23 @@ class ModelRunner:
             try:
                 if pooling or self.hidden_capture is not None:
                     hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+                    logits = self.model.logits(hidden[logits_indices])
                     if self.hidden_capture is not None:
                         self.hidden_capture(scheduled, order, hidden)
-                    return (
-                        self.model.logits(hidden[logits_indices]),
-                        sample_rows,
-                        self._pool(step, pooling, hidden, last_row) if pooling else {},
-                    )
+                    if not pooling:
+                        return logits, sample_rows, {}
+                    return logits, sample_rows, self._pool(step, pooling, hidden, last_row, logits, sample_rows)
                 return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
             finally:
                 LORA_ROWS.groups = []
         if pooling or self.hidden_capture is not None:  # eagerly: the compiled graphs return logits only
             hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
-            if self.hidden_capture is not None:  # (a row's norm is the row's alone: the logits' bits are forward's)
+            logits = self.model.logits(hidden[logits_indices])  # (a row's norm is the row's alone: the same bits)
+            if self.hidden_capture is not None:
                 self.hidden_capture(scheduled, order, hidden)
-            pooled = self._pool(step, pooling, hidden, last_row) if pooling else {}
-            return self.model.logits(hidden[logits_indices]), sample_rows, pooled
+            if not pooling:
+                return logits, sample_rows, {}
+            return logits, sample_rows, self._pool(step, pooling, hidden, last_row, logits, sample_rows)
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
@@ -565,12 +566,29 @@ class ModelRunner:
         return torch.cat(parts), rows, vectors
 
     def _pool(
-        self, step: StepInput, pooling: dict[int, str], hidden: torch.Tensor, last_row: dict[int, int]
+        self,
+        step: StepInput,
+        pooling: dict[int, str],
+        hidden: torch.Tensor,
+        last_row: dict[int, int],
+        logits: torch.Tensor,
+        sample_rows: list[int],
     ) -> dict[str, list[float]]:
         """Each embedding request's vector when its prompt's last row ran this step. Mean pooling
         keeps each chunk's rows (restarted at position 0: a preempted prompt runs again from the
-        start, with no prefix-cache hit) and sums them once, in one order whatever the chunking."""
+        start, with no prefix-cache hit) and sums them once, in one order whatever the chunking.
+        A scoring request ("score") gets [p(yes)]: the softmax over its (no, yes) logits at the
+        prompt's last row, read from the step's `logits` (one row per sampling request in
+        `sample_rows`' order, num_drafts + 1 for a verifying one): the model's own head and final
+        transform, each row's values the same whatever shares the step (batch-invariant products;
+        otherwise a scoring request runs in a forward of its own, `_compute_apart`)."""
         vectors = {}
+        at, j = {}, 0  # scheduled index -> its last row in `logits`
+        for i in sample_rows:
+            j += step.scheduled[i].num_drafts
+            at[i] = j
+            j += 1
+        scores = []  # (request id, its row in `logits`, its (no, yes) token ids)
         for i, how in pooling.items():
             s = step.scheduled[i]
             n, end = len(s.token_ids), last_row[i] + 1
@@ -581,10 +599,19 @@ class ModelRunner:
                 req.pooled_rows.append(hidden[end - n : end])
             if not s.sample_ids:
                 continue
+            if how == "score":
+                scores.append((s.req_id, at[i], req.params.score_token_ids))
+                continue
             if how == "mean":
                 rows, req.pooled_rows = torch.cat(req.pooled_rows), []
                 v = rows.float().sum(dim=0) / rows.shape[0]
             else:
                 v = hidden[end - 1].float()
             vectors[s.req_id] = torch.nn.functional.normalize(v, dim=0).cpu().tolist()
+        if scores:
+            rows = torch.tensor([row for _, row, _ in scores], dtype=torch.long, device=logits.device)
+            ids = torch.tensor([pair for _, _, pair in scores], dtype=torch.long, device=logits.device)
+            p_yes = torch.softmax(logits[rows].float().gather(1, ids), dim=-1)[:, 1]
+            for (req_id, _, _), p in zip(scores, p_yes.tolist()):
+                vectors[req_id] = [p]
         return vectors

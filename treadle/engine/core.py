@@ -24,6 +24,7 @@ import os
 import time
 
 from treadle.engine import stats
+from treadle.engine.core_clock import CoreClock
 from treadle.engine.draft_model import DraftModel
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.messages import CoreOutput, EngineCoreRequest, child_request_id
@@ -128,6 +129,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, config.max_grammar_compile_seconds
         )
+        self.clock: CoreClock | None = None  # the moments of each request, for the front end (enable_clock)
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}  # every unfinished choice, by its own id
         self._new_for_runner: list[NewRequestData] = []
@@ -147,6 +149,10 @@ class EngineCore:
             error = self.load_lora(name, path)
             if error is not None:
                 raise ValueError(f"LoRA adapter {name}: {error}")
+
+    def enable_clock(self) -> None:
+        """Stamp each request's moments on this core's clock (engine/core_clock.py) for the output messages."""
+        self.clock = CoreClock(self.scheduler)
 
     def _make_tiers(self):
         """The prefix cache's host and disk tiers (kv_tiers.py), where asked for."""
@@ -197,7 +203,10 @@ class EngineCore:
             started = time.perf_counter()
             self.runner.write_blocks([b for b, _ in loads], [p for _, p in loads])
             self.runner.write_states(state_loads)
-            self.kv.tiers.count_load_seconds(time.perf_counter() - started)
+            ended = time.perf_counter()
+            self.kv.tiers.count_load_seconds(ended - started)
+            if self.clock is not None:
+                self.clock.loaded(started, ended)
 
     # ------------------------------------------------------------ LoRA adapters
 
@@ -242,6 +251,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; a request the core refuses ends at once with finish_reason "error"."""
+        arrived = time.perf_counter()
         self.requests_received += 1
         rid = request.request_id
         try:
@@ -292,6 +302,8 @@ class EngineCore:
                 self._lora_users[lora] += 1
         self._new_for_runner.extend(runner_data)
         self.groups[rid] = RequestGroup(rid, children)
+        if self.clock is not None:
+            self.clock.queued(rid, arrived)
         if params.structured_outputs is not None:
             refused = self.structured.submit(rid, params.structured_outputs, params.n)
             if refused is not None:
@@ -346,6 +358,8 @@ class EngineCore:
         for req in self.scheduler.take_finished():
             if self.requests.pop(req.request_id, None) is not None:
                 self._lora_done(req)
+            if self.clock is not None:
+                self.clock.forget(req.request_id)
             if self.spec is not None:
                 self.spec.finish(req)
             if isinstance(self.draft, MtpDraft):  # the target's hidden states it kept for the request
@@ -381,7 +395,10 @@ class EngineCore:
         self._admit_compiled(outputs)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+        t0 = time.perf_counter()
         step = self.scheduler.schedule(self.step_cost.prefill_cap(self.config.decode_stall_ratio))
+        if self.clock is not None:
+            self.clock.scheduled(t0)
         step.new_requests, self._new_for_runner = self._new_for_runner, []
         step.finished_req_ids, self._finished_for_runner = self._finished_for_runner, []
         if not step.scheduled:
@@ -416,6 +433,8 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - one failed step must not end the engine
             outputs += self._fail_step(step, e)
             self._flush_runner_if_idle()
+            if self.clock is not None:
+                self.clock.stepped(t0, len(step.scheduled))
             return outputs
         written = self.kv.take_written()
         if written:  # the disk tier gets every block as it is computed (its writer thread does the I/O)
@@ -433,6 +452,8 @@ class EngineCore:
         self.num_steps += 1
         self.consecutive_failed_steps = 0
         outputs += self.scheduler.update_from_output(step, results, self.requests)
+        if self.clock is not None:
+            self.clock.stepped(t0, len(step.scheduled))
         self._forget_finished()
         self._flush_runner_if_idle()
         return outputs

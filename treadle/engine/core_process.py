@@ -84,6 +84,7 @@ def run_engine_core(
         # reach: the load's full collection spent 64 ms walking them, as would any later one
         gc.freeze()
         core = EngineCore(config)
+        core.enable_clock()  # each request's moments on this core's clock, in the output messages
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which exits with it
         out.send(codec.encode(LoadFailed(f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")))
         out.close()
@@ -164,8 +165,9 @@ def _serve(core, inp, out, codec: Codec) -> None:
                     return
         outputs = core.step() if core.has_unfinished_requests() else []
         stats = core.stats()
-        if outputs or got or stats != last_stats:
-            out.send(codec.encode(CoreOutputs(outputs, stats)))
+        step, events = core.clock.take()
+        if outputs or got or events or stats != last_stats:
+            out.send(codec.encode(CoreOutputs(outputs, stats, step, events)))
             last_stats = stats
         if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             log.error(

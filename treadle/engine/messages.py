@@ -123,9 +123,34 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_ready: bool = False  # the request's grammar compiled: it is queued (no tokens yet)
 
 
+class StepClock(msgspec.Struct, array_like=True):
+    """When the step of these outputs ran, on the engine core's clock (time.perf_counter seconds of
+    the core process: only differences of these mean anything), and how many requests it batched."""
+
+    start: float  # before its schedule
+    end: float  # its outputs ready
+    rows: int  # requests in the step
+
+
+class ChoiceEvent(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A moment of one choice's life in the engine core (engine/core_clock.py): "queued" (the core
+    took the request), "prefill" (a chunk of its prompt computed in this message's step), or
+    "preempted" (its KV freed, to be recomputed)."""
+
+    request_id: str  # the user's request id (of the group)
+    index: int  # the choice
+    kind: str
+    t: float = 0.0  # queued, preempted: when, on the core's clock (a prefill chunk's is its step's)
+    tokens: int = 0  # prefill: the prompt tokens this chunk computed
+    cached: int = -1  # prefill, the first chunk of an admission: the tokens found in the prefix cache
+    kv_load: float = 0.0  # prefill: seconds its cached pages took to come back from the host / disk tiers
+
+
 class CoreOutputs(msgspec.Struct, tag=True):
     outputs: list[CoreOutput]
     stats: dict | None = None  # a snapshot of EngineCore.stats() after the step
+    step: StepClock | None = None  # the step that made these outputs (None: no step ran)
+    events: list[ChoiceEvent] | None = None  # the choices' moments since the last message, in order
 
 
 ToCore = EngineCoreRequest | Abort | Shutdown | LoadLora | UnloadLora

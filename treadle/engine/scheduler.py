@@ -66,6 +66,9 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, found cached
         self.generation_tokens = 0  # output tokens appended
         self.finished: list[Request] = []  # finished since the last take_finished()
+        # with the core's clock on (engine/core_clock.py): each schedule()'s preemptions, admissions
+        # (with the prefix hit) and requests left waiting for disk pages, in order
+        self.journal: list[tuple] | None = None
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -128,6 +131,8 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(req) if lookup else NO_HIT
             if hits.pending:  # its cached prefix is being read from disk: it keeps its place, others go first
                 skipped.append(self.waiting.popleft())
+                if self.journal is not None:
+                    self.journal.append(("pending", req))
                 continue
             num_cached = hits.num_blocks * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, prompt_budget)
@@ -139,6 +144,8 @@ class Scheduler:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_cached
             req.num_computed_tokens += num_cached
+            if self.journal is not None:
+                self.journal.append(("admitted", req, num_cached, hits))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add(out, req, num_new, restore=-1 if hits.state_slot is None else hits.state_slot)
@@ -170,6 +177,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        if self.journal is not None:
+            self.journal.append(("preempted", req))
 
     def update_from_output(
         self, step: StepInput, results: dict[str, list[SampledToken]], requests: dict[str, Request]

@@ -195,6 +195,8 @@ def _serve(args, early_core) -> int:
         pooling=args.pooling,
         generation_config=args.generation_config,
         override_generation_config=overrides,
+        max_stored_timelines=args.max_stored_timelines,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     return serve(
         config,
@@ -548,6 +550,21 @@ def _add_serve_request_args(srv) -> None:
         "--log-requests",
         action="store_true",
         help="log each request's route and body at INFO (default: off; headers and keys are never logged)",
+    )
+    srv.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help=(
+            "send an OpenTelemetry span per request over OTLP/HTTP to URL, e.g. http://localhost:4318/v1/traces; "
+            "a caller's traceparent header is honoured (needs treadle[otel]) (default: off)"
+        ),
+    )
+    srv.add_argument(
+        "--max-stored-timelines",
+        type=int,
+        default=1000,
+        help="GET /v1/requests/{id}/timeline: the last requests whose timelines are kept (default: 1000)",
     )
     srv.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: the model file or folder name)"

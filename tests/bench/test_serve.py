@@ -336,6 +336,24 @@ def test_live_bench_serve_against_treadle(server, backend, tmp_path):
     json.dumps(result)
 
 
+def test_live_run_keeps_its_timelines_and_draws_them(server, tmp_path, capsys):
+    """--save-timelines: every request's timeline, by the X-Request-Id of its reply, in the JSON;
+    the picture beside it."""
+    path = tmp_path / "run" / "timelines.json"
+    args = bench_args(
+        server, random_input_len=32, random_output_len=6, num_prompts=4, max_concurrency=2, ignore_eos=True,
+        save_timelines=str(path),
+    )  # fmt: skip
+    assert cmd_bench_serve(args) == 0
+    saved = json.loads(path.read_text())
+    assert saved["missing"] == [] and len(saved["timelines"]) == 4
+    for t in saved["timelines"]:
+        assert t["id"].startswith("cmpl-") and [p["name"] for p in t["choices"][0]["phases"]][-1] == "decode"
+        assert t["choices"][0]["generation_tokens"] == 6
+    assert (tmp_path / "run" / "timelines.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "timelines.png" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_live_logprobs_and_health_probe(server, backend, capsys):
     args = bench_args(

@@ -7,6 +7,7 @@ so the step counts below are part of the test (each comment says which steps a r
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -47,6 +48,11 @@ def sample_messages():
                 P.CoreOutput("r3", 0, [], finish_reason="error", error="boom"),
             ],
             {"num_running": 1, "compiled_decode": {"state": "off", "ready": []}},
+            P.StepClock(1.5, 1.75, 3),  # the core's clock (engine/core_clock.py)
+            [
+                P.ChoiceEvent("r1", 0, "queued", 1.0),
+                P.ChoiceEvent("r1", 0, "prefill", tokens=16, cached=0, kv_load=0.01),
+            ],
         ),
     ]
 
@@ -216,7 +222,8 @@ def test_kill_9_of_the_core_fails_in_flight_requests_and_it_comes_back(faulty):
     assert complete(faulty, "Hello").status_code == 200
     after = httpx.get(faulty.url + "/stats").json()
     assert after["engine_pid"] != before["engine_pid"] and after["engine_restarts"] == 1
-    assert "treadle:engine_restarts_total 1.0" in httpx.get(faulty.url + "/metrics").text
+    restarts = r'^treadle:engine_restarts_total\{model_name="[^"]+"\} 1.0$'
+    assert re.search(restarts, httpx.get(faulty.url + "/metrics").text, re.M)
 
 
 def test_the_core_refuses_a_bad_request_without_registering_anything(make_llm):

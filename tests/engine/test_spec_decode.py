@@ -564,6 +564,7 @@ def test_served_speculation_is_counted_in_metrics_and_stats():
     for line in metrics.splitlines():
         if line.startswith("treadle:spec_decode"):
             name, value = line.rsplit(" ", 1)
+            name = name.replace(f'{{model_name="{MODEL}"}}', "").replace(f'model_name="{MODEL}",', "")
             values[name] = float(value)
     assert values["treadle:spec_decode_num_drafts_total"] == spec["num_drafts"]
     assert values["treadle:spec_decode_num_draft_tokens_total"] == spec["num_draft_tokens"]

@@ -28,7 +28,9 @@ def http(server):
 
 
 def metric(http, name: str, labels: str = "") -> float:
+    """A series of the served model (every series carries its model_name); `labels`: the others, as '{k="v"}'."""
     text = http.get("/metrics").text
+    labels = "{" + ",".join(sorted([f'model_name="{MODEL}"'] + ([labels[1:-1]] if labels else []))) + "}"  # by name
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
     assert m, f"{name}{labels} not in /metrics"
     return float(m.group(1))

@@ -97,6 +97,10 @@ def test_a_request_loads_its_model_while_health_stays_ok_and_the_answer_is_that_
     # the tiny model answered, as transformers does (a stream's last incomplete UTF-8 bytes are held back)
     assert r.json()["choices"][0]["text"] == expected.rstrip("\ufffd") and r.json()["usage"]["completion_tokens"] == 8
     assert TINY in loaded(multi)
+    timeline = httpx.get(multi.url + f"/v1/requests/{r.json()['id']}/timeline").json()  # its wait, then the core's
+    load, queued = timeline["choices"][0]["phases"][:2]
+    assert load["name"] == "model_load" and load["start"] == 0 and load["end"] == timeline["load_wait"] > 0
+    assert queued["name"] == "queued" and queued["start"] >= load["end"]
 
 
 def test_keep_alive_zero_unloads_and_a_short_keep_alive_expires_with_no_traffic(multi):

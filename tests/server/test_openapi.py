@@ -100,7 +100,7 @@ def test_the_document_names_every_reply_and_every_stream():
     assert streams[("post", "/v1/messages")] == ["text/event-stream"]
     assert streams[("post", "/api/chat")] == ["application/x-ndjson"]
     assert streams[("get", "/metrics")] == ["text/plain"]
-    assert len(streams) == 33
+    assert len(streams) == 35  # 33, and the timelines: GET /v1/requests, GET /v1/requests/{id}/timeline
 
 
 def test_what_a_route_answers_is_read_from_the_app_s_routes_and_none_may_go_undeclared():

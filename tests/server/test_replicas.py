@@ -43,8 +43,8 @@ def test_stats_and_metrics_speak_per_replica(server):
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     for i in ("0", "1"):
         assert (
-            f'treadle:num_requests_running{{replica="{i}"}}' in metrics
-            and f'treadle:kv_blocks_total{{replica="{i}"}}' in metrics
+            f'treadle:num_requests_running{{model_name="tiny",replica="{i}"}}' in metrics
+            and f'treadle:kv_blocks_total{{model_name="tiny",replica="{i}"}}' in metrics
         )
 
 

@@ -137,3 +137,28 @@ def test_model_output_cannot_inject_html(server, browser):
     os.makedirs(ARTIFACTS, exist_ok=True)
     page.screenshot(path=os.path.join(ARTIFACTS, "webui-phone.png"))
     page.close()
+
+
+def test_the_engine_view_draws_recent_requests_and_a_click_shows_one(server, browser):
+    """The engine panel's bars (GET /v1/requests): one row per finished request, its phases in their
+    colours on one time axis; a click lists that request's phases (GET /v1/requests/{id}/timeline)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
+    for _ in range(2):
+        assert httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.add_init_script(f"localStorage.setItem('treadle.apiKey', {json.dumps(KEY)})")
+    page.goto(server.url + "/")
+    page.wait_for_selector("#st-timeline g rect.phase.decode")
+    rows = page.locator("#st-timeline g")
+    assert rows.count() >= 2
+    assert page.locator("#st-timeline g").last.locator("rect.phase.prefill").count() >= 1
+    colour = page.locator("#st-timeline rect.phase.decode").first.get_attribute("fill")
+    assert colour == "#2f9e5a"
+    rows.last.locator("rect.hit").click()
+    page.wait_for_selector("#st-request table")
+    details = page.locator("#st-request").inner_text()
+    assert "queued" in details and "prefill" in details and "decode" in details
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    page.screenshot(path=os.path.join(ARTIFACTS, "webui-timelines.png"))
+    page.close()

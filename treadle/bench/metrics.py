@@ -37,6 +37,7 @@ class RequestResult:
     text: str = ""  # the reply (multiturn: the next turn sends it back)
     turn: int | None = None  # multiturn: the turn's index in its conversation
     documents: int = 0  # rerank: the documents the request scored
+    request_id: str = ""  # the reply's X-Request-Id (its timeline's id on a treadle server)
 
 
 def percentile_stats(values_s: list[float], percentiles: list[float]) -> dict:

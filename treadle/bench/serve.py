@@ -91,6 +91,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     p.add_argument("--metric-percentiles", default="99")
     p.add_argument("--save-result", action="store_true")
+    p.add_argument(
+        "--save-timelines",
+        default=None,
+        metavar="PATH",
+        help="keep every request's timeline (a treadle server's GET /v1/requests/{id}/timeline) in PATH (JSON) "
+        "and draw them in PATH's .png (default: off)",
+    )
     p.add_argument("--result-dir", default=".")
     p.add_argument("--result-filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
@@ -112,6 +119,7 @@ async def send_rerank(client: httpx.AsyncClient, url: str, model: str, req: Benc
     try:
         resp = await client.post(url, json={"model": model, "query": req.prompt, "documents": req.documents})
         now = time.perf_counter()
+        result.request_id = resp.headers.get("x-request-id", "")
         if resp.status_code != 200:
             result.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
             return result
@@ -165,6 +173,7 @@ async def send_request(
     last = start
     try:
         async with client.stream("POST", url, json=payload) as resp:
+            result.request_id = resp.headers.get("x-request-id", "")
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:300]}"
@@ -381,6 +390,7 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         "e2els": [r.latency for r in results],
         "itls": [r.itl for r in results],
         "errors": [r.error for r in results],
+        "request_ids": [r.request_id for r in results],
     }
     if args.dataset_name == "multiturn":
         result["multiturn"] = multiturn_section(results)
@@ -552,6 +562,11 @@ def bench_serve(args, seed: int | None = None, tok=None) -> dict:
 def cmd_bench_serve(args) -> int:
     result = bench_serve(args)
     print_report(result, args)
+    if args.save_timelines:
+        from treadle.bench.timeline_plot import save_timelines
+
+        written = save_timelines(base_url(args), headers(args), result["request_ids"], args.save_timelines)
+        print("saved " + ", ".join(written))
     if args.save_result:
         name = (
             args.result_filename

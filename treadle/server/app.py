@@ -22,16 +22,25 @@ from treadle.server.api import (
     operations,
     rerank,
     responses,
+    timelines,
     tokenize,
 )
 from treadle.server.api.responses import ResponseStore
 from treadle.server.checked_route import UnicodeCheckedRoute
 from treadle.server.errors import dialect_of, error_response
-from treadle.server.middleware import PROTECTED_PREFIXES, BodyGate, ConcurrencyLimit, RequestLogger, authenticate
+from treadle.server.middleware import (
+    PROTECTED_PREFIXES,
+    BodyGate,
+    ConcurrencyLimit,
+    RequestIds,
+    RequestLogger,
+    authenticate,
+)
 from treadle.server.model_hub import ModelHub, ModelNotFound
 from treadle.server.prepare import ServerSettings, ServerState, model_state
 from treadle.server.prometheus import ServerMetrics
 from treadle.server.protocol import RequestError
+from treadle.server.timeline import TimelineStore
 
 __all__ = ["ServerSettings", "build_app"]
 
@@ -47,6 +56,7 @@ ROUTERS = (
     embeddings,
     rerank,
     ollama,
+    timelines,
 )
 
 # Union members show up in pydantic error locations ("temperature.int"); they are not parameters.
@@ -95,6 +105,21 @@ async def lifespan(app: FastAPI):
         yield
     finally:
         await hub.stop()
+        tracer = app.state.treadle.metrics.tracer
+        if tracer is not None:  # what is still batched goes out
+            tracer.shutdown()
+
+
+def server_metrics(hub, settings: ServerSettings) -> ServerMetrics:
+    """The metrics, with the timelines' store and, with --otlp-traces-endpoint, the tracer
+    (a ValueError at start without the OpenTelemetry packages)."""
+    metrics = ServerMetrics(hub)
+    metrics.timelines = TimelineStore(settings.max_stored_timelines)
+    if settings.otlp_traces_endpoint:
+        from treadle.server.tracing import Tracer
+
+        metrics.tracer = Tracer(settings.otlp_traces_endpoint)
+    return metrics
 
 
 def build_app(engine, settings: ServerSettings) -> FastAPI:
@@ -108,7 +133,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     )
     app = FastAPI(title="treadle", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.router.route_class = UnicodeCheckedRoute
-    state = ServerState(hub, settings, ServerMetrics(hub), hub=hub)
+    state = ServerState(hub, settings, server_metrics(hub, settings), hub=hub)
     app.state.treadle = state
     app.state.responses = ResponseStore(settings.max_stored_responses)
     app.state.api_keys = [k.encode() for k in settings.api_keys]
@@ -127,6 +152,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(RequestLogger)
     if settings.max_concurrent_per_key > 0:  # before the key check: a wrong key counts apart, until its 401
         app.add_middleware(ConcurrencyLimit, limit=settings.max_concurrent_per_key, keyed=bool(settings.api_keys))
+    app.add_middleware(RequestIds)  # outermost: every reply, a 401 or 413 too, carries its X-Request-Id
 
     app.mount("/static", StaticFiles(directory=operations.STATIC_DIR), name="static")  # the web chat: no key needed
     for module in ROUTERS:

@@ -77,6 +77,8 @@ class EngineClient:
         self._restart_times: deque[float] = deque()
         self._codec = Codec()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._timings: dict[str, list] = {}  # request id -> its choices' ChoiceTimings (server/timeline.py)
+        self.core_now: float | None = None  # the latest step's end, on the core's clock
         self._stats: dict = {}
         self._adds_sent = 0  # to the current core, against its stats' requests_received
         self._proc = None
@@ -221,13 +223,15 @@ class EngineClient:
                 return  # socket closed under us: a restart or shutdown
             if isinstance(msg, CoreOutputs):
                 self._stats = msg.stats or self._stats
-                if msg.outputs:
-                    try:
+                try:
+                    if msg.step is not None or msg.events:
+                        self._clock(msg)
+                    if msg.outputs:
                         self._dispatch(msg)
-                    except Exception:  # noqa: BLE001 - a bug here must not leave every stream hanging
-                        log.exception("cannot process the engine core's outputs; restarting the core")
-                        self._proc.kill()  # its death fails every in-flight request and starts a fresh one
-                        return
+                except Exception:  # noqa: BLE001 - a bug here must not leave every stream hanging
+                    log.exception("cannot process the engine core's outputs; restarting the core")
+                    self._proc.kill()  # its death fails every in-flight request and starts a fresh one
+                    return
             elif isinstance(msg, Ready) and self.state != "failed":
                 self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
                 self._stats = msg.stats
@@ -244,6 +248,27 @@ class EngineClient:
                 if future is not None and not future.done():
                     future.set_result(msg.error)
 
+    def _clock(self, msg: CoreOutputs) -> None:
+        """The core's stamps of this message onto its requests' timings (before their outputs are
+        posted: a finished one's timing is complete when its reader wakes)."""
+        timings = self._timings
+        step = msg.step
+        for e in msg.events or ():
+            choices = timings.get(e.request_id)
+            if choices is not None:
+                choices[e.index].event(e, step)
+        if step is None:
+            return
+        self.core_now = step.end
+        for out in msg.outputs:
+            if out.new_token_ids:
+                choices = timings.get(out.request_id)
+                if choices is not None:
+                    c = choices[out.index]
+                    if c.queued is None and out.index:  # a forked choice's first token: its prompt was choice 0's
+                        c.inherit(choices[0], step)
+                    c.tokens_at(len(out.new_token_ids), step)
+
     def _dispatch(self, msg: CoreOutputs) -> None:
         deltas, to_abort = self.processor.process(msg.outputs)
         if to_abort:
@@ -257,6 +282,7 @@ class EngineClient:
             return
         if out.finished:
             del self._streams[out.request_id]
+            self._timings.pop(out.request_id, None)
         q.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:
@@ -268,6 +294,7 @@ class EngineClient:
                 self.processor.abort(request_id, reason="error", error=message)
             q.put_nowait(EngineDead(message))
         self._streams.clear()
+        self._timings.clear()
 
     def _send(self, msg) -> None:
         if self._send_sock is None:
@@ -317,14 +344,21 @@ class EngineClient:
         cache_salt: str | None = None,
         out_queue: asyncio.Queue | None = None,
         lora_name: str | None = None,
+        timing: list | None = None,
     ) -> asyncio.Queue:
         """Queue a request (already validated); its outputs (RequestOutput deltas, or an exception)
-        arrive on `out_queue` (several requests may share one) or a new queue, which is returned."""
+        arrive on `out_queue` (several requests may share one) or a new queue, which is returned.
+        `timing`: its choices' ChoiceTimings (server/timeline.py), given the core's stamps."""
         if not self.ready:
             raise EngineDead(self.reason or "the engine is not running")
         q: asyncio.Queue = out_queue if out_queue is not None else asyncio.Queue()
         self.processor.add_request(request_id, None, prompt_token_ids, params)
         self._streams[request_id] = q
+        if timing is not None:
+            now = time.monotonic()
+            for c in timing:
+                c.engine, c.submitted = self, now
+            self._timings[request_id] = timing
         self._adds_sent += 1
         self._send(EngineCoreRequest(request_id, prompt_token_ids, params_to_dict(params), cache_salt, lora_name))
         return q
@@ -361,6 +395,7 @@ class EngineClient:
         """End a request now: its stream gets a final output with finish_reason "abort"."""
         if request_id not in self._streams:
             return
+        self._timings.pop(request_id, None)
         final = self.processor.abort(request_id)
         self._send(Abort([request_id]))
         if final is not None:

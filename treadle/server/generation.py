@@ -20,9 +20,10 @@ from fastapi.responses import Response
 from treadle.engine.messages import lora_cache_salt
 from treadle.engine.outputs import RequestOutput
 from treadle.server.engine_client import EngineDead
+from treadle.server.middleware import REQUEST_CONTEXT
 from treadle.server.openapi_models import PromptTokensDetails, Usage
-from treadle.server.prometheus import RequestTimer
 from treadle.server.protocol import RequestError
+from treadle.server.timeline import LOAD_WAIT, MODEL_LOADING, RequestTiming
 
 
 class GenerationFailed(Exception):
@@ -86,7 +87,16 @@ class Generation:
         self.n = params[0].n if params else 1
         self.arrival = arrival
         self.created = int(time.time())
-        self.timer = RequestTimer(state.metrics, arrival)
+        self.tokens = 0  # generated, as they arrived here
+        self.first_token_at: float | None = None
+        model = state.base or state.settings.served_model_name  # an adapter's requests: its base model's
+        self.timing = t = RequestTiming(request_id, model, arrival, prompts, params)  # where its time went
+        t.load_wait, t.loading = LOAD_WAIT.get(), MODEL_LOADING.get()
+        context = REQUEST_CONTEXT.get()
+        if context is not None:  # the HTTP request's X-Request-Id and trace context (middleware.RequestContext)
+            if context.reply_id is None:
+                context.reply_id = request_id
+            t.client_id, t.trace_context = context.client_id, context
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.finished: set[str] = set()
         self.cached_tokens: dict[str, int] = {}
@@ -105,11 +115,7 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return self.timer.tokens
-
-    @property
-    def first_token_at(self) -> float | None:
-        return self.timer.first
+        return self.tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -139,11 +145,13 @@ class Generation:
             q: asyncio.Queue = asyncio.Queue()
             lora = self.state.lora
             salt = lora_cache_salt(lora[1], self.cache_salt) if lora else self.cache_salt
-            for rid, ids, params in zip(self.request_ids, self.prompts, self.params):
+            choices, n = self.timing.choices, self.n
+            for i, (rid, ids, params) in enumerate(zip(self.request_ids, self.prompts, self.params)):
+                timing = choices[i * n : (i + 1) * n]
                 if lora:
-                    engine.add_request(rid, ids, params, salt, out_queue=q, lora_name=lora[0])
+                    engine.add_request(rid, ids, params, salt, out_queue=q, lora_name=lora[0], timing=timing)
                 else:
-                    engine.add_request(rid, ids, params, salt, out_queue=q)
+                    engine.add_request(rid, ids, params, salt, out_queue=q, timing=timing)
         except EngineDead as e:
             for rid in self.request_ids:
                 engine.abort(rid)
@@ -191,7 +199,6 @@ class Generation:
 
     def _deltas(self, out: RequestOutput) -> list[Delta]:
         now = time.monotonic()
-        self.timer.tokens_arrived(sum(len(c.token_ids) for c in out.outputs), now)
         if out.finished:
             self.finished.add(out.request_id)
             if self.done:
@@ -205,7 +212,15 @@ class Generation:
             raise GenerationFailed(out.error, 500, "internal_error")
         base = self.request_ids.index(out.request_id) * self.n
         deltas = []
+        timings = self.timing.choices
         for c in out.outputs:
+            if c.token_ids:
+                self.tokens += len(c.token_ids)
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                timing = timings[base + c.index]
+                if timing.front_first is None:
+                    timing.front_first = now
             d = Delta(
                 base + c.index,
                 c.text,
@@ -218,6 +233,7 @@ class Generation:
             if d.finish_reason:
                 self.reasons[d.index] = d.finish_reason
                 self.stop_reasons[d.index] = d.stop_reason
+                timings[d.index].reason, timings[d.index].front_end = d.finish_reason, now
             deltas.append(d)
         return deltas
 
@@ -279,11 +295,8 @@ class Generation:
         for rid in self.request_ids:
             if rid not in self.finished:
                 self.engine.abort(rid)
-        if self.failed:
-            reason = "error"
-        elif not self.done:  # the client left, or the server is draining
-            reason = "abort"
-        else:
-            reason = self.reasons.get(0) or next(iter(self.reasons.values()), "abort")
-        self.timer.finished(reason, time.monotonic())
+        # a choice without its end: "error" if the request failed, else "abort" (the client left,
+        # or the server is draining); its metrics, timeline and span
+        self.timing.close(time.monotonic(), self.failed)
+        self.state.metrics.finished(self.timing)
         self.state.in_flight.discard(self)

@@ -1,9 +1,12 @@
-"""The app's middleware: the body gate (size, time), per-key concurrency, --log-requests, and the
-API-key check (Bearer or x-api-key; several keys, compared in constant time)."""
+"""The app's middleware: every reply's X-Request-Id (and the request's context: its id, the caller's
+trace), the body gate (size, time), per-key concurrency, --log-requests, and the API-key check
+(Bearer or x-api-key; several keys, compared in constant time)."""
 
 import asyncio
+import contextvars
 import hmac
 import logging
+import uuid
 
 from fastapi import Request
 
@@ -69,6 +72,56 @@ class BodyGate:
 
     async def _refuse(self, scope, receive, send, status: int, message: str) -> None:
         await error_response(scope["path"], status, message, headers={"Connection": "close"})(scope, receive, send)
+
+
+class RequestContext:
+    """What one HTTP request says of itself: its X-Request-Id, the caller's trace context
+    (traceparent, tracestate); and the id of the reply that answers it, once a generation has one."""
+
+    __slots__ = ("client_id", "reply_id", "traceparent", "tracestate")
+
+    def __init__(self):
+        self.client_id: str | None = None
+        self.reply_id: str | None = None
+        self.traceparent: str | None = None
+        self.tracestate: str | None = None
+
+
+REQUEST_CONTEXT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("request_context", default=None)
+MAX_REQUEST_ID_CHARS = 256
+
+
+class RequestIds:
+    """Every reply carries an X-Request-Id: the client's own, else the id of the reply (a
+    generation's), else a fresh one. Sets REQUEST_CONTEXT for the request's handler (generation.py
+    reads it) with the trace headers a caller sent."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        context = RequestContext()
+        for name, value in scope["headers"]:
+            if name == b"x-request-id" and value:
+                context.client_id = value.decode("latin-1")[:MAX_REQUEST_ID_CHARS]
+            elif name == b"traceparent":
+                context.traceparent = value.decode("latin-1")
+            elif name == b"tracestate":
+                context.tracestate = value.decode("latin-1")
+        token = REQUEST_CONTEXT.set(context)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                rid = context.client_id or context.reply_id or uuid.uuid4().hex
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_CONTEXT.reset(token)
 
 
 class ConcurrencyLimit:

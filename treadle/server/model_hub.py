@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from treadle.engine_config import EngineConfig
 from treadle.server.protocol import RequestError
+from treadle.server.timeline import MODEL_LOADING
 
 log = logging.getLogger("treadle.server")
 
@@ -285,6 +286,8 @@ class ModelHub:
             if not (
                 entry.startup and entry.engine.state == "loading"
             ):  # the command line's model answers 503 while the server starts, as ever
+                if not entry.ready.is_set():
+                    MODEL_LOADING.set(True)  # the request's timeline shows its wait (server/timeline.py)
                 await entry.ready.wait()
             if entry.failed is not None:
                 raise RequestError(

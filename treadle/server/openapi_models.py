@@ -115,6 +115,10 @@ __all__ = [
     "TokenizeResponse",
     "DetokenizeResponse",
     "OpenAPIDocument",
+    "TimelinePhase",
+    "TimelineChoice",
+    "RequestTimeline",
+    "RequestTimelineList",
 ]
 
 # A JSON number kept as given: a request's int echoed back stays an int (a plain `float` field would
@@ -797,6 +801,53 @@ class OpenAPIDocument(BaseModel):
     openapi: str
     info: dict[str, Any]
     paths: dict[str, Any]
+
+
+class TimelinePhase(BaseModel):
+    """One phase of a choice (server/timeline.py): seconds after the request's arrival; end null
+    where it was still open when the request ended."""
+
+    name: Literal["model_load", "queued", "prefill", "decode", "preempted"]
+    start: float | None
+    end: float | None
+    tokens: int = Field(description="prefill: prompt tokens the chunk computed; decode: tokens after the first")
+    steps: int = Field(description="engine steps of the phase")
+    mean_batch_rows: float = Field(description="requests in the phase's steps, on average")
+    cached_tokens: int | None = Field(None, description="prefill only: found in the prefix cache at its admission")
+
+
+class TimelineChoice(BaseModel):
+    """One choice of a request's timeline."""
+
+    index: int
+    finish_reason: str | None
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int
+    preemptions: int
+    kv_load_seconds: float
+    first_token: float | None = Field(description="seconds after arrival its first token reached the front end")
+    end: float | None = Field(description="seconds after arrival its end reached the front end")
+    phases: list[TimelinePhase]
+
+
+class RequestTimeline(BaseModel):
+    """GET /v1/requests/{id}/timeline: where one request's time went."""
+
+    id: str
+    x_request_id: str = Field(description="the client's X-Request-Id, else the reply's id")
+    model: str
+    arrival: float = Field(description="unix time; every other time is seconds after it")
+    e2e: float | None
+    load_wait: float
+    choices: list[TimelineChoice]
+
+
+class RequestTimelineList(BaseModel):
+    """GET /v1/requests: the latest requests' timelines, oldest first."""
+
+    object: Literal["list"]
+    data: list[RequestTimeline]
 
 
 # ====================================================================== the route table

@@ -5,7 +5,6 @@ chat or completion request and call `prepare_chat` / `prepare_completion`; the r
 `Generation`."""
 
 import asyncio
-import contextvars
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -20,6 +19,7 @@ from treadle.server.generation import Generation
 from treadle.server.prometheus import ServerMetrics
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, RequestError
 from treadle.server.reasoning import reasoning_closed, starts_inside
+from treadle.server.timeline import LOAD_WAIT  # seconds this request waited for its model to load
 from treadle.server.tools import ToolSetup, family_of, prepare_messages, template_supports_tools, tool_setup
 from treadle.text import chat_template as _templates  # noqa: F401 - jinja2 loaded with the front end, not by its first chat request
 
@@ -55,6 +55,8 @@ class ServerSettings:
         "auto"  # auto: the model's own generation defaults apply where a request is silent; vllm: none
     )
     override_generation_config: dict = field(default_factory=dict)  # on top of the model's (SamplingParams' names)
+    max_stored_timelines: int = 1000  # GET /v1/requests/{id}/timeline: the last requests kept (server/timeline.py)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry: a span per request sent there (server/tracing.py)
 
 
 @dataclass
@@ -92,11 +94,6 @@ class ServerState:
     @property
     def in_flight(self) -> set:
         return self.lifecycle.in_flight
-
-
-LOAD_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar(
-    "load_wait", default=0.0
-)  # seconds this request waited for its model to load
 
 
 @asynccontextmanager
@@ -174,7 +171,7 @@ def model_state(server: ServerState, spec, engine) -> ServerState:
     settings = replace(
         server.settings, served_model_name=spec.name, model_root=spec.path, chat_template=spec.chat_template
     )
-    server.metrics.attach(engine)
+    server.metrics.attach(engine, spec.name)
     return ServerState(
         engine, settings, server.metrics, server.lifecycle, server.hub, generation_defaults(settings, spec.path)
     )

@@ -228,6 +228,7 @@ class ReplicaSet:
         cache_salt: str | None = None,
         out_queue=None,
         lora_name=None,
+        timing=None,
     ):
         ready = self._ready()
         if not ready:
@@ -238,7 +239,7 @@ class ReplicaSet:
         if choice.predicted_hit_tokens is not None:
             self.observe_prediction(choice.predicted_hit_tokens)
         return self.replicas[int(choice.worker)].add_request(
-            request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name
+            request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name, timing
         )
 
     def abort(self, request_id: str) -> None:

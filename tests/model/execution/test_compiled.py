@@ -247,7 +247,8 @@ def test_server_reports_its_compiled_classes_and_reaps_its_compiler(tmp_path, ca
         assert status["state"] == "ready" and status["ready"] == ["1", "2+"], status
         memory = httpx.get(server.url + "/stats").json()["memory"]
         assert memory["compiled_graphs_bytes"] > 0  # the loaded graphs are counted apart
-        gauge = re.search(r"^treadle:compiled_decode_classes (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+        metrics = httpx.get(server.url + "/metrics").text
+        gauge = re.search(r'^treadle:compiled_decode_classes\{model_name="[^"]+"\} (\S+)$', metrics, re.M)
         assert gauge and float(gauge.group(1)) == 2
         reply = httpx.post(
             server.url + "/v1/completions",

@@ -1,4 +1,5 @@
-// treadle web chat: conversations in localStorage, streaming replies, stop, settings, engine panel.
+// treadle web chat: conversations in localStorage, streaming replies, stop, settings, engine panel
+// (its numbers, and recent requests' timelines on a time axis).
 (function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -236,6 +237,108 @@
     setTimeout(pollStats, 1000);
   }
 
+  // ---------------------------------------------------------------- request timelines
+
+  // each phase's colour, as `treadle bench serve --save-timelines` draws them (treadle/bench/timeline_plot.py)
+  const PHASE_COLOURS = { model_load: "#8e8e93", queued: "#e0a526", prefill: "#3b7dd8", decode: "#2f9e5a", preempted: "#d0453c" };
+  const SVG_NS = "http://www.w3.org/2000/svg";
+
+  function svgNode(name, attrs) {
+    const n = document.createElementNS(SVG_NS, name);
+    for (const k in attrs) n.setAttribute(k, attrs[k]);
+    return n;
+  }
+
+  function drawLegend() {
+    const box = $("st-legend");
+    for (const name in PHASE_COLOURS) {
+      const s = document.createElement("span");
+      s.style.setProperty("--c", PHASE_COLOURS[name]);
+      s.textContent = name.replace("_", " ");
+      box.append(s);
+    }
+  }
+
+  function phaseEnd(rec, p) { return p.end != null ? p.end : (rec.e2e || p.start || 0); }
+
+  // the latest requests, one row each (its first choice's phases) on one time axis; a click shows one
+  function drawTimelines(records) {
+    const svg = $("st-timeline");
+    svg.textContent = "";
+    if (!records.length) { svg.setAttribute("height", 0); return; }
+    const width = Number(svg.getAttribute("width")), row = 7, gap = 2;
+    const t0 = Math.min(...records.map((r) => r.arrival));
+    const t1 = Math.max(...records.map((r) => r.arrival + (r.e2e || 0)));
+    const scale = width / Math.max(1e-6, t1 - t0);
+    svg.setAttribute("height", records.length * (row + gap));
+    records.forEach((rec, i) => {
+      const y = i * (row + gap);
+      const g = svgNode("g", { "data-id": rec.id });
+      const x0 = (rec.arrival - t0) * scale;
+      // the whole row takes the click (a short request's bars are a pixel or two wide)
+      g.append(svgNode("rect", { class: "hit", x: 0, y: y, width: width, height: row, fill: "transparent" }));
+      g.append(svgNode("rect", { class: "track", x: x0, y: y, width: Math.max(1, (rec.e2e || 0) * scale), height: row, fill: "#eee" }));
+      const phases = rec.choices.length ? rec.choices[0].phases : [];
+      for (const p of phases) {
+        if (p.start == null) continue;
+        const x = Math.min(width - 1, x0 + p.start * scale);  // inside the axis, however the clocks round
+        const bar = svgNode("rect", {
+          class: "phase " + p.name, x: x, y: y,
+          width: Math.max(1, Math.min(width - x, (phaseEnd(rec, p) - p.start) * scale)), height: row, fill: PHASE_COLOURS[p.name] || "#999",
+        });
+        const tip = svgNode("title", {});
+        tip.textContent = p.name + " " + Math.round(1000 * (phaseEnd(rec, p) - p.start)) + " ms";
+        bar.append(tip);
+        g.append(bar);
+      }
+      g.addEventListener("click", () => showTimeline(rec.id));
+      svg.append(g);
+    });
+  }
+
+  async function showTimeline(id) {
+    const box = $("st-request");
+    try {
+      const r = await fetch("/v1/requests/" + encodeURIComponent(id) + "/timeline", { headers: headers() });
+      if (!r.ok) { box.hidden = false; box.textContent = "no timeline for " + id; return; }
+      const rec = await r.json();
+      box.textContent = "";
+      const head = document.createElement("div");
+      head.textContent = rec.id + " · " + (rec.e2e != null ? Math.round(1000 * rec.e2e) + " ms" : "");
+      box.append(head);
+      for (const c of rec.choices) {
+        const table = document.createElement("table");
+        const cap = document.createElement("caption");
+        cap.textContent = "choice " + c.index + ": " + c.finish_reason + ", " + c.prompt_tokens + " in (" + c.cached_tokens + " cached), " + c.generation_tokens + " out";
+        table.append(cap);
+        for (const p of c.phases) {
+          const tr = document.createElement("tr");
+          const name = document.createElement("td");
+          const sw = document.createElement("span");
+          sw.className = "swatch";
+          sw.style.background = PHASE_COLOURS[p.name] || "#999";
+          name.append(sw, document.createTextNode(p.name));
+          const when = document.createElement("td");
+          when.textContent = Math.round(1000 * (p.start || 0)) + "–" + Math.round(1000 * phaseEnd(rec, p)) + " ms";
+          const what = document.createElement("td");
+          what.textContent = p.steps ? p.tokens + " tok · " + p.steps + " st · " + p.mean_batch_rows + " rows" : "";
+          tr.append(name, when, what);
+          table.append(tr);
+        }
+        box.append(table);
+      }
+      box.hidden = false;
+    } catch (e) { /* the server went away: the next click tries again */ }
+  }
+
+  async function pollTimelines() {
+    try {
+      const r = await fetch("/v1/requests?limit=24", { headers: headers() });
+      if (r.ok) drawTimelines((await r.json()).data);
+    } catch (e) { /* server restarting: try again next tick */ }
+    setTimeout(pollTimelines, 2000);
+  }
+
   async function loadModel() {
     try {
       const r = await fetch("/v1/models", { headers: headers() });
@@ -292,4 +395,6 @@
   renderAll();
   loadModel();
   pollStats();
+  drawLegend();
+  pollTimelines();
 })();

@@ -58,6 +58,10 @@ LIMIT_HELP = {
     "max_stream_buffer_bytes": (
         "bytes of a streamed reply its client has not taken yet; past it the stream and its engine requests are aborted"
     ),
+    "max_image_pixels": (
+        "a model that sees: the most pixels (width x height) an image may have; a larger one is refused from its "
+        "header, before it is decoded"
+    ),
 }
 
 
@@ -197,6 +201,9 @@ def _serve(args, early_core) -> int:
         override_generation_config=overrides,
         max_stored_timelines=args.max_stored_timelines,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        limit_mm_per_prompt=_mm_limits(args.limit_mm_per_prompt),
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        allowed_local_media_path=args.allowed_local_media_path,
     )
     return serve(
         config,
@@ -561,6 +568,22 @@ def _add_serve_request_args(srv) -> None:
         ),
     )
     srv.add_argument(
+        "--limit-mm-per-prompt",
+        default='{"image": 8}',
+        help='a model that sees: the most images one request may carry, as JSON (vLLM\'s form; default: {"image": 8})',
+    )
+    srv.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="hosts whose http(s) image URLs the server fetches (default: none; data: URLs always work)",
+    )
+    srv.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a folder under which file:// image URLs and paths may be read (default: none)",
+    )
+    srv.add_argument(
         "--max-stored-timelines",
         type=int,
         default=1000,
@@ -778,3 +801,20 @@ def _start_core_early(argv: list[str]):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _mm_limits(text: str) -> dict:
+    """--limit-mm-per-prompt's JSON: {"image": N} with N >= 0."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--limit-mm-per-prompt: not JSON ({e})") from None
+    if (
+        not isinstance(value, dict)
+        or set(value) - {"image"}
+        or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value.values())
+    ):
+        raise ValueError(f'--limit-mm-per-prompt: expected {{"image": N}} with N >= 0, got {text}')
+    return {"image": 8, **value}

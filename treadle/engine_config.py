@@ -175,6 +175,9 @@ class EngineConfig:
     # "no_token"} or vLLM's Qwen3-Reranker hf_overrides {"classifier_from_token": ["no", "yes"],
     # "is_original_qwen3_reranker": true} (a JSON text or a dict); None: where a GGUF file says so
     rerank_config: dict | str | None = None
+    # a model that sees: the vision encoder's outputs kept by image, up to this many bytes (an
+    # image sent again, another choice of it, a preempted request's: not encoded twice)
+    mm_cache_bytes: int = 256 << 20
 
     def __post_init__(self):
         for name, low in (
@@ -188,7 +191,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if self.decode_stall_ratio is not None and self.decode_stall_ratio < 0:
             raise ValueError(f"decode_stall_ratio must be at least 0, got {self.decode_stall_ratio}")
-        for name in ("kv_offload_bytes", "kv_disk_bytes"):
+        for name in ("kv_offload_bytes", "kv_disk_bytes", "mm_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
         if self.max_grammar_compile_seconds <= 0:
@@ -225,7 +228,10 @@ ENGINE_HELP = {
         "memory for the KV pool, e.g. 512M or 2G (default: max-num-seqs x max-model-len, at most 1G)"
     ),
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one engine step",
+    "max_num_batched_tokens": (
+        "token budget of one engine step (an image's tokens are computed in one step: no image may be longer)"
+    ),
+    "mm_cache_bytes": "a model that sees: bytes of vision-encoder outputs kept by image (e.g. 256M; 0: none kept)",
     "decode_stall_ratio": (
         "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: "
         "about twice as long), measured as the engine runs; 0: prompts take the whole --max-num-batched-tokens"
@@ -309,7 +315,7 @@ def add_engine_args(
             if default is None:
                 help_text = f"{ENGINE_HELP.get(f.name, '')} (default: auto)"
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif f.name in ("kv_cache_memory_bytes", "kv_offload_bytes", "kv_disk_bytes"):
+        elif f.name in ("kv_cache_memory_bytes", "kv_offload_bytes", "kv_disk_bytes", "mm_cache_bytes"):
             parser.add_argument(flag, type=parse_size, default=default, help=help_text)
         elif f.name == "kv_cache_dtype":
             parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=help_text)

@@ -33,12 +33,44 @@ class LLM:
     def generate(
         self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *, cache_salt=None, lora=None
     ) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists. lora: the name of a
-        loaded LoRA adapter (`lora_modules={NAME: PATH}` or `load_lora`) for every prompt, or one
-        name or None per prompt (one batch serves them all)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """prompts: a string, a list of strings, or a list of token-id lists; or, for a model that
+        sees, vLLM's {"prompt": text, "multi_modal_data": {"image": a PIL image or a list of them}}
+        (the text has the model's image marker where each image goes, e.g. Gemma 3's
+        `<start_of_image>`), alone or in a list. lora: the name of a loaded LoRA adapter
+        (`lora_modules={NAME: PATH}` or `load_lora`) for every prompt, or one name or None per prompt
+        (one batch serves them all)."""
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run(list(prompts), params, add_special_tokens=True, cache_salt=cache_salt, lora=lora)
+
+    @functools.cached_property
+    def vision(self):
+        """The model's media.VisionPrompts (its image processor, from the model folder); ValueError
+        for a model that takes no images."""
+        if not self.engine.worker.takes_images:
+            raise ValueError(f"model {self.engine.model_config.architecture} takes no images")
+        from treadle.media.processors import processor_for
+        from treadle.media.vision_prompt import VisionPrompts
+
+        return VisionPrompts(processor_for(self.config.model), self.tokenizer)
+
+    def _with_images(self, prompt: dict, add_special_tokens: bool) -> tuple[list[int], list]:
+        """A vLLM-style prompt dict -> (token ids, its step.ImageInput)."""
+        unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
+        if unknown or not isinstance(prompt.get("prompt"), str):
+            raise ValueError(f"a prompt dict takes 'prompt' (a string) and 'multi_modal_data'; got {sorted(prompt)}")
+        data = prompt.get("multi_modal_data") or {}
+        if set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data: only 'image' is taken, got {sorted(data)}")
+        images = data.get("image", [])
+        images = images if isinstance(images, list | tuple) else [images]
+        if not images:
+            return self.tokenizer.encode(prompt["prompt"], add_special_tokens=add_special_tokens), []
+        from treadle.media.images import to_rgb
+
+        return self.vision.build(
+            prompt["prompt"], [to_rgb(img) for img in images], add_special_tokens=add_special_tokens, param="prompt"
+        )
 
     def load_lora(self, name: str, path: str) -> None:
         """Attach a PEFT LoRA adapter folder under `name` (vLLM's LoRARequest, by name)."""
@@ -113,9 +145,18 @@ class LLM:
         engine = self.engine
         ids = []
         for prompt, p, name in zip(prompts, params, loras):
+            images = None
+            if isinstance(prompt, dict):
+                prompt, images = self._with_images(prompt, add_special_tokens)
             ids.append(
                 engine.add_request(
-                    None, prompt, p, cache_salt=cache_salt, add_special_tokens=add_special_tokens, lora_name=name
+                    None,
+                    prompt,
+                    p,
+                    cache_salt=cache_salt,
+                    add_special_tokens=add_special_tokens,
+                    lora_name=name,
+                    images=images,
                 )
             )
         results = {rid: None for rid in ids}

@@ -26,6 +26,21 @@ class TokenHistory:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
 
+class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One image of a prompt, preprocessed by the front end (treadle/media/): its `length` tokens
+    from `offset` are the model's image placeholder, whose embeddings the vision encoder's output
+    replaces. `hash` names the picture and the processor settings (the encoder cache's key and
+    the prefix cache's extra key); `pixels` are float32 values of `shape`, C order, and `extra`
+    what a family's encoder needs beside them (a grid's size...)."""
+
+    offset: int
+    length: int
+    hash: str
+    pixels: bytes = b""
+    shape: list[int] = []
+    extra: dict = {}
+
+
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request the runner has not seen: the sampling state it keeps for it, keyed by id."""
 
@@ -33,6 +48,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int]
     params: dict
     lora: int = 0  # the LoRA adapter's id in the runner (model/lora.py); 0: none
+    images: list[ImageInput] = []  # its prompt's images, in order
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -268,6 +268,13 @@ class EngineCore:
                     CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
                 )
                 return
+            if request.images:
+                error = self.check_images(request)
+                if error is not None:
+                    self._failed_outputs.append(
+                        CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
+                    )
+                    return
             lora = 0
             if request.lora_name is not None:
                 lora = self.loras.get(request.lora_name, 0)
@@ -289,10 +296,13 @@ class EngineCore:
                     group_id=rid,
                     index=i,
                     cache_salt=request.cache_salt,
+                    images=request.images,
                 )
                 req.lora = lora
                 children.append(req)
-                runner_data.append(NewRequestData(req.request_id, request.prompt_token_ids, child_params, lora))
+                runner_data.append(
+                    NewRequestData(req.request_id, request.prompt_token_ids, child_params, lora, request.images)
+                )
         except (ValueError, TypeError) as e:  # nothing was registered: the request simply ends
             self._failed_outputs.append(CoreOutput(rid, 0, [], finish_reason="error", error=str(e)))
             return
@@ -310,6 +320,21 @@ class EngineCore:
                 self._refuse_grammar(rid, refused, self._failed_outputs)
             return
         self.scheduler.add_request(children[0])  # the others fork from it after its prompt
+
+    def check_images(self, request: EngineCoreRequest) -> str | None:
+        """Why the core cannot take this request's images (the front end checks the same first), or None."""
+        if not self.worker.takes_images:
+            return f"model {self.model_config.architecture} takes no images"
+        end, budget = 0, self.config.max_num_batched_tokens
+        for img in request.images:
+            if img.offset < end or img.length < 1 or img.offset + img.length > len(request.prompt_token_ids):
+                return f"image at token {img.offset}: its {img.length} tokens overlap another or leave the prompt"
+            if img.length > budget:
+                return (
+                    f"an image of {img.length} tokens is more than a step computes ({budget}, --max-num-batched-tokens)"
+                )
+            end = img.offset + img.length
+        return None
 
     def _admit_compiled(self, outputs: list[CoreOutput]) -> None:
         """Requests whose grammars have compiled join the scheduler's queue and are told so (the

@@ -92,7 +92,14 @@ def run_engine_core(
         sys.exit(LOAD_FAILED_EXIT)
     out.send(
         codec.encode(
-            Ready(os.getpid(), core.max_model_len, core.model_config.vocab_size, core.model_name, core.stats())
+            Ready(
+                os.getpid(),
+                core.max_model_len,
+                core.model_config.vocab_size,
+                core.model_name,
+                core.stats(),
+                core.worker.takes_images,
+            )
         )
     )
     try:

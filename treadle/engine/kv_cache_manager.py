@@ -27,7 +27,7 @@ tiers before the step that overwrites it runs (the same `take_moves`).
 
 from dataclasses import dataclass, field
 
-from treadle.engine.block_hash import extend_block_hashes
+from treadle.engine.block_hash import block_extra, extend_block_hashes
 from treadle.engine.block_pool import Block, BlockPool
 from treadle.engine.kv_events import BlockRemoved, BlockStored
 from treadle.engine.kv_tiers import DISK, HOST, KVTiers, state_key, tier_key
@@ -198,7 +198,7 @@ class KVCacheManager:
 
     def _block_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the request's full blocks of known tokens, computed once each."""
-        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, req.images)
 
     def _lookup(self, h: bytes, g: int, owner: str, disk: bool) -> Block | TierPage | None:
         block = self.pool.get_cached_block(h, g)
@@ -232,7 +232,9 @@ class KVCacheManager:
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
         state_slot = state_page = None
         while n:
-            if all(
+            if req.images and req.image_around(n * self.block_size) is not None:
+                pass  # a hit may not end inside an image's tokens
+            elif all(
                 all(b is not None for b in found[g][self._first_visible(n * self.block_size, self.windows[g]) : n])
                 for g in sliding
             ):
@@ -382,7 +384,8 @@ class KVCacheManager:
         hashes = self._block_hashes(req)
         bs = self.block_size
         for i in range(done, full):
-            parent, extra = (hashes[i - 1], None) if i else (None, req.cache_salt)
+            parent = hashes[i - 1] if i else None
+            extra = block_extra(i, bs, req.cache_salt, req.images)
             for g, table in enumerate(tables):
                 block = table[i]
                 if block is not None and self.pool.cache_block(

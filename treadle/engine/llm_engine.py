@@ -72,7 +72,9 @@ class LLMEngine:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
         lora_name: str | None = None,
+        images: list | None = None,
     ) -> str:
+        """images: the prompt's step.ImageInput (media/vision_prompt.py made them with its token ids)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.processor.requests:
@@ -85,9 +87,13 @@ class LLMEngine:
             self.core.structured.compiler.compile(
                 params.structured_outputs
             )  # a grammar that cannot compile: ValueError now
-        self.processor.add_request(request_id, text, token_ids, params)
         salt = lora_cache_salt(self.lora_digests.get(lora_name) if lora_name else None, cache_salt)
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params_to_dict(params), salt, lora_name))
+        request = EngineCoreRequest(request_id, token_ids, params_to_dict(params), salt, lora_name, images or [])
+        error = self.core.check_images(request) if images else None
+        if error is not None:
+            raise ValueError(error)
+        self.processor.add_request(request_id, text, token_ids, params)
+        self.core.add_request(request)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

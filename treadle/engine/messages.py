@@ -17,6 +17,7 @@ from dataclasses import asdict, fields
 import msgspec
 
 from treadle.sampling_params import SamplingParams
+from treadle.step import ImageInput
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
 
@@ -46,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     params: dict
     cache_salt: str | None = None
     lora_name: str | None = None  # a loaded LoRA adapter (model/lora.py); None: the base model
+    images: list[ImageInput] = []  # the prompt's images (step.ImageInput), in prompt order
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -92,6 +94,7 @@ class Ready(msgspec.Struct, tag=True):
     vocab_size: int
     model_name: str
     stats: dict  # the first snapshot, so /stats has one as soon as the server is ready
+    takes_images: bool = False  # the model sees: the front end may send images (EngineCoreRequest.images)
 
 
 class LoadFailed(msgspec.Struct, tag=True):

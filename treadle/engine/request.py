@@ -32,6 +32,7 @@ class Request(TokenHistory):
         group_id: str | None = None,
         index: int = 0,
         cache_salt: str | None = None,
+        images: list | None = None,
     ):
         self.request_id = request_id
         self.group_id = group_id or request_id
@@ -42,6 +43,7 @@ class Request(TokenHistory):
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt
+        self.images = images or []  # step.ImageInput of its prompt: their tokens come from the vision encoder
         self.lora = 0  # the LoRA adapter's id (EngineCore.loras); 0: the base model
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -59,6 +61,14 @@ class Request(TokenHistory):
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def image_around(self, position: int):
+        """The image whose tokens lie on both sides of `position` (a chunk or a prefix hit may not
+        end there: an image's tokens are computed in one step, attending to each other), else None."""
+        for img in self.images:
+            if img.offset < position < img.offset + img.length:
+                return img
+        return None
 
     @property
     def is_finished(self) -> bool:

@@ -101,6 +101,8 @@ class Scheduler:
                 num_new = min(remaining, budget)
                 if num_new > 1:
                     num_new = min(num_new, prompt_budget)
+                if req.images:
+                    num_new = whole_images(req, req.num_computed_tokens, num_new, budget)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -136,6 +138,11 @@ class Scheduler:
                 continue
             num_cached = hits.num_blocks * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, prompt_budget)
+            if req.images:
+                num_new = whole_images(req, req.num_computed_tokens + num_cached, num_new, budget)
+                if num_new <= 0:  # its next image does not fit this step's budget: it keeps its place
+                    skipped.append(self.waiting.popleft())
+                    continue
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.popleft()
@@ -305,3 +312,18 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.free(req)
+
+
+def whole_images(req: Request, start: int, num_new: int, budget: int) -> int:
+    """A chunk of `num_new` tokens from `start`, ended before an image it would cut (an image's
+    tokens are computed in one step: they attend to each other, and its encoder output is used
+    whole). An image the chunk begins with is taken whole beyond the prompt budget (the stall cap),
+    within the step's `budget`; 0 when it does not fit that either (the front end refuses images
+    longer than the whole budget, so a later step takes it)."""
+    img = req.image_around(start + num_new)
+    if img is None:
+        return num_new
+    if img.offset > start:
+        return img.offset - start
+    end = img.offset + img.length
+    return end - start if end - start <= budget else 0

@@ -67,4 +67,5 @@ def snapshot(core) -> dict:
         "kv_tiers": core.kv.tiers.stats() if core.kv.tiers is not None else None,
         "memory": memory(core.worker, core.kv.tiers),
         "lora_adapters": sorted(core.loras),
+        "encoder_cache": core.worker.encoder_cache_stats(),
     }

@@ -72,6 +72,8 @@ class EngineClient:
         self.processor: OutputProcessor | None = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.takes_images = False  # the model sees (its core's Ready says)
+        self.vision_prompts = None  # media.VisionPrompts, made by the first request with an image
         self.pid: int | None = None
         self.num_restarts = 0
         self._restart_times: deque[float] = deque()
@@ -234,6 +236,7 @@ class EngineClient:
                     return
             elif isinstance(msg, Ready) and self.state != "failed":
                 self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
+                self.takes_images = msg.takes_images
                 self._stats = msg.stats
                 self.state, self.reason = "ready", None
                 log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)
@@ -345,6 +348,7 @@ class EngineClient:
         out_queue: asyncio.Queue | None = None,
         lora_name: str | None = None,
         timing: list | None = None,
+        images: list | None = None,
     ) -> asyncio.Queue:
         """Queue a request (already validated); its outputs (RequestOutput deltas, or an exception)
         arrive on `out_queue` (several requests may share one) or a new queue, which is returned.
@@ -360,7 +364,9 @@ class EngineClient:
                 c.engine, c.submitted = self, now
             self._timings[request_id] = timing
         self._adds_sent += 1
-        self._send(EngineCoreRequest(request_id, prompt_token_ids, params_to_dict(params), cache_salt, lora_name))
+        self._send(
+            EngineCoreRequest(request_id, prompt_token_ids, params_to_dict(params), cache_salt, lora_name, images or [])
+        )
         return q
 
     async def load_lora(self, name: str, path: str, timeout: float = 120.0) -> None:

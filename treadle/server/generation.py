@@ -84,6 +84,7 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.cache_salt = cache_salt
+        self.images: list | None = None  # per prompt: its step.ImageInput (a model that sees), or None
         self.n = params[0].n if params else 1
         self.arrival = arrival
         self.created = int(time.time())
@@ -148,10 +149,10 @@ class Generation:
             choices, n = self.timing.choices, self.n
             for i, (rid, ids, params) in enumerate(zip(self.request_ids, self.prompts, self.params)):
                 timing = choices[i * n : (i + 1) * n]
-                if lora:
-                    engine.add_request(rid, ids, params, salt, out_queue=q, lora_name=lora[0], timing=timing)
-                else:
-                    engine.add_request(rid, ids, params, salt, out_queue=q, timing=timing)
+                extra = {"lora_name": lora[0]} if lora else {}
+                if self.images is not None and self.images[i]:
+                    extra["images"] = self.images[i]
+                engine.add_request(rid, ids, params, salt, out_queue=q, timing=timing, **extra)
         except EngineDead as e:
             for rid in self.request_ids:
                 engine.abort(rid)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from treadle.engine.request import validate_prompt
 from treadle.sampling_params import StructuredOutputsParams
-from treadle.server import harmony
+from treadle.server import harmony, media_input
 from treadle.server.chat_output import ChatOutput
 from treadle.server.engine_client import EngineClient
 from treadle.server.generation import Generation
@@ -55,6 +55,14 @@ class ServerSettings:
         "auto"  # auto: the model's own generation defaults apply where a request is silent; vllm: none
     )
     override_generation_config: dict = field(default_factory=dict)  # on top of the model's (SamplingParams' names)
+    # images (a model that sees): decoded only up to this many pixels (a decompression bomb is
+    # refused from its header); at most limit_mm_per_prompt["image"] per request; http(s) URLs
+    # fetched only from these hosts, local files only under this folder (vLLM's flags)
+    max_image_pixels: int = 50_000_000
+    limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 8})
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = 10.0
     max_stored_timelines: int = 1000  # GET /v1/requests/{id}/timeline: the last requests kept (server/timeline.py)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry: a span per request sent there (server/tracing.py)
 
@@ -132,12 +140,14 @@ class Prepared:
     chat_output: Callable[[], ChatOutput] | None = None
 
     constraint_param: str | None = None  # the parameter that carried the output constraint, if any
+    images: list | None = None  # per prompt: its step.ImageInput (media/vision_prompt.py), or None
 
     async def start(self, state: ServerState, request_id: str, cache_salt: str | None, arrival: float) -> Generation:
         """The request in the engine, its grammars (if any) compiled there: a 400 if they cannot be."""
         generation = Generation(state, request_id, [ids for _, ids in self.prompts], self.params, cache_salt, arrival)
         if self.constraint_param is not None:
             generation.constraint_param = self.constraint_param
+        generation.images = self.images
         generation.submit()
         await generation.grammars_ready()
         return generation
@@ -252,11 +262,17 @@ def reasons(state: ServerState) -> bool:
 
 
 def plain_messages(messages) -> list[dict]:
-    """Request messages as the template gets them: text parts joined into one string."""
+    """Request messages as the template gets them: text parts joined into one string; a message
+    with images keeps its parts, each image as {"type": "image"} (what the templates of models that
+    see iterate over, writing the model's image marker)."""
     out = [m.model_dump(exclude_none=True) for m in messages]
     for m in out:
-        if isinstance(m.get("content"), list):
-            m["content"] = "".join(p["text"] for p in m["content"])
+        content = m.get("content")
+        if isinstance(content, list):
+            if any(p["type"] == "image_url" for p in content):
+                m["content"] = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+            else:
+                m["content"] = "".join(p["text"] for p in content)
         m.setdefault("content", "")  # an assistant turn that only called tools
     return out
 
@@ -405,20 +421,29 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
             f"messages: {len(body.messages)} messages; this server accepts at most {limit} (--max-messages)", "messages"
         )
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
+    parts = media_input.image_parts(body.messages)
+    if parts:
+        media_input.check_count(state, len(parts), parts[0][0])
     text = await asyncio.to_thread(
         chat_prompt, state, body, tools
     )  # the template is bounded, but not free: off the event loop
-    ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    images = None
+    if parts:
+        pictures = await media_input.load_images(state, parts)
+        ids, inputs = await asyncio.to_thread(media_input.build, state, text, pictures, body.add_special_tokens)
+        images = [inputs]
+    else:
+        ids = state.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     params = _params(state, body, ids, body.requested_max_tokens, body.num_logprobs, "messages")
     if is_harmony(state):
-        return _harmony_chat(state, body, tools, text, ids, params)
+        return replace(_harmony_chat(state, body, tools, text, ids, params), images=images)
     reasoning = state.settings.reasoning_parser
     inside = starts_inside(reasoning, text) if reasoning else None
     after = _token_id(state, "</think>") if reasoning and not reasoning_closed(text) else None
     param = _constrain(state, body, [params], tools.constraint() if tools else None, after)
     parser = state.settings.tool_call_parser
     family = family_of(chat_template(state)) if parser == "auto" else parser
-    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside), param)
+    return Prepared([(None, ids)], [params], lambda: ChatOutput(tools, family, inside), param, images)
 
 
 def _harmony_chat(state: ServerState, body, tools: ToolSetup | None, text: str, ids: list[int], params) -> Prepared:

@@ -255,14 +255,24 @@ class TextPart(StrictModel):
     text: StrictStr
 
 
+class ImageURL(StrictModel):
+    url: StrictStr  # a data: URL, an http(s) URL of an allowed host, a file under the allowed folder
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | ImagePart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if p.type == "text")
         return self.content or ""
 
 

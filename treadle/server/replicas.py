@@ -175,6 +175,8 @@ class ReplicaSet:
     tokenizer = property(lambda self: self._first_ready().tokenizer)
     max_model_len = property(lambda self: self._first_ready().max_model_len)
     vocab_size = property(lambda self: self._first_ready().vocab_size)
+    takes_images = property(lambda self: self._first_ready().takes_images)
+    vision_prompts = None  # media.VisionPrompts, made by the first request with an image
     num_restarts = property(lambda self: sum(r.num_restarts for r in self.replicas))
     num_unfinished = property(lambda self: sum(r.num_unfinished for r in self.replicas))
     num_waiting = property(lambda self: sum(r.num_waiting for r in self.replicas))
@@ -229,17 +231,22 @@ class ReplicaSet:
         out_queue=None,
         lora_name=None,
         timing=None,
+        images=None,
     ):
         ready = self._ready()
         if not ready:
             raise EngineDead(self.reason or "no replica is running")
+        # a prompt with images is routed by load: the router's block hashes know no image
         choice = self.router.choose(
-            {str(i): self.replicas[i].num_unfinished for i in ready}, prompt_token_ids, self.block_size, cache_salt
+            {str(i): self.replicas[i].num_unfinished for i in ready},
+            [] if images else prompt_token_ids,
+            self.block_size,
+            cache_salt,
         )
         if choice.predicted_hit_tokens is not None:
             self.observe_prediction(choice.predicted_hit_tokens)
         return self.replicas[int(choice.worker)].add_request(
-            request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name, timing
+            request_id, prompt_token_ids, params, cache_salt, out_queue, lora_name, timing, images
         )
 
     def abort(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from treadle.kv_layout import kv_layout
 from treadle.model.config import ModelConfig
+from treadle.model.execution.encoder_cache import EncoderCache
 from treadle.model.execution.sampler import Sampler, allowed_from_bitmask
 from treadle.model.execution.verification import HistoryWithDrafts, Verification
 from treadle.model.families.registry import resolve_model_class
@@ -63,11 +64,12 @@ class InjectedFault(RuntimeError):
 class RunnerRequest(TokenHistory):
     """What the sampler needs of one request, kept by the runner between steps."""
 
-    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows", "lora")
+    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows", "lora", "images")
 
-    def __init__(self, prompt_token_ids: list[int], params, lora: int = 0):
+    def __init__(self, prompt_token_ids: list[int], params, lora: int = 0, images=()):
         self.params = params
         self.lora = lora  # its LoRA adapter's id (model/lora.py); 0: the base model
+        self.images = images  # step.ImageInput of its prompt, pixels and all, until it ends
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_state = None  # the request's own generator, when it has a seed
@@ -90,9 +92,11 @@ class ModelRunner:
         batch_invariant: bool = False,
         kv_int8: bool = False,
         model_class=None,
+        mm_cache_bytes: int = 0,
     ):
         """model_class: the model's class where it is not the registry's for config.architecture (an
-        MTP head, built from its target's weights)."""
+        MTP head, built from its target's weights). mm_cache_bytes: the encoder cache's bound (a
+        model that sees)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -122,6 +126,8 @@ class ModelRunner:
         # their own, so that a text's vector is the same alone or beside others
         self.isolate_pooling = not batch_invariant
         self.requests: dict[str, RunnerRequest] = {}
+        # a model that sees: its image encoder's outputs by image (encoder_cache.py)
+        self.encoder_cache = EncoderCache(mm_cache_bytes) if self.model.vision is not None else None
         # called after each forward as hidden_capture(scheduled, order, hidden): the final (normed)
         # hidden state of every row, rows in `order` (an MTP draft keeps them: engine/mtp.py)
         self.hidden_capture = None
@@ -241,7 +247,9 @@ class ModelRunner:
     def update_states(self, step: StepInput) -> None:
         """Learn the step's new requests and forget the finished ones (before anything can fail)."""
         for new in step.new_requests:
-            self.requests[new.req_id] = RunnerRequest(new.prompt_token_ids, SamplingParams(**new.params), new.lora)
+            self.requests[new.req_id] = RunnerRequest(
+                new.prompt_token_ids, SamplingParams(**new.params), new.lora, new.images
+            )
         for req_id in step.finished_req_ids:
             self.requests.pop(req_id, None)
             self.states.pop(req_id, None)
@@ -362,8 +370,10 @@ class ModelRunner:
         # the rotary tables filled through the step's last position (a compiled graph reads them as they are)
         self.model.cover_positions(max((s.start + len(s.token_ids) for s in scheduled), default=0))
         pos_t = torch.cat(positions)
+        images = self._step_images(scheduled, order) if self.encoder_cache is not None else None
+        spans = images[2] if images is not None and self.model.bidirectional_images else None
         metas = [
-            self._group_metadata(scheduled, order, positions, pos_t, g, window)
+            self._group_metadata(scheduled, order, positions, pos_t, g, window, spans)
             for g, window in enumerate(self.group_windows)
         ]
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample_ids]
@@ -375,31 +385,26 @@ class ModelRunner:
         if self.recurrent:
             metas[0].recurrent = self._segments(scheduled, order)
         meta = metas[0] if len(metas) == 1 else metas
-        if lora_rows:  # eagerly: the compiled graphs have no adapters
+        # eagerly: the compiled graphs have no adapters, no image rows, and return logits only
+        if lora_rows or images is not None or pooling or self.hidden_capture is not None:
             LORA_ROWS.groups = [
                 (lora, torch.tensor(rows, dtype=torch.long, device=self.device))
                 for lora, rows in sorted(lora_rows.items())
             ]
+            self.model.image_rows = None if images is None else images[:2]  # the encoder's rows, placed
             try:
-                if pooling or self.hidden_capture is not None:
-                    hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
-                    logits = self.model.logits(hidden[logits_indices])
-                    if self.hidden_capture is not None:
-                        self.hidden_capture(scheduled, order, hidden)
-                    if not pooling:
-                        return logits, sample_rows, {}
-                    return logits, sample_rows, self._pool(step, pooling, hidden, last_row, logits, sample_rows)
-                return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
+                if not pooling and self.hidden_capture is None:
+                    return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
+                hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+                logits = self.model.logits(hidden[logits_indices])  # (a row's norm is the row's alone: the same bits)
+                if self.hidden_capture is not None:
+                    self.hidden_capture(scheduled, order, hidden)
+                if not pooling:
+                    return logits, sample_rows, {}
+                return logits, sample_rows, self._pool(step, pooling, hidden, last_row, logits, sample_rows)
             finally:
                 LORA_ROWS.groups = []
-        if pooling or self.hidden_capture is not None:  # eagerly: the compiled graphs return logits only
-            hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
-            logits = self.model.logits(hidden[logits_indices])  # (a row's norm is the row's alone: the same bits)
-            if self.hidden_capture is not None:
-                self.hidden_capture(scheduled, order, hidden)
-            if not pooling:
-                return logits, sample_rows, {}
-            return logits, sample_rows, self._pool(step, pooling, hidden, last_row, logits, sample_rows)
+                self.model.image_rows = None
         inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
@@ -418,6 +423,32 @@ class ModelRunner:
         if greedy and self.model.greedy_head():
             return self.model.greedy_forward(*inputs), sample_rows, {}
         return self.model.forward(*inputs), sample_rows, {}
+
+    def _step_images(self, scheduled, order):
+        """The step's images, where its prompt chunks hold any: (their rows, the encoder's
+        outputs for them [rows, hidden]) and each scheduled index's image spans (positions
+        [begin, end)); None when no chunk holds an image. A chunk holds an image whole or not at
+        all (the scheduler's whole_images)."""
+        rows, outputs, spans = [], [], {}
+        image_token = self.model.image_token_id
+        row = 0
+        for i in order:
+            s = scheduled[i]
+            req = self.requests.get(s.req_id)
+            end = s.start + len(s.token_ids)
+            for img in req.images if req is not None and len(s.token_ids) > 1 else ():
+                if s.start <= img.offset and img.offset + img.length <= end:
+                    at = img.offset - s.start
+                    tokens = torch.tensor(s.token_ids[at : at + img.length])
+                    mine = (tokens == image_token).nonzero().flatten()  # the image tokens of its span
+                    rows.append(mine + row + at)
+                    outputs.append(self.encoder_cache.get(img, self.model.encode_image))
+                    spans.setdefault(i, []).extend(_runs(mine + img.offset))
+            row += len(s.token_ids)
+        if not rows:
+            return None
+        values = torch.cat(outputs).to(device=self.device, dtype=self.dtype)
+        return torch.cat(rows).to(self.device), values, spans
 
     @staticmethod
     def row_order(scheduled) -> list[int]:
@@ -465,8 +496,12 @@ class ModelRunner:
             row += len(s.token_ids)
         return segments
 
-    def _group_metadata(self, scheduled, order, positions, pos_t, group: int, window: int | None) -> AttentionMetadata:
-        """How the step's rows map onto one cache group's blocks (its tables, its window)."""
+    def _group_metadata(
+        self, scheduled, order, positions, pos_t, group: int, window: int | None, spans=None
+    ) -> AttentionMetadata:
+        """How the step's rows map onto one cache group's blocks (its tables, its window). `spans`:
+        scheduled index -> the positions [begin, end) of the images in its chunk, whose tokens
+        attend to each other both ways (Gemma 3's images), else None."""
         bs = self.block_size
         slots, decode_tables, decode_lens, prefills = [], [], [], []
         kernel = self.attention_kernel
@@ -486,11 +521,14 @@ class ModelRunner:
                 decode_lens.append(end)
             elif not kernel:  # the kernel reads every row's keys through its table
                 mask = None
-                if start > 0 or (window is not None and end > window):
+                both_ways = spans.get(i) if spans else None
+                if start > 0 or (window is not None and end > window) or both_ways:
                     q_pos = pos.unsqueeze(1)
                     k_pos = torch.arange(end).unsqueeze(0)
                     mask = k_pos <= q_pos
-                    if window is not None:
+                    for begin, stop in both_ways or ():
+                        mask |= (q_pos >= begin) & (q_pos < stop) & (k_pos >= begin) & (k_pos < stop)
+                    if window is not None:  # (transformers: the window over the causal-or-image mask)
                         mask &= k_pos > q_pos - window
                     mask = self._additive(mask)
                 prefills.append(PrefillChunk(row, n, end, table_t.to(self.device), mask))
@@ -500,6 +538,8 @@ class ModelRunner:
             tables = _padded(kernel_tables)
             key_end = pos_t + 1
             key_begin = (key_end - window).clamp(min=0) if window is not None else torch.zeros_like(key_end)
+            if spans:  # an image's rows read the image's later keys too (within the window, where one)
+                self._widen_to_images(scheduled, order, spans, key_end)
             span = int((key_end - key_begin).max())
             meta.kernel_args = (tables, torch.tensor(kernel_rows, dtype=torch.long), key_begin, key_end, span)
             meta.num_decode_tokens = len(decode_tables)
@@ -515,6 +555,15 @@ class ModelRunner:
             meta.decode_block_tables = tables.to(self.device)
             meta.decode_mask = self._additive(mask[:, None, None, :])
         return meta
+
+    @staticmethod
+    def _widen_to_images(scheduled, order, spans, key_end) -> None:
+        row = 0
+        for i in order:
+            s = scheduled[i]
+            for begin, stop in spans.get(i, ()):
+                key_end[row + begin - s.start : row + stop - s.start] = stop
+            row += len(s.token_ids)
 
     def _graph_meta(self, metas: list[AttentionMetadata], scheduled, num_sampled: int, num_rows: int):
         """(rows, blocks per row, the metadata a compiled graph takes) for a step one can take, else
@@ -615,3 +664,14 @@ class ModelRunner:
             for (req_id, _, _), p in zip(scores, p_yes.tolist()):
                 vectors[req_id] = [p]
         return vectors
+
+
+def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """Sorted positions as their runs of consecutive ones, [begin, end) each."""
+    out = []
+    for p in positions.tolist():
+        if out and out[-1][1] == p:
+            out[-1][1] = p + 1
+        else:
+            out.append([p, p + 1])
+    return [tuple(r) for r in out]

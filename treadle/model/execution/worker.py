@@ -207,8 +207,19 @@ class ModelWorker:
             device=self.config.device,
             batch_invariant=self.batch_invariant,
             kv_int8=self.kv_int8,
+            mm_cache_bytes=self.config.mm_cache_bytes,
             **extra,
         )
+
+    def encoder_cache_stats(self) -> dict | None:
+        """A model that sees: its encoder cache's entries, bytes, hits and misses (None otherwise)."""
+        cache = self.runner.encoder_cache
+        return None if cache is None else cache.stats()
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model sees (has an image encoder)."""
+        return self.runner.model.vision is not None
 
     @property
     def provides_hidden_states(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import LIMITS, ModelConfig, ModelLoadError, RopeConfig, file_float, file_int
+from treadle.model.families.gemma3_vision import Gemma3Vision
 from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel, expected_shapes, in_row_slices
 from treadle.model.layers.attention import metadata_by_layer, paged_attention
 from treadle.model.layers.norm import RMSNorm
@@ -40,6 +41,9 @@ class Gemma3Config(ModelConfig):
     query_pre_attn_scalar: float = 256.0
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # a Gemma3ForConditionalGeneration folder's config.json (its vision tower's settings), None for
+    # a text model; the model then sees (gemma3_vision.py)
+    multimodal: dict | None = None
 
 
 def layer_windows(
@@ -58,8 +62,8 @@ class Gemma3Layer(DecoderLayer):
 
 
 class Gemma3Model(LlamaModel):
-    hf_model_types = ("gemma3_text",)
-    hf_architectures = ("Gemma3ForCausalLM",)
+    hf_model_types = ("gemma3_text", "gemma3")
+    hf_architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
     gguf_architectures = ("gemma3",)
 
     layer_class = Gemma3Layer
@@ -76,10 +80,11 @@ class Gemma3Model(LlamaModel):
 
     @classmethod
     def config_from_hf(cls, hf) -> Gemma3Config:
-        if "text_config" in hf.cfg:
-            raise ModelLoadError(
-                f"{hf.where}: a multimodal Gemma 3 checkpoint (text_config): treadle serves the text model "
-                "(model_type gemma3_text, or a GGUF file)"
+        multimodal = None
+        if "text_config" in hf.cfg or "vision_config" in hf.cfg:  # a model that sees: its text model's config
+            multimodal = hf.cfg
+            hf = type(hf)(
+                hf.folder, {**hf.section("text_config"), "architectures": hf.cfg.get("architectures")}, hf.arch
             )
         cls._check_activation(hf)
         params = hf.section("rope_parameters")
@@ -90,6 +95,7 @@ class Gemma3Model(LlamaModel):
             global_rope = hf.rope({"rope_theta": hf.get("rope_theta", 1e6), **hf.section("rope_scaling")})
             local_rope = RopeConfig(theta=hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))
         config = cls._gemma_style(hf, SLIDING_WINDOW_PATTERN, rope=global_rope, local_rope=local_rope, qk_norm=True)
+        config.multimodal = multimodal
         return cls._checked(hf.where, hf.checked(config))
 
     @staticmethod
@@ -187,12 +193,30 @@ class Gemma3Model(LlamaModel):
     def __init__(
         self, config: Gemma3Config, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant: bool = False
     ):
+        vision = {}  # a model that sees: its image encoder's tensors, and the text model's under its own names
+        for name in list(weights):
+            if Gemma3Vision.is_vision_tensor(name):
+                vision[name] = weights.pop(name)
+            elif name.startswith(("model.language_model.", "language_model.")):
+                text_name = name.removeprefix("model.language_model.").removeprefix("language_model.")
+                weights[text_name if text_name.startswith(("model.", "lm_head.")) else "model." + text_name] = (
+                    weights.pop(name)
+                )
+        if config.multimodal is not None:
+            self.vision = Gemma3Vision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
         super().__init__(config, weights, dtype, device, batch_invariant)
         self.local_rotary = self.rotary if config.local_rope == config.rope else self.rotary_for(config.local_rope)
         self.windows = config.windows()
         self.scale = config.query_pre_attn_scalar**-0.5
         # transformers multiplies the embedding by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
+
+    bidirectional_images = (
+        True  # an image's soft tokens attend to each other both ways (transformers' token_type_ids mask)
+    )
+
+    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
+        return self.vision.encode(pixels.to(self.device)).flatten(0, 1)  # [tiles, tokens, hidden]: its tiles in order
 
     def make_norm(self, weight) -> RMSNorm:
         """Gemma's RMSNorm multiplies by 1 + weight (formed in float32, then in the model's dtype)."""
@@ -216,7 +240,7 @@ class Gemma3Model(LlamaModel):
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         t = input_ids.shape[0]
-        h = self.embedding(input_ids) * self.embed_scale
+        h = self.place_images(self.embedding(input_ids) * self.embed_scale)
         global_tables = self.rotary.tables(positions)
         local_tables = global_tables if self.local_rotary is self.rotary else self.local_rotary.tables(positions)
         metas = metadata_by_layer(meta, self.layer_groups)

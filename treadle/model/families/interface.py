@@ -31,6 +31,14 @@ class CausalLM:
     dtype: torch.dtype
     # whether `hidden_states` is implemented: embedding requests are refused otherwise
     provides_hidden_states: bool = False
+    # a model that sees: its image encoder (a family's *_vision.py), whose outputs `encode_image`
+    # gives; None for a text model (the engine refuses images then)
+    vision = None
+    # whether an image's tokens attend to each other both ways (Gemma 3), not causally
+    bidirectional_images: bool = False
+    # set by the runner around a forward whose prompt chunks hold images: (rows [R], values [R, hidden]),
+    # the encoder's outputs that replace those rows' embeddings (`place_images`)
+    image_rows: tuple | None = None
 
     # ---------------------------------------------------------------- the names files call it by
     # Literals in the class body, each class its own (not inherited): registry.py reads them from
@@ -86,6 +94,23 @@ class CausalLM:
     ) -> torch.Tensor:
         """The final (normed) hidden state of every one of the step's T rows: what embeddings pool."""
         raise NotImplementedError(f"{type(self).__name__} does not provide hidden states")
+
+    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
+        """One preprocessed image (float32, its processor's shape; `extra`: what else its processor
+        gave) -> the embeddings of its placeholder tokens [tokens, hidden], in the model's dtype."""
+        raise NotImplementedError(f"{type(self).__name__} takes no images")
+
+    @property
+    def image_token_id(self) -> int:
+        """The token whose rows take an image's embeddings."""
+        return self.vision.image_token_id
+
+    def place_images(self, h: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings `h` with the image rows' replaced by the encoder's (in place)."""
+        if self.image_rows is not None:
+            rows, values = self.image_rows
+            h.index_copy_(0, rows, values.to(h.dtype))
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""

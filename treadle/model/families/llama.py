@@ -300,7 +300,7 @@ class LlamaModel(CausalLM):
 
     def residual_stream(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Every decoder layer over the step's T tokens: the residual stream before the final norm."""
-        h = self.embedding(input_ids)  # a fresh tensor: the residual adds below are in place
+        h = self.place_images(self.embedding(input_ids))  # a fresh tensor: the residual adds below are in place
         tables = self.rotary.tables(positions)  # once per step, shared by every layer
         metas = metadata_by_layer(meta, self.layer_groups)
         if self.layers_in_c(h, tables, kv_caches, metas):

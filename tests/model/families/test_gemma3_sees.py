@@ -1,0 +1,108 @@
+"""Gemma 3 that sees, end to end offline: a tiny random Gemma3ForConditionalGeneration folder (its
+tokenizer with Gemma's image tokens, its image processor's config) served by `LLM`, greedy tokens
+against transformers' `generate` on the same weights, in float32: one image, two images, prompts
+batched, the same image again (a prefix hit and an encoder-cache hit), and another image after the
+same text (no hit).
+
+The reference is built independently of treadle's front end: transformers' own PIL image processor
+makes its pixel values, and the prompt's image tokens are written here as Gemma3Processor writes them
+("\\n\\n<start_of_image>" + 16 soft tokens + "<end_of_image>\\n\\n"). The text model has a sliding
+window (8) shorter than an image (16 tokens), so its local layers test that an image's tokens see
+each other both ways within the window, as transformers' mask has them.
+"""
+
+import pytest
+
+from tests.support.vision_models import picture, reference, save_gemma3_vlm
+from treadle import LLM, SamplingParams
+
+NUM_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_gemma3_vlm(str(tmp_path_factory.mktemp("gemma3_sees")))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(folder[0], dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=64)
+
+
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+ONE = "The picture <start_of_image> shows"
+TWO = "First <start_of_image> and then <start_of_image> compared:"
+
+
+def run(llm, text, images, params=GREEDY):
+    return llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, params)[0].outputs[0].token_ids
+
+
+def test_one_image_and_two_match_transformers(folder, llm):
+    a, b = picture(1), picture(2, size=(70, 33))
+    assert run(llm, ONE, a) == reference(folder, NUM_TOKENS, ONE, [a])
+    assert run(llm, TWO, [a, b]) == reference(folder, NUM_TOKENS, TWO, [a, b])
+
+
+def test_prompts_batched_with_and_without_images_match_transformers(folder, llm):
+    a, b, c = picture(3), picture(4), picture(5)
+    prompts = [
+        {"prompt": ONE, "multi_modal_data": {"image": a}},
+        {"prompt": TWO, "multi_modal_data": {"image": [b, c]}},
+        "A prompt without a picture",
+    ]
+    outs = llm.generate(prompts, GREEDY)
+    assert outs[0].outputs[0].token_ids == reference(folder, NUM_TOKENS, ONE, [a])
+    assert outs[1].outputs[0].token_ids == reference(folder, NUM_TOKENS, TWO, [b, c])
+    assert outs[2].outputs[0].token_ids == reference(folder, NUM_TOKENS, "A prompt without a picture", [])
+
+
+def test_the_same_image_hits_both_caches_and_another_image_hits_neither(folder, llm):
+    text = "A long enough introduction to fill a block or two of tokens, then <start_of_image> and a question"
+    a, b = picture(6), picture(7)
+    first = run(llm, text, a)
+    stats = llm.stats()
+    hits, cached = stats["encoder_cache"]["mm_cache_hits"], stats["prefix_cache_hits"]
+    assert run(llm, text, a) == first == reference(folder, NUM_TOKENS, text, [a])
+    stats = llm.stats()
+    assert stats["encoder_cache"]["mm_cache_hits"] == hits  # the prefix cache covered the image: no encode at all
+    assert stats["prefix_cache_hits"] > cached
+    # the same text with another picture: the blocks holding the image's tokens do not match
+    misses = stats["encoder_cache"]["mm_cache_misses"]
+    assert run(llm, text, b) == reference(folder, NUM_TOKENS, text, [b])
+    assert llm.stats()["encoder_cache"]["mm_cache_misses"] == misses + 1
+
+
+def test_n_choices_encode_the_image_once(folder, llm):
+    a = picture(8)
+    misses = llm.stats()["encoder_cache"]["mm_cache_misses"]
+    out = llm.generate(
+        {"prompt": ONE + " twice", "multi_modal_data": {"image": a}},
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2),
+    )[0]
+    assert [c.token_ids for c in out.outputs][0] == [c.token_ids for c in out.outputs][1]
+    assert llm.stats()["encoder_cache"]["mm_cache_misses"] == misses + 1
+
+
+def test_markers_and_images_must_agree_and_a_text_model_refuses_images(llm):
+    with pytest.raises(ValueError, match="2 <start_of_image> for 1 images"):
+        run(llm, TWO, picture(1))
+    text_only = LLM(dtype="float32", max_model_len=256, num_kv_blocks=16)  # the embedded default model
+    with pytest.raises(ValueError, match="takes no images"):
+        run(text_only, ONE, picture(1))
+
+
+def test_a_chunked_prompt_never_cuts_an_image(folder):
+    """A step budget of 20 tokens: the chunk before an image ends where the image begins, and each
+    image (16 tokens) is computed in one step (beyond the stall cap if it must)."""
+    llm = LLM(folder[0], dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=20)
+    a, b = picture(11), picture(12)
+    assert run(llm, TWO, [a, b]) == reference(folder, NUM_TOKENS, TWO, [a, b])
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_an_image_longer_than_a_step_is_refused_naming_the_budget(folder):
+    llm = LLM(folder[0], dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=12)
+    with pytest.raises(ValueError, match="more than a step computes .12, --max-num-batched-tokens"):
+        run(llm, ONE, picture(1))
+    assert llm.stats()["num_waiting"] == 0

@@ -1,0 +1,121 @@
+"""Images through `treadle serve` (OpenAI chat `image_url` parts) on a tiny random Gemma 3 that sees:
+the reply's tokens are transformers' greedy ones for the same prompt and picture, and every bad
+image is a 400 naming its field, after which no KV block stays allocated and the server serves on."""
+
+import base64
+import io
+import time
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.conftest import KEY, MODEL
+from tests.server.test_app import assert_error
+from tests.support.server_process import ServerProcess
+from tests.support.vision_models import picture, reference, save_gemma3_vlm
+
+NUM_TOKENS = 8
+
+
+def data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    folder = save_gemma3_vlm(str(tmp_path_factory.mktemp("gemma3_vlm")))
+    s = ServerProcess(
+        folder[0], "--served-model-name", "vlm", "--max-model-len", "512", "--limit-mm-per-prompt", '{"image": 2}',
+        "--max-image-pixels", "250000",
+    )  # fmt: skip
+    s.wait_healthy()
+    yield s, folder
+    s.stop()
+
+
+def chat(server, content, **extra) -> httpx.Response:
+    body = {"model": "vlm", "messages": [{"role": "user", "content": content}], "max_tokens": NUM_TOKENS,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, **extra}  # fmt: skip
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def tokens_of(reply: dict) -> list[str]:
+    return [t["token"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+def test_a_chat_with_an_image_matches_transformers(vlm):
+    server, folder = vlm
+    a, b = picture(1), picture(2, size=(30, 90))
+    content = [
+        {"type": "text", "text": "Look: "},
+        {"type": "image_url", "image_url": {"url": data_url(a)}},
+        {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": data_url(b, "JPEG")}},
+    ]
+    r = chat(server, content)
+    assert r.status_code == 200, r.text
+    prompt = "<start_of_turn>user\nLook: <start_of_image> and <start_of_image><end_of_turn>\n<start_of_turn>model\n"
+    jpeg = Image.open(io.BytesIO(base64.b64decode(data_url(b, "JPEG").split(",", 1)[1]))).convert("RGB")
+    expected = reference(folder, NUM_TOKENS, prompt, [a, jpeg])
+    tok = folder[2]
+    assert tokens_of(r.json()) == [tok.decode([t], skip_special_tokens=False) for t in expected]
+    stats = httpx.get(server.url + "/stats").json()
+    assert stats["encoder_cache"]["mm_cache_misses"] >= 2
+
+
+def wait_idle(server) -> dict:
+    deadline = time.time() + 30
+    while True:
+        stats = httpx.get(server.url + "/stats").json()
+        if stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 or time.time() > deadline:
+            return stats
+
+
+BAD = [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}], "not an image"),
+    ([{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}], "example.com"),
+    ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], "local"),
+    ([{"type": "image_url", "image_url": {"url": "ftp://host/cat.png"}}], "ftp"),
+]
+
+
+@pytest.mark.parametrize(("content", "words"), BAD)
+def test_a_bad_image_is_a_400_naming_its_part_and_nothing_leaks(vlm, content, words):
+    server, _ = vlm
+    r = chat(server, [{"type": "text", "text": "what is it"}, *content])
+    assert_error(r, 400, "messages[0].content[1].image_url")
+    assert words.lower() in r.json()["error"]["message"].lower()
+    assert wait_idle(server)["kv_blocks_used"] == 0
+
+
+def test_too_many_images_too_many_pixels_and_a_bomb_are_refused(vlm):
+    server, _ = vlm
+    part = {"type": "image_url", "image_url": {"url": data_url(picture(3))}}
+    r = chat(server, [part, part, part])
+    assert_error(r, 400, "messages[0].content[0].image_url")
+    assert "--limit-mm-per-prompt" in r.json()["error"]["message"]
+    big = Image.new("RGB", (600, 600), (10, 20, 30))  # 360,000 pixels > --max-image-pixels 250000
+    r = chat(server, [{"type": "image_url", "image_url": {"url": data_url(big)}}])
+    assert_error(r, 400, "messages[0].content[0].image_url")
+    assert "250000" in r.json()["error"]["message"]
+    # a PNG whose header claims 100,000 x 100,000 pixels: refused from the header
+    header = io.BytesIO()
+    Image.new("L", (1, 1)).save(header, "PNG")
+    raw = bytearray(header.getvalue())
+    raw[16:24] = (100000).to_bytes(4, "big") * 2  # IHDR width and height (its CRC no longer matches)
+    url = "data:image/png;base64," + base64.b64encode(bytes(raw)).decode()
+    r = chat(server, [{"type": "image_url", "image_url": {"url": url}}])
+    assert_error(r, 400, "messages[0].content[0].image_url")
+    assert wait_idle(server)["kv_blocks_used"] == 0
+    assert chat(server, "still serving?").status_code == 200
+
+
+def test_a_text_model_refuses_an_image_with_a_400(server):
+    content = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(picture(1))}}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(r, 400, "messages[0].content[1].image_url")
+    assert "takes no images" in r.json()["error"]["message"]

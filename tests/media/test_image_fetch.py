@@ -169,8 +169,11 @@ def test_a_file_outside_the_allowed_folder_is_refused(folders, name):
 
 def test_files_are_refused_without_an_allowed_folder_and_past_max_bytes(folders):
     allowed, _ = folders
-    with pytest.raises(MediaError, match="local files are not allowed"):
-        ImageFetcher().fetch(str(allowed / "sub" / "cat.png"), PARAM)
+    for unset in (None, ""):
+        with pytest.raises(MediaError, match="local files are not allowed"):
+            ImageFetcher(allowed_local_path=unset).fetch(str(allowed / "sub" / "cat.png"), PARAM)
+    with pytest.raises(ValueError, match="not a folder"):
+        ImageFetcher(allowed_local_path=str(allowed / "sub" / "cat.png"))
     with pytest.raises(MediaError, match=f"more than the {len(PNG) - 1} bytes"):
         ImageFetcher(allowed_local_path=str(allowed), max_bytes=len(PNG) - 1).fetch("sub/cat.png", PARAM)
     with pytest.raises(MediaError, match="no such file"):

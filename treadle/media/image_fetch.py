@@ -7,9 +7,10 @@ The rules are vLLM's `--allowed-media-domains` and `--allowed-local-media-path`:
   long as all its addresses are public (no loopback, private, link-local, shared or multicast
   address: an image URL must not reach the server's own network). The addresses are checked when
   the name is resolved, before each request; a name that resolves differently a moment later (DNS
-  rebinding) is not caught, as in vLLM. An empty list allows no host: remote images off.
+  rebinding) is not caught, as in vLLM. An empty list allows no host (in vLLM, any): remote images
+  off.
 - a file is allowed when its real path (symlinks and `..` resolved) lies inside the allowed
-  folder; a relative path is taken inside that folder. Without a folder, no file is.
+  folder; a relative path is taken inside that folder. Without a folder (None or ""), no file is.
 Every body, downloaded or read, is refused past `max_bytes` (a download stops reading there), and a
 download past `timeout` seconds in all, redirects included.
 
@@ -45,9 +46,9 @@ class ImageFetcher:
         max_redirects: int = 5,
     ):
         self.allowed_domains = None if allowed_domains is None else {d.lower().rstrip(".") for d in allowed_domains}
-        if allowed_local_path is not None and not os.path.isdir(allowed_local_path):
+        if allowed_local_path and not os.path.isdir(allowed_local_path):
             raise ValueError(f"the allowed local media path {allowed_local_path!r} is not a folder")
-        self.allowed_local_path = None if allowed_local_path is None else os.path.realpath(allowed_local_path)
+        self.allowed_local_path = os.path.realpath(allowed_local_path) if allowed_local_path else None
         self.max_bytes = max_bytes
         self.timeout = timeout
         self.max_redirects = max_redirects

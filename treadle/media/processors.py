@@ -10,8 +10,9 @@ values; these are not they.
 
 Settings are read as transformers reads them: the class's default where the model folder's config
 lacks a key, the config's value (even null) where it has one, then the processor's own defaults
-(Gemma 3's `Gemma3Processor` turns pan-and-scan off and RGB conversion on), then `overrides` (what
-vLLM takes as `--mm-processor-kwargs`; a key the processor does not know is refused).
+(Gemma 3's `Gemma3Processor` turns pan-and-scan off), then `overrides` (what vLLM takes as
+`--mm-processor-kwargs`; a key the processor does not know is refused). The image comes in RGB:
+`decode_image` and `to_rgb` do what transformers' `do_convert_rgb` does.
 """
 
 import itertools
@@ -50,6 +51,8 @@ class ImageProcessor:
     settings: dict
 
     def preprocess(self, image: Image.Image, *, param: str | None = None) -> ProcessedImage:
+        """An RGB image's pixel arrays and placeholder; MediaError (naming `param`) for one the
+        model cannot take."""
         raise NotImplementedError
 
     def expand_prompt(self, text: str, images: list[ProcessedImage], *, param: str | None = None) -> str:

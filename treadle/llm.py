@@ -87,14 +87,52 @@ class LLM:
         add_generation_prompt: bool = True,
         **template_kwargs,
     ) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of conversations."""
+        """messages: one conversation (a list of {"role", "content"}) or a list of conversations. For a
+        model that sees, a message's content may be a list of OpenAI chat parts: {"type": "text"},
+        {"type": "image_url", "image_url": {"url": a data: URL, an http(s) URL or a local path}}, or
+        vLLM's {"type": "image_pil", "image_pil": a PIL image}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)
-            for c in conversations
-        ]
-        # The template writes any BOS itself.
+        prompts = []
+        for c in conversations:
+            c, images = self._chat_images(c)
+            text = self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)
+            # The template writes any BOS itself.
+            prompts.append(self.vision.build(text, images, add_special_tokens=False) if images else text)
         return self._run(prompts, params, add_special_tokens=False)
+
+    def _chat_images(self, conversation: list[dict]) -> tuple[list[dict], list]:
+        """The conversation as the template reads it (each image part as {"type": "image"}, text
+        parts as they are) and its images in order, decoded (RGB, upright)."""
+        images, out = [], []
+        for i, m in enumerate(conversation):
+            content = m.get("content")
+            kinds = {p.get("type") for p in content if isinstance(p, dict)} if isinstance(content, list) else set()
+            if not kinds & {"image_url", "image_pil"}:
+                out.append(m)
+                continue
+            parts = []
+            for j, p in enumerate(content):
+                if p.get("type") == "image_url":
+                    images.append(self._fetch_image(p["image_url"]["url"], f"messages[{i}].content[{j}]"))
+                elif p.get("type") == "image_pil":
+                    from treadle.media.images import to_rgb
+
+                    images.append(to_rgb(p["image_pil"]))
+                else:
+                    parts.append(p)
+                    continue
+                parts.append({"type": "image"})
+            out.append({**m, "content": parts})
+        return out, images
+
+    @staticmethod
+    def _fetch_image(url: str, param: str):
+        """An image part's picture: offline, any public http(s) host and any local file are allowed."""
+        from treadle.media.image_fetch import ImageFetcher
+        from treadle.media.images import decode_image
+
+        data = ImageFetcher(None, "/").fetch(url, param)
+        return decode_image(data, max_pixels=1 << 31, param=param)
 
     def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
         """Each prompt's final hidden states pooled ("last" token or "mean"), L2-normalized (vLLM's
@@ -148,6 +186,8 @@ class LLM:
             images = None
             if isinstance(prompt, dict):
                 prompt, images = self._with_images(prompt, add_special_tokens)
+            elif isinstance(prompt, tuple):  # chat: (token ids, images) made from its image parts
+                prompt, images = prompt
             ids.append(
                 engine.add_request(
                     None,

@@ -119,3 +119,80 @@ def test_a_text_model_refuses_an_image_with_a_400(server):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert_error(r, 400, "messages[0].content[1].image_url")
     assert "takes no images" in r.json()["error"]["message"]
+
+
+def openai_text(server, content) -> str:
+    r = chat(server, content)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def b64(img: Image.Image) -> str:
+    return data_url(img).split(",", 1)[1]
+
+
+def test_every_dialect_takes_images_as_openai_chat_does(vlm):
+    """Anthropic image blocks, Ollama's images (chat and generate) and the Responses API's
+    input_image give the reply OpenAI chat gives for the same content."""
+    server, _ = vlm
+    img = picture(4)
+    expected = openai_text(
+        server, [{"type": "text", "text": "Say "}, {"type": "image_url", "image_url": {"url": data_url(img)}}]
+    )
+    greedy = {"temperature": 0, "max_tokens": NUM_TOKENS}
+    source = {"type": "base64", "media_type": "image/png", "data": b64(img)}
+    body = {"model": "vlm", **greedy, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Say "}, {"type": "image", "source": source}]}]}  # fmt: skip
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["text"] == expected
+    body = {"model": "vlm", "temperature": 0, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Say "}, {"type": "input_image", "image_url": data_url(img)}]}]}  # fmt: skip
+    r = httpx.post(server.url + "/v1/responses", json={**body, "max_output_tokens": NUM_TOKENS}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == expected
+    # Ollama puts a message's images before its text
+    first = openai_text(
+        server, [{"type": "image_url", "image_url": {"url": data_url(img)}}, {"type": "text", "text": "Say"}]
+    )
+    options = {"temperature": 0, "num_predict": NUM_TOKENS}
+    body = {"model": "vlm", "stream": False, "options": options,
+            "messages": [{"role": "user", "content": "Say", "images": [b64(img)]}]}  # fmt: skip
+    r = httpx.post(server.url + "/api/chat", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["message"]["content"] == first
+    body = {"model": "vlm", "stream": False, "options": options, "prompt": "Say", "images": [b64(img)]}
+    r = httpx.post(server.url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["response"] == first
+
+
+def test_a_dialect_s_bad_image_is_named_in_its_own_words(vlm):
+    server, _ = vlm
+    bad = {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}
+    body = {"model": "vlm", "max_tokens": 2, "system": "be brief", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image", "source": bad}]}]}  # fmt: skip
+    r = httpx.post(server.url + "/v1/messages", json=body)
+    assert r.status_code == 400 and "messages[0].content[1].source" in r.text, r.text
+    body = {"model": "vlm", "stream": False, "messages": [{"role": "user", "content": "hi", "images": ["bm90"]}]}
+    r = httpx.post(server.url + "/api/chat", json=body)
+    assert r.status_code == 400 and "messages[0].images[0]" in r.text, r.text
+    body = {"model": "vlm", "stream": False, "prompt": "hi", "images": ["bm90"]}
+    r = httpx.post(server.url + "/api/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"].startswith("images[0]: "), r.text
+    body = {"model": "vlm", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:text/plain;base64,aGk="}]}]}  # fmt: skip
+    r = httpx.post(server.url + "/v1/responses", json=body)
+    assert r.status_code == 400 and "input[0].content[0].image_url" in r.text, r.text
+    assert wait_idle(server)["kv_blocks_used"] == 0
+
+
+def test_the_model_lists_say_it_sees(vlm, server):
+    vision, _ = vlm
+    card = httpx.get(vision.url + "/v1/models").json()["data"][0]
+    assert card["input_modalities"] == ["text", "image"]
+    assert "vision" in httpx.post(vision.url + "/api/show", json={"model": "vlm"}).json()["capabilities"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server.url + "/v1/models", headers=auth).json()["data"][0]["input_modalities"] == ["text"]
+    show = httpx.post(server.url + "/api/show", json={"model": MODEL}, headers=auth).json()
+    assert "vision" not in show["capabilities"]

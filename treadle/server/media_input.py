@@ -15,17 +15,19 @@ import asyncio
 from treadle.server.protocol import RequestError
 
 
-def image_parts(messages) -> list[tuple[str, str]]:
-    """(the field, its URL) of every image part of the messages, in order."""
+def image_parts(body) -> list[tuple[str, str]]:
+    """(the field, its URL) of every image part of a chat request's messages, in order; the field in
+    the client's words where a dialect's request became this one (its `_image_fields`)."""
     out = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(body.messages):
         if isinstance(m.content, list):
             out += [
                 (f"messages[{i}].content[{j}].image_url", p.image_url.url)
                 for j, p in enumerate(m.content)
                 if p.type == "image_url"
             ]
-    return out
+    fields = body._image_fields
+    return [(fields.get(param, param), url) for param, url in out]
 
 
 def check_count(state, n: int, param: str) -> None:
@@ -58,8 +60,9 @@ async def load_images(state, parts: list[tuple[str, str]]) -> list:
 
     try:
         return list(await asyncio.gather(*(one(param, url) for param, url in parts)))
-    except MediaError as e:
-        raise RequestError(e.message, e.param or "messages") from None
+    except MediaError as e:  # the field in the message too: not every dialect's error body has a param
+        param = e.param or "messages"
+        raise RequestError(f"{param}: {e.message}", param) from None
 
 
 def build(state, text: str, images: list, add_special_tokens: bool, param: str = "messages"):

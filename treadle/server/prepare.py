@@ -192,6 +192,7 @@ def model_card(server: ServerState, spec) -> ModelCard:
     from treadle.store.inspect import describe_cached
 
     entry = server.hub.loaded.get(spec.name)
+    info = describe_cached(spec.path)
     if entry is not None and entry.engine.ready:
         return ModelCard(
             id=spec.name,
@@ -199,14 +200,15 @@ def model_card(server: ServerState, spec) -> ModelCard:
             max_model_len=entry.engine.max_model_len,
             loaded=True,
             generation_config=entry.state.defaults,
+            input_modalities=["text", "image"] if entry.engine.takes_images else ["text"],
         )
-    length = describe_cached(spec.path).context_length
     return ModelCard(
         id=spec.name,
         root=spec.path,
-        max_model_len=length,
+        max_model_len=info.context_length,
         loaded=entry is not None,
         generation_config=generation_defaults(server.settings, spec.path),
+        input_modalities=["text", "image"] if info.vision else ["text"],
     )
 
 
@@ -421,7 +423,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
             f"messages: {len(body.messages)} messages; this server accepts at most {limit} (--max-messages)", "messages"
         )
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
-    parts = media_input.image_parts(body.messages)
+    parts = media_input.image_parts(body)
     if parts:
         media_input.check_count(state, len(parts), parts[0][0])
     text = await asyncio.to_thread(

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 from treadle.text.tokenizer import TEMPLATE_OWNED, first_surrogate
@@ -292,6 +292,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
+    # a dialect's request turned into this one: each image part's field here -> its own field there,
+    # so that a refused image is named in the client's words (not part of the request body)
+    _image_fields: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def check(self) -> None:
         self.check_common()
@@ -410,6 +413,7 @@ class ModelCard(BaseModel):
     loaded: bool | None = None
     generation_config: dict | None = None  # the model's generation defaults, applied where a request is silent
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+    input_modalities: list[str] | None = None  # ["text"], or ["text", "image"] for a model that sees
 
 
 class ModelList(BaseModel):

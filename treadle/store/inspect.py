@@ -65,6 +65,7 @@ class ModelInfo:
     chat_template: str = ""
     license: str = ""
     defaults: dict = field(default_factory=dict)  # generation defaults, SamplingParams' names
+    vision: bool = False  # it takes images: a vision tower and an image processor in its folder
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -271,6 +272,8 @@ def _describe_folder(path: str) -> ModelInfo:
         chat_template=_folder_template(path),
         license=_folder_license(path),
         defaults=checked_defaults(defaults, gen_path),
+        vision=isinstance(config.get("vision_config"), dict)
+        and any(os.path.isfile(os.path.join(path, n)) for n in ("preprocessor_config.json", "processor_config.json")),
     )
 
 

@@ -106,3 +106,24 @@ def test_an_image_longer_than_a_step_is_refused_naming_the_budget(folder):
     with pytest.raises(ValueError, match="more than a step computes .12, --max-num-batched-tokens"):
         run(llm, ONE, picture(1))
     assert llm.stats()["num_waiting"] == 0
+
+
+def test_chat_with_image_parts_matches_generate_on_the_rendered_prompt(folder, llm):
+    import base64
+    import io
+
+    a = picture(9)
+    buf = io.BytesIO()
+    a.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "See "}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
+    out = llm.chat(messages, GREEDY)[0].outputs[0].token_ids
+    prompt = "<start_of_turn>user\nSee <start_of_image><end_of_turn>\n<start_of_turn>model\n"
+    assert out == reference(folder, NUM_TOKENS, prompt, [a])
+    pil = [{"role": "user", "content": [{"type": "text", "text": "See "}, {"type": "image_pil", "image_pil": a}]}]
+    assert llm.chat(pil, GREEDY)[0].outputs[0].token_ids == out

@@ -147,8 +147,32 @@ def _text_blocks(content, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(body) -> list[dict]:
-    out = []
+def _image_url(block: dict, at: str) -> str:
+    """An image block's source as the URL an OpenAI image part carries (a data: URL for base64)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise RequestError(
+        f"{at}.source: expected {{type: base64, media_type, data}} or {{type: url, url}}", f"{at}.source"
+    )
+
+
+def _messages(body) -> tuple[list[dict], dict[str, str]]:
+    """The conversation as OpenAI chat messages, and each image part's field in them -> its block here."""
+    out, images = [], {}
+
+    def user_turn(parts: list[dict], blocks: list[str]) -> None:
+        if not any(p["type"] == "image_url" for p in parts):
+            out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
+            return
+        for j, (part, at) in enumerate(zip(parts, blocks)):
+            if part["type"] == "image_url":
+                images[f"messages[{len(out)}].content[{j}].image_url"] = f"{at}.source"
+        out.append({"role": "user", "content": parts})
+
     if body.system is not None:
         system = _text_blocks(body.system, "system")
         if system:
@@ -168,11 +192,17 @@ def _messages(body) -> list[dict]:
         if not isinstance(content, list):
             raise RequestError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
         text, thinking, calls = [], [], []
+        parts, blocks = [], []  # a user turn's text and image parts, and the blocks they came from
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+                blocks.append(at)
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
+                blocks.append(at)
             elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
                 thinking.append(block["thinking"])
             elif kind == "redacted_thinking" and role == "assistant":
@@ -188,9 +218,9 @@ def _messages(body) -> list[dict]:
                     }
                 )
             elif kind == "tool_result" and role == "user":
-                if text:
-                    out.append({"role": "user", "content": "".join(text)})
-                    text = []
+                if parts:
+                    user_turn(parts, blocks)
+                    text, parts, blocks = [], [], []
                 result = block.get("content", "")
                 result = _text_blocks(result, f"{at}.content")
                 if block.get("is_error"):
@@ -205,9 +235,9 @@ def _messages(body) -> list[dict]:
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
-        elif text:
-            out.append({"role": "user", "content": "".join(text)})
-    return out
+        elif parts:
+            user_turn(parts, blocks)
+    return out, images
 
 
 def _tools(tools):
@@ -283,9 +313,10 @@ def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionReques
     choice, parallel = _tool_choice(body.tool_choice, bool(tools))
     if not tools and choice == "none":
         choice = None
+    messages, images = _messages(body)
     fields = dict(
         model=body.model,
-        messages=_messages(body),
+        messages=messages,
         max_tokens=body.max_tokens,
         stop=body.stop_sequences,
         temperature=body.temperature,
@@ -298,7 +329,9 @@ def chat_request(body: MessagesRequest, reasoning: bool) -> ChatCompletionReques
         response_format=response_format,
     )
     try:
-        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+        chat = ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+        chat._image_fields = images
+        return chat
     except ValueError as e:
         raise RequestError(f"messages: {e.errors()[0]['msg'] if hasattr(e, 'errors') else e}", "messages") from None
 

@@ -187,9 +187,11 @@ async def chat(body: OllamaChatRequest, request: Request):
 async def generate(body: OllamaGenerateRequest, request: Request):
     server = request.app.state.treadle
     arrival = time.monotonic()
-    for field in ("suffix", "images", "template", "context"):
+    for field in ("suffix", "template", "context"):
         if getattr(body, field):
             raise RequestError(f"{field} is not supported", field)
+    if body.images and body.raw:
+        raise RequestError("images need the model's template: they are not supported with raw", "images")
     if not body.prompt and body.system is None:
         return await _load_or_unload(server, body.model, body.keep_alive, OllamaGenerateResponse, response="")
     async with serving(server, body.model, body.keep_alive) as state:
@@ -200,14 +202,16 @@ async def generate(body: OllamaGenerateRequest, request: Request):
             )
             prepared = await prepare_renamed(prepare_completion, state, _build(CompletionRequest, fields), RENAMED)
         else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-                {"role": "user", "content": body.prompt}
-            ]
+            user = {"role": "user", "content": body.prompt}
+            if body.images:
+                user["images"] = body.images
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [user]
             chat = _chat_request(
                 OllamaChatRequest(
                     model=body.model, messages=messages, format=body.format, options=body.options, think=body.think
                 ),
                 name,
+                "images",
             )
             prepared = await prepare_renamed(prepare_chat, state, chat, RENAMED)
         generation = await prepared.start(state, new_id("ollama"), None, arrival)
@@ -258,7 +262,10 @@ async def show(body: OllamaModelRequest, request: Request):
     settings = server.settings
     thinks = settings.reasoning_parser or harmony.applies(template, None, settings.tool_call_parser)
     capabilities = (
-        ["completion"] + (["tools"] if template_supports_tools(template) else []) + (["thinking"] if thinks else [])
+        ["completion"]
+        + (["tools"] if template_supports_tools(template) else [])
+        + (["thinking"] if thinks else [])
+        + (["vision"] if info.vision else [])
     )
     # a dict, not OllamaShow: model_info is open-ended (its family-named key sits among the modeled ones, and
     # its context length is null where the model does not say); the details are the model's
@@ -501,14 +508,24 @@ def _build(model, fields: dict):
         raise RequestError(f"options.{param}: {first['msg']}", f"options.{param}") from None
 
 
-def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
-    messages = []
+def _with_images(msg: dict, images, field: str, fields: dict[str, str], index: int) -> None:
+    """A message's Ollama `images` (base64, no data: prefix) as image parts before its text (where
+    Ollama puts them), each part's field noted as `field[k]`."""
+    if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+        raise RequestError(f"{field} must be a list of base64 strings", field)
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/*;base64," + x}} for x in images]
+    for k in range(len(images)):
+        fields[f"messages[{index}].content[{k}].image_url"] = f"{field}[{k}]"
+    msg["content"] = [*parts, {"type": "text", "text": msg["content"]}]
+
+
+def _chat_request(body: OllamaChatRequest, name: str, images_field: str | None = None) -> ChatCompletionRequest:
+    """`images_field`: what the request calls its messages' images (/api/generate: "images")."""
+    messages, image_fields = [], {}
     for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise RequestError(f"{where}.role must be system, user, assistant or tool", f"{where}.role")
-        if m.get("images"):
-            raise RequestError(f"{where}.images: images are not supported", f"{where}.images")
         unknown = set(m) - {"role", "content", "images", "tool_calls", "thinking", "tool_name"}
         if unknown:
             raise RequestError(f"{where}: unknown field {sorted(unknown)[0]!r}", f"{where}.{sorted(unknown)[0]}")
@@ -519,6 +536,8 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
             msg["reasoning"] = m["thinking"]
         if m.get("tool_name"):
             msg["name"] = m["tool_name"]
+        if m.get("images"):
+            _with_images(msg, m["images"], images_field or f"{where}.images", image_fields, len(messages))
         if m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
                 raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
@@ -552,7 +571,9 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
         **_sampling(body.options),
         **_format(body.format),
     )
-    return _build(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
+    chat = _build(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
+    chat._image_fields = image_fields
+    return chat
 
 
 def _think(think) -> tuple[dict | None, str | None]:

@@ -169,6 +169,26 @@ def _text_of(content, where: str) -> str:
     return "".join(texts)
 
 
+def _content_of(content, where: str):
+    """A user message's content: its text, or, where it has `input_image` parts, its parts as OpenAI
+    chat's (text and image_url), each image part noting its field here (`_field`, taken off in
+    chat_request)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_of(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise RequestError(f"{at}: an input_image needs image_url (a URL; file_id is not supported)", at)
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}, "_field": f"{at}.image_url"})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], where)})
+    return parts
+
+
 def input_messages(items) -> list[dict]:
     """`input` as chat messages: consecutive function_call items join one assistant turn; a
     reasoning item goes with the assistant turn after it."""
@@ -187,7 +207,8 @@ def input_messages(items) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
-            msg = {"role": role, "content": _text_of(item.get("content"), where)}
+            content = item.get("content")
+            msg = {"role": role, "content": _content_of(content, where) if role == "user" else _text_of(content, where)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning"], reasoning = reasoning, None
             out.append(msg)
@@ -298,10 +319,17 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
         response_format=_response_format(body.text),
         reasoning_effort=effort,
     )
+    images = {}  # each image part's field in the chat request -> its field in `input`
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m["content"] if isinstance(m.get("content"), list) else ()):
+            if "_field" in part:
+                images[f"messages[{i}].content[{j}].image_url"] = part.pop("_field")
     try:
-        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+        chat = ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
         raise RequestError(f"input: {e.errors()[0]['msg'] if hasattr(e, 'errors') else e}", "input") from None
+    chat._image_fields = images
+    return chat
 
 
 # ---------------------------------------------------------------- response out

@@ -135,6 +135,7 @@ FAMILIES_MAY_IMPORT = (
     "treadle.model.kernels",
     "treadle.model.config",
     "treadle.model.loading.gguf_names",
+    "treadle.model.loading.gguf_file",  # the GGUF reader: a companion file of the family's (an mmproj)
     "treadle.kv_layout",
 )
 

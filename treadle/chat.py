@@ -18,6 +18,7 @@ HELP = """commands:
   /reset            forget the conversation
   /system TEXT      set the system prompt (/system alone clears it)
   /params           show sampling settings; /params temperature=0.2 max_tokens=200 top_p=0.9 ... sets them
+  /image PATH       attach an image (a file, or an http(s) or data: URL) to your next message (a model that sees)
   /help             this text
 Ctrl-C stops a reply, Ctrl-D quits. End a line with \\ to continue it, or wrap a message in \"\"\"."""
 
@@ -79,6 +80,7 @@ class ChatSession:
         self.params = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 1024}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self.images: list = []  # attached with /image, sent with the next message
 
     def command(self, text: str) -> None:
         name, _, rest = text.partition(" ")
@@ -102,27 +104,58 @@ class ChatSession:
                     self.say(f"invalid {key}: {e}")
                     return
             self.say(" ".join(f"{k}={v}" for k, v in self.params.items()))
+        elif name == "/image":
+            self.attach(rest.strip())
         elif name in ("/help", "/?"):
             self.say(HELP)
         else:
             self.say(f"unknown command {name}; /help lists them")
+
+    def attach(self, where: str) -> None:
+        if not where:
+            self.say("usage: /image PATH (or an http(s) or data: URL)")
+            return
+        try:
+            self.engine.vision_prompts  # noqa: B018 - a model that takes no images says so now
+            from treadle.media.vision_prompt import load_image
+
+            image = load_image(where)
+        except ValueError as e:
+            self.say(f"error: {e}")
+            return
+        self.images.append(image)
+        self.say(f"image attached ({image.width}x{image.height}); it goes with your next message")
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
 
     def reply(self, text: str) -> None:
-        self.history.append({"role": "user", "content": text})
+        content = text
+        if self.images:  # the attached images before the text, as a chat client sends them
+            content = [{"type": "image_pil", "image_pil": img} for img in self.images] + [
+                {"type": "text", "text": text}
+            ]
+        self.history.append({"role": "user", "content": content})
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.history
         tok = self.engine.tokenizer
         try:
+            images, inputs = [], None
+            if any(isinstance(m["content"], list) for m in messages):
+                from treadle.media.vision_prompt import split_images
+
+                messages, images = split_images(messages)
             prompt = tok.apply_chat_template(messages)
+            if images:
+                prompt, inputs = self.engine.vision_prompts.build(prompt, images, add_special_tokens=False)
             request_id = f"chat-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, SamplingParams(**self.params), add_special_tokens=False)
+            params = SamplingParams(**self.params)
+            self.engine.add_request(request_id, prompt, params, add_special_tokens=False, images=inputs)
         except ValueError as e:
             self.history.pop()
             self.say(f"error: {e}")
             return
+        self.images = []
         self._stop.clear()
         previous = signal.signal(signal.SIGINT, lambda *_: self._stop.set())
         answer, finish = "", None

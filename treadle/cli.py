@@ -14,13 +14,22 @@ def cmd_run(args) -> int:
     from treadle.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
-    prompt = args.prompt
+    prompt, images = args.prompt, None
     add_special = True
-    if args.chat:
+    if args.image:  # the images, then the text, in one user message of the chat template
+        from treadle.media.vision_prompt import load_image
+
+        vision = engine.vision_prompts
+        pictures = [load_image(path) for path in args.image]
+        message = [{"type": "image"}] * len(pictures) + [{"type": "text", "text": prompt}]
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": message}])
+        prompt, images = vision.build(prompt, pictures, add_special_tokens=False)
+        add_special = False
+    elif args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         add_special = False
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    engine.add_request("run", prompt, params, add_special_tokens=add_special)
+    engine.add_request("run", prompt, params, add_special_tokens=add_special, images=images)
     while engine.has_unfinished_requests():
         for out in engine.step():
             for c in out.outputs:
@@ -705,6 +714,13 @@ def add_run_parser(sub) -> None:
     run.add_argument("prompt", help="the prompt text")
     run.add_argument("--model", "-m", default=None, help=ENGINE_HELP["model"])
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        help="an image for a model that sees (a file, or an http(s) or data: URL; repeat for several): the prompt "
+        "goes through the chat template after it",
+    )
     run.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
     run.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, 0 for greedy (default: 0.7)")
     add_engine_args(run)

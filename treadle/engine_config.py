@@ -178,6 +178,8 @@ class EngineConfig:
     # a model that sees: the vision encoder's outputs kept by image, up to this many bytes (an
     # image sent again, another choice of it, a preempted request's: not encoded twice)
     mm_cache_bytes: int = 256 << 20
+    # a GGUF model's image encoder (llama.cpp's mmproj file); None: an mmproj*.gguf beside the model, if one
+    mmproj: str | None = None
 
     def __post_init__(self):
         for name, low in (
@@ -231,6 +233,7 @@ ENGINE_HELP = {
     "max_num_batched_tokens": (
         "token budget of one engine step (an image's tokens are computed in one step: no image may be longer)"
     ),
+    "mmproj": "a GGUF model's image encoder, llama.cpp's mmproj file (default: the one mmproj*.gguf beside the model)",
     "mm_cache_bytes": "a model that sees: bytes of vision-encoder outputs kept by image (e.g. 256M; 0: none kept)",
     "decode_stall_ratio": (
         "while requests decode, prompt chunks may make a step at most this much longer than a decode-only step (1.0: "
@@ -325,7 +328,7 @@ def add_engine_args(
             parser.add_argument(flag, choices=["q8_0", "q4_k", "q4_0"], default=default, help=help_text)
         elif f.name in ("decode_stall_ratio", "max_grammar_compile_seconds"):
             parser.add_argument(flag, type=float, default=default, help=help_text)
-        elif f.name in ("device", "speculative_config", "kv_cache_dir", "rerank_config"):
+        elif f.name in ("device", "speculative_config", "kv_cache_dir", "rerank_config", "mmproj"):
             parser.add_argument(flag, default=default, help=help_text)
         else:
             parser.add_argument(flag, type=int, default=default, help=help_text)

@@ -43,16 +43,10 @@ class LLM:
             prompts = [prompts]
         return self._run(list(prompts), params, add_special_tokens=True, cache_salt=cache_salt, lora=lora)
 
-    @functools.cached_property
+    @property
     def vision(self):
-        """The model's media.VisionPrompts (its image processor, from the model folder); ValueError
-        for a model that takes no images."""
-        if not self.engine.worker.takes_images:
-            raise ValueError(f"model {self.engine.model_config.architecture} takes no images")
-        from treadle.media.processors import processor_for
-        from treadle.media.vision_prompt import VisionPrompts
-
-        return VisionPrompts(processor_for(self.config.model), self.tokenizer)
+        """The model's media.VisionPrompts; ValueError for a model that takes no images."""
+        return self.engine.vision_prompts
 
     def _with_images(self, prompt: dict, add_special_tokens: bool) -> tuple[list[int], list]:
         """A vLLM-style prompt dict -> (token ids, its step.ImageInput)."""
@@ -94,45 +88,15 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in conversations:
-            c, images = self._chat_images(c)
+            images = []
+            if any(isinstance(m.get("content"), list) for m in c):
+                from treadle.media.vision_prompt import split_images
+
+                c, images = split_images(c)
             text = self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)
             # The template writes any BOS itself.
             prompts.append(self.vision.build(text, images, add_special_tokens=False) if images else text)
         return self._run(prompts, params, add_special_tokens=False)
-
-    def _chat_images(self, conversation: list[dict]) -> tuple[list[dict], list]:
-        """The conversation as the template reads it (each image part as {"type": "image"}, text
-        parts as they are) and its images in order, decoded (RGB, upright)."""
-        images, out = [], []
-        for i, m in enumerate(conversation):
-            content = m.get("content")
-            kinds = {p.get("type") for p in content if isinstance(p, dict)} if isinstance(content, list) else set()
-            if not kinds & {"image_url", "image_pil"}:
-                out.append(m)
-                continue
-            parts = []
-            for j, p in enumerate(content):
-                if p.get("type") == "image_url":
-                    images.append(self._fetch_image(p["image_url"]["url"], f"messages[{i}].content[{j}]"))
-                elif p.get("type") == "image_pil":
-                    from treadle.media.images import to_rgb
-
-                    images.append(to_rgb(p["image_pil"]))
-                else:
-                    parts.append(p)
-                    continue
-                parts.append({"type": "image"})
-            out.append({**m, "content": parts})
-        return out, images
-
-    @staticmethod
-    def _fetch_image(url: str, param: str):
-        """An image part's picture: offline, any public http(s) host and any local file are allowed."""
-        from treadle.media.image_fetch import ImageFetcher
-        from treadle.media.images import decode_image
-
-        data = ImageFetcher(None, "/").fetch(url, param)
-        return decode_image(data, max_pixels=1 << 31, param=param)
 
     def embed(self, prompts, pooling: str = "last") -> list[list[float]]:
         """Each prompt's final hidden states pooled ("last" token or "mean"), L2-normalized (vLLM's

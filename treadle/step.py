@@ -36,6 +36,7 @@ class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True):
     offset: int
     length: int
     hash: str
+    token: int = -1  # the image token of its span (the rows the encoder fills); -1: the model's own
     pixels: bytes = b""
     shape: list[int] = []
     extra: dict = {}

@@ -442,7 +442,9 @@ def test_limits_on_what_a_client_controls_are_clear_errors(http):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop": ["a"] * 17})
     assert_error(r, 400, "stop")
-    big = b'{"model": "x", "prompt": "' + b"a" * (4 * 1024 * 1024) + b'"}'
+    from treadle.server.prepare import ServerSettings
+
+    big = b'{"model": "x", "prompt": "' + b"a" * ServerSettings.max_request_bytes + b'"}'
     assert_error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)
 
     def chunks():

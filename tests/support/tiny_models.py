@@ -404,7 +404,8 @@ def _write_tokenizer(w, tok: Tokenizer, pre: str = "default", tokenizer_model: s
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     w.add_eos_token_id(vocab["<|im_end|>"])
     w.add_add_bos_token(False)

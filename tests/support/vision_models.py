@@ -49,7 +49,7 @@ def save_gemma3_vlm(path: str):
     vision = VISION
     text = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=tok.get_vocab_size(), sliding_window=8,
+        head_dim=16, query_pre_attn_scalar=16, vocab_size=tok.get_vocab_size(), sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
         bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=0,
     )  # fmt: skip

@@ -99,6 +99,7 @@ def run_engine_core(
                 core.model_name,
                 core.stats(),
                 core.worker.takes_images,
+                core.model_config.mmproj,
             )
         )
     )

@@ -5,6 +5,7 @@ tokens and text (vLLM's `RequestOutput` deltas), `abort_request` ends a request.
 puts the same two halves in two processes (`server/engine_client.py`, `engine/core_process.py`).
 """
 
+import functools
 import itertools
 
 from treadle.engine.core import EngineCore
@@ -54,6 +55,22 @@ class LLMEngine:
     worker = property(lambda self: self.core.worker)
     scheduler = property(lambda self: self.core.scheduler)
     kv = property(lambda self: self.core.kv)
+
+    @functools.cached_property
+    def vision_prompts(self):
+        """The model's media.VisionPrompts (its image processor: from the model folder, or a GGUF
+        model's mmproj file); ValueError for a model that takes no images."""
+        if not self.worker.takes_images:
+            raise ValueError(f"model {self.model_config.architecture} takes no images")
+        from treadle.media.processors import processor_for, processor_from_mmproj
+        from treadle.media.vision_prompt import VisionPrompts
+
+        mmproj = self.model_config.mmproj
+        if mmproj is not None:
+            from treadle.model.loading.gguf_file import read_metadata
+
+            return VisionPrompts(processor_from_mmproj(read_metadata(mmproj), mmproj), self.tokenizer)
+        return VisionPrompts(processor_for(self.config.model), self.tokenizer)
 
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -95,6 +95,7 @@ class Ready(msgspec.Struct, tag=True):
     model_name: str
     stats: dict  # the first snapshot, so /stats has one as soon as the server is ready
     takes_images: bool = False  # the model sees: the front end may send images (EngineCoreRequest.images)
+    mmproj: str | None = None  # the mmproj file it sees through (a GGUF model): the image processor's settings
 
 
 class LoadFailed(msgspec.Struct, tag=True):

@@ -437,3 +437,22 @@ def processor_for(folder: str | os.PathLike, overrides: dict | None = None) -> I
     processor_config, model_config = read("processor_config.json"), read("config.json")
     image_config = processor_config.get("image_processor") or read("preprocessor_config.json")
     return processor_from_configs(image_config, processor_config, model_config, overrides)
+
+
+def processor_from_mmproj(meta: dict, where: str) -> ImageProcessor:
+    """The image processor llama.cpp's mmproj file describes (its metadata: clip.projector_type and
+    the clip.vision.* keys): its projector's transformers processor with the file's size, mean, std
+    and tokens per image. ValueError for a projector not reproduced here."""
+    kind = meta.get("clip.projector_type")
+    if kind != "gemma3":
+        raise ValueError(f"{where}: mmproj projector {kind!r} has no image processor here")
+    size = int(meta["clip.vision.image_size"])
+    patches = size // int(meta["clip.vision.patch_size"])
+    tokens = (patches // int(meta.get("clip.vision.projector.scale_factor", 4))) ** 2  # clip.cpp's default pool: 4
+    image_config = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "size": {"height": size, "width": size},
+        "image_mean": list(meta.get("clip.vision.image_mean", IMAGENET_STANDARD)),
+        "image_std": list(meta.get("clip.vision.image_std", IMAGENET_STANDARD)),
+    }
+    return processor_from_configs(image_config, {"image_seq_length": tokens}, {"model_type": "gemma3"})

@@ -12,7 +12,7 @@ in one step and fills only its image-token rows.
 
 from PIL import Image
 
-from treadle.media.images import MediaError, image_hash
+from treadle.media.images import MediaError, decode_image, image_hash, to_rgb
 from treadle.media.processors import ImageProcessor
 from treadle.step import ImageInput
 
@@ -55,9 +55,46 @@ class VisionPrompts:
                     offset=first,
                     length=last - first + 1,
                     hash=image_hash(image, settings),
+                    token=self.image_token_id,
                     pixels=pixels.tobytes(),
                     shape=list(pixels.shape),
                     extra={k: v.tolist() for k, v in p.extra_inputs.items()},
                 )
             )
         return ids, out
+
+
+def split_images(conversation: list[dict]) -> tuple[list[dict], list[Image.Image]]:
+    """An offline conversation as the chat template reads it (each image part as {"type": "image"},
+    text parts as they are) and its images in order, decoded (RGB, upright). Image parts are OpenAI
+    chat's {"type": "image_url", "image_url": {"url": ...}} (a data: URL, an http(s) URL of a public
+    host, a local path: the user's own machine, so any file) or vLLM's {"type": "image_pil", ...}."""
+    images, out = [], []
+    for i, m in enumerate(conversation):
+        content = m.get("content")
+        kinds = {p.get("type") for p in content if isinstance(p, dict)} if isinstance(content, list) else set()
+        if not kinds & {"image_url", "image_pil"}:
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            if p.get("type") == "image_url":
+                images.append(load_image(p["image_url"]["url"], f"messages[{i}].content[{j}]"))
+            elif p.get("type") == "image_pil":
+                images.append(to_rgb(p["image_pil"]))
+            else:
+                parts.append(p)
+                continue
+            parts.append({"type": "image"})
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def load_image(url: str, param: str = "image") -> Image.Image:
+    """An image for offline use: a data: URL, an http(s) URL of a public host, or a local path."""
+    from treadle.media.image_fetch import ImageFetcher
+
+    return decode_image(ImageFetcher(None, "/").fetch(url, param), max_pixels=OFFLINE_MAX_PIXELS, param=param)
+
+
+OFFLINE_MAX_PIXELS = 1 << 31  # the user's own images: Pillow's own bomb limit still holds

@@ -93,6 +93,8 @@ class ModelConfig:
     # positions the engine will use (its max_model_len), set before the model is built: the rotary
     # tables cover them where they exceed the model's own context (capped: llama.ROPE_TABLE_CAP)
     position_table: int | None = None
+    # a GGUF model's image encoder: llama.cpp's mmproj file (loader.attach_mmproj), where its family reads one
+    mmproj: str | None = None
 
     def windows(self) -> list[int | None]:
         """Every attention layer's sliding window (None: full attention); a hybrid's recurrent

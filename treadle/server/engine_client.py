@@ -73,6 +73,7 @@ class EngineClient:
         self.max_model_len = 0
         self.vocab_size = 0
         self.takes_images = False  # the model sees (its core's Ready says)
+        self.mmproj = None  # ... through this mmproj file (a GGUF model)
         self.vision_prompts = None  # media.VisionPrompts, made by the first request with an image
         self.pid: int | None = None
         self.num_restarts = 0
@@ -236,7 +237,7 @@ class EngineClient:
                     return
             elif isinstance(msg, Ready) and self.state != "failed":
                 self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
-                self.takes_images = msg.takes_images
+                self.takes_images, self.mmproj = msg.takes_images, msg.mmproj
                 self._stats = msg.stats
                 self.state, self.reason = "ready", None
                 log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)

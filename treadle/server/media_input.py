@@ -90,7 +90,14 @@ def _vision_prompts(state):
         from treadle.media.vision_prompt import VisionPrompts
 
         try:
-            engine.vision_prompts = VisionPrompts(processor_for(state.settings.model_root), engine.tokenizer)
+            if engine.mmproj is not None:
+                from treadle.media.processors import processor_from_mmproj
+                from treadle.model.loading.gguf_file import read_metadata
+
+                processor = processor_from_mmproj(read_metadata(engine.mmproj), engine.mmproj)
+            else:
+                processor = processor_for(state.settings.model_root)
+            engine.vision_prompts = VisionPrompts(processor, engine.tokenizer)
         except ValueError as e:
             raise RequestError(f"this model's images cannot be prepared: {e}", "messages", status=500) from None
     return engine.vision_prompts

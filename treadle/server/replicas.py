@@ -176,6 +176,7 @@ class ReplicaSet:
     max_model_len = property(lambda self: self._first_ready().max_model_len)
     vocab_size = property(lambda self: self._first_ready().vocab_size)
     takes_images = property(lambda self: self._first_ready().takes_images)
+    mmproj = property(lambda self: self._first_ready().mmproj)
     vision_prompts = None  # media.VisionPrompts, made by the first request with an image
     num_restarts = property(lambda self: sum(r.num_restarts for r in self.replicas))
     num_unfinished = property(lambda self: sum(r.num_unfinished for r in self.replicas))

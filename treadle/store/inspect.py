@@ -200,7 +200,15 @@ def _describe_gguf(path: str) -> ModelInfo:
         chat_template=str(meta.get("tokenizer.chat_template") or ""),
         license=str(meta.get("general.license") or ""),
         defaults=checked_defaults(defaults, f"{path}: general.sampling"),
+        vision=_mmproj_beside(path),
     )
+
+
+def _mmproj_beside(path: str) -> bool:
+    """Whether an mmproj file (llama.cpp's image encoder) sits beside the GGUF model: it then sees."""
+    from treadle.model.loading.loader import find_mmproj
+
+    return find_mmproj(path, None) is not None
 
 
 def _read_json(path: str) -> dict:

@@ -127,3 +127,67 @@ def test_chat_with_image_parts_matches_generate_on_the_rendered_prompt(folder, l
     assert out == reference(folder, NUM_TOKENS, prompt, [a])
     pil = [{"role": "user", "content": [{"type": "text", "text": "See "}, {"type": "image_pil", "image_pil": a}]}]
     assert llm.chat(pil, GREEDY)[0].outputs[0].token_ids == out
+
+
+def test_a_gguf_model_with_its_mmproj_beside_it_sees_as_transformers(folder, tmp_path):
+    """The text model as a GGUF file and the encoder as llama.cpp's mmproj file beside it (found
+    without --mmproj; its image processor read from the file's clip.vision keys). The mmproj holds
+    the projection in float16, as the converter writes it: so does the reference here."""
+    import copy
+
+    from transformers import Gemma3ForCausalLM
+
+    from tests.model.families.test_gemma3_vision import write_mmproj
+    from tests.support.tiny_models import write_gguf
+    from tests.support.vision_models import TOKENS_PER_IMAGE
+
+    path, model, tok, image_config = folder
+    text = Gemma3ForCausalLM(model.config.text_config).eval()
+    text.model.load_state_dict(model.model.language_model.state_dict())
+    text.lm_head.weight = text.model.embed_tokens.weight
+    write_gguf(str(tmp_path / "tiny-vlm.gguf"), "gemma3", text, tok)
+    write_mmproj(str(tmp_path / "mmproj-tiny-vlm-f32.gguf"), model, TOKENS_PER_IMAGE)
+    rounded = copy.deepcopy(model)
+    projection = rounded.model.multi_modal_projector.mm_input_projection_weight
+    projection.data = projection.data.half().float()
+    gguf_llm = LLM(str(tmp_path / "tiny-vlm.gguf"), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    a, b = picture(13), picture(14, size=(90, 40))
+    assert run(gguf_llm, ONE, a) == reference((path, rounded, tok, image_config), NUM_TOKENS, ONE, [a])
+    assert run(gguf_llm, TWO, [a, b]) == reference((path, rounded, tok, image_config), NUM_TOKENS, TWO, [a, b])
+    assert LLM(str(tmp_path / "tiny-vlm.gguf"), dtype="float32", max_model_len=512, num_kv_blocks=64,
+               mmproj=str(tmp_path / "mmproj-tiny-vlm-f32.gguf")).engine.worker.takes_images  # fmt: skip
+
+
+def test_the_terminal_chat_and_run_take_an_image(folder, llm, tmp_path):
+    """`treadle chat`'s /image PATH and `treadle run --image PATH` send the picture before the
+    text, as LLM.chat does with the same message."""
+    import io
+    import subprocess
+    import sys
+
+    from treadle.chat import ChatSession
+
+    a = picture(16)
+    png = tmp_path / "cat.png"
+    a.save(png)
+    out = io.StringIO()
+    session = ChatSession(llm.engine, out=out)
+    session.params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    session.command(f"/image {png}")
+    assert "image attached (56x40)" in out.getvalue()
+    misses = llm.stats()["encoder_cache"]["mm_cache_misses"]
+    session.reply("See")
+    assert llm.stats()["encoder_cache"]["mm_cache_misses"] == misses + 1  # the picture went with it
+    message = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a}, {"type": "text", "text": "See"}]}]
+    expected = llm.chat(message, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+    assert out.getvalue().endswith(expected + "\n")
+    assert session.images == []  # sent with that message only
+    session.command(f"/image {tmp_path / 'missing.png'}")
+    assert "missing.png" in out.getvalue().splitlines()[-1]
+    run = subprocess.run(
+        [sys.executable, "-m", "treadle", "run", "--model", folder[0], "--dtype", "float32", "--image", str(png),
+         "--temperature", "0", "--max-tokens", "6", "--max-model-len", "512", "See"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected + "\n"

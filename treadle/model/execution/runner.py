@@ -440,7 +440,8 @@ class ModelRunner:
                 if s.start <= img.offset and img.offset + img.length <= end:
                     at = img.offset - s.start
                     tokens = torch.tensor(s.token_ids[at : at + img.length])
-                    mine = (tokens == image_token).nonzero().flatten()  # the image tokens of its span
+                    token = img.token if img.token >= 0 else self.model.image_token_id
+                    mine = (tokens == token).nonzero().flatten()  # the image tokens of its span
                     rows.append(mine + row + at)
                     outputs.append(self.encoder_cache.get(img, self.model.encode_image))
                     spans.setdefault(i, []).extend(_runs(mine + img.offset))

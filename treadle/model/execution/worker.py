@@ -16,7 +16,7 @@ from treadle.model.config import ModelConfig, ModelLoadError
 from treadle.model.execution.compiled import CompiledDecode
 from treadle.model.execution.runner import ModelRunner
 from treadle.model.kernels import paged, quant
-from treadle.model.loading.loader import load_model_files, resolve_model_path
+from treadle.model.loading.loader import attach_mmproj, load_model_files, resolve_model_path
 from treadle.utils import available_memory, process_memory, release_free_heap, resident_bytes
 
 log = logging.getLogger("treadle")
@@ -69,9 +69,11 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> bool:
     return False
 
 
-def load_quantized_model_files(model: str | None, quantization: str | None):
-    """The model's files, with a Hugging Face folder's matrices quantized when asked (--quantization)."""
+def load_quantized_model_files(model: str | None, quantization: str | None, mmproj: str | None = None):
+    """The model's files, with a Hugging Face folder's matrices quantized when asked (--quantization),
+    and a GGUF model's image encoder file (--mmproj, or one beside it) where its family reads one."""
     files = load_model_files(model)
+    attach_mmproj(files, model, mmproj)
     if quantization is not None:
         if not os.path.isdir(resolve_model_path(model)):
             raise ModelLoadError(
@@ -109,7 +111,7 @@ class ModelWorker:
             torch.set_num_threads(config.threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.kv_int8 = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        files = load_quantized_model_files(config.model, config.quantization)
+        files = load_quantized_model_files(config.model, config.quantization, config.mmproj)
         self.model_config, self.tokenizer = files.config, files.tokenizer
         spec = config.speculative_config
         draft_files = None

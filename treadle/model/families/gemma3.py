@@ -29,6 +29,7 @@ from treadle.model.families.llama import DecoderLayer, LayerWeights, LlamaModel,
 from treadle.model.layers.attention import metadata_by_layer, paged_attention
 from treadle.model.layers.norm import RMSNorm
 from treadle.model.layers.rotary import apply_rotary
+from treadle.model.loading.gguf_file import open_gguf
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
 
 SLIDING_WINDOW_PATTERN = 6  # transformers' default and llama.cpp's fixed value for gemma3 files
@@ -204,6 +205,8 @@ class Gemma3Model(LlamaModel):
                 )
         if config.multimodal is not None:
             self.vision = Gemma3Vision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
+        elif config.mmproj is not None:  # a GGUF file's model: llama.cpp's mmproj file beside it
+            self.vision = Gemma3Vision.from_gguf(open_gguf(config.mmproj), dtype, device)
         super().__init__(config, weights, dtype, device, batch_invariant)
         self.local_rotary = self.rotary if config.local_rope == config.rope else self.rotary_for(config.local_rope)
         self.windows = config.windows()
@@ -211,9 +214,9 @@ class Gemma3Model(LlamaModel):
         # transformers multiplies the embedding by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
 
-    bidirectional_images = (
-        True  # an image's soft tokens attend to each other both ways (transformers' token_type_ids mask)
-    )
+    mmproj_projectors = ("gemma3",)  # llama.cpp's mmproj files of Gemma 3
+    # an image's soft tokens attend to each other both ways (transformers' token_type_ids mask)
+    bidirectional_images = True
 
     def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
         return self.vision.encode(pixels.to(self.device)).flatten(0, 1)  # [tiles, tokens, hidden]: its tiles in order

@@ -36,6 +36,8 @@ class CausalLM:
     vision = None
     # whether an image's tokens attend to each other both ways (Gemma 3), not causally
     bidirectional_images: bool = False
+    # the `clip.projector_type`s of llama.cpp's mmproj files the family reads (config.mmproj)
+    mmproj_projectors: tuple[str, ...] = ()
     # set by the runner around a forward whose prompt chunks hold images: (rows [R], values [R, hidden]),
     # the encoder's outputs that replace those rows' embeddings (`place_images`)
     image_rows: tuple | None = None

@@ -14,6 +14,41 @@ def resolve_model_path(model: str | None) -> str:
     return default_model_path() if model is None else os.path.expanduser(model)
 
 
+def find_mmproj(model: str | None, explicit: str | None) -> str | None:
+    """A GGUF model's image encoder file: `explicit` (--mmproj), else the one `mmproj*.gguf` beside
+    the model (llama.cpp's converter names them so; LM Studio and Ollama keep them there), else None."""
+    if explicit is not None:
+        path = os.path.expanduser(explicit)
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"--mmproj {explicit}: no such file")
+        return path
+    path = resolve_model_path(model)
+    if not (os.path.isfile(path) and path.endswith(".gguf")):
+        return None
+    folder = os.path.dirname(path) or "."
+    found = sorted(n for n in os.listdir(folder) if n.lower().startswith("mmproj") and n.endswith(".gguf"))
+    return os.path.join(folder, found[0]) if len(found) == 1 else None
+
+
+def attach_mmproj(files: ModelFiles, model: str | None, explicit: str | None) -> None:
+    """Give the model its mmproj file where its family reads one (`CausalLM.mmproj_projectors`); an
+    explicit --mmproj the family cannot read is an error, one merely found beside it is left alone."""
+    from treadle.model.families.registry import resolve_model_class
+
+    path = find_mmproj(model, explicit)
+    if path is None:
+        return
+    from treadle.model.loading.gguf_file import read_metadata
+
+    kind = read_metadata(path).get("clip.projector_type")
+    if kind in resolve_model_class(files.config.architecture).mmproj_projectors:
+        files.config.mmproj = path
+    elif explicit is not None:
+        raise ModelLoadError(
+            f"--mmproj {explicit}: a {kind!r} projector, which model {files.config.architecture} does not read"
+        )
+
+
 def _missing(path: str) -> ModelLoadError:
     return ModelLoadError(f"{path}: no such file or folder (expected a .gguf file or a Hugging Face model folder)")
 

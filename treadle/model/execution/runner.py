@@ -23,6 +23,7 @@ from treadle.model.families.registry import resolve_model_class
 from treadle.model.kernels import paged
 from treadle.model.layers.attention import SCALE_BYTES, AttentionMetadata, PrefillChunk, graph_kernel_args
 from treadle.model.layers.linear import LORA_ROWS
+from treadle.model.layers.mrope import MropePositions
 from treadle.model.layers.recurrent import Segment
 from treadle.sampling_params import SamplingParams
 from treadle.step import SampledToken, StepInput, TokenHistory
@@ -64,12 +65,15 @@ class InjectedFault(RuntimeError):
 class RunnerRequest(TokenHistory):
     """What the sampler needs of one request, kept by the runner between steps."""
 
-    __slots__ = ("params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows", "lora", "images")
+    __slots__ = (
+        "params", "all_token_ids", "num_prompt_tokens", "sampler_state", "pooled_rows", "lora", "images", "rope",
+    )  # fmt: skip
 
-    def __init__(self, prompt_token_ids: list[int], params, lora: int = 0, images=()):
+    def __init__(self, prompt_token_ids: list[int], params, lora: int = 0, images=(), rope=None):
         self.params = params
         self.lora = lora  # its LoRA adapter's id (model/lora.py); 0: the base model
         self.images = images  # step.ImageInput of its prompt, pixels and all, until it ends
+        self.rope = rope  # an M-RoPE model's request with images: its positions (mrope.MropePositions)
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_state = None  # the request's own generator, when it has a seed
@@ -247,8 +251,11 @@ class ModelRunner:
     def update_states(self, step: StepInput) -> None:
         """Learn the step's new requests and forget the finished ones (before anything can fail)."""
         for new in step.new_requests:
+            rope = None
+            if self.model.mrope and new.images:
+                rope = MropePositions([(img.offset, *self.model.image_grid(img.extra)) for img in new.images])
             self.requests[new.req_id] = RunnerRequest(
-                new.prompt_token_ids, SamplingParams(**new.params), new.lora, new.images
+                new.prompt_token_ids, SamplingParams(**new.params), new.lora, new.images, rope
             )
         for req_id in step.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -382,6 +389,7 @@ class ModelRunner:
         logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = pos_t.to(self.device)
+        rope_t = self._rope_positions(scheduled, order, pos_t)
         if self.recurrent:
             metas[0].recurrent = self._segments(scheduled, order)
         meta = metas[0] if len(metas) == 1 else metas
@@ -394,8 +402,8 @@ class ModelRunner:
             self.model.image_rows = None if images is None else images[:2]  # the encoder's rows, placed
             try:
                 if not pooling and self.hidden_capture is None:
-                    return self.model.forward(input_ids, pos_t, self.kv_caches, meta, logits_indices), sample_rows, {}
-                hidden = self.model.hidden_states(input_ids, pos_t, self.kv_caches, meta)
+                    return self.model.forward(input_ids, rope_t, self.kv_caches, meta, logits_indices), sample_rows, {}
+                hidden = self.model.hidden_states(input_ids, rope_t, self.kv_caches, meta)
                 logits = self.model.logits(hidden[logits_indices])  # (a row's norm is the row's alone: the same bits)
                 if self.hidden_capture is not None:
                     self.hidden_capture(scheduled, order, hidden)
@@ -405,7 +413,7 @@ class ModelRunner:
             finally:
                 LORA_ROWS.groups = []
                 self.model.image_rows = None
-        inputs = (input_ids, pos_t, self.kv_caches, meta, logits_indices)
+        inputs = (input_ids, rope_t, self.kv_caches, meta, logits_indices)
         # A compiled graph takes decode-only steps where every row samples (a 1-token prompt chunk
         # that is not the prompt's last samples nothing, and the graphs were traced with one sample
         # per row); graphs that attend with the kernel also take verifications (a decode token and
@@ -417,12 +425,29 @@ class ModelRunner:
             compiled = self.compiled.forward_for(n, width)
             if compiled is not None:
                 try:
-                    return compiled(input_ids, pos_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
+                    return compiled(input_ids, rope_t, self.kv_caches, graph_meta, logits_indices), sample_rows, {}
                 except Exception as e:  # noqa: BLE001 - the eager forward computes the same function
                     self.compiled.discard(n, e)
         if greedy and self.model.greedy_head():
             return self.model.greedy_forward(*inputs), sample_rows, {}
         return self.model.forward(*inputs), sample_rows, {}
+
+    def _rope_positions(self, scheduled, order, pos_t: torch.Tensor) -> torch.Tensor:
+        """The rows' rotary positions: their indices (`pos_t`), except an M-RoPE model's requests
+        with images (layers/mrope.py): [T] while no row is an image token's, else [3, T]. The
+        KV slots and attention masks stay by index."""
+        if not self.model.mrope:
+            return pos_t
+        parts = []
+        for i in order:
+            s = scheduled[i]
+            req = self.requests.get(s.req_id)
+            n = len(s.token_ids)
+            rope = req.rope if req is not None else None
+            parts.append(rope(s.start, n) if rope is not None else torch.arange(s.start, s.start + n))
+        if all(p.dim() == 1 for p in parts):
+            return torch.cat(parts).to(self.device)
+        return torch.cat([p.expand(3, -1) if p.dim() == 1 else p for p in parts], dim=1).to(self.device)
 
     def _step_images(self, scheduled, order):
         """The step's images, where its prompt chunks hold any: (their rows, the encoder's
@@ -430,7 +455,6 @@ class ModelRunner:
         [begin, end)); None when no chunk holds an image. A chunk holds an image whole or not at
         all (the scheduler's whole_images)."""
         rows, outputs, spans = [], [], {}
-        image_token = self.model.image_token_id
         row = 0
         for i in order:
             s = scheduled[i]

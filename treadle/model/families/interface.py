@@ -41,6 +41,10 @@ class CausalLM:
     # set by the runner around a forward whose prompt chunks hold images: (rows [R], values [R, hidden]),
     # the encoder's outputs that replace those rows' embeddings (`place_images`)
     image_rows: tuple | None = None
+    # multimodal RoPE (Qwen-VL, layers/mrope.py): a token's rotary position is (time, row, column),
+    # from its request's images (`image_grid`); `forward` then takes [T] positions (text, each
+    # index shifted) or [3, T] (a step whose rows hold image tokens)
+    mrope: bool = False
 
     # ---------------------------------------------------------------- the names files call it by
     # Literals in the class body, each class its own (not inherited): registry.py reads them from
@@ -101,6 +105,10 @@ class CausalLM:
         """One preprocessed image (float32, its processor's shape; `extra`: what else its processor
         gave) -> the embeddings of its placeholder tokens [tokens, hidden], in the model's dtype."""
         raise NotImplementedError(f"{type(self).__name__} takes no images")
+
+    def image_grid(self, extra: dict) -> tuple[int, int]:
+        """An M-RoPE model's image: (rows, columns) of its tokens' grid, from what its processor gave."""
+        raise NotImplementedError(f"{type(self).__name__} has no multimodal RoPE")
 
     @property
     def image_token_id(self) -> int:

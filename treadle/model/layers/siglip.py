@@ -2,7 +2,9 @@
 one vector per patch out.
 
 - patch embedding: a convolution whose kernel and stride are the patch size (each patch's pixels,
-  linearly mapped), plus a learned position embedding per patch; no class token;
+  linearly mapped; pixels past the last whole patch unseen, as transformers floors), plus a learned
+  position embedding per patch (Idefics3's tiles name each patch's row: `position_ids`); no class
+  token;
 - pre-norm encoder layers: LayerNorm (with bias), bidirectional multi-head attention (q, k, v and
   out projections with biases, scale head_dim^-1/2), residual; LayerNorm, fc1, GELU (SigLIP's is
   tanh-approximated), fc2, residual;
@@ -109,11 +111,6 @@ class SiglipVisionConfig:
                 f"{where}: vision_config.num_attention_heads = {config.num_attention_heads}: "
                 f"does not divide hidden_size = {config.hidden_size}"
             )
-        if config.image_size % config.patch_size:
-            raise ModelLoadError(
-                f"{where}: vision_config.patch_size = {config.patch_size}: "
-                f"does not divide image_size = {config.image_size}"
-            )
         return config
 
 
@@ -147,7 +144,8 @@ class SiglipEncoderLayer:
 
 
 class SiglipVisionTower:
-    """pixel_values [N, channels, image_size, image_size] -> [N, patches, hidden] in `dtype`.
+    """pixel_values [N, channels, image_size, image_size] (any height and width, given each patch's
+    position) -> [N, patches, hidden] in `dtype`.
 
     `tensor(name)` reads a weight by its name under `vision_model.`; each is checked against its
     expected shape and kept in `dtype` on `device`.
@@ -173,16 +171,20 @@ class SiglipVisionTower:
         ]
         self.post_norm = take("post_layernorm.weight", (d,)), take("post_layernorm.bias", (d,))
 
-    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pixel_values: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` [patches]: each patch's row of the position embedding, for images of any
+        size (Idefics3's bucketed coordinates); None: the image is image_size square, patch i at row i."""
         cfg = self.config
         size = cfg.image_size
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (cfg.num_channels, size, size):
+        sized = position_ids is not None or tuple(pixel_values.shape[2:]) == (size, size)
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != cfg.num_channels or not sized:
             raise ValueError(
                 f"pixel_values: shape {tuple(pixel_values.shape)}, expected [N, {cfg.num_channels}, {size}, {size}]"
             )
         pixels = pixel_values.to(device=self.patch_weight.device, dtype=self.dtype)
         x = F.conv2d(pixels, self.patch_weight, self.patch_bias, stride=cfg.patch_size)
-        x = x.flatten(2).transpose(1, 2) + self.position  # patches in row-major order, as the positions are
+        # patches in row-major order, as the positions are
+        x = x.flatten(2).transpose(1, 2) + (self.position if position_ids is None else self.position[position_ids])
         for layer in self.layers:
             x = layer(x)
         return F.layer_norm(x, (cfg.hidden_size,), *self.post_norm, cfg.layer_norm_eps)

@@ -1,0 +1,91 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) and Qwen2-VL (`Qwen2VLForConditionalGeneration`):
+a Qwen2 language model (bias on q, k and v) that sees, through its ViT (qwen2_vl_vision.py; the two
+towers differ, the language models do not).
+
+- multimodal RoPE: a token's rotary position is (time, row, column), an image's tokens laid out on
+  their grid and the text after an image going on from its largest position + 1
+  (layers/mrope.py); config.json's `mrope_section` splits the frequencies among the three. The
+  runner gives the positions (`mrope`, `image_grid`); a request without images has its index,
+  three times;
+- an image is `<|vision_start|>`, one `<|image_pad|>` per merge window of its patches,
+  `<|vision_end|>`: the pads' rows take the encoder's outputs; the text attends causally to them;
+- config.json holds the text model's hyperparameters in `text_config` (transformers 5) or at the
+  top level (Qwen's files), the tower's in `vision_config`; tied embeddings where either says so;
+- weights: `model.layers.*` and `visual.*` (Qwen's files, transformers 5's save_pretrained) or
+  `model.language_model.*` and `model.visual.*` (transformers 4.5x).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treadle.model.config import ModelConfig, ModelLoadError
+from treadle.model.families.llama import ROPE_TABLE_CAP, LlamaModel
+from treadle.model.families.qwen2_vl_vision import QwenVLVision
+from treadle.model.layers.mrope import MultimodalRotaryEmbedding
+
+
+@dataclass
+class Qwen2VLConfig(ModelConfig):
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    multimodal: dict = field(default_factory=dict)  # config.json: the vision tower's settings, the image token
+
+
+class Qwen25VLModel(LlamaModel):
+    hf_model_types = ("qwen2_5_vl",)
+    hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
+
+    mrope = True
+
+    @classmethod
+    def config_from_hf(cls, hf) -> Qwen2VLConfig:
+        text = {**hf.cfg, **hf.section("text_config")}
+        text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings")) or bool(
+            hf.section("text_config").get("tie_word_embeddings")
+        )
+        text_hf = type(hf)(hf.folder, text, hf.arch)
+        params = text_hf.section("rope_parameters") or text_hf.section("rope_scaling")
+        section = params.get("mrope_section")
+        if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) for s in section)):
+            raise ModelLoadError(f"{hf.where}: mrope_section = {section!r}: expected three integers")
+        # Qwen's files name the rotation "mrope" (its split is mrope_section); the frequencies are the default ones
+        rope = text_hf.rope({k: v for k, v in params.items() if v != "mrope"}, default_theta=1e6)
+        window = text.get("sliding_window") if text.get("use_sliding_window", False) else None
+        config = text_hf.llama_style(
+            Qwen2VLConfig,
+            attention_bias=True,
+            sliding_window=window or None,
+            rope=rope,
+            mrope_section=section,
+            multimodal=hf.cfg,
+        )
+        config = text_hf.checked(config)
+        if sum(section) != config.head_dim // 2:
+            raise ModelLoadError(f"{hf.where}: mrope_section = {section}: expected {config.head_dim // 2} in all")
+        return config
+
+    def __init__(self, config: Qwen2VLConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant=False):
+        vision = {}
+        for name in list(weights):
+            if QwenVLVision.is_vision_tensor(name):
+                vision[name] = weights.pop(name)
+            elif name.startswith("model.language_model."):
+                weights["model." + name.removeprefix("model.language_model.")] = weights.pop(name)
+        self.vision = QwenVLVision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
+        super().__init__(config, weights, dtype, device, batch_invariant)
+
+    def rotary_for(self, rope) -> MultimodalRotaryEmbedding:
+        cfg = self.config
+        positions = cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
+        return MultimodalRotaryEmbedding(rope, cfg.head_dim, positions, cfg.mrope_section).to(self.device)
+
+    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
+        return self.vision.encode(pixels, extra)
+
+    def image_grid(self, extra: dict) -> tuple[int, int]:
+        return self.vision.grid(extra)
+
+
+class Qwen2VLModel(Qwen25VLModel):
+    hf_model_types = ("qwen2_vl",)
+    hf_architectures = ("Qwen2VLForConditionalGeneration",)

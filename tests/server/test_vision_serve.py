@@ -4,6 +4,7 @@ image is a 400 naming its field, after which no KV block stays allocated and the
 
 import base64
 import io
+import json
 import time
 
 import httpx
@@ -196,3 +197,47 @@ def test_the_model_lists_say_it_sees(vlm, server):
     assert httpx.get(server.url + "/v1/models", headers=auth).json()["data"][0]["input_modalities"] == ["text"]
     show = httpx.post(server.url + "/api/show", json={"model": MODEL}, headers=auth).json()
     assert "vision" not in show["capabilities"]
+
+
+def test_the_web_chat_sends_an_attached_image_and_shows_it(vlm, tmp_path):
+    """The web chat's attach button appears for a model that sees: the chosen picture is shown in
+    the conversation and sent with the message (the engine encodes it)."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.server.test_webui import CHROMIUM, CHROMIUM_ARGS
+
+    server, _ = vlm
+    png = tmp_path / "dog.png"
+    picture(21).save(png)
+    misses = httpx.get(server.url + "/stats").json()["encoder_cache"]["mm_cache_misses"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 800})
+        settings = {"system": "", "temperature": "0", "top_p": "1", "max_tokens": "4"}  # within --max-model-len
+        page.add_init_script(f"localStorage.setItem('treadle.settings', {json.dumps(json.dumps(settings))})")
+        page.goto(server.url + "/")
+        page.wait_for_selector("#attach", state="visible")
+        page.set_input_files("#attach-file", str(png))
+        page.wait_for_selector("#attachments img")
+        page.fill("#input", "What is in it?")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".msg.user .images img")
+        page.wait_for_selector(".msg.assistant .stats", timeout=60000)  # the reply ended
+        assert page.locator("#attachments img").count() == 0  # sent with that message only
+        browser.close()
+    assert httpx.get(server.url + "/stats").json()["encoder_cache"]["mm_cache_misses"] == misses + 1
+
+
+def test_a_text_model_s_web_chat_offers_no_attach_button(server):
+    from playwright.sync_api import sync_playwright
+
+    from tests.server.test_webui import CHROMIUM, CHROMIUM_ARGS
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.add_init_script(f"localStorage.setItem('treadle.apiKey', {KEY!r})")
+        page.goto(server.url + "/")
+        page.wait_for_function(f"document.getElementById('model-name').textContent === {MODEL!r}")
+        assert page.locator("#attach").is_hidden()
+        browser.close()

@@ -16,7 +16,13 @@
   function load(key, fallback) {
     try { const v = JSON.parse(localStorage.getItem(key)); return v == null ? fallback : v; } catch (e) { return fallback; }
   }
-  function save() { localStorage.setItem(STORE, JSON.stringify(conversations)); }
+  function save() {
+    try { localStorage.setItem(STORE, JSON.stringify(conversations)); }
+    catch (e) {  // over the browser's quota: keep the conversations, not their pictures
+      const light = conversations.map((c) => ({ ...c, messages: c.messages.map((m) => ({ ...m, images: undefined })) }));
+      try { localStorage.setItem(STORE, JSON.stringify(light)); } catch (e2) { /* nothing more to drop */ }
+    }
+  }
   function headers() {
     const h = { "Content-Type": "application/json" };
     const key = localStorage.getItem(KEY);
@@ -54,6 +60,17 @@
     div.className = "msg " + m.role;
     const body = document.createElement("div");
     body.className = "body";
+    if (m.images && m.images.length) {
+      const row = document.createElement("div");
+      row.className = "images";
+      for (const src of m.images) {
+        const img = document.createElement("img");
+        img.src = src;
+        img.alt = "attached image";
+        row.append(img);
+      }
+      div.append(row);
+    }
     // Markdown renderer escapes all model text before adding its own tags.
     if (m.role === "assistant") body.innerHTML = TreadleMarkdown.render(m.content || "");
     else body.textContent = m.content;
@@ -109,11 +126,56 @@
 
   // ---------------------------------------------------------------- sending
 
+  // a message's content as the API takes it: its images (data: URLs) before its text
+  function apiContent(m) {
+    if (!m.images || !m.images.length) return m.content;
+    const parts = m.images.map((url) => ({ type: "image_url", image_url: { url: url } }));
+    if (m.content) parts.push({ type: "text", text: m.content });
+    return parts;
+  }
+
+  // ---------------------------------------------------------------- images (a model that sees)
+
+  let sees = false;  // the model takes images (/v1/models: input_modalities)
+  let pending = [];  // data: URLs attached to the next message
+
+  function renderAttachments() {
+    const box = $("attachments");
+    box.textContent = "";
+    box.hidden = !pending.length;
+    pending.forEach((url, i) => {
+      const fig = document.createElement("figure");
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "image to send";
+      const drop = document.createElement("button");
+      drop.type = "button";
+      drop.textContent = "×";
+      drop.setAttribute("aria-label", "remove image");
+      drop.onclick = () => { pending.splice(i, 1); renderAttachments(); };
+      fig.append(img, drop);
+      box.append(fig);
+    });
+  }
+
+  function attach(files) {
+    if (!sees) return;
+    for (const file of files) {
+      if (!file || !file.type.startsWith("image/")) continue;
+      const reader = new FileReader();
+      reader.onload = () => { pending.push(reader.result); renderAttachments(); };
+      reader.readAsDataURL(file);
+    }
+  }
+
   async function send(text) {
     if (!current()) newChat();
     const c = current();
-    c.messages.push({ role: "user", content: text });
-    if (!c.title) c.title = text.slice(0, 40);
+    const images = pending;
+    pending = [];
+    renderAttachments();
+    c.messages.push(images.length ? { role: "user", content: text, images: images } : { role: "user", content: text });
+    if (!c.title) c.title = (text || "image").slice(0, 40);
     const reply = { role: "assistant", content: "", stats: null };
     c.messages.push(reply);
     save();
@@ -123,7 +185,7 @@
 
     const messages = [];
     if (settings.system) messages.push({ role: "system", content: settings.system });
-    for (const m of c.messages.slice(0, -1)) messages.push({ role: m.role, content: m.content });
+    for (const m of c.messages.slice(0, -1)) messages.push({ role: m.role, content: apiContent(m) });
     const payload = {
       model: model || undefined,
       messages: messages,
@@ -346,6 +408,8 @@
       const body = await r.json();
       model = body.data[0].id;
       $("model-name").textContent = model;
+      sees = (body.data[0].input_modalities || []).includes("image");
+      $("attach").hidden = !sees;
     } catch (e) { setTimeout(loadModel, 2000); }
   }
 
@@ -379,7 +443,7 @@
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("input").value.trim();
-    if (!text || controller) return;
+    if ((!text && !pending.length) || controller) return;
     $("input").value = "";
     send(text);
   });
@@ -387,6 +451,21 @@
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
   });
   $("stop").addEventListener("click", () => { if (controller) controller.abort(); });
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("attach-file").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+  $("input").addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith("image/"));
+    if (files.length && sees) { e.preventDefault(); attach(files); }
+  });
+  const main = document.querySelector("main");
+  main.addEventListener("dragover", (e) => { if (sees) { e.preventDefault(); main.classList.add("dropping"); } });
+  main.addEventListener("dragleave", () => main.classList.remove("dropping"));
+  main.addEventListener("drop", (e) => {
+    main.classList.remove("dropping");
+    if (!sees) return;
+    e.preventDefault();
+    attach(e.dataTransfer.files);
+  });
   $("new-chat").addEventListener("click", newChat);
   $("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });
   $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));

@@ -158,3 +158,67 @@ def test_prefill_cap_applies_only_while_a_request_decodes():
     assert pairs(run_step(s, prefill_cap=8)) == [("first", 1), ("late", 1), ("later", 8)]
     assert pairs(run_step(s, prefill_cap=None)) == [("first", 1), ("late", 1), ("later", 1)]
     assert [r.num_computed_tokens for r in (first, late, later)] == [46, 32, 11]
+
+
+def with_image(rid, n, offset, length, key="img"):
+    from treadle.step import ImageInput
+
+    req = make(rid, n)
+    req.images = [ImageInput(offset, length, key)]
+    return req
+
+
+def test_a_chunk_never_cuts_an_image_and_takes_one_whole_beyond_the_stall_cap():
+    s = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    a = with_image("a", 21, offset=5, length=6)  # tokens 5..10 are the image's
+    s.add_request(a)
+    chunks = []
+    while a.num_computed_tokens < 21:
+        chunks.append(len(run_step(s).scheduled[0].token_ids))
+    assert chunks == [5, 8, 8]  # up to the image, the image (and what fits after it), the rest
+    # while another request decodes, a cap of 4 prompt tokens still takes the whole image
+    s = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    b = make("b", 3)
+    s.add_request(b)
+    run_step(s)
+    c = with_image("c", 12, offset=0, length=6)
+    s.add_request(c)
+    assert pairs(run_step(s, prefill_cap=4)) == [("b", 1), ("c", 6)]
+
+
+def test_an_image_longer_than_the_step_budget_waits_and_others_go_first():
+    s = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    s.add_request(with_image("a", 20, offset=2, length=10))
+    s.add_request(make("b", 3))
+    assert pairs(run_step(s)) == [("a", 2), ("b", 3)]  # a stops before its image
+
+
+def test_a_prefix_hit_never_ends_inside_an_image_and_another_image_misses():
+    s = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    first = with_image("first", 14, offset=2, length=8)  # blocks 0..2 cover the image's tokens 2..9
+    s.add_request(first)
+    run_step(s)
+    same = with_image("same", 14, offset=2, length=8)
+    s.add_request(same)
+    run_step(s)
+    assert same.num_cached_tokens == 12  # three whole blocks: the image whole, and its key matched
+    other = with_image("other", 14, offset=2, length=8, key="another picture")
+    s.add_request(other)
+    run_step(s)
+    assert other.num_cached_tokens == 0  # its first block already holds an image token of another picture
+    cut = with_image("cut", 14, offset=6, length=8)  # tokens 6..13: a hit may end at 4, not at 8 or 12
+    s2 = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    s2.add_request(with_image("warm", 16, offset=6, length=8))
+    run_step(s2)
+    s2.add_request(cut)
+    run_step(s2)
+    assert cut.num_cached_tokens == 4
+
+
+def test_the_stall_cap_charges_an_image_its_encoding():
+    from treadle.engine.scheduler import image_charge
+
+    a = with_image("a", 30, offset=4, length=10)
+    assert image_charge(a, 0, 20, 3.0) == 20  # its 10 tokens count 3x: 20 more
+    assert image_charge(a, 14, 10, 3.0) == 0  # a chunk after the image
+    assert image_charge(a, 0, 20, 1.0) == 0

@@ -52,3 +52,12 @@ def test_proposed_tokens_are_charged_beyond_the_decodes_at_that_batch_size():
     m.observe(0.080 + 10 * 0.003, decode_rows=16, prompt_tokens=0, draft_tokens=10)
     assert abs(m.draft_cost() - 0.003) < 1e-9
     assert m.decode_s_at(16) == 0.080  # a step with proposals is not a decode-only step
+
+
+def test_an_image_token_counts_as_its_prefill_and_its_encoding():
+    model = StepCostModel()
+    assert model.image_weight() == 1.0  # nothing measured: an image token is a prompt token
+    model.observe(0.2, 0, 100)  # 2 ms a prompt token
+    model.observe_images(0.6, 100)  # 6 ms of encoding per image token
+    assert model.image_weight() == 4.0
+    assert model.snapshot()["image_token_encode_ms"] == 6.0

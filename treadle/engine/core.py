@@ -104,6 +104,7 @@ class EngineCore:
             self.kv.record_events()
             self.kv_events = KVEventPublisher(config.kv_events_endpoint)
         self.step_cost = StepCostModel()
+        self._encoded = (0.0, 0)  # the encoder cache's seconds and tokens at the last step's end
         self.draft = None
         if w.draft_runner is not None:  # a draft model's runner, or the model's MTP head's
             mtp = config.speculative_config.method == "mtp"
@@ -421,7 +422,9 @@ class EngineCore:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         t0 = time.perf_counter()
-        step = self.scheduler.schedule(self.step_cost.prefill_cap(self.config.decode_stall_ratio))
+        step = self.scheduler.schedule(
+            self.step_cost.prefill_cap(self.config.decode_stall_ratio), self.step_cost.image_weight()
+        )
         if self.clock is not None:
             self.clock.scheduled(t0)
         step.new_requests, self._new_for_runner = self._new_for_runner, []
@@ -470,9 +473,8 @@ class EngineCore:
             self.kv.tiers.disk.put(key, page)
         decode_rows = sum(1 for s in step.scheduled if len(s.token_ids) - s.num_drafts == 1)
         drafts = sum(s.num_drafts for s in step.scheduled)
-        self.step_cost.observe(
-            time.perf_counter() - started, decode_rows, step.num_tokens - decode_rows - drafts, drafts
-        )
+        seconds = time.perf_counter() - started - self._encoder_seconds()
+        self.step_cost.observe(seconds, decode_rows, step.num_tokens - decode_rows - drafts, drafts)
         self.scheduler.update_after_step()
         self.num_steps += 1
         self.consecutive_failed_steps = 0
@@ -516,6 +518,16 @@ class EngineCore:
         return outputs
 
     # ------------------------------------------------------------ stats
+
+    def _encoder_seconds(self) -> float:
+        """The vision encoder's time in the last step (a model that sees), told to the step-cost model."""
+        cache = self.runner.encoder_cache
+        if cache is None:
+            return 0.0
+        seconds, tokens = cache.encode_seconds - self._encoded[0], cache.tokens_encoded - self._encoded[1]
+        self._encoded = (cache.encode_seconds, cache.tokens_encoded)
+        self.step_cost.observe_images(seconds, tokens)
+        return seconds
 
     def stats(self) -> dict:
         return stats.snapshot(self)

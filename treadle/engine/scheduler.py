@@ -77,7 +77,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, prefill_cap: int | None = None) -> StepInput:
+    def schedule(self, prefill_cap: int | None = None, image_weight: float = 1.0) -> StepInput:
+        """`image_weight`: prompt tokens an image's token counts as against `prefill_cap` (its
+        encoding's share: StepCostModel.image_weight)."""
         out = StepInput(scheduled=[], block_copies=self.pending_copies, state_copies=self.pending_state_copies)
         self.pending_copies, self.pending_state_copies = [], []
         self.scheduled = []
@@ -116,7 +118,7 @@ class Scheduler:
             self._add(out, req, num_new, drafts)
             budget -= num_new
             if num_new > 1 and not drafts:
-                prompt_budget -= num_new
+                prompt_budget -= num_new + image_charge(req, req.num_computed_tokens, num_new, image_weight)
 
         # No admissions in a step that had to preempt: memory is short.
         adapters = {r.lora for r in self.running if r.lora}
@@ -157,7 +159,7 @@ class Scheduler:
             self.running.append(req)
             self._add(out, req, num_new, restore=-1 if hits.state_slot is None else hits.state_slot)
             budget -= num_new
-            prompt_budget -= num_new
+            prompt_budget -= num_new + image_charge(req, req.num_computed_tokens, num_new, image_weight)
             if req.lora:
                 adapters.add(req.lora)
         self.waiting.extendleft(reversed(skipped))
@@ -327,3 +329,12 @@ def whole_images(req: Request, start: int, num_new: int, budget: int) -> int:
         return img.offset - start
     end = img.offset + img.length
     return end - start if end - start <= budget else 0
+
+
+def image_charge(req: Request, start: int, num_new: int, weight: float) -> int:
+    """The prompt budget a chunk's images take beyond their tokens: their encoding, at `weight`
+    prompt tokens per image token (StepCostModel.image_weight)."""
+    if not req.images or weight <= 1.0:
+        return 0
+    tokens = sum(img.length for img in req.images if start <= img.offset < start + num_new)
+    return int(tokens * (weight - 1.0))

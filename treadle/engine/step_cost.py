@@ -16,6 +16,10 @@ The model is running averages:
   the safe side);
 - `draft_s`: the extra time one proposed token (speculative decoding) adds to a step of decodes:
   more than a prompt token, as each one is also a row of logits and a sample.
+- `image_token_s`: the vision encoder's time per image token it produces (a model that sees),
+  timed apart from the step's (whose other averages it would otherwise inflate). An image's
+  tokens are charged against the cap at `image_weight()` prompt tokens each: their prefill and
+  their encoding (charged whether or not the encoder cache holds the image: the safe side).
 
 `prefill_cap(ratio)` is then ratio x decode_s / token_s tokens, never under MIN_CHUNK; None until
 both have been seen (the first steps run uncapped). The cap only changes how prompts are chunked,
@@ -32,6 +36,7 @@ class StepCostModel:
         self.decode_s: float | None = None
         self.token_s: float | None = None
         self.draft_s: float | None = None
+        self.image_token_s: float | None = None
         self._decode_at: dict[int, float] = {}  # decoding requests -> their decode-only step's time
 
     def observe(self, seconds: float, decode_rows: int, prompt_tokens: int, draft_tokens: int = 0) -> None:
@@ -56,6 +61,17 @@ class StepCostModel:
         else:
             extra = seconds
         self.token_s = _average(self.token_s, extra / prompt_tokens)
+
+    def observe_images(self, seconds: float, tokens: int) -> None:
+        """A step's vision encoding: its time and the image tokens it made."""
+        if tokens:
+            self.image_token_s = _average(self.image_token_s, seconds / tokens)
+
+    def image_weight(self) -> float:
+        """Prompt tokens an image token counts as against the cap: 1 + its encoding's share."""
+        if not self.image_token_s or not self.token_s:
+            return 1.0
+        return 1.0 + self.image_token_s / self.token_s
 
     def decode_s_at(self, rows: int) -> float | None:
         """A decode-only step's time with `rows` decoding requests: measured at that count, else at
@@ -84,6 +100,7 @@ class StepCostModel:
             "decode_step_ms": None if self.decode_s is None else round(self.decode_s * 1e3, 3),
             "prompt_token_ms": None if self.token_s is None else round(self.token_s * 1e3, 4),
             "proposed_token_ms": None if self.draft_s is None else round(self.draft_s * 1e3, 4),
+            "image_token_encode_ms": None if self.image_token_s is None else round(self.image_token_s * 1e3, 4),
         }
 
 

@@ -23,6 +23,7 @@ class EncoderCache:
         self.hits = 0
         self.misses = 0  # images encoded
         self.encode_seconds = 0.0
+        self.tokens_encoded = 0  # the encoded images' embeddings (the step-cost model's unit)
 
     def get(self, image, encode) -> torch.Tensor:
         """The encoder's output for `image` (a step.ImageInput): the kept one, else `encode(pixels)`'s
@@ -37,6 +38,7 @@ class EncoderCache:
         out = encode(pixels, image.extra)
         self.encode_seconds += time.perf_counter() - started
         self.misses += 1
+        self.tokens_encoded += out.shape[0]
         size = out.numel() * out.element_size()
         if size <= self.limit:
             self.entries[image.hash] = out

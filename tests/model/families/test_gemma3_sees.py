@@ -191,3 +191,22 @@ def test_the_terminal_chat_and_run_take_an_image(folder, llm, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout == expected + "\n"
+
+
+def test_an_image_s_blocks_come_back_from_the_host_tier_under_the_same_keys(folder):
+    """A pool of 16 blocks that other prompts flush: the same text and picture come back from the
+    host tier (their blocks keyed with the image's hash) with transformers' tokens; the same text
+    with another picture takes nothing of the image's blocks from it."""
+    llm = LLM(folder[0], dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=16, kv_offload_bytes=1 << 24)
+    text = "A long enough introduction to fill a block or two of tokens, then <start_of_image> and a question"
+    a, b = picture(17), picture(18)
+    first = run(llm, text, a)
+    for i in range(6):  # other prompts take the pool: the image's blocks go to the host tier
+        llm.generate(f"{i} flushes the pool with a prompt of its own that fills a few blocks of tokens", GREEDY)
+    hits = llm.stats()["kv_tiers"]["host"]["hits"]
+    assert run(llm, text, a) == first == reference(folder, NUM_TOKENS, text, [a])
+    hits_a = llm.stats()["kv_tiers"]["host"]["hits"] - hits
+    assert hits_a >= 3  # the text's blocks and the image's
+    hits = llm.stats()["kv_tiers"]["host"]["hits"]
+    assert run(llm, text, b) == reference(folder, NUM_TOKENS, text, [b])
+    assert llm.stats()["kv_tiers"]["host"]["hits"] - hits < hits_a  # the blocks with a's tokens do not match b

@@ -78,3 +78,18 @@ def test_the_balance_rule_still_overrides_the_cache():
 def test_a_threshold_outside_0_1_is_refused(bad):
     with pytest.raises(ValueError, match="cache threshold"):
         RoutingPolicy("cache_aware", cache_threshold=bad)
+
+
+def test_the_router_reads_no_pictures_a_request_with_one_goes_by_load():
+    import asyncio
+    import json
+
+    from treadle.model.loading.loader import load_tokenizer
+    from treadle.routing.prompts import PromptReader
+
+    reader = PromptReader(load_tokenizer(None))
+    text = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    assert asyncio.run(reader.read("/v1/chat/completions", json.dumps(text).encode())) is not None
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    image = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}, part]}]}
+    assert asyncio.run(reader.read("/v1/chat/completions", json.dumps(image).encode())) is None

@@ -23,6 +23,9 @@ class TokenizerOnly:
 
     state, ready, reason = "ready", True, None
     vocab_size = 1 << 31  # token ids are the worker's to check
+    # the router decodes no pictures: a request with images is refused here, so routed by load
+    # (its blocks' keys hold the images' hashes, which only a worker computes)
+    takes_images = False
 
     def __init__(self, tokenizer, max_model_len: int = 1 << 30):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len

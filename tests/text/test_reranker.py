@@ -127,6 +127,8 @@ def test_gguf_metadata_without_a_causal_rerank_prompt_is_no_reranker():
         "tokenizer.chat_template.rerank": "{query} {document}",
     }
     assert config_from_gguf(base).template == "{query} {document}"
+    assert config_from_gguf(base).head_labels is None  # the head is the vocabulary's
+    assert config_from_gguf(base, {"cls.output.weight"}).head_labels == ("yes", "no")  # the converter's head
     with_instruction = {**base, "tokenizer.chat_template.rerank_instruct": "{instruction} {query} {document}"}
     assert config_from_gguf(with_instruction).instruction == QWEN3_INSTRUCTION
     assert config_from_gguf({**base, "qwen3.pooling_type": 3}) is None  # last-token pooling: an embedder

@@ -29,7 +29,7 @@ from treadle.engine.draft_model import DraftModel
 from treadle.engine.kv_cache_manager import KVCacheManager
 from treadle.engine.messages import CoreOutput, EngineCoreRequest, child_request_id
 from treadle.engine.mtp import MtpDraft
-from treadle.engine.request import Request, validate_prompt
+from treadle.engine.request import Request, head_refusal, validate_prompt
 from treadle.engine.scheduler import Scheduler
 from treadle.engine.spec_decode import SpeculationPolicy, fill_proposals
 from treadle.engine.state_cache import StateCheckpoints
@@ -265,6 +265,12 @@ class EngineCore:
                     f"architecture {self.model_config.architecture} does not provide hidden states for embeddings "
                     "or scores"
                 )
+                self._failed_outputs.append(
+                    CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
+                )
+                return
+            error = head_refusal(self.model_config.head_labels, params)
+            if error is not None:
                 self._failed_outputs.append(
                     CoreOutput(rid, 0, [], finish_reason="error", client_error=True, error=error)
                 )

@@ -100,6 +100,7 @@ def run_engine_core(
                 core.stats(),
                 core.worker.takes_images,
                 core.model_config.mmproj,
+                core.model_config.head_labels,
             )
         )
     )

@@ -96,6 +96,8 @@ class Ready(msgspec.Struct, tag=True):
     stats: dict  # the first snapshot, so /stats has one as soon as the server is ready
     takes_images: bool = False  # the model sees: the front end may send images (EngineCoreRequest.images)
     mmproj: str | None = None  # the mmproj file it sees through (a GGUF model): the image processor's settings
+    # the output head's labels where it is a classifier (ModelConfig.head_labels): the model generates nothing
+    head_labels: list[str] | None = None
 
 
 class LoadFailed(msgspec.Struct, tag=True):

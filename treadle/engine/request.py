@@ -98,3 +98,19 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, vocab_size: in
         raise ValueError(f"stop_token_ids names a token id outside the vocabulary [0, {vocab_size})")
     if params.score_token_ids and any(not 0 <= t < vocab_size for t in params.score_token_ids):
         raise ValueError(f"score_token_ids names a token id outside the vocabulary [0, {vocab_size})")
+
+
+def head_refusal(head_labels: list[str] | None, params: SamplingParams) -> str | None:
+    """Why a model whose output head is a classifier over `head_labels` (ModelConfig.head_labels: a
+    reranker GGUF's) cannot run this request, or None: it scores and embeds, and generates nothing.
+    The front end asks first (a 400 before a stream starts), the core again."""
+    if head_labels is None or params.pooling in ("last", "mean"):
+        return None
+    if params.pooling is None:
+        return (
+            f"this model's output head is a classifier over the labels {list(head_labels)} (a reranker GGUF's "
+            "cls.output.weight), not the vocabulary: it scores (/v1/rerank, /v1/score) and cannot generate"
+        )
+    if any(not 0 <= t < len(head_labels) for t in params.score_token_ids):
+        return f"score_token_ids names a column outside the model's classifier head [0, {len(head_labels)})"
+    return None

@@ -95,6 +95,10 @@ class ModelConfig:
     position_table: int | None = None
     # a GGUF model's image encoder: llama.cpp's mmproj file (loader.attach_mmproj), where its family reads one
     mmproj: str | None = None
+    # the labels of the output head's rows where that head is a classifier, not the vocabulary (a
+    # llama.cpp reranker GGUF's `cls.output.weight`, its `classifier.output_labels`): the model scores
+    # (pooling "score", its logits' columns these rows) and cannot generate; None: a vocabulary head
+    head_labels: list[str] | None = None
 
     def windows(self) -> list[int | None]:
         """Every attention layer's sliding window (None: full attention); a hybrid's recurrent

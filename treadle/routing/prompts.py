@@ -26,6 +26,7 @@ class TokenizerOnly:
     # the router decodes no pictures: a request with images is refused here, so routed by load
     # (its blocks' keys hold the images' hashes, which only a worker computes)
     takes_images = False
+    head_labels = None  # a worker whose head is a classifier refuses generation itself
 
     def __init__(self, tokenizer, max_model_len: int = 1 << 30):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len

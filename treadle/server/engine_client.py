@@ -74,6 +74,7 @@ class EngineClient:
         self.vocab_size = 0
         self.takes_images = False  # the model sees (its core's Ready says)
         self.mmproj = None  # ... through this mmproj file (a GGUF model)
+        self.head_labels = None  # a classifier head's labels: the model scores, generates nothing (Ready says)
         self.vision_prompts = None  # media.VisionPrompts, made by the first request with an image
         self.pid: int | None = None
         self.num_restarts = 0
@@ -238,6 +239,7 @@ class EngineClient:
             elif isinstance(msg, Ready) and self.state != "failed":
                 self.pid, self.max_model_len, self.vocab_size = msg.pid, msg.max_model_len, msg.vocab_size
                 self.takes_images, self.mmproj = msg.takes_images, msg.mmproj
+                self.head_labels = msg.head_labels
                 self._stats = msg.stats
                 self.state, self.reason = "ready", None
                 log.info("engine core ready (pid %d, max_model_len %d)", msg.pid, msg.max_model_len)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-from treadle.engine.request import validate_prompt
+from treadle.engine.request import head_refusal, validate_prompt
 from treadle.sampling_params import StructuredOutputsParams
 from treadle.server import harmony, media_input
 from treadle.server.chat_output import ChatOutput
@@ -321,6 +321,9 @@ def _params(state: ServerState, body, ids: list[int], requested: int | None, log
             "max_tokens",
         )
     params = body.sampling_params(requested if requested is not None else room, logprobs)
+    refused = head_refusal(engine.head_labels, params)
+    if refused is not None:
+        raise RequestError(refused, "model")
     check_limits(state.settings, params, "logprobs" if prompt_param == "prompt" else "top_logprobs")
     try:
         validate_prompt(ids, params, engine.vocab_size, engine.max_model_len)

@@ -177,6 +177,7 @@ class ReplicaSet:
     vocab_size = property(lambda self: self._first_ready().vocab_size)
     takes_images = property(lambda self: self._first_ready().takes_images)
     mmproj = property(lambda self: self._first_ready().mmproj)
+    head_labels = property(lambda self: self._first_ready().head_labels)
     vision_prompts = None  # media.VisionPrompts, made by the first request with an image
     num_restarts = property(lambda self: sum(r.num_restarts for r in self.replicas))
     num_unfinished = property(lambda self: sum(r.num_unfinished for r in self.replicas))

@@ -15,7 +15,10 @@ reranker by `--rerank-config` (EngineConfig.rerank_config, a JSON text or a dict
 or by a GGUF file's own metadata, where llama.cpp's converter marks a Qwen3-Reranker:
 `{arch}.pooling_type` = 4 (RANK), `{arch}.classifier.output_labels` = [yes, no] and the prompt in
 `tokenizer.chat_template.rerank_instruct` ({instruction}, {query}, {document}) or
-`tokenizer.chat_template.rerank` (its instruction written in).
+`tokenizer.chat_template.rerank` (its instruction written in), encoded as llama-server encodes it. That
+converter also replaces the output head by `cls.output.weight`, the lm_head rows of the labels (no
+`output.weight`): the model's logits are then those rows (ModelConfig.head_labels), the score reads
+the columns of the yes and no labels, and the model cannot generate.
 
 The yes and no tokens are names in the model's vocabulary (as transformers' convert_tokens_to_ids
 reads them), or a text that encodes to exactly one token. A pair's prompt is the template with its
@@ -24,6 +27,7 @@ special tokens: every document of one query shares the prompt's tokens up to the
 engine's prefix cache computes the instruction and the query once.
 """
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -51,6 +55,10 @@ class RerankConfig:
     instruction: str | None = None
     yes_token: str = "yes"
     no_token: str = "no"
+    # the labels of the model's output head rows where that head is a classifier (a GGUF file's
+    # cls.output.weight), read from the file, never from --rerank-config: yes_token and no_token are
+    # two of them; None: the head is the vocabulary
+    head_labels: tuple[str, ...] | None = None
 
     def __post_init__(self):
         fail = _failure("rerank_config")
@@ -115,10 +123,18 @@ def _failure(where: str):
     return fail
 
 
-def config_from_gguf(metadata: dict) -> RerankConfig | None:
+def head_labels(metadata: dict, tensor_names) -> tuple[str, ...] | None:
+    """The labels of a GGUF file's classifier head rows (`cls.output.weight`), None without one (the
+    loader refuses a head whose labels do not match its rows)."""
+    labels = metadata.get(f"{metadata.get('general.architecture')}.classifier.output_labels")
+    return tuple(labels) if "cls.output.weight" in tensor_names and isinstance(labels, list) else None
+
+
+def config_from_gguf(metadata: dict, tensor_names=()) -> RerankConfig | None:
     """The rerank config llama.cpp's converter wrote into a GGUF file's metadata, or None where the
     file is no causal yes/no reranker (its rank pooling without two labels and a rerank template is
-    a cross-encoder's classifier head, which treadle does not run)."""
+    a cross-encoder's classifier head, which treadle does not run). `tensor_names`: the file's, to
+    see whether its head is the classifier."""
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or metadata.get(f"{arch}.pooling_type") != GGUF_RANK_POOLING:
         return None
@@ -131,41 +147,70 @@ def config_from_gguf(metadata: dict) -> RerankConfig | None:
         return None
     instruction = QWEN3_INSTRUCTION if "{instruction}" in template else None
     try:  # llama.cpp's classifier rows: [yes, no], the softmax's first output the score
-        return RerankConfig(template, instruction, yes_token=labels[0], no_token=labels[1])
+        return RerankConfig(
+            template,
+            instruction,
+            yes_token=labels[0],
+            no_token=labels[1],
+            head_labels=head_labels(metadata, tensor_names),
+        )
     except ValueError:
         return None
 
 
-def config_from_gguf_file(path: str) -> RerankConfig | None:
+def _read_gguf(path: str) -> tuple[dict, set[str]]:
+    """A GGUF file's metadata (its vocabulary read past) and tensor names."""
     from treadle.model.loading.gguf_file import open_gguf
 
     big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-    return config_from_gguf(open_gguf(path, tensors=False, skip=big).metadata)
+    file = open_gguf(path, tensors=False, skip=big)
+    return file.metadata, {info[0] for info in file.infos}
+
+
+def config_from_gguf_file(path: str) -> RerankConfig | None:
+    return config_from_gguf(*_read_gguf(path))
 
 
 def model_rerank_config(model_path: str | None, configured) -> RerankConfig | None:
-    """The model's rerank config: the one given (--rerank-config), else its GGUF file's own."""
+    """The model's rerank config: the one given (--rerank-config), else its GGUF file's own; a GGUF
+    file's classifier head (head_labels) either way."""
     config = RerankConfig.parse(configured)
-    if config is None and isinstance(model_path, str) and model_path.endswith(".gguf"):
-        config = config_from_gguf_file(model_path)
-    return config
+    if not (isinstance(model_path, str) and model_path.endswith(".gguf")):
+        return config
+    metadata, names = _read_gguf(model_path)
+    if config is None:
+        return config_from_gguf(metadata, names)
+    labels = head_labels(metadata, names)
+    return config if labels is None else dataclasses.replace(config, head_labels=labels)
 
 
 class Reranker:
-    """A RerankConfig on a model's tokenizer: the (no, yes) token ids and each pair's prompt ids.
-    ValueError where a token is not one token of the vocabulary."""
+    """A RerankConfig on a model's tokenizer: the (no, yes) columns of the model's logits (token ids,
+    or a classifier head's rows) and each pair's prompt ids. ValueError where a token is not one
+    token of the vocabulary (not one of a classifier head's labels)."""
 
     def __init__(self, config: RerankConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
-        self.yes_id = self._token_id("yes_token", config.yes_token)
-        self.no_id = self._token_id("no_token", config.no_token)
+        self.yes_id = self._column("yes_token", config.yes_token)
+        self.no_id = self._column("no_token", config.no_token)
         if self.yes_id == self.no_id:
             raise ValueError(f"rerank_config: yes_token and no_token are the same token (id {self.yes_id})")
 
     @property
     def score_token_ids(self) -> list[int]:
         return [self.no_id, self.yes_id]
+
+    def _column(self, name: str, token: str) -> int:
+        labels = self.config.head_labels
+        if labels is None:
+            return self._token_id(name, token)
+        if token not in labels:
+            raise ValueError(
+                f"rerank_config: {name} {token!r} is not one of the labels {list(labels)} of the model's "
+                "classifier head (its GGUF file's cls.output.weight)"
+            )
+        return labels.index(token)
 
     def _token_id(self, name: str, token: str) -> int:
         found = self.tokenizer.backend.token_to_id(token)

@@ -135,7 +135,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {
         "model.embed_tokens.weight": (config.vocab_size, h),
         "model.norm.weight": (h,),
-        "lm_head.weight": (config.vocab_size, h),
+        "lm_head.weight": (len(config.head_labels) if config.head_labels else config.vocab_size, h),
     }
     for i in range(config.num_layers):
         p = f"model.layers.{i}."

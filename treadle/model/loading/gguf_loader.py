@@ -276,6 +276,26 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
     return ExpertWeights(parts)
 
 
+def _classifier_labels(path: str, meta: dict, reader) -> list[str] | None:
+    """A reranker file's output head: llama.cpp's converter writes a Qwen3-Reranker's lm_head rows of
+    its labels ("yes", "no") as `cls.output.weight` and no `output.weight`. The labels of its rows
+    (`{arch}.classifier.output_labels`, in the file's order); None where the file has no such head."""
+    head = next((t for t in reader.tensors if t.name == "cls.output.weight"), None)
+    if head is None:
+        return None
+    key = f"{meta.get('general.architecture')}.classifier.output_labels"
+    labels = meta.get(key)
+    rows = int(head.shape[-1])  # GGUF lists dims fastest first: [hidden, rows]
+    if len(head.shape) != 2 or not (
+        isinstance(labels, list) and len(labels) == rows and all(isinstance(x, str) for x in labels)
+    ):
+        raise ModelLoadError(
+            f"{path}: {key} = {labels!r}: the classifier head cls.output.weight (shape "
+            f"{tuple(int(d) for d in reversed(head.shape.tolist()))}) needs one label per row"
+        )
+    return labels
+
+
 def load_gguf(path: str) -> ModelFiles:
     # most quantized tensors repacked while the engine core imported torch
     prefetched = gguf_prefetch.take(path)
@@ -285,6 +305,9 @@ def load_gguf(path: str) -> ModelFiles:
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(path, meta, names)
+    config.head_labels = _classifier_labels(path, meta, reader)
+    if config.head_labels is not None:
+        config.tie_word_embeddings = False
     family = resolve_model_class(config.architecture)
     # the engine core's: built if a request needs the vocabulary, reading the lists skipped above
     tokenizer = tokenizer_from_gguf(path, meta, lazy=True, unread=reader.skipped)
@@ -294,6 +317,8 @@ def load_gguf(path: str) -> ModelFiles:
     plan = gguf_prefetch.join_plan(reader.tensors, QuantizedTensor.KINDS) if quant.available() else {}
     buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # Joint.key -> (its buffer, filled by the prefetch)
     for tensor in reader.tensors:
+        if tensor.name == "output.weight" and config.head_labels is not None:
+            continue  # the classifier is the head a rank-pooled file runs (as llama.cpp does)
         if tensor.name == "rope_freqs.weight":
             # Llama-3 style scaling stored as per-frequency divisors.
             factors = _dequantize(path, tensor).reshape(-1)

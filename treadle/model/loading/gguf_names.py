@@ -43,6 +43,8 @@ GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # a reranker's head (llama.cpp's rank pooling): the rows of its classifier labels, in place of output.weight
+    "cls.output.weight": "lm_head.weight",
 }
 
 

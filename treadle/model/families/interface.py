@@ -103,7 +103,8 @@ class CausalLM:
 
     def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
         """One preprocessed image (float32, its processor's shape; `extra`: what else its processor
-        gave) -> the embeddings of its placeholder tokens [tokens, hidden], in the model's dtype."""
+        gave) -> the embeddings of its placeholder tokens [tokens, hidden], in the model's dtype (a
+        family may return more columns that its own `place_images` reads: Qwen3-VL's DeepStack)."""
         raise NotImplementedError(f"{type(self).__name__} takes no images")
 
     def image_grid(self, extra: dict) -> tuple[int, int]:

@@ -36,6 +36,8 @@ FAMILIES = (
     "treadle.model.families.gemma3:Gemma3Model",
     "treadle.model.families.qwen2_vl:Qwen25VLModel",
     "treadle.model.families.qwen2_vl:Qwen2VLModel",
+    "treadle.model.families.qwen3_vl:Qwen3VLModel",
+    "treadle.model.families.qwen3_vl:Qwen3VLMoeModel",
     "treadle.model.families.idefics3:Idefics3Model",
     "treadle.model.families.phi3:Phi3Model",
     "treadle.model.families.qwen_moe:Qwen3MoeModel",

@@ -1,0 +1,162 @@
+"""Qwen3-VL (`Qwen3VLForConditionalGeneration`): a Qwen3 language model (RMSNorm on each head of q
+and k, no q/k/v bias) that sees, through its ViT (qwen3_vl_vision.py).
+
+- multimodal RoPE as Qwen2.5-VL's (qwen2_vl.py: the same positions, `mrope`, `image_grid`) but
+  **interleaved**: config.json's `mrope_section` (e.g. [24, 20, 20]) takes the frequencies in turn,
+  t h w t h w ..., the time the rest (layers/mrope.py; transformers interleaves whatever
+  `mrope_interleaved` says);
+- **DeepStack**: the encoder gives each image token more embeddings, from earlier blocks of the
+  tower (`deepstack_visual_indexes`); the k-th is added to the image rows' hidden states after
+  decoder layer k (transformers' `Qwen3VLTextModel._deepstack_process`). The encoder's output
+  carries them beside the main embeddings ([tokens, (1 + k) * hidden]); `place_images` places the
+  first `hidden` columns, and a step with image rows runs its layers here, in Python (not the C
+  path: the adds fall between layers);
+- an image is `<|vision_start|>`, one `<|image_pad|>` per merge window, `<|vision_end|>`;
+- config.json holds the text model's hyperparameters in `text_config`, the tower's in
+  `vision_config`; rotary settings in `rope_parameters` (transformers 5) or `rope_scaling`
+  (Qwen's files, theta beside it); tied embeddings where the top level says so (transformers 5's
+  rule), else where `text_config` does;
+- weights: `model.language_model.*` and `model.visual.*` (Qwen's files, transformers'
+  save_pretrained), or `model.layers.*` and `visual.*`.
+"""
+
+import torch
+
+from treadle.model.config import ModelLoadError
+from treadle.model.families.llama import ROPE_TABLE_CAP, LlamaModel
+from treadle.model.families.qwen2_vl import Qwen2VLConfig
+from treadle.model.families.qwen3_vl_vision import Qwen3VLVision
+from treadle.model.families.qwen_moe import hf_moe
+from treadle.model.layers.attention import metadata_by_layer
+from treadle.model.layers.mrope import MultimodalRotaryEmbedding
+
+
+class Qwen3VLModel(LlamaModel):
+    hf_model_types = ("qwen3_vl",)
+    hf_architectures = ("Qwen3VLForConditionalGeneration",)
+
+    mrope = True
+
+    @classmethod
+    def config_from_hf(cls, hf) -> Qwen2VLConfig:
+        text = {**hf.cfg, **hf.section("text_config")}
+        # transformers 5 ties by the top level's flag (Qwen3-VL-MoE's text_config says True by default)
+        tie = hf.get("tie_word_embeddings")
+        text["tie_word_embeddings"] = bool(tie if tie is not None else text.get("tie_word_embeddings"))
+        text_hf = type(hf)(hf.folder, text, hf.arch)
+        params = text_hf.section("rope_parameters") or text_hf.section("rope_scaling")
+        section = params.get("mrope_section")
+        if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) for s in section)):
+            raise ModelLoadError(f"{hf.where}: mrope_section = {section!r}: expected three integers")
+        rope = text_hf.rope({k: v for k, v in params.items() if v != "mrope"}, default_theta=5e6)
+        window = text.get("sliding_window") if text.get("use_sliding_window", False) else None
+        config = text_hf.llama_style(
+            Qwen2VLConfig,
+            qk_norm=True,
+            attention_bias=bool(text.get("attention_bias", False)),
+            sliding_window=window or None,
+            rope=rope,
+            mrope_section=section,
+            multimodal=hf.cfg,
+            **cls.text_fields(text_hf),
+        )
+        config = text_hf.checked(config)
+        if sum(section) != config.head_dim // 2:
+            raise ModelLoadError(f"{hf.where}: mrope_section = {section}: expected {config.head_dim // 2} in all")
+        return config
+
+    @classmethod
+    def text_fields(cls, text_hf) -> dict:
+        """What else the language model's config holds (Qwen3-VL-MoE: its experts)."""
+        return {}
+
+    def __init__(self, config: Qwen2VLConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant=False):
+        vision = {}
+        for name in list(weights):
+            if Qwen3VLVision.is_vision_tensor(name):
+                vision[name] = weights.pop(name)
+            elif name.startswith("model.language_model."):
+                weights["model." + name.removeprefix("model.language_model.")] = weights.pop(name)
+        self.vision = Qwen3VLVision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
+        if self.vision.config.out_hidden_size != config.hidden_size:
+            raise ModelLoadError(
+                f"config.json: vision_config.out_hidden_size = {self.vision.config.out_hidden_size}: "
+                f"expected the language model's hidden_size ({config.hidden_size})"
+            )
+        if self.vision.deepstack > config.num_layers:
+            raise ModelLoadError(
+                f"config.json: {self.vision.deepstack} deepstack_visual_indexes: "
+                f"expected at most num_hidden_layers ({config.num_layers})"
+            )
+        super().__init__(config, weights, dtype, device, batch_invariant)
+
+    def rotary_for(self, rope) -> MultimodalRotaryEmbedding:
+        cfg = self.config
+        positions = cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
+        return MultimodalRotaryEmbedding(rope, cfg.head_dim, positions, cfg.mrope_section, interleaved=True).to(
+            self.device
+        )
+
+    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
+        return self.vision.encode(pixels, extra)
+
+    def image_grid(self, extra: dict) -> tuple[int, int]:
+        return self.vision.grid(extra)
+
+    def place_images(self, h: torch.Tensor) -> torch.Tensor:
+        """The image rows take the encoder's main embeddings (the first `hidden` columns)."""
+        if self.image_rows is not None:
+            rows, values = self.image_rows
+            h.index_copy_(0, rows, values[:, : h.shape[1]].to(h.dtype))
+        return h
+
+    def residual_stream(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        if self.image_rows is None or not self.vision.deepstack:
+            return super().residual_stream(input_ids, positions, kv_caches, meta)
+        rows, values = self.image_rows
+        deepstack = values.split(self.config.hidden_size, dim=1)[1:]
+        h = self.place_images(self.embedding(input_ids))  # a fresh tensor: the residual adds below are in place
+        tables = self.rotary.tables(positions)
+        metas = metadata_by_layer(meta, self.layer_groups)
+        for i, (layer, kv, layer_meta) in enumerate(zip(self.layers, kv_caches, metas)):
+            h += self.attention(layer, layer.input_norm(h), tables, kv, layer_meta)
+            h += self.feed_forward(layer, layer.post_attention_norm(h))
+            if i < len(deepstack):
+                h.index_add_(0, rows, deepstack[i].to(h.dtype))
+        return h
+
+
+class Qwen3VLMoeModel(Qwen3VLModel):
+    """Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`): Qwen3-VL whose feed-forward is Qwen3-MoE's
+    experts (qwen_moe.py; the router's weights always renormalised over the chosen, as transformers
+    does), stacked per layer: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`. Qwen's files store
+    them transposed ([experts, hidden, 2 * moe_intermediate_size], [experts, moe_intermediate_size,
+    hidden]; transformers' conversion transposes them at load), transformers' save_pretrained as
+    moe.py takes them; a tensor is transposed where its shape is not moe.py's (as transformers
+    decides)."""
+
+    hf_model_types = ("qwen3_vl_moe",)
+    hf_architectures = ("Qwen3VLMoeForConditionalGeneration",)
+
+    @classmethod
+    def text_fields(cls, text_hf) -> dict:
+        return {"moe": hf_moe(text_hf, norm_topk=True, shared=False)}
+
+    def __init__(self, config: Qwen2VLConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant=False):
+        n, h, f = config.moe.num_experts, config.hidden_size, config.moe.expert_size
+        expected = {"mlp.experts.gate_up_proj": (n, 2 * f, h), "mlp.experts.down_proj": (n, h, f)}
+        for name in list(weights):
+            shape = next((s for suffix, s in expected.items() if name.endswith(suffix)), None)
+            if shape is not None and tuple(weights[name].shape) == (shape[0], shape[2], shape[1]) != shape:
+                weights[name] = transposed(weights[name])
+        super().__init__(config, weights, dtype, device, batch_invariant)
+
+
+def transposed(w):
+    """A stacked [experts, a, b] weight as [experts, b, a], read when taken (as `w` would be): a
+    loader's deferred weight (loading/deferred.py, not imported here) becomes another of its kind."""
+    if isinstance(w, torch.Tensor):
+        return w.transpose(1, 2).contiguous()
+    stored = (lambda: w.to(dtype=w.dtype).transpose(1, 2).contiguous()) if w.dtype is not None else None
+    shape = (w.shape[0], w.shape[2], w.shape[1])
+    return type(w)(lambda: w.float().transpose(1, 2).contiguous(), shape, stored=stored, dtype=w.dtype)

@@ -75,3 +75,20 @@ def test_failing_chat_template_is_a_value_error(llm):
         llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": "x"}], chat_template="{{ raise_exception('roles must alternate') }}"
         )
+
+
+def test_invalid_utf8_comes_out_as_replacement_characters_not_held_for_ever(llm):
+    """Byte tokens that no later token completes (0xFF, lone continuation bytes, as a random model
+    emits them) are sent as U+FFFD within MAX_HELD_TOKENS pushes; whole characters still come whole."""
+    from treadle.text.detokenizer import MAX_HELD_TOKENS
+
+    tok = llm.tokenizer
+    bad = [t for t in range(llm.engine.model_config.vocab_size) if tok.decode([t], False) == "\ufffd"]
+    assert bad, "the vocabulary has byte tokens"
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    pieces = [detok.push(bad[0]) for _ in range(40)]
+    assert "\ufffd" in "".join(pieces)
+    assert max(len(p) for p in pieces[:MAX_HELD_TOKENS + 1]) > 0  # not held past the bound
+    assert len(detok.tokens) <= MAX_HELD_TOKENS + 1  # the window stays small
+    ids = tok.encode("🎉 ok")
+    assert "".join(detok.push(t) for t in ids).endswith("🎉 ok")

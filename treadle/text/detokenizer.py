@@ -3,12 +3,18 @@
 Each new token costs a decode of a short window (the last few tokens), not of the whole output:
 text is emitted only once the window decodes to more than it did without the new token and does
 not end in an incomplete UTF-8 sequence (U+FFFD), so multi-byte characters split over several
-byte tokens come out whole.
+byte tokens come out whole; bytes that no later token can complete (invalid UTF-8) come out as
+U+FFFD after MAX_HELD_TOKENS.
 """
 
 # Prompt tokens kept as left context, so the first output token decodes as it would mid-text
 # (leading-space handling of SentencePiece vocabularies depends on it).
 INITIAL_CONTEXT_TOKENS = 5
+# A UTF-8 character is at most 4 bytes, so at most 4 byte tokens: text still ending in U+FFFD after
+# that many held tokens holds invalid bytes, which no later token completes. It is emitted (as
+# U+FFFD, as llama.cpp sends it) rather than held: held, the window would grow with every token,
+# each push decoding all of it.
+MAX_HELD_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -25,7 +31,8 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix_text = decode(self.tokens[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         new_text = decode(self.tokens[self.prefix_offset :], self.skip_special_tokens)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        held = len(self.tokens) - self.read_offset
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and held < MAX_HELD_TOKENS):
             return ""
         delta = new_text[len(prefix_text) :]
         # Slide the window: drop what can no longer change.

@@ -319,6 +319,9 @@ class EngineCore:
                 self._lora_users[lora] += 1
         self._new_for_runner.extend(runner_data)
         self.groups[rid] = RequestGroup(rid, children)
+        if request.images:  # encoded beside the steps from now on; its image chunks wait until then
+            for img in request.images:
+                self.runner.encoder_cache.prefetch(rid, img)
         if self.clock is not None:
             self.clock.queued(rid, arrived)
         if params.structured_outputs is not None:
@@ -400,6 +403,8 @@ class EngineCore:
             group = self.groups.get(req.group_id)
             if group is not None and group.finished:
                 del self.groups[group.request_id]
+                if self.runner.encoder_cache is not None:
+                    self.runner.encoder_cache.forget(group.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._failed_outputs)
@@ -428,8 +433,11 @@ class EngineCore:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         t0 = time.perf_counter()
+        cache = self.runner.encoder_cache
         step = self.scheduler.schedule(
-            self.step_cost.prefill_cap(self.config.decode_stall_ratio), self.step_cost.image_weight()
+            self.step_cost.prefill_cap(self.config.decode_stall_ratio),
+            self.step_cost.image_weight(),
+            None if cache is None else cache.ready,
         )
         if self.clock is not None:
             self.clock.scheduled(t0)
@@ -439,6 +447,8 @@ class EngineCore:
             self.runner.update_states(step)
             if self.kv.tiers is not None and self.kv.tiers.reading():
                 time.sleep(0.002)  # only requests waiting for pages from disk: no busy loop
+            if cache is not None:
+                cache.wait(0.05)  # only requests waiting for their images' encodings: no busy loop
             return outputs
         for s in step.scheduled:
             if s.sample_ids:
@@ -526,12 +536,13 @@ class EngineCore:
     # ------------------------------------------------------------ stats
 
     def _encoder_seconds(self) -> float:
-        """The vision encoder's time in the last step (a model that sees), told to the step-cost model."""
+        """The vision encoder's time inside the last step (a model that sees: an image nobody
+        prefetched), told to the step-cost model; encodings beside the steps are not a step's."""
         cache = self.runner.encoder_cache
         if cache is None:
             return 0.0
-        seconds, tokens = cache.encode_seconds - self._encoded[0], cache.tokens_encoded - self._encoded[1]
-        self._encoded = (cache.encode_seconds, cache.tokens_encoded)
+        seconds, tokens = cache.step_seconds - self._encoded[0], cache.step_tokens - self._encoded[1]
+        self._encoded = (cache.step_seconds, cache.step_tokens)
         self.step_cost.observe_images(seconds, tokens)
         return seconds
 

@@ -77,9 +77,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, prefill_cap: int | None = None, image_weight: float = 1.0) -> StepInput:
+    def schedule(self, prefill_cap: int | None = None, image_weight: float = 1.0, image_ready=None) -> StepInput:
         """`image_weight`: prompt tokens an image's token counts as against `prefill_cap` (its
-        encoding's share: StepCostModel.image_weight)."""
+        encoding's share: StepCostModel.image_weight). `image_ready(image)`: whether a chunk may
+        hold that image yet (its encoding, running beside the steps, is done); None: always."""
         out = StepInput(scheduled=[], block_copies=self.pending_copies, state_copies=self.pending_state_copies)
         self.pending_copies, self.pending_state_copies = [], []
         self.scheduled = []
@@ -104,7 +105,7 @@ class Scheduler:
                 if num_new > 1:
                     num_new = min(num_new, prompt_budget)
                 if req.images:
-                    num_new = whole_images(req, req.num_computed_tokens, num_new, budget)
+                    num_new = whole_images(req, req.num_computed_tokens, num_new, budget, image_ready)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -141,7 +142,7 @@ class Scheduler:
             num_cached = hits.num_blocks * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, prompt_budget)
             if req.images:
-                num_new = whole_images(req, req.num_computed_tokens + num_cached, num_new, budget)
+                num_new = whole_images(req, req.num_computed_tokens + num_cached, num_new, budget, image_ready)
                 if num_new <= 0:  # its next image does not fit this step's budget: it keeps its place
                     skipped.append(self.waiting.popleft())
                     continue
@@ -316,12 +317,17 @@ class Scheduler:
         self.kv.free(req)
 
 
-def whole_images(req: Request, start: int, num_new: int, budget: int) -> int:
+def whole_images(req: Request, start: int, num_new: int, budget: int, ready=None) -> int:
     """A chunk of `num_new` tokens from `start`, ended before an image it would cut (an image's
     tokens are computed in one step: they attend to each other, and its encoder output is used
-    whole). An image the chunk begins with is taken whole beyond the prompt budget (the stall cap),
-    within the step's `budget`; 0 when it does not fit that either (the front end refuses images
-    longer than the whole budget, so a later step takes it)."""
+    whole), or before an image whose encoding is not `ready`. An image the chunk begins with is
+    taken whole beyond the prompt budget (the stall cap), within the step's `budget`; 0 when it
+    does not fit that either (the front end refuses images longer than the whole budget, so a
+    later step takes it) or is not encoded yet."""
+    if ready is not None:
+        for img in req.images:
+            if start <= img.offset < start + num_new and not ready(img):
+                return img.offset - start
     img = req.image_around(start + num_new)
     if img is None:
         return num_new

@@ -131,7 +131,9 @@ class ModelRunner:
         self.isolate_pooling = not batch_invariant
         self.requests: dict[str, RunnerRequest] = {}
         # a model that sees: its image encoder's outputs by image (encoder_cache.py)
-        self.encoder_cache = EncoderCache(mm_cache_bytes) if self.model.vision is not None else None
+        self.encoder_cache = (
+            EncoderCache(mm_cache_bytes, self.model.encode_image) if self.model.vision is not None else None
+        )
         # called after each forward as hidden_capture(scheduled, order, hidden): the final (normed)
         # hidden state of every row, rows in `order` (an MTP draft keeps them: engine/mtp.py)
         self.hidden_capture = None
@@ -467,7 +469,7 @@ class ModelRunner:
                     token = img.token if img.token >= 0 else self.model.image_token_id
                     mine = (tokens == token).nonzero().flatten()  # the image tokens of its span
                     rows.append(mine + row + at)
-                    outputs.append(self.encoder_cache.get(img, self.model.encode_image))
+                    outputs.append(self.encoder_cache.get(img))
                     spans.setdefault(i, []).extend(_runs(mine + img.offset))
             row += len(s.token_ids)
         if not rows:

@@ -88,7 +88,7 @@ def test_invalid_utf8_comes_out_as_replacement_characters_not_held_for_ever(llm)
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
     pieces = [detok.push(bad[0]) for _ in range(40)]
     assert "\ufffd" in "".join(pieces)
-    assert max(len(p) for p in pieces[:MAX_HELD_TOKENS + 1]) > 0  # not held past the bound
+    assert max(len(p) for p in pieces[: MAX_HELD_TOKENS + 1]) > 0  # not held past the bound
     assert len(detok.tokens) <= MAX_HELD_TOKENS + 1  # the window stays small
     ids = tok.encode("🎉 ok")
     assert "".join(detok.push(t) for t in ids).endswith("🎉 ok")

@@ -288,15 +288,13 @@ CHATML = (
 )
 
 
-def write_random_byte_level_vocab(w, size: int) -> int:
-    """A GPT-2-style (byte-level BPE) vocabulary of `size` tokens: the 256 byte symbols, random
-    merges of earlier tokens up to 16 symbols long, then three ChatML control tokens; every
-    token has the merge that made it (a real vocabulary's count of merges)."""
+def random_byte_level_tokens(count: int) -> tuple[list[str], list[str]]:
+    """`count` GPT-2-style (byte-level BPE) tokens: the 256 byte symbols, then random merges of earlier
+    tokens up to 16 symbols long; and the merge that made each (a real vocabulary's count of merges)."""
     import random
 
     from tokenizers.pre_tokenizers import ByteLevel
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     rng = random.Random(0)
     tokens = sorted(ByteLevel.alphabet())
     known = set(tokens)
@@ -309,7 +307,7 @@ def write_random_byte_level_vocab(w, size: int) -> int:
         i = rng.randrange(len(text_symbols) + last - first)
         return text_symbols[i] if i < len(text_symbols) else tokens[first + i - len(text_symbols)]
 
-    while len(tokens) < size - len(specials):
+    while len(tokens) < count:
         n = len(tokens)
         recent = max(256, n - 5000) if n > 6256 and rng.random() < 0.5 else 256
         a, b = pick(recent, n), pick(256, min(n, 3256))
@@ -318,6 +316,14 @@ def write_random_byte_level_vocab(w, size: int) -> int:
         tokens.append(a + b)
         known.add(a + b)
         merges.append(f"{a} {b}")
+    return tokens, merges
+
+
+def write_random_byte_level_vocab(w, size: int) -> int:
+    """A GPT-2-style (byte-level BPE) vocabulary of `size` tokens: random_byte_level_tokens, then
+    three ChatML control tokens."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens, merges = random_byte_level_tokens(size - len(specials))
     first_special = len(tokens)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -330,6 +336,99 @@ def write_random_byte_level_vocab(w, size: int) -> int:
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
     return len(tokens) + len(specials)
+
+
+# Gemma 3's control tokens at their ids in the real vocabulary (the image ones where transformers'
+# Gemma3Config and llama.cpp's mtmd look for them: mtmd tokenizes the text "<start_of_image>")
+GEMMA3_VOCAB = 262208
+GEMMA3_SPECIALS = {
+    0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 106: "<start_of_turn>", 107: "<end_of_turn>",
+    255999: "<start_of_image>", 256000: "<end_of_image>", 262144: "<image_soft_token>",
+}  # fmt: skip
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_gemma3_vocab(w) -> int:
+    """A random byte-level vocabulary of Gemma 3's size with its control and image tokens at Gemma's
+    ids (the real SentencePiece vocabulary is not reachable here), a Gemma-style chat template."""
+    tokens, merges = random_byte_level_tokens(GEMMA3_VOCAB - len(GEMMA3_SPECIALS))
+    ordinary = iter(tokens)
+    vocab = [GEMMA3_SPECIALS[i] if i in GEMMA3_SPECIALS else next(ordinary) for i in range(GEMMA3_VOCAB)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab)
+    w.add_token_types([3 if i in GEMMA3_SPECIALS else 1 for i in range(GEMMA3_VOCAB)])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_chat_template(GEMMA3_TEMPLATE)
+    return GEMMA3_VOCAB
+
+
+def write_gemma3_f16(path: str, args) -> None:
+    """A random Gemma 3 text model (`gemma3`, Gemma 3 4B's widths by default: 2,560 wide, 8 / 4 heads
+    of 256, SwiGLU 10,240, 5 of 6 layers sliding over 1,024 tokens, linear RoPE scaling 8 on the
+    global ones) as llama.cpp's converter writes it: norms stored as 1 + w (w = 0 here), tied
+    embeddings."""
+    import gguf
+
+    h, heads, kv_heads, hd = args.hidden, args.heads, args.kv_heads, 256
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_name(f"random gemma3 {h}x{args.layers}")
+    w.add_block_count(args.layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(args.ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(1024)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(8.0)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    vocab = write_gemma3_vocab(w)
+    w.add_vocab_size(vocab)
+
+    rng = np.random.default_rng(0)
+
+    def matrix(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    w.add_tensor("token_embd.weight", matrix(vocab, h))
+    w.add_tensor("output_norm.weight", ones(h))
+    for i in range(args.layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", ones(h))
+        w.add_tensor(b + "attn_q.weight", matrix(heads * hd, h))
+        w.add_tensor(b + "attn_k.weight", matrix(kv_heads * hd, h))
+        w.add_tensor(b + "attn_v.weight", matrix(kv_heads * hd, h))
+        w.add_tensor(b + "attn_q_norm.weight", ones(hd))
+        w.add_tensor(b + "attn_k_norm.weight", ones(hd))
+        w.add_tensor(b + "attn_output.weight", matrix(h, heads * hd))
+        w.add_tensor(b + "post_attention_norm.weight", ones(h))
+        w.add_tensor(b + "ffn_norm.weight", ones(h))
+        w.add_tensor(b + "ffn_gate.weight", matrix(args.ffn, h))
+        w.add_tensor(b + "ffn_up.weight", matrix(args.ffn, h))
+        w.add_tensor(b + "ffn_down.weight", matrix(h, args.ffn))
+        w.add_tensor(b + "post_ffw_norm.weight", ones(h))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def main() -> int:
@@ -346,12 +445,16 @@ def main() -> int:
     ap.add_argument("--qwen35", action="store_true", help="a Qwen3.5-2B-shaped Gated DeltaNet hybrid")
     ap.add_argument("--qwen35moe", action="store_true", help="Qwen3.5-35B-A3B's widths in --layers layers")
     ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's widths in --layers layers (default 6)")
+    ap.add_argument("--gemma3", action="store_true", help="Gemma 3 4B's text model (--layers: default its 34)")
     ap.add_argument("--out", default="bench-results/synthetic")
     args = ap.parse_args()
     if args.gpt_oss:
         args.hidden, args.ffn, args.heads, args.kv_heads = 2880, 2880, 64, 8
         args.layers = args.layers if "--layers" in sys.argv else 6
         args.type = args.type if "--type" in sys.argv else "MXFP4_MOE"
+    if args.gemma3:
+        args.hidden, args.ffn, args.heads, args.kv_heads = 2560, 10240, 8, 4
+        args.layers = args.layers if "--layers" in sys.argv else 34
     if args.qwen2:
         args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 896, 24, 4864, 14, 2
     if args.qwen35:
@@ -364,13 +467,16 @@ def main() -> int:
 
     os.makedirs(args.out, exist_ok=True)
     arch = (
-        "gpt-oss" if args.gpt_oss else "qwen35moe" if args.qwen35moe else "qwen35" if args.qwen35
-        else "qwen2" if args.qwen2 else "llama"
+        "gpt-oss" if args.gpt_oss else "gemma3" if args.gemma3 else "qwen35moe" if args.qwen35moe
+        else "qwen35" if args.qwen35 else "qwen2" if args.qwen2 else "llama"
     )  # fmt: skip
     stem = os.path.join(args.out, f"random-{arch}-{args.hidden}x{args.layers}")
     f16 = stem + "-F16.gguf"
     if not os.path.exists(f16):
-        writer = write_gpt_oss_f16 if args.gpt_oss else write_qwen35_f16 if args.qwen35 or args.qwen35moe else write_f16
+        writer = (
+            write_gpt_oss_f16 if args.gpt_oss else write_gemma3_f16 if args.gemma3
+            else write_qwen35_f16 if args.qwen35 or args.qwen35moe else write_f16
+        )  # fmt: skip
         writer(f16 + ".part", args)
         os.replace(f16 + ".part", f16)
     out = f"{stem}-{args.type}.gguf"

@@ -211,3 +211,19 @@ def test_local_import_copy_and_remove(files, tmp_path, capsys):
         ModelStore(store).copy("mine:copy", "../escape")
     with pytest.raises(StoreError, match="no config.json"):
         ModelStore(store).pull(str(tmp_path))
+
+
+def test_a_gguf_repository_s_mmproj_comes_with_its_model_and_the_entry_sees(hub, files):
+    """As llama.cpp's -hf: the repository's image encoder (the F16 one of two) lands beside the
+    model, and the store says the entry takes images."""
+    repo = hub.repos[REPO]
+    repo["mmproj-tiny-llama-F16.gguf"] = b"an image encoder"
+    repo["mmproj-tiny-llama-Q8_0.gguf"] = b"another"
+    m = ModelStore().pull(f"{REPO}:Q8_0", progress=False)
+    folder = os.path.dirname(m["model_path"])
+    assert sorted(os.listdir(folder)) == sorted(["tiny-llama-Q8_0.gguf", "mmproj-tiny-llama-F16.gguf", "manifest.json"])
+    assert not hub.gets("mmproj-tiny-llama-Q8_0.gguf")
+    assert m["info"]["vision"] is True
+    assert ModelStore().pull(f"{REPO}:F32", progress=False)["info"]["vision"] is True
+    del repo["mmproj-tiny-llama-F16.gguf"], repo["mmproj-tiny-llama-Q8_0.gguf"]
+    assert ModelStore().pull(f"{REPO}:F32", progress=False)["info"]["vision"] is False

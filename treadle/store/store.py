@@ -400,7 +400,20 @@ def _choose_files(ref: Ref, paths: list[str]) -> tuple[list[str], str]:
         raise StoreError(
             f"{ref.target}: {sel or DEFAULT_QUANT} matches several files ({', '.join(picked)}); name one as :FILE.gguf"
         )
-    return picked, picked[0]
+    return picked + _mmproj_beside(picked[0], paths), picked[0]
+
+
+def _mmproj_beside(model: str, paths: list[str]) -> list[str]:
+    """The repository's image encoder for a GGUF model (llama.cpp's mmproj file in its folder), as
+    llama.cpp's -hf fetches it: the F16 one where there are several, else the first by name."""
+    folder = os.path.dirname(model)
+    found = sorted(
+        p
+        for p in paths
+        if os.path.dirname(p) == folder and p.endswith(".gguf") and "mmproj" in os.path.basename(p).lower()
+    )
+    f16 = [p for p in found if _quant_tag(p).upper() == "F16" or "f16" in os.path.basename(p).lower()]
+    return (f16 or found)[:1]
 
 
 def _matches(path: str, expected: Expected) -> bool:

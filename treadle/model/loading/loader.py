@@ -15,8 +15,9 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def find_mmproj(model: str | None, explicit: str | None) -> str | None:
-    """A GGUF model's image encoder file: `explicit` (--mmproj), else the one `mmproj*.gguf` beside
-    the model (llama.cpp's converter names them so; LM Studio and Ollama keep them there), else None."""
+    """A GGUF model's image encoder file: `explicit` (--mmproj), else the one `*mmproj*.gguf` beside
+    the model (llama.cpp's converter names them so; LM Studio and Ollama keep them there, and
+    `treadle pull` fetches a repository's with its model), else None."""
     if explicit is not None:
         path = os.path.expanduser(explicit)
         if not os.path.isfile(path):
@@ -26,7 +27,7 @@ def find_mmproj(model: str | None, explicit: str | None) -> str | None:
     if not (os.path.isfile(path) and path.endswith(".gguf")):
         return None
     folder = os.path.dirname(path) or "."
-    found = sorted(n for n in os.listdir(folder) if n.lower().startswith("mmproj") and n.endswith(".gguf"))
+    found = sorted(n for n in os.listdir(folder) if "mmproj" in n.lower() and n.endswith(".gguf"))
     return os.path.join(folder, found[0]) if len(found) == 1 else None
 
 

@@ -94,8 +94,11 @@ def test_a_request_loads_its_model_while_health_stays_ok_and_the_answer_is_that_
     assert health and set(health) == {200}
     ref, _ = hf_greedy(store_dir["model"], prompt, 8)
     expected = httpx.post(multi.url + "/detokenize", json={"model": "tiny", "tokens": ref}).json()["content"]
-    # the tiny model answered, as transformers does (a stream's last incomplete UTF-8 bytes are held back)
-    assert r.json()["choices"][0]["text"] == expected.rstrip("\ufffd") and r.json()["usage"]["completion_tokens"] == 8
+    # the tiny model answered, as transformers does (invalid UTF-8 bytes come out as U+FFFD once more
+    # than a character's 4 are held; fewer at the end of the reply are held back)
+    text = r.json()["choices"][0]["text"]
+    assert expected.startswith(text) and len(expected) - len(text) < 4 and expected[len(text) :].strip("\ufffd") == ""
+    assert r.json()["usage"]["completion_tokens"] == 8
     assert TINY in loaded(multi)
     timeline = httpx.get(multi.url + f"/v1/requests/{r.json()['id']}/timeline").json()  # its wait, then the core's
     load, queued = timeline["choices"][0]["phases"][:2]

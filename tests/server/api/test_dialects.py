@@ -216,10 +216,22 @@ def test_responses_json_schema_and_forced_tool_call(client):
 def test_responses_errors_name_the_parameter(http):
     for body, param in [
         ({"model": MODEL, "input": "x", "top_logprobs": 2}, "top_logprobs"),
-        (
+        (  # a model without vision: the image is refused where it is
             {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0].type",
+            "input[0].content[0].image_url",
         ),
+        (
+            {
+                "model": MODEL,
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_image", "image_url": "x"}, {"type": "input_file", "file_id": "f"}],
+                    }
+                ],
+            },
+            "input[0].content[1].type",
+        ),  # fmt: skip
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"model": MODEL, "input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),

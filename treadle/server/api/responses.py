@@ -155,18 +155,16 @@ def _text_of(content, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise RequestError(f"{where}.content must be a string or a list of parts", f"{where}.content")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-            raise RequestError(
-                f"{where}.content[{j}]: part type {kind!r} is not supported (text parts only)",
-                f"{where}.content[{j}].type",
-            )
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.content[{j}].text must be a string", f"{where}.content[{j}].text")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+
+
+def _text_part(part, at: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
+        raise RequestError(f"{at}: part type {kind!r} is not supported (text parts only)", f"{at}.type")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{at}.text must be a string", f"{at}.text")
+    return part["text"]
 
 
 def _content_of(content, where: str):
@@ -185,7 +183,7 @@ def _content_of(content, where: str):
                 raise RequestError(f"{at}: an input_image needs image_url (a URL; file_id is not supported)", at)
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}, "_field": f"{at}.image_url"})
         else:
-            parts.append({"type": "text", "text": _text_of([part], where)})
+            parts.append({"type": "text", "text": _text_part(part, at)})
     return parts
 
 

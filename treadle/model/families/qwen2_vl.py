@@ -36,28 +36,39 @@ class Qwen25VLModel(LlamaModel):
     hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
 
     mrope = True
+    # what the Qwen-VL generations differ in (qwen3_vl.py sets its own)
+    vision_class = QwenVLVision
+    default_rope_theta = 1e6
+    interleaved_mrope = False  # Qwen3-VL's: the frequencies dealt t h w t h w ...
+
+    @classmethod
+    def tied(cls, hf) -> bool:
+        """Whether the head is the embedding: where either level of config.json says so."""
+        return bool(hf.get("tie_word_embeddings")) or bool(hf.section("text_config").get("tie_word_embeddings"))
+
+    @classmethod
+    def text_fields(cls, text: dict, text_hf) -> dict:
+        """The language model's own fields beside Llama's (Qwen2: bias on q, k and v)."""
+        return {"attention_bias": True}
 
     @classmethod
     def config_from_hf(cls, hf) -> Qwen2VLConfig:
-        text = {**hf.cfg, **hf.section("text_config")}
-        text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings")) or bool(
-            hf.section("text_config").get("tie_word_embeddings")
-        )
+        text = {**hf.cfg, **hf.section("text_config"), "tie_word_embeddings": cls.tied(hf)}
         text_hf = type(hf)(hf.folder, text, hf.arch)
         params = text_hf.section("rope_parameters") or text_hf.section("rope_scaling")
         section = params.get("mrope_section")
         if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) for s in section)):
             raise ModelLoadError(f"{hf.where}: mrope_section = {section!r}: expected three integers")
         # Qwen's files name the rotation "mrope" (its split is mrope_section); the frequencies are the default ones
-        rope = text_hf.rope({k: v for k, v in params.items() if v != "mrope"}, default_theta=1e6)
+        rope = text_hf.rope({k: v for k, v in params.items() if v != "mrope"}, default_theta=cls.default_rope_theta)
         window = text.get("sliding_window") if text.get("use_sliding_window", False) else None
         config = text_hf.llama_style(
             Qwen2VLConfig,
-            attention_bias=True,
             sliding_window=window or None,
             rope=rope,
             mrope_section=section,
             multimodal=hf.cfg,
+            **cls.text_fields(text, text_hf),
         )
         config = text_hf.checked(config)
         if sum(section) != config.head_dim // 2:
@@ -67,17 +78,23 @@ class Qwen25VLModel(LlamaModel):
     def __init__(self, config: Qwen2VLConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant=False):
         vision = {}
         for name in list(weights):
-            if QwenVLVision.is_vision_tensor(name):
+            if self.vision_class.is_vision_tensor(name):
                 vision[name] = weights.pop(name)
             elif name.startswith("model.language_model."):
                 weights["model." + name.removeprefix("model.language_model.")] = weights.pop(name)
-        self.vision = QwenVLVision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
+        self.vision = self.vision_class.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
+        self.check_vision(config)
         super().__init__(config, weights, dtype, device, batch_invariant)
+
+    def check_vision(self, config: Qwen2VLConfig) -> None:
+        """What the tower must agree on with the language model (Qwen3-VL: its outputs' width, DeepStack)."""
 
     def rotary_for(self, rope) -> MultimodalRotaryEmbedding:
         cfg = self.config
         positions = cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
-        return MultimodalRotaryEmbedding(rope, cfg.head_dim, positions, cfg.mrope_section).to(self.device)
+        return MultimodalRotaryEmbedding(
+            rope, cfg.head_dim, positions, cfg.mrope_section, interleaved=self.interleaved_mrope
+        ).to(self.device)
 
     def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
         return self.vision.encode(pixels, extra)

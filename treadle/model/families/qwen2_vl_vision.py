@@ -48,6 +48,42 @@ ACTIVATIONS = {
 DEFAULT_IMAGE_TOKEN_ID = 151655  # <|image_pad|> in every Qwen2.5-VL vocabulary (transformers' default)
 
 
+# the numbers every Qwen-VL tower's vision_config has, and their ranges
+TOWER_LIMITS = {
+    "depth": (1, 1024), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 20), "num_heads": (1, 1024),
+    "in_channels": (1, 16), "patch_size": (1, 1024), "temporal_patch_size": (1, 16),
+    "spatial_merge_size": (1, 64), "out_hidden_size": (1, 1 << 16),
+}  # fmt: skip
+
+
+def read_tower(cls, section: dict, limits: dict, **fields):
+    """A Qwen-VL tower's config (`cls`: its dataclass) from a vision_config section: the shared
+    numbers and the tower's own (`limits`), checked, with `cls`'s defaults for keys it leaves out;
+    its activation and rotary heads checked too. `fields`: the tower's other settings, read."""
+    d = cls()
+    numbers = {
+        key: file_int(WHERE, f"vision_config.{key}", section.get(key, getattr(d, key)), lo, hi)
+        for key, (lo, hi) in {**TOWER_LIMITS, **limits}.items()
+    }
+    theta = (section.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    config = cls(
+        **numbers,
+        hidden_act=section.get("hidden_act", d.hidden_act),
+        rope_theta=file_float(WHERE, "vision_config rope_theta", theta),
+        **fields,
+    )
+    if config.hidden_act not in ACTIVATIONS:
+        raise ModelLoadError(
+            f"{WHERE}: vision_config.hidden_act = {config.hidden_act!r}: expected one of {sorted(ACTIVATIONS)}"
+        )
+    if config.hidden_size % config.num_heads or config.head_dim % 4:
+        raise ModelLoadError(
+            f"{WHERE}: vision_config.hidden_size = {config.hidden_size}: expected num_heads "
+            f"({config.num_heads}) heads whose size is a multiple of 4 (2D rotary)"
+        )
+    return config
+
+
 @dataclass
 class QwenVisionConfig:
     """A config.json `vision_config` (transformers' Qwen2_5_VLVisionConfig defaults); `qwen2`: Qwen2-VL's
@@ -89,36 +125,13 @@ class QwenVisionConfig:
                 "fullatt_block_indexes": list(range(section.get("depth", d.depth))),
             }  # fmt: skip
 
-        def num(key: str, lo: int, hi: int) -> int:
-            return file_int(WHERE, f"vision_config.{key}", section.get(key, getattr(d, key)), lo, hi)
-
-        config = cls(
-            depth=num("depth", 1, 1024),
-            hidden_size=num("hidden_size", 1, 1 << 16),
-            intermediate_size=num("intermediate_size", 1, 1 << 20),
-            num_heads=num("num_heads", 1, 1024),
-            in_channels=num("in_channels", 1, 16),
-            patch_size=num("patch_size", 1, 1024),
-            temporal_patch_size=num("temporal_patch_size", 1, 16),
-            spatial_merge_size=num("spatial_merge_size", 1, 64),
-            window_size=num("window_size", 1, 1 << 16),
-            out_hidden_size=num("out_hidden_size", 1, 1 << 16),
+        config = read_tower(
+            cls,
+            section,
+            {"window_size": (1, 1 << 16)},
             fullatt_block_indexes=list(section.get("fullatt_block_indexes", d.fullatt_block_indexes)),
-            hidden_act=section.get("hidden_act", d.hidden_act),
-            rope_theta=file_float(
-                WHERE, "vision_config rope_theta", (section.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            ),
             qwen2=qwen2,
         )
-        if config.hidden_act not in ACTIVATIONS:
-            raise ModelLoadError(
-                f"{WHERE}: vision_config.hidden_act = {config.hidden_act!r}: expected one of {sorted(ACTIVATIONS)}"
-            )
-        if config.hidden_size % config.num_heads or config.head_dim % 4:
-            raise ModelLoadError(
-                f"{WHERE}: vision_config.hidden_size = {config.hidden_size}: expected num_heads "
-                f"({config.num_heads}) heads whose size is a multiple of 4 (2D rotary)"
-            )
         if config.window_size // config.spatial_merge_size // config.patch_size < 1:
             raise ModelLoadError(
                 f"{WHERE}: vision_config.window_size = {config.window_size}: expected at least "

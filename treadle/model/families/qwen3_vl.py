@@ -23,61 +23,32 @@ and k, no q/k/v bias) that sees, through its ViT (qwen3_vl_vision.py).
 import torch
 
 from treadle.model.config import ModelLoadError
-from treadle.model.families.llama import ROPE_TABLE_CAP, LlamaModel
-from treadle.model.families.qwen2_vl import Qwen2VLConfig
+from treadle.model.families.qwen2_vl import Qwen2VLConfig, Qwen25VLModel
 from treadle.model.families.qwen3_vl_vision import Qwen3VLVision
 from treadle.model.families.qwen_moe import hf_moe
 from treadle.model.layers.attention import metadata_by_layer
-from treadle.model.layers.mrope import MultimodalRotaryEmbedding
 
 
-class Qwen3VLModel(LlamaModel):
+class Qwen3VLModel(Qwen25VLModel):
     hf_model_types = ("qwen3_vl",)
     hf_architectures = ("Qwen3VLForConditionalGeneration",)
 
-    mrope = True
+    vision_class = Qwen3VLVision
+    default_rope_theta = 5e6
+    interleaved_mrope = True
 
     @classmethod
-    def config_from_hf(cls, hf) -> Qwen2VLConfig:
-        text = {**hf.cfg, **hf.section("text_config")}
-        # transformers 5 ties by the top level's flag (Qwen3-VL-MoE's text_config says True by default)
+    def tied(cls, hf) -> bool:
+        """transformers 5 ties by the top level's flag where it is set (Qwen3-VL-MoE's text_config
+        says True by default), else by text_config's."""
         tie = hf.get("tie_word_embeddings")
-        text["tie_word_embeddings"] = bool(tie if tie is not None else text.get("tie_word_embeddings"))
-        text_hf = type(hf)(hf.folder, text, hf.arch)
-        params = text_hf.section("rope_parameters") or text_hf.section("rope_scaling")
-        section = params.get("mrope_section")
-        if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) for s in section)):
-            raise ModelLoadError(f"{hf.where}: mrope_section = {section!r}: expected three integers")
-        rope = text_hf.rope({k: v for k, v in params.items() if v != "mrope"}, default_theta=5e6)
-        window = text.get("sliding_window") if text.get("use_sliding_window", False) else None
-        config = text_hf.llama_style(
-            Qwen2VLConfig,
-            qk_norm=True,
-            attention_bias=bool(text.get("attention_bias", False)),
-            sliding_window=window or None,
-            rope=rope,
-            mrope_section=section,
-            multimodal=hf.cfg,
-            **cls.text_fields(text_hf),
-        )
-        config = text_hf.checked(config)
-        if sum(section) != config.head_dim // 2:
-            raise ModelLoadError(f"{hf.where}: mrope_section = {section}: expected {config.head_dim // 2} in all")
-        return config
+        return bool(tie if tie is not None else hf.section("text_config").get("tie_word_embeddings"))
 
     @classmethod
-    def text_fields(cls, text_hf) -> dict:
-        """What else the language model's config holds (Qwen3-VL-MoE: its experts)."""
-        return {}
+    def text_fields(cls, text: dict, text_hf) -> dict:
+        return {"qk_norm": True, "attention_bias": bool(text.get("attention_bias", False))}
 
-    def __init__(self, config: Qwen2VLConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant=False):
-        vision = {}
-        for name in list(weights):
-            if Qwen3VLVision.is_vision_tensor(name):
-                vision[name] = weights.pop(name)
-            elif name.startswith("model.language_model."):
-                weights["model." + name.removeprefix("model.language_model.")] = weights.pop(name)
-        self.vision = Qwen3VLVision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
+    def check_vision(self, config: Qwen2VLConfig) -> None:
         if self.vision.config.out_hidden_size != config.hidden_size:
             raise ModelLoadError(
                 f"config.json: vision_config.out_hidden_size = {self.vision.config.out_hidden_size}: "
@@ -88,20 +59,6 @@ class Qwen3VLModel(LlamaModel):
                 f"config.json: {self.vision.deepstack} deepstack_visual_indexes: "
                 f"expected at most num_hidden_layers ({config.num_layers})"
             )
-        super().__init__(config, weights, dtype, device, batch_invariant)
-
-    def rotary_for(self, rope) -> MultimodalRotaryEmbedding:
-        cfg = self.config
-        positions = cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
-        return MultimodalRotaryEmbedding(rope, cfg.head_dim, positions, cfg.mrope_section, interleaved=True).to(
-            self.device
-        )
-
-    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
-        return self.vision.encode(pixels, extra)
-
-    def image_grid(self, extra: dict) -> tuple[int, int]:
-        return self.vision.grid(extra)
 
     def place_images(self, h: torch.Tensor) -> torch.Tensor:
         """The image rows take the encoder's main embeddings (the first `hidden` columns)."""
@@ -139,8 +96,8 @@ class Qwen3VLMoeModel(Qwen3VLModel):
     hf_architectures = ("Qwen3VLMoeForConditionalGeneration",)
 
     @classmethod
-    def text_fields(cls, text_hf) -> dict:
-        return {"moe": hf_moe(text_hf, norm_topk=True, shared=False)}
+    def text_fields(cls, text: dict, text_hf) -> dict:
+        return {**super().text_fields(text, text_hf), "moe": hf_moe(text_hf, norm_topk=True, shared=False)}
 
     def __init__(self, config: Qwen2VLConfig, weights: dict, dtype: torch.dtype, device="cpu", batch_invariant=False):
         n, h, f = config.moe.num_experts, config.hidden_size, config.moe.expert_size

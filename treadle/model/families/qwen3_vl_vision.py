@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from treadle.model.config import ModelLoadError, file_float, file_int
-from treadle.model.families.qwen2_vl_vision import ACTIVATIONS, QwenVisionConfig, VisionBlock
+from treadle.model.config import ModelLoadError, file_int
+from treadle.model.families.qwen2_vl_vision import QwenVisionConfig, VisionBlock, read_tower
 
 WHERE = "config.json"
 PREFIXES = ("model.visual.", "visual.")
@@ -78,36 +78,12 @@ class Qwen3VisionConfig:
     @classmethod
     def from_hf(cls, section: dict) -> "Qwen3VisionConfig":
         d = cls()
-
-        def num(key: str, lo: int, hi: int) -> int:
-            return file_int(WHERE, f"vision_config.{key}", section.get(key, getattr(d, key)), lo, hi)
-
-        config = cls(
-            depth=num("depth", 1, 1024),
-            hidden_size=num("hidden_size", 1, 1 << 16),
-            intermediate_size=num("intermediate_size", 1, 1 << 20),
-            num_heads=num("num_heads", 1, 1024),
-            in_channels=num("in_channels", 1, 16),
-            patch_size=num("patch_size", 1, 1024),
-            temporal_patch_size=num("temporal_patch_size", 1, 16),
-            spatial_merge_size=num("spatial_merge_size", 1, 64),
-            out_hidden_size=num("out_hidden_size", 1, 1 << 16),
-            num_position_embeddings=num("num_position_embeddings", 1, 1 << 24),
+        config = read_tower(
+            cls,
+            section,
+            {"num_position_embeddings": (1, 1 << 24)},
             deepstack_visual_indexes=list(section.get("deepstack_visual_indexes", d.deepstack_visual_indexes)),
-            hidden_act=section.get("hidden_act", d.hidden_act),
-            rope_theta=file_float(
-                WHERE, "vision_config rope_theta", (section.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            ),
         )
-        if config.hidden_act not in ACTIVATIONS:
-            raise ModelLoadError(
-                f"{WHERE}: vision_config.hidden_act = {config.hidden_act!r}: expected one of {sorted(ACTIVATIONS)}"
-            )
-        if config.hidden_size % config.num_heads or config.head_dim % 4:
-            raise ModelLoadError(
-                f"{WHERE}: vision_config.hidden_size = {config.hidden_size}: expected num_heads "
-                f"({config.num_heads}) heads whose size is a multiple of 4 (2D rotary)"
-            )
         if config.grid_side**2 != config.num_position_embeddings:
             raise ModelLoadError(
                 f"{WHERE}: vision_config.num_position_embeddings = {config.num_position_embeddings}: expected a square"

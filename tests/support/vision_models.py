@@ -38,6 +38,15 @@ def picture(seed: int, size=(40, 56)) -> Image.Image:
     return img
 
 
+def weight_scale(name: str) -> float:
+    """The random weights' spread: small in the tower (large image features would swamp the text),
+    wide on the norms (Gemma's 1 + w), small elsewhere; chosen so that each picture changes the
+    greedy continuation (at transformers' defaults the model says one token whatever it sees)."""
+    if "vision" in name or "projector" in name:
+        return 0.05
+    return 1.0 if "norm" in name else 0.02
+
+
 def save_gemma3_vlm(path: str):
     """The folder at `path`; returns (path, the transformers model, its tokenizer, the image processor's config)."""
     from tokenizers import AddedToken
@@ -62,7 +71,7 @@ def save_gemma3_vlm(path: str):
     model = Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():  # every weight random (transformers starts norms and biases at 1 or 0)
         for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if "vision" in name or "projector" in name else 0.1))
+            p.copy_(torch.randn_like(p) * weight_scale(name))
     model.save_pretrained(path, safe_serialization=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:

@@ -12,6 +12,7 @@ each other both ways within the window, as transformers' mask has them.
 """
 
 import pytest
+import torch
 
 from tests.support.vision_models import picture, reference, save_gemma3_vlm
 from treadle import LLM, SamplingParams
@@ -210,3 +211,27 @@ def test_an_image_s_blocks_come_back_from_the_host_tier_under_the_same_keys(fold
     hits = llm.stats()["kv_tiers"]["host"]["hits"]
     assert run(llm, text, b) == reference(folder, NUM_TOKENS, text, [b])
     assert llm.stats()["kv_tiers"]["host"]["hits"] - hits < hits_a  # the blocks with a's tokens do not match b
+
+
+def test_the_bf16_default_gives_one_answer_alone_batched_chunked_and_cached(folder):
+    """The user's default on a bf16 CPU: treadle's attention kernel, whose image rows read their
+    image's later keys. Batch-invariant, so a picture's answer is the same alone, beside other
+    prompts, chunked at a small budget and after a prefix hit."""
+    from treadle.model.kernels import paged
+
+    if not paged.usable(torch.bfloat16, torch.device("cpu"), 4, 2, 16):
+        pytest.skip("treadle's attention kernel cannot be built here")
+    llm = LLM(folder[0], dtype="bfloat16", max_model_len=512, num_kv_blocks=64)
+    assert llm.engine.runner.attention_kernel
+    a, b = picture(23), picture(24, size=(70, 33))  # a pair whose answer needs the images seen both ways
+    alone = run(llm, TWO, [a, b])
+    batched = (
+        llm.generate([{"prompt": TWO, "multi_modal_data": {"image": [a, b]}}, "A prompt without a picture"], GREEDY)[0]
+        .outputs[0]
+        .token_ids
+    )
+    again = run(llm, TWO, [a, b])  # the prompt's blocks from the prefix cache
+    chunked = LLM(folder[0], dtype="bfloat16", max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=20)
+    assert alone == batched == again == run(chunked, TWO, [a, b])
+    # and near transformers' float32 answer: the first tokens agree (later ones may round apart)
+    assert alone[:4] == reference(folder, NUM_TOKENS, TWO, [a, b])[:4]

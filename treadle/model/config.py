@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from treadle.kv_layout import KVLayout, kv_layout
+
 
 class ModelLoadError(ValueError):
     """A model file or folder that treadle cannot load; the message names file, item and reason."""
@@ -54,6 +56,7 @@ class MoEConfig:
     softmax_after_topk: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    gelu: bool = False  # Gemma 4: the experts' gate through tanh-approximated GELU (GeGLU), not SiLU
     # per layer, whether its feed-forward is the experts (Qwen's decoder_sparse_step and
     # mlp_only_layers); None: every layer
     sparse_layers: list[bool] | None = None
@@ -99,6 +102,35 @@ class ModelConfig:
     # llama.cpp reranker GGUF's `cls.output.weight`, its `classifier.output_labels`): the model scores
     # (pooling "score", its logits' columns these rows) and cannot generate; None: a vocabulary head
     head_labels: list[str] | None = None
+    # per attention layer, (KV heads, head size) where layers differ (Gemma 4's global layers beside
+    # its local ones); None: every layer has num_kv_heads heads of head_dim
+    layer_kv_shapes: list[tuple[int, int]] | None = None
+    # per attention layer, the earlier layer whose K/V it reads instead of its own (Gemma 4's last
+    # num_kv_shared_layers), None for a layer with KV of its own; None: no layer shares
+    kv_sources: list[int | None] | None = None
+
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """Every attention layer's (KV heads, head size)."""
+        if self.layer_kv_shapes is not None:
+            return list(self.layer_kv_shapes)
+        return [(self.num_kv_heads, self.head_dim)] * len(self.windows())
+
+    def kv_layout(self) -> KVLayout:
+        """How the attention layers share the KV pool (kv_layout.py); the rows' sizes count where
+        layers' shapes differ."""
+        units = None
+        if self.layer_kv_shapes is not None:
+            units = [2 * heads * dim for heads, dim in self.layer_kv_shapes]
+        return kv_layout(self.windows(), units, self.kv_sources)
+
+    def kv_page_elements(self, block_size: int, extra: int = 0) -> int:
+        """One page of the pool, in its elements: a block of every layer of the largest cache
+        group (`extra`: elements beside each row's values, an int8 row's scale)."""
+        shapes = self.kv_shapes()
+        return max(
+            len(g.layers) * 2 * block_size * shapes[g.layers[0]][0] * (shapes[g.layers[0]][1] + extra)
+            for g in self.kv_layout().groups
+        )
 
     def windows(self) -> list[int | None]:
         """Every attention layer's sliding window (None: full attention); a hybrid's recurrent

@@ -202,6 +202,46 @@ def test_int8_rows_stored_in_c_are_quantize_kvs_bits(dtype):
     assert torch.equal(by_c, by_torch)
 
 
+@needs_kernel
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_wide_heads_in_a_mixed_pool_match_their_own_tensor(kv):
+    """Gemma 4's global heads (512) as a view into a pool of mixed pages (kv_layout.py): blocks a page
+    apart, not a tensor of their own. The kernel gives the textbook answer and the same bits as on
+    a contiguous copy; int8 rows stored in place land where torch's indexing puts them."""
+    g = torch.Generator().manual_seed(9)
+    d, kvh, heads, blocks, n = 512, 1, 4, 12, 40
+    row = d + (4 if kv == "int8" else 0)
+    dtype = torch.int8 if kv == "int8" else torch.bfloat16
+    part = BLOCK * kvh * row
+    pool = torch.zeros(blocks, 3 * part, dtype=dtype)  # [k | v | another layer's rows] per page
+    k_view = pool[:, :part].view(blocks, BLOCK, kvh, row)
+    v_view = pool[:, part : 2 * part].view(blocks, BLOCK, kvh, row)
+    slots = torch.arange(n) + BLOCK  # from block 1 on
+    keys, values = torch.randn(n, kvh, d, generator=g).bfloat16(), torch.randn(n, kvh, d, generator=g).bfloat16()
+    if kv == "int8":
+        kernels.store_int8_rows(keys, k_view, slots)
+        kernels.store_int8_rows(values, v_view, slots)
+        want = torch.zeros(blocks, BLOCK, kvh, row, dtype=dtype)
+        want.view(-1, kvh, row)[slots] = quantize_kv(keys)
+        assert torch.equal(k_view, want) and not pool[:, 2 * part :].any()
+    else:
+        k_view[slots // BLOCK, slots % BLOCK] = keys
+        v_view[slots // BLOCK, slots % BLOCK] = values
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    table = torch.arange(1, blocks)[None]
+    key_end = torch.arange(n) + 1
+    args = (table, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), key_end, d**-0.5)
+    out = kernels.paged_attention(q, k_view, v_view, *args)
+    assert torch.equal(out, kernels.paged_attention(q, k_view.contiguous(), v_view.contiguous(), *args))
+    kf, vf = (dequantize_kv(t, torch.float32) if kv == "int8" else t.float() for t in (k_view, v_view))
+    k = kf[1:].reshape(-1, kvh, d)[:n].repeat_interleave(heads, 1)
+    v = vf[1:].reshape(-1, kvh, d)[:n].repeat_interleave(heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * d**-0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
+    torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
+
+
 def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
     """No C compiler (CC=false, empty kernel cache): bfloat16 still serves, not batch-invariant, with
     the quantized weights dequantized at load."""

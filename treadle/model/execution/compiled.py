@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from treadle.kv_layout import kv_layout
 from treadle.model.layers.attention import AttentionMetadata, graph_kernel_args
 from treadle.model.loading.loader import resolve_model_path
 from treadle.utils import cache_root, process_memory
@@ -118,8 +117,8 @@ def artefact_dir(
     for target in _C_SOURCES:
         package, _, name = target.partition(":")
         sources.append(os.path.join(os.path.dirname(importlib.util.find_spec(package).origin), name))
-    if model_class is not None:
-        sources.append(inspect.getsourcefile(model_class))
+    if model_class is not None:  # the class's own file and its bases' (a family built on another's)
+        sources += list(dict.fromkeys(inspect.getsourcefile(c) for c in model_class.__mro__ if c is not object))
     for path in sources:
         with open(path, "rb") as f:
             h.update(f.read())
@@ -165,7 +164,7 @@ def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, bl
             decode_mask=torch.zeros(batch, 1, 1, width * block_size, dtype=model.dtype, device=dev),
         )
 
-    groups = len(kv_layout(model.config.windows()).groups)
+    groups = len(model.config.kv_layout().groups)
     meta = one_group() if groups == 1 else [one_group() for _ in range(groups)]
     ids = torch.zeros(batch, dtype=torch.long, device=dev)
     positions = torch.zeros(batch, dtype=torch.long, device=dev)

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import torch
 
-from treadle.kv_layout import kv_layout
 from treadle.model.config import ModelConfig
 from treadle.model.execution.encoder_cache import EncoderCache
 from treadle.model.execution.sampler import Sampler, allowed_from_bitmask
@@ -109,21 +108,15 @@ class ModelRunner:
         extra = {"batch_invariant": True} if batch_invariant else {}  # plugins written before the mode need not take it
         self.model = model_class(config, weights, dtype, self.device, **extra)
         release_freed_memory()  # the loader's float32 tensors, one per weight, before the KV pool
-        # The pool: one key/value tensor pair per layer of a cache group; each layer stores into its
-        # pair at its own group's block ids (kv_layout.py). One group: a pair per layer.
-        self.layout = kv_layout(config.windows())
+        self.layout = config.kv_layout()
         self.group_windows = [g.window for g in self.layout.groups]
-        # int8 KV: each row is head_dim int8 values and their float32 scale (attention.quantize_kv)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim + (SCALE_BYTES if kv_int8 else 0))
-        kv_dtype = torch.int8 if kv_int8 else dtype
-        self.kv_pairs = [
-            (_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
-            for _ in range(self.layout.group_size)
-        ]
-        self.kv_caches = [self.kv_pairs[j] for _, j in self.layout.layer_slots()]  # by layer
+        self.kv_planes, self.kv_caches = self._kv_pool(config, num_blocks, block_size, dtype, kv_int8)
+        self.kv_pairs = list({id(kv[0]): kv for kv in self.kv_caches}.values())  # each layer slot's, once
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         # treadle's attention kernel: each row's sums in a fixed order, whatever its batch
-        self.attention_kernel = paged.usable(dtype, self.device, config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attention_kernel = all(
+            paged.usable(dtype, self.device, config.num_heads, heads, dim) for heads, dim in set(config.kv_shapes())
+        )
         self.compiled = None  # a CompiledDecode, when the engine compiles decode steps
         # without batch-invariant kernels (float32, --no-batch-invariant) a row's rounding depends
         # on how many rows share its matrix products: embedding requests then run in forwards of
@@ -164,13 +157,44 @@ class ModelRunner:
     def lora_bytes(self) -> int:
         return sum(self.loras.nbytes.values()) if self.loras is not None else 0
 
+    def _kv_pool(self, config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_int8: bool):
+        """The pool (kv_layout.py) as its planes (tensors whose first dimension is the block id; a
+        block's page is its row of each) and every layer's (key, value) caches. Rows of one size:
+        a key/value tensor pair per position in a group, each layer storing into its pair at its own
+        group's block ids (one group: a pair per layer). Rows of several sizes: one plane of pages,
+        each group's layers laid out in it, each layer's caches a view whose blocks are a page
+        apart. A layer that shares KV gets its source's caches. int8 KV: each row is head_dim int8
+        values and their float32 scale (attention.quantize_kv)."""
+        kv_dtype = torch.int8 if kv_int8 else dtype
+        extra = SCALE_BYTES if kv_int8 else 0
+        shapes = config.kv_shapes()
+        layout = self.layout
+        if len({shapes[i] for g in layout.groups for i in g.layers}) == 1:
+            heads, dim = shapes[layout.groups[0].layers[0]]
+            shape = (num_blocks, block_size, heads, dim + extra)
+            pairs = [
+                (_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
+                for _ in range(layout.group_size)
+            ]
+            planes = [t for pair in pairs for t in pair]
+            return planes, [pairs[j] for _, j in layout.layer_slots()]
+        pool = _zeros((num_blocks, config.kv_page_elements(block_size, extra)), kv_dtype, self.device)
+        caches = {}
+        for g, group in enumerate(layout.groups):
+            heads, dim = shapes[group.layers[0]]
+            part = block_size * heads * (dim + extra)  # one layer's keys (or values) of a block
+            for j in range(len(group.layers)):
+                at = j * 2 * part
+                k = pool[:, at : at + part].view(num_blocks, block_size, heads, dim + extra)
+                v = pool[:, at + part : at + 2 * part].view(num_blocks, block_size, heads, dim + extra)
+                caches[(g, j)] = (k, v)
+        return [pool], [caches[slot] for slot in layout.layer_slots()]
+
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_int8: bool = False) -> int:
         """One page of the pool: a block of every layer of one cache group."""
-        row = (
-            config.head_dim + SCALE_BYTES if kv_int8 else config.head_dim * torch.empty((), dtype=dtype).element_size()
-        )
-        return 2 * kv_layout(config.windows()).group_size * block_size * config.num_kv_heads * row
+        size = 1 if kv_int8 else torch.empty((), dtype=dtype).element_size()
+        return config.kv_page_elements(block_size, SCALE_BYTES if kv_int8 else 0) * size
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean mask as 0 / -inf in the model's dtype, made once per step: SDPA would
@@ -184,25 +208,22 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_pairs:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for plane in self.kv_planes:
+            plane[dst] = plane[src]
 
     @property
     def page_bytes(self) -> int:
-        """One block's page: its keys and values in every tensor pair (engine/kv_tiers.py's payload)."""
-        k = self.kv_pairs[0][0]
-        return 2 * len(self.kv_pairs) * k[0].numel() * k.element_size()
+        """One block's page: its row of every plane of the pool (engine/kv_tiers.py's payload)."""
+        return sum(t[0].numel() * t.element_size() for t in self.kv_planes)
 
     def read_blocks(self, block_ids: list[int]) -> list:
-        """Copies of these blocks' pages, each a uint8 numpy array of `page_bytes` (keys then values
-        of every tensor pair, in pair order)."""
+        """Copies of these blocks' pages, each a uint8 numpy array of `page_bytes` (the block's row
+        of every plane, in order: keys then values of every tensor pair, where rows are of one size)."""
         if not block_ids:
             return []
         idx = torch.tensor(block_ids, device=self.device)
-        parts = [t.index_select(0, idx) for pair in self.kv_pairs for t in pair]  # each [n, block, heads, dim]
-        pages = torch.stack(parts, 1).contiguous().cpu()  # [n, pairs * 2, block, heads, dim]
-        flat = pages.view(len(block_ids), -1).view(torch.uint8)
+        parts = [t.index_select(0, idx).reshape(len(block_ids), -1) for t in self.kv_planes]
+        flat = torch.cat(parts, 1).cpu().view(torch.uint8)
         return [flat[i].numpy().copy() for i in range(len(block_ids))]
 
     @property
@@ -242,13 +263,14 @@ class ModelRunner:
         """Put pages made by read_blocks (by this model, dtype and block size) into these blocks."""
         if not block_ids:
             return
-        k = self.kv_pairs[0][0]
         raw = torch.stack([torch.frombuffer(memoryview(p).cast("B"), dtype=torch.uint8) for p in pages])
-        shaped = raw.view(k.dtype).view(len(block_ids), 2 * len(self.kv_pairs), *k.shape[1:]).to(self.device)
+        rows = raw.view(self.kv_planes[0].dtype).to(self.device)
         idx = torch.tensor(block_ids, device=self.device)
-        for j, (k_cache, v_cache) in enumerate(self.kv_pairs):
-            k_cache.index_copy_(0, idx, shaped[:, 2 * j])
-            v_cache.index_copy_(0, idx, shaped[:, 2 * j + 1])
+        at = 0
+        for plane in self.kv_planes:
+            n = plane[0].numel()
+            plane.index_copy_(0, idx, rows[:, at : at + n].reshape(len(block_ids), *plane.shape[1:]))
+            at += n
 
     def update_states(self, step: StepInput) -> None:
         """Learn the step's new requests and forget the finished ones (before anything can fail)."""

@@ -11,7 +11,6 @@ import time
 import torch
 
 from treadle.engine_config import DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
-from treadle.kv_layout import kv_layout
 from treadle.model.config import ModelConfig, ModelLoadError
 from treadle.model.execution.compiled import CompiledDecode
 from treadle.model.execution.runner import ModelRunner
@@ -118,9 +117,7 @@ class ModelWorker:
         if spec is not None and spec.method == "draft_model":  # a wrong draft fails before the target is built
             draft_files = load_draft_files(spec.model, target_vocab=files.config.vocab_size)
             # the draft addresses its KV through the target's first table: full attention in both
-            if not kv_layout(files.config.windows()).has_full_group or any(
-                w is not None for w in draft_files.config.windows()
-            ):
+            if not files.config.kv_layout().has_full_group or any(w is not None for w in draft_files.config.windows()):
                 raise ValueError(
                     "speculative_config.model: a draft model needs full-attention layers in the target "
                     "and only those in the draft"
@@ -271,7 +268,7 @@ class ModelWorker:
         cfg = self.config
         bs = cfg.block_size
         per_block = ModelRunner.kv_bytes_per_block(mc, bs, self.dtype, self.kv_int8)
-        layout = kv_layout(mc.windows())
+        layout = mc.kv_layout()
 
         def blocks(tokens: int) -> int:
             return layout.blocks_needed(tokens, bs, cfg.max_num_batched_tokens)
@@ -308,7 +305,7 @@ class ModelWorker:
         pool (and how much of it is resident: its pages are the kernel's until a block is written),
         compiled decode graphs (resident growth while they loaded), and the background
         compiler's resident set while it runs (another process)."""
-        tensors = [t for pair in self.runner.kv_pairs for t in pair]
+        tensors = self.runner.kv_planes
         kv = sum(t.numel() * t.element_size() for t in tensors)
         now = time.monotonic()
         if (

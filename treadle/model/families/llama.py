@@ -9,7 +9,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from treadle.kv_layout import kv_layout
 from treadle.model.config import ModelConfig, ModelLoadError
 from treadle.model.families.interface import CausalLM
 from treadle.model.kernels.quant import QuantizedTensor, quant_rows_op
@@ -219,7 +218,7 @@ class LlamaModel(CausalLM):
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
         self.rotary = self.rotary_for(config.rope)
-        self.layer_groups = [g for g, _ in kv_layout(config.windows()).layer_slots()]  # each layer's cache group
+        self.layer_groups = [g for g, _ in config.kv_layout().layer_slots()]  # each layer's cache group
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

@@ -23,7 +23,7 @@ typedef void (*norm_fn)(const uint16_t *x, int64_t a, int64_t b, int64_t d, int6
 typedef void (*rotary_fn)(const uint16_t *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride, const float *cos,
                           const float *signed_sin, int64_t rot, uint16_t *out);
 typedef int (*attention_fn)(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
-                            int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
+                            int64_t block_stride, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
                             const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
                             const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8);
 
@@ -130,7 +130,7 @@ int treadle_decoder_attention(const model_args *m, const layer_args *l, const st
         memcpy(l->k_cache + s->slots[t] * kv_row, s->qk + t * (H + KVH) * D + H * D, (size_t)kv_row * 2);
         memcpy(l->v_cache + s->slots[t] * kv_row, s->qkv + t * width + (H + KVH) * D, (size_t)kv_row * 2);
     }
-    code = m->attention(s->qk, (H + KVH) * D, l->k_cache, l->v_cache, l->block_size, KVH, D, H / KVH, s->tables, s->table_stride,
+    code = m->attention(s->qk, (H + KVH) * D, l->k_cache, l->v_cache, l->block_size, l->block_size * kv_row, KVH, D, H / KVH, s->tables, s->table_stride,
                         s->row_table, s->key_begin, s->key_end, m->scale, m->softcap, NULL, s->attn, H * D, T, s->span, 0);
     if (code) return code;
     code = linear(m, &l->o, s->attn, H * D, T, s->out);

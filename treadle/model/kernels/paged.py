@@ -28,6 +28,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         i64,
         i64,
         i64,
+        i64,
         ptr,
         i64,
         ptr,
@@ -44,7 +45,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     ]
     fn.restype = ctypes.c_int
     store = lib.treadle_store_int8_rows
-    store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
+    store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64]
     store.restype = None
     return lib
 
@@ -76,7 +77,8 @@ def paged_attention(
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
     kv_heads, head_dim] bf16, or int8 KV's [blocks, block_size, kv_heads, head_dim + 4] int8 rows
-    (values, then a float32 scale: attention.quantize_kv); tables: [n, width] int64; row_table,
+    (values, then a float32 scale: attention.quantize_kv), each block contiguous (blocks may be a
+    page apart: a view into a pool of mixed layers, kv_layout.py); tables: [n, width] int64; row_table,
     key_begin, key_end: [rows] int64; span: the largest key_end - key_begin (computed when not
     given); softcap > 0: scores soft-capped, softcap * tanh(s / softcap); sinks: None, or float32
     [heads], each head's sink logit in the softmax's denominator (gpt-oss). Returns [rows, heads,
@@ -91,8 +93,8 @@ def paged_attention(
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous()):
         raise ValueError(f"attention sinks: expected float32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
     code = _kernel.lib.treadle_paged_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
-        heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, k_cache.stride(0), kv_heads,
+        head_dim, heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
         key_end.data_ptr(), scale, softcap, None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0),
         rows, span, int(k_cache.dtype == torch.int8),
     )  # fmt: skip
@@ -103,13 +105,13 @@ def paged_attention(
 
 def store_int8_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Write x [tokens, kv_heads, head_dim] (bf16 or float32, each token's heads contiguous) into
-    the int8 KV cache [..., block_size, kv_heads, head_dim + 4] at `slots` (int64), as
-    attention.quantize_kv would, bit for bit, in one pass (see the C source)."""
+    the int8 KV cache [blocks, block_size, kv_heads, head_dim + 4] (each block contiguous) at
+    `slots` (int64), as attention.quantize_kv would, bit for bit, in one pass (see the C source)."""
     tokens, heads, head_dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != head_dim:
         x = x.contiguous()
-    if head_dim > 256:
-        raise ValueError(f"int8 KV rows: head_dim {head_dim} > 256")
+    if head_dim > 512:
+        raise ValueError(f"int8 KV rows: head_dim {head_dim} > 512")
     _kernel.lib.treadle_store_int8_rows(
         x.data_ptr(),
         int(x.dtype == torch.bfloat16),
@@ -119,6 +121,8 @@ def store_int8_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -
         head_dim,
         slots.data_ptr(),
         cache.data_ptr(),
+        cache.shape[1],
+        cache.stride(0),
     )
 
 
@@ -151,12 +155,12 @@ def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap
 
 def unusable_reason(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the kernel cannot serve this model, or None: it takes bfloat16 on the CPU, head_dim a
-    multiple of 16 up to 256, at most 16 query heads per KV head, and needs a C compiler."""
+    multiple of 16 up to 512, at most 16 query heads per KV head, and needs a C compiler."""
     if dtype != torch.bfloat16:
         return f"it computes in bfloat16, not {dtype}"
     if device.type != "cpu":
         return f"it runs on the CPU, not {device}"
-    if head_dim % 16 or head_dim > 256 or heads // kv_heads > 16:
+    if head_dim % 16 or head_dim > 512 or heads // kv_heads > 16:
         return f"head_dim {head_dim} with {heads // kv_heads} query heads per KV head is not supported"
     if os.environ.get("TREADLE_ATTENTION", "kernel") != "kernel":
         return "TREADLE_ATTENTION is not 'kernel'"

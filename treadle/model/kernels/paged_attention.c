@@ -135,7 +135,7 @@ static inline float dot(const float *q, const float *k, int64_t head_dim) {
  */
 static void scores_portable(const float *qf, const void *k_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
                             int64_t group, float scale, int kv_int8, float *s) {
-    float kf[256];
+    float kf[512];
     for (int64_t j = 0; j < n; j++) {
         const void *k = cache_row(k_cache, offsets[j], kv_int8);
         if (j + 32 < n) prefetch_row(k_cache, offsets[j + 32], head_dim, kv_int8);
@@ -172,7 +172,7 @@ static float softmax_portable(float *s, int64_t n, float sink) {
 
 static void values_portable(const float *p, const void *v_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
                             int64_t group, int kv_int8, float *acc) {
-    float vf[256];
+    float vf[512];
     for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
         const void *v = cache_row(v_cache, offsets[j], kv_int8);
@@ -360,11 +360,11 @@ static void values_avx512(const float *p, const void *v_cache, const int64_t *of
  */
 static void attend_item(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
-    int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
+    int64_t block_stride, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
     const float *sinks, uint16_t *out, int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets,
     int kv_int8) {
-    enum { MAX_GROUP = 16, MAX_DIM = 256 };
+    enum { MAX_GROUP = 16, MAX_DIM = 512 };
     const int64_t row_elems = kv_int8 ? head_dim + 4 : head_dim;  /* one cache row, in cache elements */
     const int64_t slot_stride = kv_heads * row_elems;
     float qf[MAX_GROUP * MAX_DIM];
@@ -377,7 +377,7 @@ static void attend_item(
     for (int64_t pos = begin, j = 0; pos < end;) {
         const int64_t block = table[pos / block_size], first = pos % block_size;
         const int64_t stop = end - pos < block_size - first ? first + (end - pos) : block_size;
-        for (int64_t slot = first; slot < stop; slot++) offsets[j++] = (block * block_size + slot) * slot_stride + h * row_elems;
+        for (int64_t slot = first; slot < stop; slot++) offsets[j++] = block * block_stride + slot * slot_stride + h * row_elems;
         pos += stop - first;
     }
     float inv[MAX_GROUP];
@@ -413,7 +413,9 @@ static int64_t first_item(const int64_t *ends, int64_t rows, int64_t kv_heads, i
  * change its arithmetic.
  * q, out:       [rows, kv_heads * group, head_dim] bf16, row strides q_stride / out_stride (elements)
  * k/v_cache:    [num_blocks, block_size, kv_heads, head_dim] bf16, or with kv_int8
- *               [num_blocks, block_size, kv_heads, head_dim + 4] int8 (values, then a float32 scale)
+ *               [num_blocks, block_size, kv_heads, head_dim + 4] int8 (values, then a float32 scale);
+ *               block_stride elements from one block to the next (block_size * kv_heads * row where
+ *               the cache is a tensor of its own; a page's size where it is a view into a mixed pool)
  * tables:       [num_tables, table_stride] int64 block ids; row_table[row] picks the row's table
  * key_begin/end:[rows] the row attends to keys key_begin .. key_end - 1 (key_end = position + 1)
  * span:         the largest key_end - key_begin
@@ -423,10 +425,10 @@ static int64_t first_item(const int64_t *ends, int64_t rows, int64_t kv_heads, i
  */
 int treadle_paged_attention(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
-    int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
+    int64_t block_stride, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
     const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
-    if (head_dim % LANES != 0 || head_dim > 256 || group > 16) return -1;
+    if (head_dim % LANES != 0 || head_dim > 512 || group > 16) return -1;
     /* each thread takes one contiguous run of items of about equal cost (keys, plus a fixed share) */
     int64_t *ends = malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (ends == NULL) return -2;
@@ -445,7 +447,7 @@ int treadle_paged_attention(
             const int64_t first = first_item(ends, rows, kv_heads, ends[rows] * t / threads);
             const int64_t last = first_item(ends, rows, kv_heads, ends[rows] * (t + 1) / threads);
             for (int64_t item = first; item < last; item++)
-                attend_item(q, q_stride, k_cache, v_cache, block_size, kv_heads, head_dim, group, tables, table_stride,
+                attend_item(q, q_stride, k_cache, v_cache, block_size, block_stride, kv_heads, head_dim, group, tables, table_stride,
                             row_table, key_begin, key_end, scale, softcap, sinks, out, out_stride, item / kv_heads, item % kv_heads,
                             scratch, offsets, (int)kv_int8);
         }
@@ -463,11 +465,12 @@ int treadle_paged_attention(
  * as float32. The same bits as attention.quantize_kv (torch), in one pass and no temporary.
  */
 void treadle_store_int8_rows(const void *x, int64_t x_is_bf16, int64_t x_token_stride, int64_t tokens, int64_t heads,
-                             int64_t head_dim, const int64_t *slots, int8_t *cache) {
+                             int64_t head_dim, const int64_t *slots, int8_t *cache, int64_t block_size,
+                             int64_t block_stride) {
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t at = t * x_token_stride + h * head_dim;
-            float v[256], amax = 0.0f;
+            float v[512], amax = 0.0f;
             for (int64_t d = 0; d < head_dim; d++) {
                 v[d] = x_is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + d]) : ((const float *)x)[at + d];
                 const float a = fabsf(v[d]);
@@ -475,7 +478,7 @@ void treadle_store_int8_rows(const void *x, int64_t x_is_bf16, int64_t x_token_s
             }
             const float scale = amax / 127.0f;
             const float div = scale > 1e-30f ? scale : 1e-30f;
-            int8_t *out = cache + (slots[t] * heads + h) * (head_dim + 4);
+            int8_t *out = cache + slots[t] / block_size * block_stride + ((slots[t] % block_size) * heads + h) * (head_dim + 4);
             for (int64_t d = 0; d < head_dim; d++) {
                 float r = nearbyintf(v[d] / div);
                 r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);

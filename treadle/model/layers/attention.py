@@ -82,23 +82,22 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. softcap: scores soft-capped before the softmax,
     softcap * tanh(s / softcap) (Gemma 2). sinks: float32 [H], each head's learned logit in the
-    softmax's denominator (gpt-oss's attention sinks), or None."""
+    softmax's denominator (gpt-oss's attention sinks), or None. k and v None: a layer that shares
+    an earlier layer's KV (kv_layout.py) reads the caches that layer wrote this step and writes nothing."""
     num_blocks, block_size, kv_heads, row = k_cache.shape
     head_dim = q.shape[-1]
-    flat_k = k_cache.view(-1, kv_heads, row)
-    flat_v = v_cache.view(-1, kv_heads, row)
-    if k_cache.dtype == torch.int8 and meta.kernel_args is not None and not torch.compiler.is_compiling():
+    if k is None:
+        pass
+    elif k_cache.dtype == torch.int8 and meta.kernel_args is not None and not torch.compiler.is_compiling():
         # the kernel's path reads every key from the cache: the rows written in place, in C (the
         # same bits as quantize_kv, without its dozen torch operations per layer)
         paged.store_int8_rows(k, k_cache, meta.slot_mapping)
         paged.store_int8_rows(v, v_cache, meta.slot_mapping)
-    elif k_cache.dtype == torch.int8:
-        k, v = quantize_kv(k), quantize_kv(v)  # a fresh chunk's own keys below are these rows too
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
     else:
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if k_cache.dtype == torch.int8:
+            k, v = quantize_kv(k), quantize_kv(v)  # a fresh chunk's own keys below are these rows too
+        _store(k_cache, meta.slot_mapping, k)
+        _store(v_cache, meta.slot_mapping, v)
     if meta.kernel_args is not None:
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
@@ -138,7 +137,7 @@ def paged_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)
-        if chunk.mask is None:  # nothing cached before this chunk: attend to the fresh keys
+        if chunk.mask is None and k is not None:  # nothing cached before this chunk: attend to the fresh keys
             keys, values = _read(k[rows], q.dtype), _read(v[rows], q.dtype)
         else:
             keys = _read(
@@ -159,6 +158,16 @@ def paged_attention(
         )
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [T, KVH, row] into the cache's slots (block * block_size + offset). A cache whose blocks
+    are a page apart (a view into a pool of mixed layers) is written block and offset."""
+    if cache.is_contiguous():
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+    else:
+        block_size = cache.shape[1]
+        cache[slots // block_size, slots % block_size] = rows
 
 
 EAGER_QUERY_ROWS = 128  # eager_attention's query rows at a time: a 2,048-token prompt's scores in pieces

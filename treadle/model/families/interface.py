@@ -75,6 +75,16 @@ class CausalLM:
         return data
 
     @staticmethod
+    def rope_freqs_head_dim(config) -> int:
+        """The head size a GGUF file's rope_freqs tensor (one factor per frequency pair) rotates."""
+        return config.head_dim
+
+    @staticmethod
+    def rope_factors(factors: list[float]) -> list[float]:
+        """A GGUF file's rope_freqs factors as RopeConfig.freq_factors (divisors of the frequencies)."""
+        return factors
+
+    @staticmethod
     def gguf_tensor_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A float tensor's shape in the Hugging Face layout, from its shape in the file (the
         values are reshaped to it: same order, another shape)."""

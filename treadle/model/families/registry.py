@@ -34,6 +34,7 @@ FAMILIES = (
     "treadle.model.families.llama:Qwen3Model",
     "treadle.model.families.gemma2:Gemma2Model",
     "treadle.model.families.gemma3:Gemma3Model",
+    "treadle.model.families.gemma4:Gemma4Model",
     "treadle.model.families.qwen2_vl:Qwen25VLModel",
     "treadle.model.families.qwen2_vl:Qwen2VLModel",
     "treadle.model.families.qwen3_vl:Qwen3VLModel",

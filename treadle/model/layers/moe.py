@@ -43,9 +43,14 @@ def _product(x: torch.Tensor, weight: torch.Tensor, type_id: int, row_chunk: int
     return F.linear(x, weight)
 
 
-def expert_activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+def expert_activation(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float, gelu: bool = False
+) -> torch.Tensor:
     """silu(gate) * up; with limit > 0 gpt-oss's clamped SwiGLU: gate clamped above at `limit`, up
-    to +-limit, then (up + 1) * gate * sigmoid(alpha * gate) (as transformers' GptOssExperts)."""
+    to +-limit, then (up + 1) * gate * sigmoid(alpha * gate) (as transformers' GptOssExperts);
+    gelu: Gemma 4's GeGLU, tanh-approximated gelu(gate) * up."""
+    if gelu:
+        return F.gelu(gate, approximate="tanh") * up
     if not limit:
         return F.silu(gate) * up
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
@@ -65,6 +70,7 @@ def run_experts(
     down_bias: list[torch.Tensor],
     swiglu_limit: float,
     swiglu_alpha: float,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """x [T, H]; chosen [T, k] expert ids, weights [T, k] float32 -> [T, H] in x's dtype: the sum
     over each token's choices of weight * down(act(gate, up)), each chosen expert run once (with
@@ -83,7 +89,7 @@ def run_experts(
         if gate_up_bias:
             projected = projected + gate_up_bias[expert]
         gate, up = projected.chunk(2, dim=-1)
-        y = _product(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down[expert], down_type, row_chunk)
+        y = _product(expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu), down[expert], down_type, row_chunk)
         out[order[start : start + n]] = y + down_bias[expert] if down_bias else y
         if expert_run_hook is not None:
             expert_run_hook(expert, n)
@@ -162,7 +168,7 @@ class MoE:
         moe: MoEConfig = config.moe
         self.fused_gate_up = fused_gate_up  # the stacked gate-and-up weight's name, where a checkpoint fuses them
         self.top_k, self.norm_topk, self.softmax_after_topk = moe.top_k, moe.norm_topk, moe.softmax_after_topk
-        self.swiglu = (moe.swiglu_limit, moe.swiglu_alpha)
+        self.swiglu = (moe.swiglu_limit, moe.swiglu_alpha, moe.gelu)
         router_bias = lw.take(router.removesuffix("weight") + "bias") if moe.biases else None
         self.router = lw.linear((router,), router_bias)
         gate, up, down = (self._experts(lw, experts, name, moe.num_experts, fused_gate_up) for name in names)
@@ -200,6 +206,12 @@ class MoE:
         if stacked in lw.w or (name in ("gate_proj", "up_proj") and fused_key in lw.w):
             if stacked not in lw.w:  # a fused [E, 2F, H] (transformers', Granite's): gate rows, then up
                 fused = lw.w[fused_key]
+                if isinstance(fused, ExpertWeights):  # a GGUF file's ffn_gate_up_exps: whole rows moved
+                    half = fused.shape[1] // 2
+                    if name == "up_proj":
+                        lw.w.pop(fused_key)
+                    rows = slice(0, half) if name == "gate_proj" else slice(half, None)
+                    return [p.index_rows(rows) for p in fused.parts]
                 if isinstance(fused, DeferredWeight):  # a folder's, read once for gate and up
                     fused = lw.w[fused_key] = fused.to(device=lw.device, dtype=lw.dtype)
                 half = fused.shape[1] // 2

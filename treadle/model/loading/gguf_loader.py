@@ -113,7 +113,9 @@ class GGUFConfig:
         hidden = self.number("embedding_length", *LIMITS["hidden_size"], required=True)
         heads = self.number("attention.head_count", *LIMITS["num_heads"], required=True)
         kv_heads = self.get("attention.head_count_kv", heads)
-        if isinstance(kv_heads, list):
+        if isinstance(kv_heads, list) and per_layer_kv_heads == "family":  # the family reads the list itself
+            kv_heads = kv_heads[0]
+        elif isinstance(kv_heads, list):
             counts = {n for n in kv_heads if n}
             if not per_layer_kv_heads or len(counts) != 1:
                 raise self.fail("attention.head_count_kv", "per-layer head counts are not supported")
@@ -322,12 +324,13 @@ def load_gguf(path: str) -> ModelFiles:
         if tensor.name == "rope_freqs.weight":
             # Llama-3 style scaling stored as per-frequency divisors.
             factors = _dequantize(path, tensor).reshape(-1)
-            if factors.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+            dim = family.rope_freqs_head_dim(config)
+            if factors.shape[0] != dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
                 raise ModelLoadError(
-                    f"{path}: tensor rope_freqs.weight: expected {config.head_dim // 2} finite positive factors, "
+                    f"{path}: tensor rope_freqs.weight: expected {dim // 2} finite positive factors, "
                     f"found {factors.shape[0]}"
                 )
-            config.rope.freq_factors = factors.tolist()
+            config.rope.freq_factors = family.rope_factors(factors.tolist())
             continue
         if tensor.name in LONGROPE_TENSORS:
             # Phi-3's longrope: per-frequency divisors within / beyond the original context

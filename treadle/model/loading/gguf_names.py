@@ -45,6 +45,10 @@ GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
     # a reranker's head (llama.cpp's rank pooling): the rows of its classifier labels, in place of output.weight
     "cls.output.weight": "lm_head.weight",
+    # Gemma 4's per-layer embeddings (the table, the embedding's projection and its norm)
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 
 

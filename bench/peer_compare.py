@@ -130,18 +130,29 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def kv_bytes_per_token(meta: dict) -> tuple[int, int]:
+    """bf16 K and V of one token in every layer that holds KV, and in every layer as if none shared
+    (Gemma 4: per-layer KV head counts, local and global head sizes, shared_kv_layers)."""
+    arch = meta["general.architecture"]
+    layers = meta[f"{arch}.block_count"]
+    heads = meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
+    local_dim = meta.get(f"{arch}.attention.key_length_swa", head_dim)
+    kv = meta.get(f"{arch}.attention.head_count_kv", heads)
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    local = pattern if isinstance(pattern, list) else [False] * layers
+    each = [2 * kv[i] * (local_dim if local[i] else head_dim) * 2 for i in range(layers)]
+    own = layers - meta.get(f"{arch}.attention.shared_kv_layers", 0)
+    return sum(each[:own]), sum(each)
+
+
 def treadle_serve_command(gguf: str, port: int, extra: list[str]) -> list[str]:
     """`treadle serve` with llama-server's slots and KV memory: 16 sequences, 16,384 tokens of
     every layer in bf16."""
     from treadle.model.loading.gguf_file import read_metadata
 
-    meta = read_metadata(gguf)
-    arch = meta["general.architecture"]
-    heads = meta[f"{arch}.attention.head_count"]
-    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
-    kv_bytes = (
-        2 * meta[f"{arch}.block_count"] * 16384 * meta.get(f"{arch}.attention.head_count_kv", heads) * head_dim * 2
-    )
+    kv_bytes = 16384 * kv_bytes_per_token(read_metadata(gguf))[0]
     return [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(port), "--max-num-seqs", "16",
             "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", "16", "--threads", "2", *extra]  # fmt: skip
 
@@ -299,6 +310,10 @@ def main() -> int:
     ]
     print("machine:", platform.platform(), f"{os.cpu_count()} cores;", cpu_description())
     print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB")
+    from treadle.model.loading.gguf_file import read_metadata
+
+    held, unshared = kv_bytes_per_token(read_metadata(gguf))
+    print(f"KV per token (bf16): {held} bytes in the layers that hold KV ({unshared} if no layer shared)")
     print("treadle:", " ".join(treadle_cmd))
     print("llama.cpp:", " ".join(llama_cmd), flush=True)
     logs = {name: open(os.path.join(args.out, f"{name}.log"), "w") for name in ("treadle", "llama")}

@@ -431,6 +431,116 @@ def write_gemma3_f16(path: str, args) -> None:
     w.close()
 
 
+GEMMA4_SHAPES = {
+    # (hidden, layers, heads, kv heads, global kv heads, ffn, per-layer input, shared layers, experts, expert ffn,
+    #  top-k, local:global, k_eq_v)
+    "e2b": (1536, 35, 8, 1, 1, 6144, 256, 20, 0, 0, 0, 4, False),
+    "26b-a4b": (2816, 30, 16, 8, 2, 2112, 0, 0, 128, 704, 8, 5, True),
+}
+
+
+def write_gemma4_f16(path: str, args) -> None:
+    """A random Gemma 4 text model (`gemma4`) as llama.cpp's converter writes it (tests/support/gemma4.py
+    checks that layout against the converter): `--gemma4` E2B's shape, `--gemma4moe` 26B-A4B's widths in
+    --layers layers (the shapes as this session assumed them, the released config.json files not being
+    reachable here; see GEMMA4_SHAPES). Local heads of 256 over a 512-token window, global heads of 512
+    with proportional RoPE (a quarter turning: rope_freqs), Gemma 3's vocabulary size; norms 1 (Gemma 4's
+    multiply), layer scalars 1, router scales 1."""
+    import gguf
+
+    h, layers, heads, kvh, gkvh, ffn, ple, shared, experts, eff, topk, ratio, k_eq_v = GEMMA4_SHAPES[args.gemma4_shape]
+    layers = args.layers or layers
+    shared = min(shared, layers - ratio - 1) if shared else 0
+    hd, ghd = 256, 512
+    swa = [(i + 1) % (ratio + 1) != 0 for i in range(layers)]
+    swa[-1] = False
+    w = gguf.GGUFWriter(path, "gemma4")
+    w.add_name(f"random gemma4 {h}x{layers}")
+    w.add_block_count(layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    first_shared = layers - shared
+    w.add_feed_forward_length([ffn * (2 if i >= first_shared else 1) for i in range(layers)] if shared else ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv([kvh if s else gkvh for s in swa] if gkvh != kvh else kvh)
+    w.add_key_length(ghd)
+    w.add_value_length(ghd)
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    w.add_rope_freq_base(1000000.0)
+    w.add_rope_freq_base_swa(10000.0)
+    w.add_rope_dimension_count(ghd)
+    w.add_rope_dimension_count_swa(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(512)
+    w.add_sliding_window_pattern(swa)
+    w.add_final_logit_softcapping(30.0)
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(ple)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(topk)
+        w.add_expert_feed_forward_length(eff)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    vocab = write_gemma3_vocab(w)
+    w.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+
+    def matrix(*shape: int) -> np.ndarray:
+        out = np.empty(shape, dtype=np.float16)
+        flat = out.reshape(-1)
+        for start in range(0, flat.size, 1 << 26):  # a big table in pieces: no float32 copy of it whole
+            n = min(1 << 26, flat.size - start)
+            flat[start : start + n] = rng.standard_normal(n, dtype=np.float32) * 0.02
+        return out
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    turning = ghd // 8  # a quarter of the head's frequency pairs
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (ghd // 2 - turning), dtype=np.float32))
+    w.add_tensor("token_embd.weight", matrix(vocab, h))
+    w.add_tensor("output_norm.weight", ones(h))
+    if ple:
+        w.add_tensor("per_layer_token_embd.weight", matrix(vocab, layers * ple))
+        w.add_tensor("per_layer_model_proj.weight", matrix(layers * ple, h))
+        w.add_tensor("per_layer_proj_norm.weight", ones(ple))
+    for i in range(layers):
+        b = f"blk.{i}."
+        d, kv = (hd, kvh) if swa[i] else (ghd, gkvh)
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            w.add_tensor(b + name + ".weight", ones(h))
+        w.add_tensor(b + "attn_q.weight", matrix(heads * d, h))
+        w.add_tensor(b + "attn_q_norm.weight", ones(d))
+        if i < first_shared:
+            w.add_tensor(b + "attn_k.weight", matrix(kv * d, h))
+            if not (k_eq_v and not swa[i]):
+                w.add_tensor(b + "attn_v.weight", matrix(kv * d, h))
+            w.add_tensor(b + "attn_k_norm.weight", ones(d))
+        w.add_tensor(b + "attn_output.weight", matrix(h, heads * d))
+        f = ffn * (2 if i >= first_shared else 1)
+        w.add_tensor(b + "ffn_gate.weight", matrix(f, h))
+        w.add_tensor(b + "ffn_up.weight", matrix(f, h))
+        w.add_tensor(b + "ffn_down.weight", matrix(h, f))
+        w.add_tensor(b + "layer_output_scale.weight", ones(1))
+        if ple:
+            w.add_tensor(b + "inp_gate.weight", matrix(ple, h))
+            w.add_tensor(b + "proj.weight", matrix(h, ple))
+            w.add_tensor(b + "post_norm.weight", ones(h))
+        if experts:
+            w.add_tensor(b + "ffn_gate_inp.weight", matrix(experts, h))
+            w.add_tensor(b + "ffn_gate_inp.scale", ones(h))
+            w.add_tensor(b + "ffn_down_exps.scale", ones(experts))
+            w.add_tensor(b + "ffn_gate_up_exps.weight", matrix(experts, 2 * eff, h))
+            w.add_tensor(b + "ffn_down_exps.weight", matrix(experts, h, eff))
+            for name in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                w.add_tensor(b + name + ".weight", ones(h))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--type", default="Q4_K_M", help="a llama-quantize type name")
@@ -446,8 +556,15 @@ def main() -> int:
     ap.add_argument("--qwen35moe", action="store_true", help="Qwen3.5-35B-A3B's widths in --layers layers")
     ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's widths in --layers layers (default 6)")
     ap.add_argument("--gemma3", action="store_true", help="Gemma 3 4B's text model (--layers: default its 34)")
+    ap.add_argument("--gemma4", action="store_true", help="Gemma 4 E2B's shape (per-layer embeddings, shared KV)")
+    ap.add_argument("--gemma4moe", action="store_true", help="Gemma 4 26B-A4B's widths in --layers layers (default 6)")
     ap.add_argument("--out", default="bench-results/synthetic")
     args = ap.parse_args()
+    args.gemma4_shape = "26b-a4b" if args.gemma4moe else "e2b" if args.gemma4 else None
+    if args.gemma4moe:
+        args.hidden, args.layers = 2816, args.layers if "--layers" in sys.argv else 6
+    elif args.gemma4:
+        args.hidden, args.layers = 1536, args.layers if "--layers" in sys.argv else 35
     if args.gpt_oss:
         args.hidden, args.ffn, args.heads, args.kv_heads = 2880, 2880, 64, 8
         args.layers = args.layers if "--layers" in sys.argv else 6
@@ -468,6 +585,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     arch = (
         "gpt-oss" if args.gpt_oss else "gemma3" if args.gemma3 else "qwen35moe" if args.qwen35moe
+        else "gemma4moe" if args.gemma4moe else "gemma4" if args.gemma4
         else "qwen35" if args.qwen35 else "qwen2" if args.qwen2 else "llama"
     )  # fmt: skip
     stem = os.path.join(args.out, f"random-{arch}-{args.hidden}x{args.layers}")
@@ -475,6 +593,7 @@ def main() -> int:
     if not os.path.exists(f16):
         writer = (
             write_gpt_oss_f16 if args.gpt_oss else write_gemma3_f16 if args.gemma3
+            else write_gemma4_f16 if args.gemma4_shape
             else write_qwen35_f16 if args.qwen35 or args.qwen35moe else write_f16
         )  # fmt: skip
         writer(f16 + ".part", args)

@@ -290,3 +290,38 @@ def _state(pid: str) -> str | None:
     """A process's state letter (Z: zombie), or None once it is gone."""
     fields = _stat(pid)
     return None if fields is None else fields[0]
+
+
+def test_a_graph_over_a_mixed_pools_views_fits_a_pool_of_another_size(cache_home):
+    """Caches that are views into one pool of mixed pages (Gemma 4's local and global layers,
+    kv_layout.py) go into a graph as the pool and their offsets (graph_kv): a view given as an
+    input would have the compiler's small pool's size baked into the guards, and a serving pool of
+    another size would fail them. The graph writes where the eager code writes."""
+    from treadle.model.execution.runner import _zeros
+
+    def pool_and_caches(blocks: int):
+        pool = _zeros((blocks, 3 * 32), torch.float32, torch.device("cpu"))  # [k | v | another layer's] per page
+        k, v = (pool[:, at : at + 32].view(blocks, 4, 2, 4) for at in (0, 32))
+        return pool, [(k, v)]
+
+    def step(kv, slots, x):
+        ((k, v),) = compiled._views(kv)
+        k[slots // 4, slots % 4] = x
+        v[slots // 4, slots % 4] = 2 * x
+        return k.index_select(0, slots // 4).sum(dim=(1, 2, 3))
+
+    x, slots = torch.randn(2, 2, 4), torch.tensor([1, 6])
+    _, small = pool_and_caches(3)
+    kv = compiled.graph_kv(small)
+    torch._dynamo.mark_dynamic(kv[0][0], 0)
+    fn = torch.compile(step, fullgraph=True).aot_compile(((kv, slots, x), {}))
+    for blocks in (2, 40, 3000):
+        pool, caches = pool_and_caches(blocks)
+        kv = compiled.graph_kv(caches)
+        assert fn.guard_check(kv, slots, x), blocks
+        want_pool, want_caches = pool_and_caches(blocks)
+        want = step(compiled.graph_kv(want_caches), slots, x)
+        torch.testing.assert_close(fn(kv, slots, x), want)  # (a sum: inductor's order)
+        assert torch.equal(pool, want_pool)
+        assert pool[:, 64:].abs().sum() == 0  # no other layer's rows touched
+        assert torch.equal(pool[1, 16:24], x[1].reshape(-1)) and torch.equal(pool[1, 48:56], 2 * x[1].reshape(-1))

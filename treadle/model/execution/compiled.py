@@ -27,12 +27,12 @@ the engine's real KV cache; after that `forward_for` and the runner admit only t
 allow.
 """
 
-import functools
 import hashlib
 import importlib.util
 import inspect
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -168,11 +168,42 @@ def example_inputs(model, kv_caches, batch: int, width: int, block_size: int, bl
     meta = one_group() if groups == 1 else [one_group() for _ in range(groups)]
     ids = torch.zeros(batch, dtype=torch.long, device=dev)
     positions = torch.zeros(batch, dtype=torch.long, device=dev)
-    return ids, positions, kv_caches, meta, torch.arange(batch, device=dev)
+    return ids, positions, graph_kv(kv_caches), meta, torch.arange(batch, device=dev)
 
 
-def _decode(model, input_ids, positions, kv_caches, meta, logits_indices):
-    return type(model).forward.__wrapped__(model, input_ids, positions, kv_caches, meta, logits_indices)
+def graph_kv(kv_caches) -> list:
+    """The layers' caches as a graph takes them. A cache that is a view into a pool of mixed pages
+    (kv_layout.py) goes in as its pool, the key's and value's offsets in a page and the row shape,
+    and the view is made in the graph: a view given as an input has its base's storage size, so
+    the pool's block count, baked into the graph's guards."""
+    out, pools = [], {}
+    for k, v in kv_caches:
+        if k.is_contiguous():
+            out.append((k, v))
+            continue
+        storage = k.untyped_storage()
+        key = (storage.data_ptr(), k.stride(0))
+        if key not in pools:  # the pool: its whole storage as [blocks, page] (the runner's pool starts it)
+            pools[key] = torch.empty(0, dtype=k.dtype, device=k.device).set_(storage).view(-1, k.stride(0))
+        out.append((pools[key], k.storage_offset(), v.storage_offset(), tuple(k.shape[1:])))
+    return out
+
+
+def _views(kv) -> list:
+    out = []
+    for entry in kv:
+        if len(entry) == 2:
+            out.append(entry)
+            continue
+        pool, k_at, v_at, shape = entry
+        part = math.prod(shape)
+        n = pool.shape[0]
+        out.append((pool[:, k_at : k_at + part].view(n, *shape), pool[:, v_at : v_at + part].view(n, *shape)))
+    return out
+
+
+def _decode(model, input_ids, positions, kv, meta, logits_indices):
+    return type(model).forward.__wrapped__(model, input_ids, positions, _views(kv), meta, logits_indices)
 
 
 def compile_class(model, kv_caches, block_size: int, cls: DecodeClass, kernel: bool = False):
@@ -191,9 +222,9 @@ def compile_class(model, kv_caches, block_size: int, cls: DecodeClass, kernel: b
             per_row += [group.decode_block_tables, group.decode_mask]
             mark(group.decode_block_tables, 1)
             mark(group.decode_mask, 3)
-    for k_cache, v_cache in kv:
-        mark(k_cache, 0)
-        mark(v_cache, 0)
+    for entry in kv:  # every cache's (or pool's) block count
+        for t in entry[:2] if len(entry) == 2 else entry[:1]:
+            mark(t, 0)
     if cls.low != cls.high:
         bounds = {"min": cls.low, "max": cls.high or 1 << 30}  # torch wants a finite bound
         for t in per_row:
@@ -336,6 +367,9 @@ class CompiledDecode:
         if not fits:
             raise RuntimeError(f"{artefact_path(self.dir, cls)} does not fit this engine (torch's guards failed)")
         fn.disable_guard_check()
-        self.ready[cls.name] = functools.partial(fn, self.model)
+        kv = graph_kv(self.kv_caches)
+        self.ready[cls.name] = lambda ids, positions, _kv, meta, indices: fn(
+            self.model, ids, positions, kv, meta, indices
+        )
         self.loaded_bytes += max(0, process_memory().get("VmRSS", 0) - before)
         log.info("compiled decode steps of %s requests in use (loaded in %.1f s)", cls.name, time.perf_counter() - t)

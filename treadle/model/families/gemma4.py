@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from treadle.model.config import LIMITS, ModelLoadError, MoEConfig, RopeConfig, file_int
 from treadle.model.families.gemma3 import LOCAL_ROPE_THETA, Gemma3Config, Gemma3Model, layer_windows
-from treadle.model.families.llama import LayerWeights, LlamaModel, in_row_slices
+from treadle.model.families.llama import ROPE_TABLE_CAP, LayerWeights, LlamaModel, in_row_slices, weight_part
+from treadle.model.kernels.quant import quant_rows_op
 from treadle.model.layers.attention import metadata_by_layer, paged_attention
 from treadle.model.layers.linear import Linear
 from treadle.model.layers.moe import MoE, moe_experts_op, run_experts
@@ -505,8 +506,6 @@ class Gemma4Model(Gemma3Model):
             for name in ("model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight"):
                 if name not in weights:
                     raise ModelLoadError(f"weight {name}: missing")
-            from treadle.model.families.llama import weight_part
-
             self.ple_embed = weight_part(weights, "model.embed_tokens_per_layer.weight", dtype, device)
             self.ple_projection = Linear(weight_part(weights, "model.per_layer_model_projection.weight", dtype, device))
             if "model.per_layer_projection_norm.weight" not in weights:
@@ -533,8 +532,6 @@ class Gemma4Model(Gemma3Model):
         self.sources = config.kv_sources or list(range(config.num_layers))
 
     def _positions(self) -> int:
-        from treadle.model.families.llama import ROPE_TABLE_CAP
-
         cfg = self.config
         return cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
 
@@ -575,10 +572,13 @@ class Gemma4Model(Gemma3Model):
         project_per_layer_inputs)."""
         cfg = self.config
         t, n, p = h.shape[0], cfg.num_layers, cfg.ple_dim
-        if isinstance(self.ple_embed, torch.Tensor):
-            tok = F.embedding(input_ids, self.ple_embed)
+        table = self.ple_embed
+        if isinstance(table, torch.Tensor):
+            tok = F.embedding(input_ids, table)
+        elif torch.compiler.is_compiling():  # a file's quantized table: its rows through the operator
+            tok = quant_rows_op(table.data, table.type_id, table.shape[1], input_ids, self.dtype)
         else:
-            tok = self.ple_embed.rows(input_ids, self.dtype)
+            tok = table.rows(input_ids, self.dtype)
         tok = (tok * self.ple_scale).view(t, n, p)
         proj = (self.ple_projection(h) * (cfg.hidden_size**-0.5)).view(t, n, p)
         return (self.ple_norm(proj) + tok) * (2.0**-0.5)

@@ -49,7 +49,15 @@ class LLM:
         return self.engine.vision_prompts
 
     def _with_images(self, prompt: dict, add_special_tokens: bool) -> tuple[list[int], list]:
-        """A vLLM-style prompt dict -> (token ids, its step.ImageInput)."""
+        """A vLLM-style prompt dict -> (token ids, its step.ImageInput): a TextPrompt ('prompt',
+        'multi_modal_data') or a TokensPrompt ('prompt_token_ids')."""
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if set(prompt) != {"prompt_token_ids"} or not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError("a token prompt dict takes 'prompt_token_ids' (a list of token ids) alone")
+            return ids, []
         unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
         if unknown or not isinstance(prompt.get("prompt"), str):
             raise ValueError(f"a prompt dict takes 'prompt' (a string) and 'multi_modal_data'; got {sorted(prompt)}")

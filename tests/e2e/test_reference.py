@@ -98,3 +98,15 @@ def test_speculative_decoding_matches_transformers(make_llm, cases):
         ours = spec.generate([prompts[name]], greedy(NUM_TOKENS))[0].outputs[0].token_ids
         ref, rows = refs[name]
         assert_matches_reference(prompts[name], ours, ref, rows, continuation(spec))
+
+
+def test_a_token_prompt_dict_is_its_token_ids(llm, cases):
+    """vLLM's TokensPrompt: {"prompt_token_ids": [...]} generates as the bare list does; anything
+    beside the ids, or ids that are not integers, is refused by name."""
+    ids = cases[0]["chat"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([ids], params)[0].outputs[0].token_ids
+    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == want
+    for bad in ({"prompt_token_ids": ids, "prompt": "x"}, {"prompt_token_ids": ["a"]}):
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            llm.generate([bad], params)

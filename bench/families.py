@@ -54,6 +54,7 @@ ARCHS = [
     "bamba",
     "granitemoehybrid",
     "gemma2",
+    "gemma4",
 ]
 
 
@@ -61,6 +62,7 @@ def fidelity(args) -> None:
     import torch
 
     from tests.e2e import test_fast_paths
+    from tests.support.gemma4 import save_gemma4
     from tests.support.tiny_models import save_hf_model
     from treadle import LLM, SamplingParams
 
@@ -69,7 +71,10 @@ def fidelity(args) -> None:
     print("|---|---|---|")
     for arch in args.archs:
         with tempfile.TemporaryDirectory() as folder:
-            save_hf_model(folder, arch, seed=ARCHS.index(arch) if arch in ARCHS else 0)
+            if arch == "gemma4":  # tests/support/gemma4.py: PLE, shared KV, k_eq_v, mixed heads, experts
+                save_gemma4(folder, seed=1)
+            else:
+                save_hf_model(folder, arch, seed=ARCHS.index(arch) if arch in ARCHS else 0)
             g = torch.Generator().manual_seed(17)
             prompts = [
                 torch.randint(0, 260, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (8,), generator=g)

@@ -53,8 +53,10 @@ class LLM:
         'multi_modal_data') or a TokensPrompt ('prompt_token_ids')."""
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if set(prompt) != {"prompt_token_ids"} or not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            if (
+                set(prompt) != {"prompt_token_ids"}
+                or not isinstance(ids, list)
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
             ):
                 raise ValueError("a token prompt dict takes 'prompt_token_ids' (a list of token ids) alone")
             return ids, []

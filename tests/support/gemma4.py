@@ -27,7 +27,7 @@ import os
 import numpy as np
 import torch
 
-from tests.support.tiny_models import CHATML, _write_tokenizer, tiny_tokenizer
+from tests.support.tiny_models import _GGUF_LAYER, _write_tokenizer, save_folder, tiny_tokenizer
 
 TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
@@ -67,11 +67,7 @@ def save_gemma4(folder: str, seed: int = 0, **overrides):
                 param.uniform_(0.5, 1.5)
         for layer in model.model.layers:
             layer.layer_scalar.uniform_(0.6, 1.4)
-    os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f)
+    save_folder(folder, model, tok)
     return model
 
 
@@ -89,6 +85,7 @@ def published_form(folder: str) -> None:
 
 
 _LAYER = {
+    **_GGUF_LAYER,  # the attention and MLP tensors as every Llama-style file names them
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -96,15 +93,6 @@ _LAYER = {
     "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
     "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
     "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
     "per_layer_input_gate.weight": "inp_gate.weight",
     "per_layer_projection.weight": "proj.weight",
     "post_per_layer_input_norm.weight": "post_norm.weight",

@@ -27,3 +27,16 @@ def shared_heads(seed: int = 5, head: int = 32) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     heads = [torch.randint(0, 260, (head,), generator=g).tolist() for _ in range(3)]
     return [h + torch.randint(0, 260, (n,), generator=g).tolist() for h in heads for n in (3, 9)]
+
+
+def check_prefix_hits(model, path: str, **llm_args) -> None:
+    """Three pairs of prompts sharing heads: the first of each cached, then the second's tokens
+    against the reference, with prefix hits counted."""
+    from treadle import LLM
+
+    llm = LLM(path, dtype="float32", block_size=4, max_model_len=96, **llm_args)
+    batch = shared_heads(seed=6, head=24)
+    llm.generate(batch[::2], GREEDY)
+    before = llm.stats()["prefix_cache_hits"]
+    check(model, llm, batch[1::2])
+    assert llm.stats()["prefix_cache_hits"] > before

@@ -236,12 +236,17 @@ def save_hf_model(folder: str, arch: str, seed: int = 0, **config_overrides):
                     layer.mamba.dt_bias.uniform_(-1.0, 0.0)
     if arch in GATED_DELTANET_ARCHITECTURES:
         _long_memory_gated_deltanet(model)
+    save_folder(folder, model, tok)
+    return model
+
+
+def save_folder(folder: str, model, tok: Tokenizer) -> None:
+    """A transformers model, its tokenizer and a ChatML tokenizer_config.json in `folder`."""
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f)
-    return model
 
 
 # ---------------------------------------------------------------- GGUF writing

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.gemma4 import published_form, save_gemma4, write_gemma4_gguf
-from tests.support.hybrid import GREEDY, check, prompts, shared_heads
+from tests.support.hybrid import GREEDY, check, check_prefix_hits, prompts
 from treadle import LLM, SamplingParams
 from treadle.kv_layout import kv_layout
 from treadle.model.execution.runner import ModelRunner
@@ -89,12 +89,7 @@ def test_mixed_pages_and_the_published_config_form(wide):
 
 def test_prefix_hits_give_the_same_tokens(wide):
     path, model = wide
-    llm = LLM(path, dtype="float32", block_size=4, max_model_len=96)
-    batch = shared_heads(seed=6, head=24)
-    llm.generate(batch[::2], GREEDY)
-    before = llm.stats()["prefix_cache_hits"]
-    check(model, llm, batch[1::2])
-    assert llm.stats()["prefix_cache_hits"] > before
+    check_prefix_hits(model, path)
 
 
 def test_the_sliding_group_lets_go_of_blocks_out_of_its_window(folder):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.gpt_oss import save_gpt_oss, to_mxfp4, write_gpt_oss_gguf
-from tests.support.hybrid import GREEDY, check, prompts, shared_heads
+from tests.support.hybrid import check, check_prefix_hits, prompts
 from treadle import LLM, SamplingParams
 from treadle.model.config import ModelLoadError
 
@@ -68,12 +68,7 @@ def test_mxfp4_folder_matches_transformers_batched_chunked_and_preempted(folder)
 
 def test_prefix_hits_give_the_same_tokens(folder):
     path, model = folder
-    llm = LLM(path, dtype="float32", block_size=4, max_model_len=96)
-    batch = shared_heads(seed=6, head=24)
-    llm.generate(batch[::2], GREEDY)
-    before = llm.stats()["prefix_cache_hits"]
-    check(model, llm, batch[1::2])
-    assert llm.stats()["prefix_cache_hits"] > before
+    check_prefix_hits(model, path)
 
 
 def test_a_dense_folder_is_the_same_model(folder, tmp_path):

@@ -201,3 +201,28 @@ def test_bfloat16_is_batch_invariant_and_its_deviation_is_reported(wide, capsys)
     first = [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r)) for r, t in zip(ref, together)]
     with capsys.disabled():
         print(f"\nGemma 4 tiny, bfloat16 vs float32: tokens equal before the first difference {first} of {len(ref[0])}")
+
+
+WRONG = [
+    ("layer_types", 7),
+    ("layer_types", [{}] * 6),
+    ("num_kv_shared_layers", 6),
+    ("per_layer_config", {"9": {}}),
+    ("hidden_size_per_layer_input", "x"),
+]
+
+
+@pytest.mark.parametrize("key, value", WRONG)
+def test_a_wrong_config_is_a_load_error_naming_it(folder, tmp_path, key, value):
+    from treadle.model.config import ModelLoadError
+    from treadle.model.loading.loader import load_model_files
+
+    path, _ = folder
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as src, open(tmp_path / name, "wb") as dst:
+            dst.write(src.read())
+    config = json.load(open(tmp_path / "config.json"))
+    config[key] = value
+    json.dump(config, open(tmp_path / "config.json", "w"))
+    with pytest.raises(ModelLoadError, match=key.split("_")[0] if key != "num_kv_shared_layers" else "shared"):
+        load_model_files(str(tmp_path))

@@ -114,7 +114,7 @@ class Gemma3Model(LlamaModel):
         if types is not None and (
             not isinstance(types, list)
             or len(types) != num_layers
-            or not set(types) <= {"sliding_attention", "full_attention"}
+            or not all(t in ("sliding_attention", "full_attention") for t in types)
         ):
             raise ModelLoadError(
                 f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'"

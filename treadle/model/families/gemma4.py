@@ -267,8 +267,15 @@ class Gemma4Model(Gemma3Model):
             types = [
                 "sliding_attention" if (i + 1) % SLIDING_WINDOW_PATTERN else "full_attention" for i in range(num_layers)
             ]
-        if isinstance(types, list) and types:
-            types = list(types[:-1]) + ["full_attention"]  # as transformers forces it
+        if not (
+            isinstance(types, list)
+            and len(types) == num_layers
+            and all(t in ("sliding_attention", "full_attention") for t in types)
+        ):
+            raise ModelLoadError(
+                f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'"
+            )
+        types = list(types[:-1]) + ["full_attention"]  # as transformers forces it
         params = hf.section("rope_parameters")
         local = params.get("sliding_attention") or {}
         full = params.get("full_attention") or {}
@@ -320,14 +327,6 @@ class Gemma4Model(Gemma3Model):
             ple_vocab=hf.get("vocab_size_per_layer_input") or 0,
             moe=moe,
         )
-        if not (
-            isinstance(types, list)
-            and len(types) == num_layers
-            and set(types) <= {"sliding_attention", "full_attention"}
-        ):
-            raise ModelLoadError(
-                f"{hf.where}: layer_types: expected {num_layers} of 'sliding_attention' / 'full_attention'"
-            )
         config = hf.checked(config)
         return _finish(hf.where, cls._checked(hf.where, config))
 

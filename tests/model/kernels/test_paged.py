@@ -233,6 +233,19 @@ def test_wide_heads_in_a_mixed_pool_match_their_own_tensor(kv):
     args = (table, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), key_end, d**-0.5)
     out = kernels.paged_attention(q, k_view, v_view, *args)
     assert torch.equal(out, kernels.paged_attention(q, k_view.contiguous(), v_view.contiguous(), *args))
+    # batch-invariant at this width too: a chunk of the rows alone, and on one thread, gives their bits
+    rows = slice(17, 29)
+    alone = kernels.paged_attention(
+        q[rows], k_view, v_view, table, torch.zeros(12, dtype=torch.long), torch.zeros(12, dtype=torch.long),
+        key_end[rows], d**-0.5,
+    )  # fmt: skip
+    assert torch.equal(alone, out[rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.paged_attention(q, k_view, v_view, *args), out)
+    finally:
+        torch.set_num_threads(threads)
     kf, vf = (dequantize_kv(t, torch.float32) if kv == "int8" else t.float() for t in (k_view, v_view))
     k = kf[1:].reshape(-1, kvh, d)[:n].repeat_interleave(heads, 1)
     v = vf[1:].reshape(-1, kvh, d)[:n].repeat_interleave(heads, 1)

@@ -44,11 +44,11 @@ import torch.nn.functional as F
 
 from treadle.model.config import LIMITS, ModelLoadError, MoEConfig, RopeConfig, file_int
 from treadle.model.families.gemma3 import LOCAL_ROPE_THETA, Gemma3Config, Gemma3Model, layer_windows
-from treadle.model.families.llama import ROPE_TABLE_CAP, LayerWeights, LlamaModel, in_row_slices, weight_part
+from treadle.model.families.llama import LayerWeights, LlamaModel, in_row_slices, weight_part
 from treadle.model.kernels.quant import quant_rows_op
 from treadle.model.layers.attention import metadata_by_layer, paged_attention
 from treadle.model.layers.linear import Linear
-from treadle.model.layers.moe import MoE, moe_experts_op, run_experts
+from treadle.model.layers.moe import MoE
 from treadle.model.layers.norm import RMSNorm
 from treadle.model.layers.rotary import RotaryEmbedding, apply_rotary
 from treadle.model.loading.gguf_names import LLAMA_LAYER_TENSORS
@@ -201,20 +201,13 @@ class Gemma4Experts(MoE):
         self.eps = config.rms_norm_eps
 
     def route(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router reads the layer's residual through a weightless norm, its scale and 1/sqrt(H)."""
         x = residual.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         probs = self.router((x * self.scale).to(residual.dtype)).float().softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[chosen], chosen
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.route(residual)
-        run = moe_experts_op if torch.compiler.is_compiling() else run_experts
-        return run(
-            x, chosen, weights, self.gate_up, self.down, self.gate_up_type, self.down_type, self.row_chunk,
-            self.gate_up_bias, self.down_bias, 0.0, 1.0, True,
-        )  # fmt: skip
 
 
 class Gemma4Model(Gemma3Model):
@@ -519,7 +512,7 @@ class Gemma4Model(Gemma3Model):
         self.vision = None
         self.windows = config.windows()
         self.global_rotary = self.rotary
-        self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, self._positions()).to(device)
+        self.local_rotary = self.rotary_for(config.local_rope, config.head_dim)
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
         if config.ple_dim:
             self.ple_scale = torch.tensor(math.sqrt(config.ple_dim), dtype=dtype, device=device)
@@ -530,16 +523,12 @@ class Gemma4Model(Gemma3Model):
         }
         self.sources = config.kv_sources or list(range(config.num_layers))
 
-    def _positions(self) -> int:
-        cfg = self.config
-        return cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
-
     def make_norm(self, weight) -> RMSNorm:
         return LlamaModel.make_norm(self, weight)  # Gemma 4's weights multiply (not 1 + w)
 
-    def rotary_for(self, rope) -> RotaryEmbedding:
-        """The global layers' rotation (LlamaModel's `rotary`), over the global head."""
-        return RotaryEmbedding(rope, self.config.global_head_dim, self._positions()).to(self.device)
+    def rotary_for(self, rope, head_dim: int | None = None) -> RotaryEmbedding:
+        """The global layers' rotation (LlamaModel's `rotary`) over the global head, unless told."""
+        return LlamaModel.rotary_for(self, rope, head_dim or self.config.global_head_dim)
 
     def linears(self) -> list[Linear]:
         out = [self.lm_head] + ([self.ple_projection] if self.ple_projection is not None else [])
@@ -562,9 +551,6 @@ class Gemma4Model(Gemma3Model):
                 norms.append(layer.ple[2])
         extra = [self.ple_embed] if self.ple_embed is not None else []
         return [self.embed, self.norm.weight2] + extra + [n.weight2 for n in norms if n is not None]
-
-    def encode_image(self, pixels, extra):
-        raise ModelLoadError("Gemma 4's vision tower is not served yet")
 
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """[T, layers, P]: each layer's per-layer embedding of each token (transformers' get_ and

@@ -234,14 +234,13 @@ class LlamaModel(CausalLM):
         """An RMSNorm from its stored weight (Llama's convention: the weight multiplies)."""
         return RMSNorm(weight.to(device=self.device, dtype=self.dtype), self.config.rms_norm_eps)
 
-    def rotary_for(self, rope) -> RotaryEmbedding:
+    def rotary_for(self, rope, head_dim: int | None = None) -> RotaryEmbedding:
         """Rotary tables covering the positions the engine uses (its max_model_len, `position_table`;
         the same size in the compiler's process as in the engine's: graphs see it), else the
         model's context (a file's claim capped)."""
         cfg = self.config
-        return RotaryEmbedding(rope, cfg.head_dim, cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)).to(
-            self.device
-        )
+        positions = cfg.position_table or min(cfg.max_position, ROPE_TABLE_CAP)
+        return RotaryEmbedding(rope, head_dim or cfg.head_dim, positions).to(self.device)
 
     def linears(self) -> list[Linear]:
         out = [self.lm_head]

@@ -229,14 +229,20 @@ class MoE:
             return list(weight.to(device=lw.device, dtype=lw.dtype).unbind(0))
         return [lw.take_part(f"{experts}.{e}.{name}.weight") for e in range(n)]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts' weights (float32) and ids, [T, top_k] each."""
         if self.softmax_after_topk:  # gpt-oss: the softmax over the chosen experts' scores alone
             scores, chosen = self.router(x).float().topk(self.top_k, dim=-1)
-            weights = scores.softmax(dim=-1)
-        else:
-            weights, chosen = self.router(x).float().softmax(dim=-1).topk(self.top_k, dim=-1)
-            if self.norm_topk:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return scores.softmax(dim=-1), chosen
+        weights, chosen = self.router(x).float().softmax(dim=-1).topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def __call__(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The block over x; the router reads `router_input` where the model routes on another
+        stream (Gemma 4: the residual before the experts' own norm), else x."""
+        weights, chosen = self.route(x if router_input is None else router_input)
         run = moe_experts_op if torch.compiler.is_compiling() else run_experts
         y = run(
             x, chosen, weights, self.gate_up, self.down, self.gate_up_type, self.down_type, self.row_chunk,

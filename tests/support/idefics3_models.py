@@ -125,3 +125,60 @@ def reference(folder: dict, num_tokens: int, text: str, images: list[Image.Image
         eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     return out[0, ids.shape[1] :].tolist()
+
+
+def write_mmproj(path: str, folder: dict) -> None:
+    """The folder's encoder and connector as llama.cpp's converter writes them (`--mmproj`, f32;
+    checked against the 0.3.36 sdist's convert_hf_to_gguf.py: the same tensors, bytes and
+    metadata apart from general.name and general.size_label)."""
+    import gguf
+    import numpy as np
+
+    model, image_config = folder["model"], folder["image_config"]
+    config = model.config
+    vision = config.vision_config
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_uint32("general.file_type", 0)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", config.text_config.hidden_size)
+    for key, value in (
+        ("image_size", vision.image_size),
+        ("patch_size", vision.patch_size),
+        ("embedding_length", vision.hidden_size),
+        ("feed_forward_length", vision.intermediate_size),
+        ("block_count", vision.num_hidden_layers),
+        ("attention.head_count", vision.num_attention_heads),
+    ):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", image_config["image_mean"])
+    writer.add_array("clip.vision.image_std", image_config["image_std"])
+    writer.add_string("clip.projector_type", "idefics3")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer.add_uint32("clip.vision.projector.scale_factor", config.scale_factor)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.preproc_image_size", image_config["size"]["longest_edge"])
+    writer.add_uint32("general.quantization_version", 2)
+    layer_names = {
+        "layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+    }  # fmt: skip
+    global_names = {
+        "embeddings.patch_embedding": "v.patch_embd",
+        "embeddings.position_embedding": "v.position_embd",
+        "post_layernorm": "v.post_ln",
+    }
+    tensors = {"mm.model.fc.weight": model.model.connector.modality_projection.proj.weight}
+    for name, t in model.model.vision_model.state_dict().items():
+        base, _, kind = name.rpartition(".")
+        if base in global_names:
+            tensors[f"{global_names[base]}.{kind}"] = t
+        else:
+            _, _, layer, rest = base.split(".", 3)  # encoder.layers.N.<module>
+            tensors[f"v.blk.{layer}.{layer_names[rest]}.{kind}"] = t
+    for name, t in tensors.items():
+        writer.add_tensor(name, t.detach().float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -441,18 +441,30 @@ def processor_for(folder: str | os.PathLike, overrides: dict | None = None) -> I
 
 def processor_from_mmproj(meta: dict, where: str) -> ImageProcessor:
     """The image processor llama.cpp's mmproj file describes (its metadata: clip.projector_type and
-    the clip.vision.* keys): its projector's transformers processor with the file's size, mean, std
-    and tokens per image. ValueError for a projector not reproduced here."""
+    the clip.vision.* keys): its projector's transformers processor with the file's sizes, mean, std
+    and tokens per image (or tile). ValueError for a projector not reproduced here."""
     kind = meta.get("clip.projector_type")
-    if kind != "gemma3":
+    if kind not in ("gemma3", "idefics3"):
         raise ValueError(f"{where}: mmproj projector {kind!r} has no image processor here")
     size = int(meta["clip.vision.image_size"])
     patches = size // int(meta["clip.vision.patch_size"])
-    tokens = (patches // int(meta.get("clip.vision.projector.scale_factor", 4))) ** 2  # clip.cpp's default pool: 4
-    image_config = {
-        "image_processor_type": "Gemma3ImageProcessor",
-        "size": {"height": size, "width": size},
+    mean_std = {
         "image_mean": list(meta.get("clip.vision.image_mean", IMAGENET_STANDARD)),
         "image_std": list(meta.get("clip.vision.image_std", IMAGENET_STANDARD)),
     }
+    if kind == "idefics3":
+        # tiles of the encoder's image size; the first resize's longest edge is the processor's
+        # size, which the converter keeps as preproc_image_size
+        scale = int(meta.get("clip.vision.projector.scale_factor", 2))
+        image_config = {
+            "image_processor_type": "Idefics3ImageProcessor",
+            "size": {"longest_edge": int(meta.get("clip.vision.preproc_image_size", size))},
+            "max_image_size": {"longest_edge": size},
+            **mean_std,
+        }
+        return processor_from_configs(
+            image_config, {"image_seq_len": (patches // scale) ** 2}, {"model_type": "idefics3"}
+        )
+    tokens = (patches // int(meta.get("clip.vision.projector.scale_factor", 4))) ** 2  # clip.cpp's default pool: 4
+    image_config = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": size, "width": size}, **mean_std}
     return processor_from_configs(image_config, {"image_seq_length": tokens}, {"model_type": "gemma3"})

@@ -168,3 +168,39 @@ def test_a_text_model_other_than_llama_is_refused():
     hf = HFConfig("m", {"model_type": "idefics3", "text_config": {"model_type": "mistral"}}, "idefics3")
     with pytest.raises(ModelLoadError, match="text_config.model_type = 'mistral': expected llama"):
         Idefics3Model.config_from_hf(hf)
+
+
+def test_a_gguf_text_model_with_its_idefics3_mmproj_beside_it_sees_as_transformers(smolvlm, tmp_path):
+    """SmolVLM as llama.cpp ships it: the Llama text model as a GGUF file, the encoder and connector
+    as the mmproj file beside it (found without --mmproj); the image processor (tile size, first
+    resize, tokens per tile, mean and std) read from the mmproj's clip.vision keys."""
+    from transformers import LlamaForCausalLM
+
+    from tests.support.idefics3_models import write_mmproj
+    from tests.support.tiny_models import write_gguf
+
+    model = smolvlm["model"]
+    text = LlamaForCausalLM(model.config.text_config).eval()
+    text.model.load_state_dict(model.model.text_model.state_dict())
+    text.lm_head.load_state_dict(model.lm_head.state_dict())
+    write_gguf(str(tmp_path / "tiny-smolvlm.gguf"), "llama", text, smolvlm["tokenizer"])
+    write_mmproj(str(tmp_path / "mmproj-tiny-smolvlm-f32.gguf"), smolvlm)
+    llm = LLM(str(tmp_path / "tiny-smolvlm.gguf"), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    a, b = picture(10, size=WIDE), picture(11, size=SQUARISH)
+    assert run(llm, ONE, a) == reference(smolvlm, NUM_TOKENS, ONE, [a])
+    assert run(llm, TWO, [a, b]) == reference(smolvlm, NUM_TOKENS, TWO, [a, b])
+
+
+def test_an_mmproj_of_another_width_or_kind_is_refused(smolvlm, tmp_path):
+    """An explicit --mmproj whose projector the model cannot read, or whose embeddings are not the
+    text model's width, is a load error naming the file's problem."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.support.idefics3_models import write_mmproj
+    from tests.support.tiny_models import write_gguf
+
+    config = LlamaConfig(**{**smolvlm["model"].config.text_config.to_dict(), "hidden_size": 32, "head_dim": 8})
+    write_gguf(str(tmp_path / "narrow.gguf"), "llama", LlamaForCausalLM(config).eval(), smolvlm["tokenizer"])
+    write_mmproj(str(tmp_path / "mmproj.gguf"), smolvlm)
+    with pytest.raises(ModelLoadError, match="64-wide embeddings; the model's hidden size is 32"):
+        LLM(str(tmp_path / "narrow.gguf"), dtype="float32", max_model_len=256, num_kv_blocks=16)

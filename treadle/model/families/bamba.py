@@ -93,6 +93,7 @@ class BambaModel(LlamaModel):
     hf_model_types = ("bamba",)
     hf_architectures = ("BambaForCausalLM",)
     gguf_architectures = ()  # llama.cpp writes Bamba files as "granitehybrid"
+    mmproj_projectors = ()  # its residual stream places no images
 
     layer_class = BambaLayer
 

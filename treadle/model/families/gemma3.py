@@ -205,8 +205,6 @@ class Gemma3Model(LlamaModel):
                 )
         if config.multimodal is not None:
             self.vision = Gemma3Vision.from_hf(config.multimodal, vision.pop, list(vision), dtype, device)
-        elif config.mmproj is not None:  # a GGUF file's model: llama.cpp's mmproj file beside it
-            self.vision = Gemma3Vision.from_gguf(open_gguf(config.mmproj), dtype, device)
         super().__init__(config, weights, dtype, device, batch_invariant)
         self.local_rotary = self.rotary if config.local_rope == config.rope else self.rotary_for(config.local_rope)
         self.windows = config.windows()
@@ -215,11 +213,12 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
 
     mmproj_projectors = ("gemma3",)  # llama.cpp's mmproj files of Gemma 3
+
+    def vision_from_mmproj(self, path: str) -> Gemma3Vision:
+        return Gemma3Vision.from_gguf(open_gguf(path), self.dtype, self.device)
+
     # an image's soft tokens attend to each other both ways (transformers' token_type_ids mask)
     bidirectional_images = True
-
-    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
-        return self.vision.encode(pixels.to(self.device)).flatten(0, 1)  # [tiles, tokens, hidden]: its tiles in order
 
     def make_norm(self, weight) -> RMSNorm:
         """Gemma's RMSNorm multiplies by 1 + weight (formed in float32, then in the model's dtype)."""

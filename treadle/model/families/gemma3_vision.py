@@ -21,12 +21,11 @@ files and transformers 4's), under `model.` (transformers 4.5x), or without `vis
 import math
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_int
-from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, name_from_gguf
+from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, gguf_readers, mmproj_kind
 
 WHERE = "config.json"
 GGUF_WHERE = "mmproj GGUF"
@@ -41,16 +40,6 @@ TOWER_PREFIXES = (
     "vision_tower.",
 )
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
-# an mmproj file's `clip.vision.*` keys -> config.json's vision_config keys
-GGUF_VISION_KEYS = {
-    "hidden_size": "embedding_length",
-    "intermediate_size": "feed_forward_length",
-    "num_hidden_layers": "block_count",
-    "num_attention_heads": "attention.head_count",
-    "image_size": "image_size",
-    "patch_size": "patch_size",
-    "layer_norm_eps": "attention.layer_norm_epsilon",
-}
 GGUF_SCALE_KEY = "clip.vision.projector.scale_factor"
 
 
@@ -135,38 +124,15 @@ class Gemma3Vision:
         `projector.scale_factor`, 4 unless written)². It carries no token ids: those of every Gemma 3
         vocabulary (transformers' defaults) are assumed."""
         meta = reader.metadata
-        kind = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
-        if meta.get("general.architecture") != "clip" or kind != "gemma3":
-            raise ModelLoadError(f"{GGUF_WHERE}: clip.projector_type = {kind!r}: not a Gemma 3 mmproj file")
-        if meta.get("clip.use_gelu") is not True:
-            raise ModelLoadError(f"{GGUF_WHERE}: clip.use_gelu is not set: expected SigLIP's GELU")
-        section = {}
-        for hf_key, key in GGUF_VISION_KEYS.items():
-            if f"clip.vision.{key}" in meta:
-                section[hf_key] = meta[f"clip.vision.{key}"]
-            elif hf_key != "layer_norm_eps":  # the one the converter may leave out
-                raise ModelLoadError(f"{GGUF_WHERE}: no clip.vision.{key}")
-        vision = SiglipVisionConfig.from_hf(section, GGUF_WHERE)
+        mmproj_kind(meta, "gemma3", "Gemma 3", GGUF_WHERE)
+        vision = SiglipVisionConfig.from_gguf(meta, GGUF_WHERE)
         per_side = vision.patches_per_side
         scale = file_int(GGUF_WHERE, GGUF_SCALE_KEY, meta.get(GGUF_SCALE_KEY, 4), 1, per_side)
         if per_side % scale:
             raise ModelLoadError(
                 f"{GGUF_WHERE}: {GGUF_SCALE_KEY} = {scale}: does not divide the {per_side} patches per side"
             )
-        tensors = {t.name: t for t in reader.tensors}
-
-        def read(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise ModelLoadError(f"{GGUF_WHERE}: no tensor {name}")
-            return _float32(tensors[name])
-
-        tower_names = {name_from_gguf(name): name for name in tensors}
-
-        def read_tower(name: str) -> torch.Tensor:
-            if name not in tower_names:
-                raise ModelLoadError(f"{GGUF_WHERE}: no tensor for the encoder's {name}")
-            return read(tower_names[name])
-
+        read, read_tower = gguf_readers(reader, GGUF_WHERE)
         tower = SiglipVisionTower(vision, read_tower, dtype, device)
         norm = _checked("mm.soft_emb_norm.weight", read, (vision.hidden_size,)) - 1.0
         projection = read("mm.input_projection.weight")
@@ -194,18 +160,6 @@ def _checked(name: str, read: Callable[[str], torch.Tensor], shape: tuple[int, .
     if tuple(t.shape) != shape:
         raise ModelLoadError(f"weight {name}: shape {tuple(t.shape)}, expected {shape}")
     return t
-
-
-def _float32(tensor) -> torch.Tensor:
-    """A GGUF tensor's values as float32 in the Hugging Face shape (GGUF lists dims fastest first)."""
-    if tensor.tensor_type.name in ("F32", "F16"):
-        data = np.asarray(tensor.data, dtype=np.float32)
-    else:
-        from gguf import quants  # gguf-py's dequantization, for block-quantized types
-
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
 def _prefix(names: set[str], prefixes: tuple[str, ...], probe: str) -> str:

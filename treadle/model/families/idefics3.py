@@ -64,6 +64,3 @@ class Idefics3Model(LlamaModel):
         if vision:
             raise ModelLoadError(f"weight model.{sorted(vision)[0]}: unexpected for architecture {config.architecture}")
         super().__init__(config, weights, dtype, device, batch_invariant)
-
-    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
-        return self.vision.encode(pixels.to(self.device)).flatten(0, 1)  # [tiles, tokens, hidden]: tiles in order

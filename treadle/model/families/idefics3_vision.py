@@ -18,7 +18,8 @@ As transformers' Idefics3VisionTransformer / SmolVLMVisionTransformer and their 
   without bias) to the text model's hidden size: (side / scale_factor)² embeddings per tile.
 
 Checkpoints name the tensors `model.vision_model.*` and `model.connector.*` (the family passes them
-here without `model.`).
+here without `model.`). llama.cpp's mmproj files of these models (`clip.projector_type` idefics3)
+hold the same encoder (`v.*`) and the projection as `mm.model.fc.weight` (`from_gguf`).
 """
 
 from collections.abc import Callable, Iterable
@@ -27,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_int
-from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower
+from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, gguf_readers, mmproj_kind
 
 WHERE = "config.json"
+GGUF_WHERE = "mmproj GGUF"
+GGUF_SCALE_KEY = "clip.vision.projector.scale_factor"
 TOWER_PREFIX = "vision_model."
 PROJECTION = "connector.modality_projection.proj.weight"
 # transformers' Idefics3VisionConfig / SmolVLMVisionConfig defaults (not SigLIP's), and the model's
@@ -90,6 +93,34 @@ class Idefics3Vision:
         if tuple(projection.shape) != shape:
             raise ModelLoadError(f"weight model.{PROJECTION}: shape {tuple(projection.shape)}, expected {shape}")
         return cls(tower, projection.to(device=device, dtype=dtype), scale, token_id)
+
+    @classmethod
+    def from_gguf(cls, reader, dtype: torch.dtype, device="cpu") -> "Idefics3Vision":
+        """From llama.cpp's mmproj file of a SmolVLM / Idefics3 model (convert_hf_to_gguf.py --mmproj),
+        read by `gguf_file.GGUFFile`. It names no image token: the front end's (the tokenizer's
+        `<image>`) marks the rows the tiles fill."""
+        meta = reader.metadata
+        mmproj_kind(meta, "idefics3", "SmolVLM / Idefics3", GGUF_WHERE)
+        vision = SiglipVisionConfig.from_gguf(meta, GGUF_WHERE)
+        scale = file_int(GGUF_WHERE, GGUF_SCALE_KEY, meta.get(GGUF_SCALE_KEY, DEFAULT_SCALE_FACTOR), 1, 1 << 10)
+        if vision.patches_per_side % scale:
+            raise ModelLoadError(
+                f"{GGUF_WHERE}: {GGUF_SCALE_KEY} = {scale}: does not divide the {vision.patches_per_side} "
+                "patches per side of a tile"
+            )
+        read, read_tower = gguf_readers(reader, GGUF_WHERE)
+        tower = SiglipVisionTower(vision, read_tower, dtype, device)
+        projection = read("mm.model.fc.weight")
+        if projection.dim() != 2 or projection.shape[1] != vision.hidden_size * scale**2:
+            raise ModelLoadError(
+                f"{GGUF_WHERE}: tensor mm.model.fc.weight: shape {tuple(projection.shape)}, expected "
+                f"(the text model's hidden size, {vision.hidden_size * scale**2})"
+            )
+        return cls(tower, projection.to(device=device, dtype=dtype), scale, -1)
+
+    @property
+    def text_hidden_size(self) -> int:
+        return self.projection.shape[0]
 
     def positions(self, rows: int, cols: int, device) -> torch.Tensor:
         """Each patch's row of the position embedding, for a rows x cols patch grid (row-major)."""

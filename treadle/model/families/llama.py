@@ -175,6 +175,9 @@ class LlamaModel(CausalLM):
 
     provides_hidden_states = True
     gguf_permuted_qk = True  # llama.cpp's converter permutes Q and K of "llama" files
+    # SmolVLM / Idefics3 as llama.cpp ships them: the text model's GGUF and an mmproj file beside it
+    # (`vision_from_mmproj`); any family whose residual stream places the images takes one
+    mmproj_projectors = ("idefics3",)
     # The MLP's gate activation, act(gate) * up; a subclass may replace it (read once per step).
     mlp_activation = staticmethod(F.silu)
 
@@ -217,6 +220,8 @@ class LlamaModel(CausalLM):
         w.pop("model.rotary_emb.inv_freq", None)
         if w:
             raise ModelLoadError(f"weight {sorted(w)[0]}: unexpected for architecture {config.architecture}")
+        if config.mmproj is not None and self.vision is None:
+            self.vision = self.vision_from_mmproj(config.mmproj)
         self.rotary = self.rotary_for(config.rope)
         self.layer_groups = [g for g, _ in config.kv_layout().layer_slots()]  # each layer's cache group
         self.scale = config.head_dim**-0.5
@@ -225,6 +230,23 @@ class LlamaModel(CausalLM):
 
     # ---------------------------------------------------------------- what a family may change
     layer_class = DecoderLayer
+
+    def vision_from_mmproj(self, path: str):
+        """The image encoder of llama.cpp's mmproj file at `path` (config.mmproj, whose projector is
+        one of `mmproj_projectors`)."""
+        from treadle.model.families.idefics3_vision import GGUF_WHERE, Idefics3Vision
+        from treadle.model.loading.gguf_file import open_gguf
+
+        vision = Idefics3Vision.from_gguf(open_gguf(path), self.dtype, self.device)
+        if vision.text_hidden_size != self.config.hidden_size:
+            raise ModelLoadError(
+                f"{GGUF_WHERE} {path}: its projection gives {vision.text_hidden_size}-wide embeddings; "
+                f"the model's hidden size is {self.config.hidden_size}"
+            )
+        return vision
+
+    def encode_image(self, pixels: torch.Tensor, extra: dict) -> torch.Tensor:
+        return self.vision.encode(pixels.to(self.device)).flatten(0, 1)  # [tiles, tokens, hidden]: tiles in order
 
     @staticmethod
     def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

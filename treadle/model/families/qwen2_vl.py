@@ -36,6 +36,7 @@ class Qwen25VLModel(LlamaModel):
     hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
 
     mrope = True
+    mmproj_projectors = ()  # llama.cpp's qwen2vl / qwen3vl files are not read yet
     # what the Qwen-VL generations differ in (qwen3_vl.py sets its own)
     vision_class = QwenVLVision
     default_rope_theta = 1e6

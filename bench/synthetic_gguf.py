@@ -57,8 +57,8 @@ _TOKENIZER_KEYS = (
 def write_f16(path: str, args) -> None:
     import gguf
 
-    from treadle.model.loading.default_model import default_model_path
-
+    if args.smolvlm:
+        return write_smolvlm_f16(path, args)
     arch = "qwen2" if args.qwen2 else "llama"
     head_dim = args.hidden // args.heads
     w = gguf.GGUFWriter(path, arch)
@@ -76,17 +76,43 @@ def write_f16(path: str, args) -> None:
     if args.qwen2:
         vocab = write_random_byte_level_vocab(w, QWEN2_VOCAB)
     else:
-        source = gguf.GGUFReader(default_model_path())
-        vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-        for key in _TOKENIZER_KEYS:
-            field = source.fields.get(key)
-            if field is None:
-                continue
-            value = field.contents()
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, value, field.types[0], sub_type=sub_type)
+        vocab = copy_default_vocab(w)
     w.add_vocab_size(vocab)
+    write_llama_tensors(w, args, vocab)
 
+
+def copy_default_vocab(w, extra: list[str] = (), size: int = 0, chat_template: str | None = None) -> int:
+    """The default model's tokenizer (SmolLM2's), with `extra` control tokens after its own, padded
+    with reserved control tokens to `size`; its chat template or `chat_template`."""
+    import gguf
+
+    from treadle.model.loading.default_model import default_model_path
+
+    source = gguf.GGUFReader(default_model_path())
+    for key in _TOKENIZER_KEYS:
+        field = source.fields.get(key)
+        if field is None or (extra and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")):
+            continue
+        if chat_template is not None and key == "tokenizer.chat_template":
+            continue
+        value = field.contents()
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    tokens = source.fields["tokenizer.ggml.tokens"].contents()
+    if extra:
+        types = source.fields["tokenizer.ggml.token_type"].contents()
+        added = list(extra) + [f"<|reserved_{i}|>" for i in range(max(0, size - len(tokens) - len(extra)))]
+        w.add_token_list(tokens + added)
+        w.add_token_types(types + [3] * len(added))
+        tokens = tokens + added
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    return len(tokens)
+
+
+def write_llama_tensors(w, args, vocab: int) -> None:
+    """A Llama-shaped model's random tensors (F16 matrices, norms of ones), then the file."""
+    head_dim = args.hidden // args.heads
     rng = np.random.default_rng(0)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -113,6 +139,42 @@ def write_f16(path: str, args) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# SmolVLM's image tokens as its processor writes them (added after SmolLM2's vocabulary; 49,280 in all)
+SMOLVLM_SPECIALS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+SMOLVLM_VOCAB = 49280
+SMOLVLM_TEMPLATE = (  # SmolVLM's, taking string content too
+    "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}"
+    "{% if m['content'] is string %}{{ ': ' + m['content'] }}{% else %}: {% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def write_smolvlm_f16(path: str, args) -> None:
+    """SmolVLM-256M's text model (SmolLM2-135M's widths, `llama`): the default model's tokenizer with
+    SmolVLM's image tokens and chat template."""
+    import gguf
+
+    head_dim = args.hidden // args.heads
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(f"random smolvlm {args.hidden}x{args.layers}")
+    w.add_block_count(args.layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(args.hidden)
+    w.add_feed_forward_length(args.ffn)
+    w.add_head_count(args.heads)
+    w.add_head_count_kv(args.kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    vocab = copy_default_vocab(w, SMOLVLM_SPECIALS, SMOLVLM_VOCAB, SMOLVLM_TEMPLATE)
+    w.add_vocab_size(vocab)
+    write_llama_tensors(w, args, vocab)
 
 
 def write_qwen35_f16(path: str, args) -> None:
@@ -556,6 +618,7 @@ def main() -> int:
     ap.add_argument("--qwen35moe", action="store_true", help="Qwen3.5-35B-A3B's widths in --layers layers")
     ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's widths in --layers layers (default 6)")
     ap.add_argument("--gemma3", action="store_true", help="Gemma 3 4B's text model (--layers: default its 34)")
+    ap.add_argument("--smolvlm", action="store_true", help="SmolVLM-256M's text model (SmolLM2-135M's widths)")
     ap.add_argument("--gemma4", action="store_true", help="Gemma 4 E2B's shape (per-layer embeddings, shared KV)")
     ap.add_argument("--gemma4moe", action="store_true", help="Gemma 4 26B-A4B's widths in --layers layers (default 6)")
     ap.add_argument("--out", default="bench-results/synthetic")
@@ -574,6 +637,8 @@ def main() -> int:
         args.layers = args.layers if "--layers" in sys.argv else 34
     if args.qwen2:
         args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 896, 24, 4864, 14, 2
+    if args.smolvlm:
+        args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 576, 30, 1536, 9, 3
     if args.qwen35:
         args.hidden, args.layers, args.ffn, args.heads, args.kv_heads = 2048, 24, 6144, 8, 2
     if args.qwen35moe:
@@ -586,7 +651,7 @@ def main() -> int:
     arch = (
         "gpt-oss" if args.gpt_oss else "gemma3" if args.gemma3 else "qwen35moe" if args.qwen35moe
         else "gemma4moe" if args.gemma4moe else "gemma4" if args.gemma4
-        else "qwen35" if args.qwen35 else "qwen2" if args.qwen2 else "llama"
+        else "qwen35" if args.qwen35 else "qwen2" if args.qwen2 else "smolvlm" if args.smolvlm else "llama"
     )  # fmt: skip
     stem = os.path.join(args.out, f"random-{arch}-{args.hidden}x{args.layers}")
     f16 = stem + "-F16.gguf"

@@ -1,9 +1,17 @@
 """An image's time to first token, treadle beside llama-server, on a Gemma-3-4B-shaped pair of
-random-weight files: the text model as a Q4_K_M GGUF and llama.cpp's mmproj file of its vision tower.
+random-weight files (or, `--shape smolvlm`, a SmolVLM-256M-shaped one): the text model as a Q4_K_M
+GGUF and llama.cpp's mmproj file of its vision tower.
 
-    python bench/vision.py [--layers 34] [--runs 3] [--image-size 896] [--max-tokens 1]
-                           [--threads 2] [--out bench-results/vision]
+    python bench/vision.py [--shape gemma3|smolvlm] [--layers 34] [--runs 3] [--image-size 896]
+                           [--max-tokens 1] [--threads 2] [--out bench-results/vision]
     python bench/vision.py --rescore bench-results/vision/vision-TIME.json
+
+`--shape smolvlm`: the text model is bench/synthetic_gguf.py --smolvlm (SmolLM2-135M's widths, 30
+layers, SmolVLM's image tokens and chat template), the mmproj SigLIP base patch16-512 as SmolVLM-256M
+ships it (hidden 768, 12 layers, 12 heads, 512 px tiles of 16 px patches, 4 x 4 patches to a token: 64
+tokens a tile, images first resized to a longest edge of 2,048: a square picture is 4 x 4 tiles and
+the whole image, 17 tiles), written as llama.cpp's converter writes an `idefics3` mmproj
+(tests/support/idefics3_models.py's write_mmproj, checked against the converter).
 
 The text model is bench/synthetic_gguf.py --gemma3 (Gemma 3 4B's widths, a random byte-level vocabulary
 of its size with its control and image tokens at Gemma's ids, quantized by llama-quantize); the mmproj
@@ -43,12 +51,16 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 # SigLIP so400m as Gemma 3 (4B, 12B, 27B) uses it
 VISION = dict(hidden=1152, intermediate=4304, layers=27, heads=16, image=896, patch=14, eps=1e-6)
+# SigLIP base patch16-512 as SmolVLM-256M uses it, its connector and processor
+SMOLVLM_VISION = dict(hidden=768, intermediate=3072, layers=12, heads=12, image=512, patch=16, eps=1e-6, scale=4,
+                      longest_edge=2048)  # fmt: skip
 TEXT = "Describe this picture in one word."
 
 
-def write_mmproj(path: str, text_hidden: int, v: dict = VISION) -> None:
-    """A random Gemma 3 mmproj file of SigLIP's shape `v`, as llama.cpp's converter writes it in F16:
-    the keys of test_gemma3_vision.write_mmproj, matrices F16, embeddings (forced) and vectors F32."""
+def write_mmproj(path: str, text_hidden: int, v: dict = VISION, kind: str = "gemma3") -> None:
+    """A random Gemma 3 (or SmolVLM: `kind` idefics3) mmproj file of SigLIP's shape `v`, as llama.cpp's
+    converter writes it in F16: the keys of test_gemma3_vision.write_mmproj (idefics3_models.write_mmproj),
+    matrices F16, embeddings (forced) and vectors F32."""
     import gguf
 
     h, f = v["hidden"], v["intermediate"]
@@ -68,10 +80,14 @@ def write_mmproj(path: str, text_hidden: int, v: dict = VISION) -> None:
         w.add_uint32(f"clip.vision.{key}", value)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_string("clip.projector_type", "gemma3")
+    w.add_string("clip.projector_type", kind)
     w.add_float32("clip.vision.attention.layer_norm_epsilon", v["eps"])
+    if kind == "idefics3":
+        w.add_uint32("clip.vision.projector.scale_factor", v["scale"])
     w.add_bool("clip.use_gelu", True)
-    # 64 patches per side pooled to 16: the converter leaves the scale factor (4) out
+    if kind == "idefics3":
+        w.add_uint32("clip.vision.preproc_image_size", v["longest_edge"])
+    # Gemma 3: 64 patches per side pooled to 16: the converter leaves the scale factor (4) out
     rng = np.random.default_rng(1)
 
     def matrix(*shape: int, scale: float = 0.02) -> np.ndarray:
@@ -80,8 +96,11 @@ def write_mmproj(path: str, text_hidden: int, v: dict = VISION) -> None:
     def vector(n: int, value: float = 0.0, scale: float = 0.02) -> np.ndarray:
         return (value + rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float32)
 
-    w.add_tensor("mm.input_projection.weight", matrix(h, text_hidden))
-    w.add_tensor("mm.soft_emb_norm.weight", vector(h, 1.0))
+    if kind == "idefics3":
+        w.add_tensor("mm.model.fc.weight", matrix(text_hidden, h * v["scale"] ** 2))
+    else:
+        w.add_tensor("mm.input_projection.weight", matrix(h, text_hidden))
+        w.add_tensor("mm.soft_emb_norm.weight", vector(h, 1.0))
     w.add_tensor("v.patch_embd.weight", matrix(h, 3, v["patch"], v["patch"]).astype(np.float32))
     w.add_tensor("v.patch_embd.bias", vector(h))
     w.add_tensor("v.position_embd.weight", matrix(patches, h).astype(np.float32))
@@ -238,18 +257,24 @@ def run_llama(model: str, mmproj: str, images: list[str], args) -> dict:
 def llama_image_times(log: str) -> tuple[list[float], list[float]]:
     """Each image's encoder time and its tokens' decode (the text model's prefill of them), ms, from
     llama-server's log at -lv 4: "encoding mtmd batch" to "decoding image batch" (its log's
-    timestamps, minutes.seconds.ms.us), and "image decoded (batch i/n) in N ms"."""
+    timestamps, minutes.seconds.ms.us), and "image decoded (batch i/n) in N ms", summed over the
+    image's tiles (an idefics3 image is one mtmd chunk per tile): one figure per request (task)."""
 
     def seconds(stamp: str) -> float:
         m, s, ms, us = (int(x) for x in stamp.split("."))
         return 60 * m + s + ms / 1e3 + us / 1e6
 
-    stamp = r"^(\d+\.\d+\.\d+\.\d+) I "
-    starts = [seconds(m) for m in re.findall(stamp + r".*encoding mtmd batch", log, re.M)]
-    ends = [seconds(m) for m in re.findall(stamp + r"decoding image batch 1/", log, re.M)]
-    encoded = [1000 * (end - start) for start, end in zip(starts, ends)]
-    decoded = [float(m) for m in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", log)]
-    return encoded, decoded
+    encoded, decoded = {}, {}  # task -> ms
+    task, start = None, None
+    for line in log.splitlines():
+        if m := re.match(r"^(\d+\.\d+\.\d+\.\d+) I .*task (\d+) \| encoding mtmd batch", line):
+            task, start = int(m.group(2)), seconds(m.group(1))
+        elif (m := re.match(r"^(\d+\.\d+\.\d+\.\d+) I decoding image batch 1/", line)) and start is not None:
+            encoded[task] = encoded.get(task, 0.0) + 1000 * (seconds(m.group(1)) - start)
+            start = None
+        elif (m := re.search(r"image decoded \(batch \d+/\d+\) in (\d+) ms", line)) and task is not None:
+            decoded[task] = decoded.get(task, 0.0) + float(m.group(1))
+    return list(encoded.values()), list(decoded.values())
 
 
 def summary(result: dict, treadle: bool) -> dict:
@@ -326,8 +351,9 @@ def rescore(path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=34, help="the text model's layers (Gemma 3 4B: 34)")
-    ap.add_argument("--vision-layers", type=int, default=27, help="the vision tower's layers (SigLIP so400m: 27)")
+    ap.add_argument("--shape", choices=["gemma3", "smolvlm"], default="gemma3")
+    ap.add_argument("--layers", type=int, default=None, help="the text model's layers (Gemma 3 4B: 34, SmolVLM: 30)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="the tower's layers (so400m: 27, base: 12)")
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--image-size", type=int, default=896)
@@ -345,15 +371,21 @@ def main() -> int:
 
     os.makedirs(args.out, exist_ok=True)
     print("CPU:", cpu_description(), flush=True)
+    smol = args.shape == "smolvlm"
+    vision = SMOLVLM_VISION if smol else VISION
+    args.layers = args.layers or (30 if smol else 34)
+    args.vision_layers = args.vision_layers or vision["layers"]
     made = subprocess.run(
-        [sys.executable, os.path.join(HERE, "synthetic_gguf.py"), "--gemma3", "--layers", str(args.layers),
+        [sys.executable, os.path.join(HERE, "synthetic_gguf.py"), f"--{args.shape}", "--layers", str(args.layers),
          "--type", args.type, "--out", args.out],
         check=True, capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
     model = made.stdout.strip().splitlines()[-1]
-    mmproj = os.path.join(args.out, f"mmproj-random-gemma3-siglip-so400m-{args.vision_layers}-F16.gguf")
+    tower = "siglip-base-512" if smol else "siglip-so400m"
+    mmproj = os.path.join(args.out, f"mmproj-random-{args.shape}-{tower}-{args.vision_layers}-F16.gguf")
     if not os.path.exists(mmproj):
-        write_mmproj(mmproj + ".part", 2560, dict(VISION, layers=args.vision_layers))
+        kind = "idefics3" if smol else "gemma3"
+        write_mmproj(mmproj + ".part", 576 if smol else 2560, dict(vision, layers=args.vision_layers), kind)
         os.replace(mmproj + ".part", mmproj)
     print(f"model {model} ({os.path.getsize(model) / 1e9:.2f} GB), mmproj {mmproj} "
           f"({os.path.getsize(mmproj) / 1e9:.2f} GB)", flush=True)  # fmt: skip

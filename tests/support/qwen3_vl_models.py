@@ -29,9 +29,9 @@ IMAGE_CONFIG = {
 }  # fmt: skip
 
 
-def save_qwen3_vl(path: str, moe: bool = False):
-    """The folder at `path` (Qwen3-VL, or Qwen3-VL-MoE where `moe`); returns (path, the transformers
-    model, its tokenizer)."""
+def save_qwen3_vl(path: str, moe: bool = False, **vision_settings):
+    """The folder at `path` (Qwen3-VL, or Qwen3-VL-MoE where `moe`; `vision_settings` replacing
+    VISION's); returns (path, the transformers model, its tokenizer)."""
     from tokenizers import AddedToken
     from transformers import (
         Qwen3VLConfig,
@@ -60,7 +60,7 @@ def save_qwen3_vl(path: str, moe: bool = False):
         else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
     )
     config = config_class(
-        vision_config=VISION, text_config=text, image_token_id=ids["<|image_pad|>"],
+        vision_config={**VISION, **vision_settings}, text_config=text, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], eos_token_id=eos,
     )  # fmt: skip
@@ -84,21 +84,22 @@ def save_qwen3_vl(path: str, moe: bool = False):
     return path, model, tok
 
 
-def processed(images: list) -> dict:
+def processed(images: list, image_config: dict = IMAGE_CONFIG) -> dict:
     """transformers' processor outputs for `images`: pixel_values and image_grid_thw, as tensors."""
     from transformers import Qwen2VLImageProcessorPil
 
-    settings = {k: v for k, v in IMAGE_CONFIG.items() if k != "image_processor_type"}
+    settings = {k: v for k, v in image_config.items() if k != "image_processor_type"}
     out = Qwen2VLImageProcessorPil(**settings)(images, return_tensors="np")
     return {k: torch.tensor(np.asarray(out[k])) for k in ("pixel_values", "image_grid_thw")}
 
 
-def reference(folder, num_tokens: int, text: str, images: list) -> list[int]:
-    """transformers' greedy continuation of `text`, each `<|image_pad|>` expanded to its image's pads."""
+def reference(folder, num_tokens: int, text: str, images: list, image_config: dict = IMAGE_CONFIG) -> list[int]:
+    """transformers' greedy continuation of `text`, each `<|image_pad|>` expanded to its image's pads
+    (the image processor's settings: `image_config`)."""
     _, model, tok = folder
     inputs = {}
     if images:
-        inputs = processed(images)
+        inputs = processed(images, image_config)
         pieces = text.split("<|image_pad|>")
         counts = [int(g.prod()) // 4 for g in inputs["image_grid_thw"]]
         text = pieces[0] + "".join("<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:]))

@@ -315,9 +315,11 @@ def write_gguf(
     tokenizer_model: str = "gpt2",
     raw_tensors=None,
     quantize=None,
+    metadata: dict | None = None,
 ):
     """Write `model` (a transformers model) as llama.cpp would, in float32; with `quantize` (a
-    GGMLQuantizationType), the decoder layers' projection matrices in that type."""
+    GGMLQuantizationType), the decoder layers' projection matrices in that type; `metadata`: the
+    architecture's own keys (`rope.dimension_sections` -> a list of uint32, else a uint32)."""
     import gguf
 
     cfg = model.config
@@ -362,6 +364,11 @@ def write_gguf(
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
     w.add_vocab_size(cfg.vocab_size)
 
     _write_tokenizer(w, tok, pre, tokenizer_model)

@@ -439,12 +439,15 @@ def processor_for(folder: str | os.PathLike, overrides: dict | None = None) -> I
     return processor_from_configs(image_config, processor_config, model_config, overrides)
 
 
+QWEN_VL_MMPROJ = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
+
+
 def processor_from_mmproj(meta: dict, where: str) -> ImageProcessor:
     """The image processor llama.cpp's mmproj file describes (its metadata: clip.projector_type and
     the clip.vision.* keys): its projector's transformers processor with the file's sizes, mean, std
     and tokens per image (or tile). ValueError for a projector not reproduced here."""
     kind = meta.get("clip.projector_type")
-    if kind not in ("gemma3", "idefics3"):
+    if kind not in ("gemma3", "idefics3", *QWEN_VL_MMPROJ):
         raise ValueError(f"{where}: mmproj projector {kind!r} has no image processor here")
     size = int(meta["clip.vision.image_size"])
     patches = size // int(meta["clip.vision.patch_size"])
@@ -452,6 +455,20 @@ def processor_from_mmproj(meta: dict, where: str) -> ImageProcessor:
         "image_mean": list(meta.get("clip.vision.image_mean", IMAGENET_STANDARD)),
         "image_std": list(meta.get("clip.vision.image_std", IMAGENET_STANDARD)),
     }
+    if kind in QWEN_VL_MMPROJ:
+        # transformers' Qwen2VLImageProcessor with the file's patch, merge window, mean and std; its
+        # pixel bounds where the file has them (the converter writes none: the processor's defaults)
+        image_config = {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "patch_size": int(meta["clip.vision.patch_size"]),
+            "merge_size": int(meta.get("clip.vision.spatial_merge_size", 2)),
+            "temporal_patch_size": 2,
+            **mean_std,
+        }
+        for key in ("min_pixels", "max_pixels"):
+            if f"clip.vision.image_{key}" in meta:
+                image_config[key] = int(meta[f"clip.vision.image_{key}"])
+        return processor_from_configs(image_config)
     if kind == "idefics3":
         # tiles of the encoder's image size; the first resize's longest edge is the processor's
         # size, which the converter keeps as preproc_image_size

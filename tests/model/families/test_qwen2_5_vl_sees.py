@@ -69,12 +69,16 @@ def test_mrope_tables_are_transformers_rotary(folder):
 
 
 def test_the_encoder_is_transformers_visual(folder, llm):
+    assert_encoder_is_transformers_visual(folder, llm, [picture(1), picture(2, size=(70, 33))])
+
+
+def assert_encoder_is_transformers_visual(folder, llm, images, image_config=IMAGE_CONFIG):
     import numpy as np
     from transformers import Qwen2VLImageProcessorPil
 
     _, model, _ = folder
-    settings = {k: v for k, v in IMAGE_CONFIG.items() if k != "image_processor_type"}
-    for img in (picture(1), picture(2, size=(70, 33))):
+    settings = {k: v for k, v in image_config.items() if k != "image_processor_type"}
+    for img in images:
         processed = Qwen2VLImageProcessorPil(**settings)(img, return_tensors="np")
         pixels = torch.tensor(np.asarray(processed["pixel_values"]))
         grid = torch.tensor(np.asarray(processed["image_grid_thw"]))
@@ -123,3 +127,28 @@ def test_qwen2_vl_its_tower_without_windows_matches_transformers(tmp_path):
     llm = LLM(folder[0], dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=64)
     a, b = picture(8), picture(9, size=(70, 33))
     assert run(llm, TWO, [a, b]) == reference(folder, NUM_TOKENS, TWO, [a, b])
+
+
+# the image processor an mmproj file describes: the tower's patch and merge window, the processor's
+# default pixel bounds and CLIP's mean and std (the converter writes no bounds)
+MMPROJ_IMAGES = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 8, "merge_size": 2,
+                 "temporal_patch_size": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen2_vl"])
+def test_a_qwen2vl_gguf_with_its_mmproj_beside_it_sees_as_transformers(kind, tmp_path):
+    """Qwen2.5-VL and Qwen2-VL as llama.cpp ships them: the language model as a `qwen2vl` GGUF (the
+    M-RoPE split as rope.dimension_sections), the tower as the mmproj file beside it (q, k and v
+    apart, the Conv3d as two frames; the window pattern as n_wa_pattern), its image processor from
+    the file's keys. The file has no window size (clip.cpp's 112 px, every released model's): the
+    folder's is 112 too, 7 x 7 tokens, which the 128 px picture's 8 x 8 crosses."""
+    from tests.support.qwen_vl_models import write_mmproj, write_text_gguf
+
+    pair = save_qwen_vl(str(tmp_path / "folder"), kind, window_size=112)
+    write_text_gguf(str(tmp_path / "tiny-qwen-vl.gguf"), pair)
+    write_mmproj(str(tmp_path / "mmproj-tiny-qwen-vl-f32.gguf"), pair, {})
+    llm = LLM(str(tmp_path / "tiny-qwen-vl.gguf"), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    a, b = picture(10, size=(128, 128)), picture(11, size=(70, 33))
+    assert_encoder_is_transformers_visual(pair, llm, [a, b], MMPROJ_IMAGES)
+    assert run(llm, ONE, a) == reference(pair, NUM_TOKENS, ONE, [a], MMPROJ_IMAGES)
+    assert run(llm, TWO, [a, b]) == reference(pair, NUM_TOKENS, TWO, [a, b], MMPROJ_IMAGES)

@@ -127,3 +127,42 @@ def test_qwen3_vl_moe_in_both_expert_layouts_matches_transformers(tmp_path):
             GREEDY,
         )
         assert [out.outputs[0].token_ids for out in outs] == want
+
+
+def test_a_qwen3vl_gguf_with_its_mmproj_beside_it_sees_as_transformers(tmp_path):
+    """Qwen3-VL as llama.cpp ships it: the language model as a `qwen3vl` GGUF (n_deepstack_layers),
+    the tower as the `qwen3vl_merger` mmproj file beside it, its DeepStack mergers under the blocks
+    they read (`is_deepstack_layers`: blocks 0 and 2 here, so that a merger read from the wrong
+    block shows), its image processor from the file's keys (the processor's default pixel bounds)."""
+    from tests.support.qwen3_vl_models import IMAGE_CONFIG
+    from tests.support.qwen_vl_models import write_mmproj, write_text_gguf
+
+    pair = save_qwen3_vl(str(tmp_path / "folder"), deepstack_visual_indexes=[0, 2])
+    write_text_gguf(str(tmp_path / "tiny-qwen3-vl.gguf"), pair)
+    write_mmproj(str(tmp_path / "mmproj-tiny-qwen3-vl-f32.gguf"), pair, IMAGE_CONFIG)
+    llm = LLM(str(tmp_path / "tiny-qwen3-vl.gguf"), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    images = {k: v for k, v in IMAGE_CONFIG.items() if k not in ("min_pixels", "max_pixels")}
+    a, b = picture(12, size=(64, 64)), picture(13, size=(70, 33))
+    _, model, _ = pair
+    inputs = processed([a], images)
+    with torch.no_grad():
+        out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    want = torch.cat([out.pooler_output[0]] + [features[0] for features in out.deepstack_features], dim=-1)
+    got = llm.engine.core.worker.runner.model.encode_image(
+        inputs["pixel_values"], {"image_grid_thw": inputs["image_grid_thw"].tolist()}
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert run(llm, ONE, a) == reference(pair, NUM_TOKENS, ONE, [a], images)
+    assert run(llm, TWO, [a, b]) == reference(pair, NUM_TOKENS, TWO, [a, b], images)
+
+
+def test_an_mmproj_whose_deepstack_disagrees_with_the_text_model_is_refused(folder, tmp_path):
+    from tests.support.qwen3_vl_models import IMAGE_CONFIG
+    from tests.support.qwen_vl_models import write_mmproj, write_text_gguf
+    from treadle.model.config import ModelLoadError
+
+    write_text_gguf(str(tmp_path / "tiny-qwen3-vl.gguf"), folder)  # two DeepStack layers
+    write_mmproj(str(tmp_path / "mmproj.gguf"), save_qwen3_vl(str(tmp_path / "f"), deepstack_visual_indexes=[1]),
+                 IMAGE_CONFIG)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="1 DeepStack layers; the text model's file says n_deepstack_layers = 2"):
+        LLM(str(tmp_path / "tiny-qwen3-vl.gguf"), dtype="float32", max_model_len=256, num_kv_blocks=16)

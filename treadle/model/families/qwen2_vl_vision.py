@@ -23,9 +23,14 @@ model's `hidden_size`.
 
 It runs in the weights' dtype; norms, attention and the rotation compute in float32 inside.
 Checkpoints name the tensors `visual.*` (Qwen's files, transformers 5's save_pretrained) or
-`model.visual.*` (transformers 4.5x); both are read.
+`model.visual.*` (transformers 4.5x); both are read. llama.cpp's mmproj files of these models
+(`clip.projector_type` qwen2vl_merger, qwen2.5vl_merger; qwen3vl_merger for Qwen3-VL's tower) hold
+the same tensors under its names, q, k and v apart (Qwen2/2.5) and the Conv3d as its two frames
+(`mmproj_reader` gives them under the Hugging Face names); the window size is not written (112 px,
+as clip.cpp assumes), the full-attention blocks are every `n_wa_pattern`-th.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,6 +51,75 @@ ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 DEFAULT_IMAGE_TOKEN_ID = 151655  # <|image_pad|> in every Qwen2.5-VL vocabulary (transformers' default)
+GGUF_WHERE = "mmproj GGUF"
+# llama.cpp's names in an mmproj file: a block's modules, the merger's, a DeepStack merger's
+GGUF_BLOCK = {
+    "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down", "mlp.linear_fc1": "ffn_up",
+    "mlp.linear_fc2": "ffn_down",
+}  # fmt: skip
+GGUF_MERGER = {"ln_q": "v.post_ln", "mlp.0": "mm.0", "mlp.2": "mm.2", "norm": "v.post_ln", "linear_fc1": "mm.0",
+               "linear_fc2": "mm.2"}  # fmt: skip
+GGUF_DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def mmproj_reader(reader, deepstack_layers: list[int] = ()) -> Callable[[str], torch.Tensor]:
+    """`read(name)` of an mmproj file's tower by its Hugging Face name under `visual.` (float32):
+    the Conv3d from its two frames, q, k and v joined where the file keeps them apart, the k-th
+    DeepStack merger from the file's block `deepstack_layers[k]`."""
+    from treadle.model.layers.siglip import gguf_float32
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def raw(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelLoadError(f"{GGUF_WHERE}: no tensor {name}")
+        return gguf_float32(tensors[name])
+
+    def read(name: str) -> torch.Tensor:
+        if name == "patch_embed.proj.weight":
+            return torch.stack([raw("v.patch_embd.weight"), raw("v.patch_embd.weight.1")], dim=2)
+        if name == "patch_embed.proj.bias":
+            return raw("v.patch_embd.bias")
+        if name == "pos_embed.weight":
+            return raw("v.position_embd.weight")
+        head, _, kind = name.rpartition(".")
+        part, _, module = head.partition(".")
+        if part == "blocks":
+            block, _, module = module.partition(".")
+            if module == "attn.qkv":
+                fused = f"v.blk.{block}.attn_qkv.{kind}"
+                if fused in tensors:
+                    return raw(fused)
+                return torch.cat([raw(f"v.blk.{block}.attn_{x}.{kind}") for x in "qkv"])
+            if module in GGUF_BLOCK:
+                return raw(f"v.blk.{block}.{GGUF_BLOCK[module]}.{kind}")
+        elif part == "merger" and module in GGUF_MERGER:
+            return raw(f"{GGUF_MERGER[module]}.{kind}")
+        elif part == "deepstack_merger_list":
+            k, _, module = module.partition(".")
+            if module in GGUF_DEEPSTACK and int(k) < len(deepstack_layers):
+                return raw(f"v.deepstack.{deepstack_layers[int(k)]}.{GGUF_DEEPSTACK[module]}.{kind}")
+        raise ModelLoadError(f"{GGUF_WHERE}: no tensor for the encoder's {name}")
+
+    return read
+
+
+def mmproj_tower_section(meta: dict) -> dict:
+    """The numbers every Qwen-VL mmproj gives, under a vision_config's names (Qwen2.5-VL's)."""
+
+    def number(key: str, default=None) -> int:
+        value = meta.get(f"clip.vision.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{GGUF_WHERE}: no clip.vision.{key}")
+        return file_int(GGUF_WHERE, f"clip.vision.{key}", value, 1, 1 << 24)
+
+    return {
+        "depth": number("block_count"), "hidden_size": number("embedding_length"),
+        "intermediate_size": number("feed_forward_length"), "num_heads": number("attention.head_count"),
+        "patch_size": number("patch_size"), "spatial_merge_size": number("spatial_merge_size", 2),
+        "out_hidden_size": number("projection_dim"), "temporal_patch_size": 2,
+    }  # fmt: skip
 
 
 # the numbers every Qwen-VL tower's vision_config has, and their ranges
@@ -238,6 +312,28 @@ class QwenVLVision:
         )
         token_id = file_int(WHERE, "image_token_id", config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID), 0, 1 << 24)
         return cls(vision, read, dtype, device, token_id)
+
+    @classmethod
+    def from_gguf(cls, reader, dtype, device="cpu") -> "QwenVLVision":
+        """From llama.cpp's mmproj file of a Qwen2-VL (qwen2vl_merger) or Qwen2.5-VL (qwen2.5vl_merger)
+        model. It names no image token: the front end's marks the rows."""
+        meta = reader.metadata
+        kind = meta.get("clip.projector_type")
+        if meta.get("general.architecture") != "clip" or kind not in ("qwen2vl_merger", "qwen2.5vl_merger"):
+            raise ModelLoadError(
+                f"{GGUF_WHERE}: clip.projector_type = {kind!r}: not a Qwen2-VL / Qwen2.5-VL mmproj file"
+            )
+        section = mmproj_tower_section(meta)
+        if kind == "qwen2vl_merger":  # Qwen2-VL's names (embed_dim the tower's width), its MLP as wide as written
+            width, ff = section["hidden_size"], section.pop("intermediate_size")
+            section = {**section, "embed_dim": width, "hidden_size": section["out_hidden_size"]}
+            section["mlp_ratio"] = ff / width
+            vision = dataclasses.replace(QwenVisionConfig.from_hf(section, qwen2=True), intermediate_size=ff)
+        else:
+            every = file_int(GGUF_WHERE, "clip.vision.n_wa_pattern", meta.get("clip.vision.n_wa_pattern"), 1, 1 << 10)
+            full = [i for i in range(section["depth"]) if (i + 1) % every == 0]
+            vision = QwenVisionConfig.from_hf({**section, "fullatt_block_indexes": full, "hidden_act": "silu"})
+        return cls(vision, mmproj_reader(reader), dtype, device, -1)
 
     @staticmethod
     def is_vision_tensor(name: str) -> bool:

@@ -17,7 +17,9 @@ and k, no q/k/v bias) that sees, through its ViT (qwen3_vl_vision.py).
   (Qwen's files, theta beside it); tied embeddings where the top level says so (transformers 5's
   rule), else where `text_config` does;
 - weights: `model.language_model.*` and `model.visual.*` (Qwen's files, transformers'
-  save_pretrained), or `model.layers.*` and `visual.*`.
+  save_pretrained), or `model.layers.*` and `visual.*`;
+- llama.cpp's `qwen3vl` GGUF files (`n_deepstack_layers` their DeepStack count) see
+  through the `qwen3vl_merger` mmproj file beside them.
 """
 
 import torch
@@ -32,6 +34,9 @@ from treadle.model.layers.attention import metadata_by_layer
 class Qwen3VLModel(Qwen25VLModel):
     hf_model_types = ("qwen3_vl",)
     hf_architectures = ("Qwen3VLForConditionalGeneration",)
+    gguf_architectures = ("qwen3vl",)
+
+    mmproj_projectors = ("qwen3vl_merger",)
 
     vision_class = Qwen3VLVision
     default_rope_theta = 5e6
@@ -48,16 +53,23 @@ class Qwen3VLModel(Qwen25VLModel):
     def text_fields(cls, text: dict, text_hf) -> dict:
         return {"qk_norm": True, "attention_bias": bool(text.get("attention_bias", False))}
 
-    def check_vision(self, config: Qwen2VLConfig) -> None:
-        if self.vision.config.out_hidden_size != config.hidden_size:
-            raise ModelLoadError(
-                f"config.json: vision_config.out_hidden_size = {self.vision.config.out_hidden_size}: "
-                f"expected the language model's hidden_size ({config.hidden_size})"
-            )
+    @classmethod
+    def gguf_fields(cls, gguf) -> dict:
+        deepstack = gguf.number("n_deepstack_layers", 0, 1 << 10, default=0)
+        return {"deepstack_layers": deepstack}
+
+    def check_vision(self, config: Qwen2VLConfig, where: str) -> None:
+        super().check_vision(config, where)
         if self.vision.deepstack > config.num_layers:
             raise ModelLoadError(
-                f"config.json: {self.vision.deepstack} deepstack_visual_indexes: "
+                f"{where}: {self.vision.deepstack} deepstack_visual_indexes: "
                 f"expected at most num_hidden_layers ({config.num_layers})"
+            )
+        declared = config.deepstack_layers
+        if declared is not None and declared != self.vision.deepstack:
+            raise ModelLoadError(
+                f"{where}: {self.vision.deepstack} DeepStack layers; the text model's file says n_deepstack_layers = "
+                f"{declared}"
             )
 
     def place_images(self, h: torch.Tensor) -> torch.Tensor:

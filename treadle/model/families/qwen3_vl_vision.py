@@ -31,7 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_int
-from treadle.model.families.qwen2_vl_vision import QwenVisionConfig, VisionBlock, read_tower
+from treadle.model.families.qwen2_vl_vision import (
+    GGUF_WHERE,
+    QwenVisionConfig,
+    VisionBlock,
+    mmproj_reader,
+    mmproj_tower_section,
+    read_tower,
+)
 
 WHERE = "config.json"
 PREFIXES = ("model.visual.", "visual.")
@@ -177,6 +184,27 @@ class Qwen3VLVision:
         vision = Qwen3VisionConfig.from_hf(config.get("vision_config") or {})
         token_id = file_int(WHERE, "image_token_id", config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID), 0, 1 << 24)
         return cls(vision, read, dtype, device, token_id)
+
+    @classmethod
+    def from_gguf(cls, reader, dtype, device="cpu") -> "Qwen3VLVision":
+        """From llama.cpp's mmproj file of a Qwen3-VL model (qwen3vl_merger): the DeepStack blocks
+        from `is_deepstack_layers`, the position table's size from its tensor. It names no image
+        token: the front end's marks the rows."""
+        meta = reader.metadata
+        kind = meta.get("clip.projector_type")
+        if meta.get("general.architecture") != "clip" or kind != "qwen3vl_merger":
+            raise ModelLoadError(f"{GGUF_WHERE}: clip.projector_type = {kind!r}: not a Qwen3-VL mmproj file")
+        flags = meta.get("clip.vision.is_deepstack_layers") or []
+        deepstack = [i for i, on in enumerate(flags) if on]
+        positions = next((t for t in reader.tensors if t.name == "v.position_embd.weight"), None)
+        if positions is None:
+            raise ModelLoadError(f"{GGUF_WHERE}: no tensor v.position_embd.weight")
+        section = {
+            **mmproj_tower_section(meta),
+            "num_position_embeddings": int(positions.shape[1]),
+            "deepstack_visual_indexes": deepstack,
+        }
+        return cls(Qwen3VisionConfig.from_hf(section), mmproj_reader(reader, deepstack), dtype, device, -1)
 
     @staticmethod
     def is_vision_tensor(name: str) -> bool:

@@ -107,22 +107,36 @@ CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.261302
 def write_text_gguf(path: str, folder) -> None:
     """The folder's language model as llama.cpp's converter writes it: `qwen2vl` (Qwen2-VL,
     Qwen2.5-VL) or `qwen3vl` (with n_deepstack_layers), the M-RoPE split as rope.dimension_sections."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     from tests.support.tiny_models import write_gguf
 
     _, model, tok = folder
     text_config = model.config.text_config.to_dict()
-    qwen3 = model.config.model_type == "qwen3_vl"
-    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
-    text = model_class(config_class(**{k: v for k, v in text_config.items() if k != "model_type"})).eval()
+    kind = model.config.model_type
+    qwen3 = kind in ("qwen3_vl", "qwen3_vl_moe")
+    config_class, model_class = {
+        "qwen3_vl": (Qwen3Config, Qwen3ForCausalLM), "qwen3_vl_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }.get(kind, (Qwen2Config, Qwen2ForCausalLM))  # fmt: skip
+    # tied where the model's head is its embedding (Qwen3-VL-MoE's text_config says tied, the model is not)
+    tied = model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    settings = {k: v for k, v in text_config.items() if k != "model_type"}
+    text = model_class(config_class(**{**settings, "tie_word_embeddings": tied})).eval()
     text.model.load_state_dict(model.model.language_model.state_dict())
     text.lm_head.load_state_dict(model.lm_head.state_dict())
     section = list(model.config.text_config.rope_parameters["mrope_section"])
     metadata = {"rope.dimension_sections": section + [0]}
     if qwen3:
         metadata["n_deepstack_layers"] = len(model.config.vision_config.deepstack_visual_indexes)
-    write_gguf(path, "qwen3vl" if qwen3 else "qwen2vl", text, tok, metadata=metadata)
+    arch = {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}.get(kind, "qwen2vl")
+    write_gguf(path, arch, text, tok, metadata=metadata)
 
 
 def write_mmproj(path: str, folder, image_config: dict) -> None:
@@ -136,9 +150,8 @@ def write_mmproj(path: str, folder, image_config: dict) -> None:
 
     _, model, _ = folder
     config, vision = model.config, model.config.vision_config
-    kind = {"qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger"}[
-        config.model_type
-    ]
+    kind = {"qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger",
+            "qwen3_vl_moe": "qwen3vl_merger"}[config.model_type]  # fmt: skip
     qwen3, width = kind == "qwen3vl_merger", getattr(vision, "embed_dim", None) or vision.hidden_size
     w = gguf.GGUFWriter(path, "clip")
     w.add_string("general.type", "mmproj")

@@ -166,3 +166,19 @@ def test_an_mmproj_whose_deepstack_disagrees_with_the_text_model_is_refused(fold
                  IMAGE_CONFIG)  # fmt: skip
     with pytest.raises(ModelLoadError, match="1 DeepStack layers; the text model's file says n_deepstack_layers = 2"):
         LLM(str(tmp_path / "tiny-qwen3-vl.gguf"), dtype="float32", max_model_len=256, num_kv_blocks=16)
+
+
+def test_a_qwen3vlmoe_gguf_with_its_mmproj_sees_as_transformers(tmp_path):
+    """Qwen3-VL-MoE as llama.cpp ships it: a `qwen3vlmoe` GGUF (the experts stacked per kind, the
+    chosen weights renormalised, the head not tied) and the same `qwen3vl_merger` mmproj."""
+    from tests.support.qwen3_vl_models import IMAGE_CONFIG
+    from tests.support.qwen_vl_models import write_mmproj, write_text_gguf
+
+    pair = save_qwen3_vl(str(tmp_path / "folder"), moe=True)
+    write_text_gguf(str(tmp_path / "tiny-qwen3-vl-moe.gguf"), pair)
+    write_mmproj(str(tmp_path / "mmproj-tiny-qwen3-vl-moe-f32.gguf"), pair, IMAGE_CONFIG)
+    llm = LLM(str(tmp_path / "tiny-qwen3-vl-moe.gguf"), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    images = {k: v for k, v in IMAGE_CONFIG.items() if k not in ("min_pixels", "max_pixels")}
+    a, b = picture(14, size=(64, 64)), picture(15, size=(70, 33))
+    assert run(llm, ONE, a) == reference(pair, NUM_TOKENS, ONE, [a], images)
+    assert run(llm, TWO, [a, b]) == reference(pair, NUM_TOKENS, TWO, [a, b], images)

@@ -18,7 +18,7 @@ and k, no q/k/v bias) that sees, through its ViT (qwen3_vl_vision.py).
   rule), else where `text_config` does;
 - weights: `model.language_model.*` and `model.visual.*` (Qwen's files, transformers'
   save_pretrained), or `model.layers.*` and `visual.*`;
-- llama.cpp's `qwen3vl` GGUF files (`n_deepstack_layers` their DeepStack count) see
+- llama.cpp's `qwen3vl` / `qwen3vlmoe` GGUF files (`n_deepstack_layers` their DeepStack count) see
   through the `qwen3vl_merger` mmproj file beside them.
 """
 
@@ -106,6 +106,11 @@ class Qwen3VLMoeModel(Qwen3VLModel):
 
     hf_model_types = ("qwen3_vl_moe",)
     hf_architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    gguf_architectures = ("qwen3vlmoe",)
+
+    @classmethod
+    def gguf_fields(cls, gguf) -> dict:
+        return {**super().gguf_fields(gguf), "moe": gguf.moe(norm_topk=True)}
 
     @classmethod
     def text_fields(cls, text: dict, text_hf) -> dict:

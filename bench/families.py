@@ -1,6 +1,7 @@
 """The model families on tiny random models: the bf16 default's deviation, and what experts cost.
 
     python bench/families.py fidelity [--archs ...] [--tokens 32]
+    python bench/families.py vision-fidelity [--families ...] [--tokens 16] [--prompts 6]
     python bench/families.py moe-step [--experts 8 64] [--top-k 4] [--batches 1 16] [--layers 8]
                                       [--hidden 512] [--expert-size 256] [--tokens 48]
     python bench/families.py hybrid-prefix [--arch bamba|qwen3_5] [--prefix 2048] [--suffix 32] [--layers 8]
@@ -14,6 +15,14 @@ in float32, teacher-forced through the bf16 default (batch-invariant, prefix cac
 tests/e2e/test_fast_paths.py does: mean KL(float32 || bf16) per token and greedy agreement. Random
 weights at initializer_range 0.15 give flatter and noisier distributions than trained ones, so
 these figures bound the arithmetic's deviation rather than predict a real model's.
+
+vision-fidelity: for each family that sees (tiny random VLMs of tests/support: Gemma 3, SmolVLM,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL), `--prompts` prompts each with one or two pictures, greedy in
+float32 and in the bf16 default: how many of the `--tokens` tokens agree before the first
+difference (free-running, so one early difference ends the count), the prompts whose tokens all
+agree, and KL(float32 || bf16) of the first token's distribution over float32's 20 most likely
+tokens (renormalised on both sides; the engine returns at most 20 logprobs). The image tokens'
+encoder and prefill in bf16 are where these models differ from text-only ones.
 
 moe-step: random Qwen3-MoE models that differ only in their number of experts (same top-k, same
 expert size, so the same weights per token), decode steps at 1 and 16 requests in the bf16 default:
@@ -86,6 +95,57 @@ def fidelity(args) -> None:
             del ref_llm
             kl, agreement = test_fast_paths.compare(LLM(folder, dtype="bfloat16", max_model_len=256), reference)
             print(f"| {arch} | {kl:.4f} | {agreement:.1%} |", flush=True)
+
+
+def vision_fidelity(args) -> None:
+    import math
+
+    from tests.support.idefics3_models import save_idefics3_vlm
+    from tests.support.qwen3_vl_models import save_qwen3_vl
+    from tests.support.qwen_vl_models import save_qwen_vl
+    from tests.support.vision_models import picture, save_gemma3_vlm
+    from treadle import LLM, SamplingParams
+
+    qwen = "<|vision_start|><|image_pad|><|vision_end|>"
+    families = {  # saver(folder) -> anything, the image marker
+        "gemma3": (save_gemma3_vlm, "<start_of_image>"),
+        "smolvlm": (save_idefics3_vlm, "<image>"),
+        "qwen2_vl": (lambda f: save_qwen_vl(f, "qwen2_vl"), qwen),
+        "qwen2_5_vl": (save_qwen_vl, qwen),
+        "qwen3_vl": (save_qwen3_vl, qwen),
+    }
+    print("| family | tokens agreeing before the first difference (mean of prompts) | prompts all agreeing | "
+          "first token's KL over float32's top 20 |")  # fmt: skip
+    print("|---|---|---|---|")
+    for name in args.families:
+        save, marker = families[name]
+        with tempfile.TemporaryDirectory() as folder:
+            save(folder)
+            prompts = []
+            for i in range(args.prompts):
+                images = [picture(100 + i, size=(40 + 8 * i, 56))] + ([picture(200 + i)] if i % 2 else [])
+                text = f"Look {marker} at this" + (f" and {marker} that" if i % 2 else "") + f" number {i}:"
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=20)
+            runs = {}
+            for dtype in ("float32", "bfloat16"):
+                llm = LLM(folder, dtype=dtype, max_model_len=512, num_kv_blocks=128)
+                runs[dtype] = [o.outputs[0] for o in llm.generate(prompts, params)]
+                del llm
+            agree, whole, kls = [], 0, []
+            for ref, got in zip(runs["float32"], runs["bfloat16"]):
+                same = next((k for k, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), args.tokens)
+                agree.append(same)
+                whole += same == args.tokens
+                p, q = ref.logprobs[0], got.logprobs[0]
+                support = [t for t in p if t in q]
+                zp = math.log(sum(math.exp(p[t].logprob) for t in support))
+                zq = math.log(sum(math.exp(q[t].logprob) for t in support))
+                kls.append(
+                    sum(math.exp(p[t].logprob - zp) * ((p[t].logprob - zp) - (q[t].logprob - zq)) for t in support)
+                )
+            print(f"| {name} | {sum(agree) / len(agree):.1f} of {args.tokens} | {whole} of {len(agree)} | "
+                  f"{sum(kls) / len(kls):.5f} |", flush=True)  # fmt: skip
 
 
 def moe_step(args) -> None:
@@ -442,6 +502,10 @@ def main() -> int:
     f = sub.add_parser("fidelity")
     f.add_argument("--archs", nargs="+", default=ARCHS)
     f.add_argument("--tokens", type=int, default=32)
+    vf = sub.add_parser("vision-fidelity")
+    vf.add_argument("--families", nargs="+", default=["gemma3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+    vf.add_argument("--tokens", type=int, default=16)
+    vf.add_argument("--prompts", type=int, default=6)
     m = sub.add_parser("moe-step")
     m.add_argument("--experts", nargs="+", type=int, default=[8, 64])
     m.add_argument("--top-k", type=int, default=4)
@@ -474,7 +538,8 @@ def main() -> int:
     v.add_argument("--tokens", type=int, default=64)
     v.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    runs = {"fidelity": fidelity, "moe-step": moe_step, "hybrid-prefix": hybrid_prefix, "scan": scan,
+    runs = {"fidelity": fidelity, "vision-fidelity": vision_fidelity, "moe-step": moe_step,
+            "hybrid-prefix": hybrid_prefix, "scan": scan,
             "second-turn": second_turn, "speed": speed}  # fmt: skip
     runs[args.what](args)
     return 0

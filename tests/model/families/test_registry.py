@@ -315,7 +315,7 @@ def test_gguf_reads_a_registered_architecture_from_its_own_keys(fresh_registry):
         match=(
             r"general.architecture = 'gelu_llama': unsupported architecture \(supported: "
             r"gemma2, gemma3, gemma4, gpt-oss, granitehybrid, llama, olmoe, phi3, qwen2, qwen2moe, qwen2vl, qwen3, "
-            r"qwen35, qwen35moe, qwen3moe, qwen3next, qwen3vl\)"
+            r"qwen35, qwen35moe, qwen3moe, qwen3next, qwen3vl, qwen3vlmoe\)"
         ),
     ):
         _config_from_metadata("m.gguf", {**meta, "general.architecture": "gelu_llama"}, set())

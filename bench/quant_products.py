@@ -3,12 +3,18 @@ embedding (the step's order: file order), multiplied by M rows of bfloat16 activ
 step does; the weights stream from memory, not cache, as they do in a model bigger than the cache.
 
     python bench/quant_products.py --model FILE [--rows 1 2 4 16] [--isa vnni avx2 portable]
-                                   [--threads 2] [--repeat 5]
+                                   [--threads 2] [--repeat 5] [--dtype bfloat16|float32]
+                                   [--f32-slab-rows N]
 
 For each instruction-set path (TREADLE_QUANT_ISA) and row count: the best of --repeat passes over
 all the weights, in ms, and the bytes of weight read per second; then, per type and shape, the
 mean time of one product at one row. Each path runs in its own process (the layout the weights
 are held in is chosen when a process loads them).
+
+`--dtype float32`: float32 rows, the exact weights (the float32 default's product), and the
+multiply-adds per second beside the bytes; `--f32-slab-rows N` sets the row count from which such a
+product dequantizes slabs of the weight for torch's sgemm (quant.F32_SLAB_MIN_ROWS; a large N keeps
+the tiles' in-order fma at every row count, for a side-by-side run).
 """
 
 import argparse
@@ -30,6 +36,9 @@ def one_path(args) -> None:
     from treadle.model.loading.gguf_file import open_gguf
 
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.f32_slab_rows is not None:
+        quant.F32_SLAB_MIN_ROWS = args.f32_slab_rows
     reader = open_gguf(args.model)
     weights = []
     for t in reader.tensors:
@@ -41,9 +50,12 @@ def one_path(args) -> None:
                 )
             )
     total = sum(w.nbytes() for _, w in weights)
-    print(f"{quant.isa()} on {cpu_description()}, {args.threads} threads: {len(weights)} weights, {total / 1e6:.0f} MB")
+    macs = sum(w.shape[0] * w.shape[1] for _, w in weights)
+    slabs = f" (float32 slabs from {quant.F32_SLAB_MIN_ROWS} rows)" if args.dtype == "float32" else ""
+    print(f"{quant.isa()} on {cpu_description()}, {args.threads} threads, {args.dtype} rows{slabs}: "
+          f"{len(weights)} weights, {total / 1e6:.0f} MB")  # fmt: skip
     for m in args.rows:
-        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=torch.bfloat16) for _, w in weights}
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=dtype) for _, w in weights}
         for _, w in weights:
             w.matmul(xs[w.shape[1]])
         best = float("inf")
@@ -52,12 +64,13 @@ def one_path(args) -> None:
             for _, w in weights:
                 w.matmul(xs[w.shape[1]])
             best = min(best, time.perf_counter() - start)
-        print(f"  {m:3d} rows: {best * 1e3:8.2f} ms per pass, {total / best / 1e9:5.1f} GB/s")
+        print(f"  {m:3d} rows: {best * 1e3:8.2f} ms per pass, {total / best / 1e9:5.1f} GB/s, "
+              f"{2 * m * macs / best / 1e9:6.1f} GFLOP/s")  # fmt: skip
     by_kind: dict[tuple, list] = {}
     for name, w in weights:
         by_kind.setdefault((name, w.kind, tuple(w.shape)), []).append(w)
     for (name, kind, shape), ws in by_kind.items():
-        x = torch.randn(1, shape[1], dtype=torch.bfloat16)
+        x = torch.randn(1, shape[1], dtype=dtype)
         start = time.perf_counter()
         for _ in range(args.repeat):
             for w in ws:
@@ -76,6 +89,8 @@ def main() -> int:
     ap.add_argument("--isa", nargs="+", default=None, help="paths to run (default: every one this CPU supports)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--f32-slab-rows", type=int, default=None, help="quant.F32_SLAB_MIN_ROWS for this run")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: the path in TREADLE_QUANT_ISA
     args = ap.parse_args()
     if args.one:
@@ -94,6 +109,9 @@ def main() -> int:
             str(args.threads),
             "--repeat",
             str(args.repeat),
+            "--dtype",
+            args.dtype,
+            *(["--f32-slab-rows", str(args.f32_slab_rows)] if args.f32_slab_rows is not None else []),
             "--rows",
         ]
         subprocess.run([*cmd, *map(str, args.rows)], env=dict(os.environ, TREADLE_QUANT_ISA=isa), check=True)

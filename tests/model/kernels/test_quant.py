@@ -81,6 +81,31 @@ def test_dequantize_is_gguf_bit_for_bit(kind, isa, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", list(quant.TYPES))
+def test_a_slab_of_the_weight_dequantized_as_columns_is_gguf_bit_for_bit(kind, isa, monkeypatch):
+    """The float32 prompt chunk's weights (treadle_q_dequantize_t): rows n0 .. n1 as the columns of a
+    [K, ld] slab, gguf-py's values exactly, from whole groups of 16 and the rows after the last
+    group (held as the file's rows), at slab offsets and widths that are not the weight's."""
+    monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
+    cols = 512 if quant.TYPES[kind][1] == 256 else 96
+    blocks = random_blocks(kind, 53, cols, seed=3)
+    expected = reference(kind, blocks)
+    weight = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols)
+    lib = quant.quant_lib.product_library(quant.isa(), True)
+    for n0, n1, ld in ((0, 53, 53), (16, 48, 40), (32, 53, 64), (48, 53, 5)):
+        slab = torch.full((cols, ld), float("nan"))
+        code = lib.treadle_q_dequantize_t(
+            weight.type_id, weight.data.data_ptr(), 53, cols, n0, n1, slab.data_ptr(), ld, quant.ISAS[quant.isa()]
+        )
+        assert code == 0
+        got = slab[:, : n1 - n0].T.contiguous().numpy()
+        assert np.array_equal(got.view(np.uint32), expected[n0:n1].view(np.uint32))
+        assert torch.isnan(slab[:, n1 - n0 :]).all()  # nothing written past the slab's columns
+    for n0, n1, ld in ((8, 16, 8), (0, 20, 20), (0, 53, 52)):  # n0 off the groups, n1 inside one, ld short
+        assert lib.treadle_q_dequantize_t(weight.type_id, weight.data.data_ptr(), 53, cols, n0, n1, None, ld, 0) == 1
+
+
 def product_reference(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
     return x.double() @ torch.from_numpy(w).double().T
 
@@ -93,7 +118,7 @@ def test_float32_product_matches_dequantize_then_matmul(kind, isa, monkeypatch):
     for rows, cols in ((33, 768 if big else 32 * 9), (5, 256 if big else 32)):
         blocks = random_blocks(kind, rows, cols, seed=rows)
         w = reference(kind, blocks)
-        for m in (1, 3, 17, 64):
+        for m in (1, 3, 17, 64, 300):  # 64 and 300 rows: the slabs' sgemm on the vector paths
             x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
             y = quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols).matmul(x)
             ref = product_reference(x, w)
@@ -131,7 +156,9 @@ def test_bfloat16_product_matches_int8_activation_reference(kind, isa, monkeypat
 @pytest.mark.parametrize("kind", list(quant.TYPES))
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind, monkeypatch):
     """Every path on both layouts (a weight held packed, as a VNNI process holds it, and as the file
-    has it, as the others do): the same bits."""
+    has it, as the others do): the same bits. float32 x of F32_SLAB_MIN_ROWS rows or more on a packed
+    weight runs the slabs' sgemm (test_float32_product_matches_dequantize_then_matmul), so its rows
+    here stay below that."""
     big = quant.TYPES[kind][1] == 256
     rows, cols = 24, 768 if big else 32 * 7
     blocks = random_blocks(kind, rows, cols, seed=5)
@@ -141,14 +168,14 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind,
         weights.append(quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols))
     x = torch.randn(50, cols, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        xs = x.to(dtype)
+        xs = x.to(dtype)[: quant.F32_SLAB_MIN_ROWS - 1] if dtype == torch.float32 else x.to(dtype)
         results = []
         for isa in ISAS:
             monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
             for weight in weights:
                 data, type_id = weight.data, weight.type_id
                 whole = quant.matmul(xs, data, type_id)
-                for m in (1, 7, 33):
+                for m in (1, 7, 30 if dtype == torch.float32 else 33):
                     assert torch.equal(quant.matmul(xs[m : m + 1], data, type_id)[0], whole[m])
                     assert torch.equal(quant.matmul(xs[:m], data, type_id), whole[:m])
                 results.append(whole)

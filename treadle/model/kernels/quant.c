@@ -15,7 +15,12 @@
  * number of rows M, the thread that runs it or the instruction set:
  *
  * - float32 (`treadle_q_matmul_f32`): y = x . w with w dequantized exactly; one fused
- *   multiply-add per value, in order along K: acc = fma(x[e], w[e], acc).
+ *   multiply-add per value, in order along K: acc = fma(x[e], w[e], acc). A prompt chunk of
+ *   quant.F32_SLAB_MIN_ROWS rows or more on a packed weight goes another way (quant.py): the same
+ *   exact weights a slab of rows at a time as the columns of a buffer (`treadle_q_dequantize_t`,
+ *   the tiles' unpacking with a store where the product's fma was) and torch's sgemm over them,
+ *   1.3-2x the tiles' rate from 64 rows on; float32 promises no batch invariance, so a row's bits
+ *   there follow sgemm's order, as transformers' own product on the dequantized file does.
  * - int8 activations (`treadle_q_matmul_q8`, for bfloat16 / float16 models, as llama.cpp's CPU
  *   backend does): each row of x is quantized per 32 values to int8 with scale dx = amax / 127
  *   (round half to even); then for each group of the weight's own scale (16 or 32 values), in
@@ -715,6 +720,12 @@ int treadle_q_pack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *
 /* ---- the packed layout's kernels (quant_tiles.h), for AVX-512 VNNI and for AVX2 ---- */
 
 typedef void (*group_fn)(const uint8_t *, int64_t, char *, int64_t, int64_t, int64_t, int64_t, void *, int64_t, int, int64_t);
+/* the dequantizing store's slab: row e of W^T at out + e * ld (quant_tiles.h, EXACT 2) */
+typedef struct {
+    float *out;
+    int64_t ld;
+} wstore;
+typedef void (*store_fn)(const uint8_t *, int64_t, char *, int64_t);
 
 TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v) {
     if (!y_bf16) {
@@ -772,6 +783,7 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #define DOT8(acc, u0, u1, x0, x1, wide) DOT4(DOT4((acc), (u0), (x0), (wide)), (u1), (x1), (wide))
 #define DOT4_SHIFT(wide) 0
 #define STOREV store16
+#define F_STOREU _mm512_storeu_ps
 #if TREADLE_Q_TILES == 512
 #include "quant_tiles.h"
 #endif
@@ -814,6 +826,7 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #undef DOT8
 #undef DOT4_SHIFT
 #undef STOREV
+#undef F_STOREU
 
 /* AVX2 (8 lanes: half a group at a time). No 4-byte dot product instruction: maddubs multiplies
  * unsigned by signed bytes and adds pairs into 16 bits, saturating, then madd adds the pairs into
@@ -899,6 +912,7 @@ TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v)
 #define DOT8(acc, u0, u1, x0, x1, wide) dot8_avx2((acc), (u0), (u1), (x0), (x1), (wide))
 #define DOT4_SHIFT(wide) ((wide) ? 128 : 0)
 #define STOREV store8
+#define F_STOREU _mm256_storeu_ps
 #if TREADLE_Q_TILES == 256
 #include "quant_tiles.h"
 #endif
@@ -913,6 +927,18 @@ static group_fn group_kernel(int isa, int type, int exact) {
     return isa == ISA_AVX2 ? group_kernel_256(type, exact) : NULL;
 #else
     (void)isa, (void)type, (void)exact;
+    return NULL;
+#endif
+}
+
+/* the packed layout's dequantizing store for this path and type (NULL: rows one at a time) */
+static store_fn store_kernel(int isa, int type) {
+#if TREADLE_Q_TILES == 512 && TREADLE_Q_EXACT
+    return isa == ISA_AVX512_VNNI ? store_kernel_512(type) : NULL;
+#elif TREADLE_Q_TILES == 256 && TREADLE_Q_EXACT
+    return isa == ISA_AVX2 ? store_kernel_256(type) : NULL;
+#else
+    (void)isa, (void)type;
     return NULL;
 #endif
 }
@@ -1023,6 +1049,46 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
                     unpack_row(&t, file_row(type, packed, &t, w, N, K, n, tmp), K, uq, s4, m4);
                     dequantize_unpacked(&t, K, uq, s4, m4, f);
                     for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * K, f, K));
+                }
+            }
+            free(uq), free(tmp), free(s4), free(m4), free(f);
+        }
+    }
+    return err;
+}
+
+/* Rows n0 .. n1 of a stored [N, K] weight dequantized exactly (the float32 product's weights,
+ * gguf-py's values) into the columns of out [K, ldo]: out[e * ldo + n - n0]. A float32 prompt chunk
+ * multiplies a slab of these with one sgemm (quant.py). n0 a multiple of 16; n1 too, or N. */
+int treadle_q_dequantize_t(int type, const uint8_t *w, int64_t N, int64_t K, int64_t n0, int64_t n1, float *out, int64_t ldo, int isa) {
+    const int packed = (type & PACKED) != 0;
+    type &= ~PACKED;
+    qtype t;
+    if (qtype_of(type, &t) || K % t.elems) return 1;
+    if (n0 < 0 || n0 % 16 || n1 < n0 || n1 > N || (n1 % 16 && n1 != N) || ldo < n1 - n0) return 1;
+    if (!treadle_q_isa_supported(isa)) return 3;
+    if (!built_for(isa, 1)) return 4;
+    const int64_t rb = K / t.elems * t.bytes;
+    const store_fn x16 = packed ? store_kernel(isa, type) : NULL;
+    const int64_t g1 = x16 ? (n1 < N / 16 * 16 ? n1 : N / 16 * 16) / 16 : n0 / 16; /* whole groups the vector store takes */
+    int err = 0;
+#pragma omp parallel
+    {
+        const wstore ws = {out, ldo};
+#pragma omp for schedule(static) nowait
+        for (int64_t g = n0 / 16; g < g1; g++) x16(w + g * 16 * rb, K / t.elems, (char *)&ws, g * 16 - n0);
+        if (g1 * 16 < n1) {
+            uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
+            float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
+            if (!uq || !tmp || !s4 || !m4 || !f) {
+#pragma omp atomic write
+                err = 2;
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t n = g1 * 16; n < n1; n++) {
+                    unpack_row(&t, file_row(type, packed, &t, w, N, K, n, tmp), K, uq, s4, m4);
+                    dequantize_unpacked(&t, K, uq, s4, m4, f);
+                    for (int64_t e = 0; e < K; e++) out[e * ldo + n - n0] = f[e];
                 }
             }
             free(uq), free(tmp), free(s4), free(m4), free(f);

@@ -238,6 +238,11 @@ def _row_bytes(type_id: int, cols: int) -> int:
 
 
 BF16_IN_F32 = 2  # quant.c's output mode: float32 rows of bf16-rounded values
+# float32 x of at least this many rows (a prompt chunk) on the vector paths: the weight's exact values
+# a slab of SLAB rows at a time (treadle_q_dequantize_t, as its columns) times x in one sgemm, where
+# the tiles' in-order fma per value runs at a third of sgemm's rate (docs/benchmarks/quantized-weights.md)
+F32_SLAB_MIN_ROWS = 48
+SLAB = 256
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = False) -> torch.Tensor:
@@ -258,6 +263,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
         return x.new_empty((0, N), dtype=torch.float32 if widened and x.dtype == torch.bfloat16 else x.dtype)
     chosen, exact = isa(), x.dtype == torch.float32  # (one isa() a call: a small product's Python is most of its time)
     lib, path = quant_lib.product_library(chosen, exact), ISAS[chosen]
+    if x.dtype == torch.float32 and M >= F32_SLAB_MIN_ROWS and type_id & PACKED:
+        return _slab_matmul(x, data, type_id, lib, path)
     if x.dtype == torch.float32:
         x32 = x if x.stride(0) == K else x.contiguous()
         y = torch.empty((M, N), dtype=torch.float32)
@@ -274,6 +281,26 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
     if code:
         raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
     return y if y.dtype == x.dtype or widened else y.to(x.dtype)
+
+
+def _slab_matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, lib, path: int) -> torch.Tensor:
+    """float32 x [M, K] @ W^T for a weight held packed: each slab of SLAB weight rows dequantized
+    exactly (the float32 product's weights) into the columns of a [K, SLAB] buffer, then one sgemm
+    (torch's) per slab. The same weights as the tiles, summed in sgemm's order, not one fma per
+    value in order: a row's bits may differ from a decode step's (float32 promises no batch
+    invariance; transformers' own float32 product on the dequantized file is an sgemm too)."""
+    M, K = x.shape
+    N = data.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    # rows SLAB + 16 floats apart: a power-of-two stride would put the store's every column on a few cache sets
+    slab = torch.empty((K, min(SLAB, N) + 16), dtype=torch.float32)
+    for n0 in range(0, N, SLAB):
+        n1 = min(N, n0 + SLAB)
+        code = lib.treadle_q_dequantize_t(type_id, data.data_ptr(), N, K, n0, n1, slab.data_ptr(), slab.shape[1], path)
+        if code:
+            raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
+        y[:, n0:n1] = torch.mm(x, slab[:, : n1 - n0])
+    return y
 
 
 @torch.library.custom_op("treadle::quant_matmul", mutates_args=())

@@ -73,6 +73,7 @@ def _variant(path: str, exact: bool | None = None) -> ctypes.CDLL:
                 lib.treadle_q_pack.argtypes = [i32, ptr, i64, i64, ptr, i32]
                 lib.treadle_q_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
                 lib.treadle_q_matmul_f32.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i64, i32, i32]
+                lib.treadle_q_dequantize_t.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i64, i32]
                 lib.treadle_q_matmul_q8.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i64, ptr, i64, i32, i32]
                 lib.treadle_q_quantize.argtypes = [i32, ptr, i64, i64, ptr]
                 lib.treadle_q_block_geometry.argtypes = [i32, ptr, ptr]

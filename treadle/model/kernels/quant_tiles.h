@@ -38,6 +38,22 @@ TW static inline __attribute__((always_inline)) void SFX(exact_quads)(const VI *
         }
 }
 
+/* EXACT 2 (the dequantizing store): the float32 rule's weights of quads q0 .. q0 + nq of 32-value
+ * group g, each value e of the LANES rows written as one vector at ws->out + e * ws->ld (the
+ * weight's columns: a slab of W^T that a float32 prompt chunk multiplies with one sgemm) */
+TW static inline __attribute__((always_inline)) void SFX(store_quads)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off,
+                                                                     const wstore *ws, int64_t e0) {
+    const VI offv = I_SET1_32(off), byte = I_SET1_32(255);
+    for (int q = q0; q < q0 + nq; q++)
+        for (int i = 0; i < 4; i++) {
+            const VI c = I_AND(I_SRLI32(u[q], 8 * i), byte);
+            VF w = F_MUL(dw, F_CVT32(I_SUB32(c, offv)));
+            if (MODE == 1) w = F_ADD(w, add);
+            if (MODE == 2) w = F_SUB(w, add);
+            F_STOREU(ws->out + (e0 + 4 * q + i) * ws->ld, w);
+        }
+}
+
 /* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;
  * nq = 4: its 16-value half h16), scale dw and, MODE 1 / 2, a value added / subtracted (the
  * minimum): the int8 rule's operations for rows of quantized activations, or (EXACT) the float32
@@ -46,6 +62,10 @@ TW static inline __attribute__((always_inline)) void SFX(exact_quads)(const VI *
  * starts from the rule's -off * sum(xq) less what DOT4 already took away. */
 TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off, const int EXACT,
                                                                  const arow *a, const float *const *xr, const int MT, int64_t a32, int h16, VF *acc) {
+    if (EXACT == 2) {
+        SFX(store_quads)(u, q0, nq, dw, add, MODE, off, (const wstore *)xr[0], 32 * a32);
+        return;
+    }
     if (EXACT) {
         SFX(exact_quads)(u, q0, nq, dw, add, MODE, off, xr, MT, 32 * a32, acc);
         return;
@@ -95,6 +115,13 @@ TW static inline VF SFX(e8m0_half)(const uint8_t *p) {
     return F_BITS(I_MAX32(I_SLLI32(I_SUB32(e, I_SET1_32(1)), 23), I_SLLI32(I_ADD32(e, I_SET1_32(1)), 21)));
 }
 
+/* the slab's columns of weight rows n0 + half * LANES on (EXACT 2: `act` is the slab, a wstore) */
+TW static inline wstore SFX(store_column)(const char *act, int64_t n0, int half) {
+    wstore col = *(const wstore *)act;
+    col.out += n0 + half * LANES;
+    return col;
+}
+
 /* rows m0 .. m0 + MT of x against one group of 16 weight rows (outputs n0 .. n0 + 15): the rule's
  * operations, lane r for weight row n0 + r (the 32-value types) */
 TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type, const int MT, const int EXACT, const uint8_t *group, int64_t nb,
@@ -117,6 +144,8 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
     const float *xr[8];
     VF acc[8];
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
+    wstore col; /* EXACT 2: `act` is the slab; this half's columns */
+    if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
         prefetch_ahead(gb, 16 * bytes);
@@ -143,7 +172,8 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
         }
         SFX(consume)(u, 0, 8, d, mn, with_min ? 1 : 0, off, EXACT, a, xr, MT, b, 0, acc);
     }
-    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+    if (EXACT != 2)
+        for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
 }
 
 /* The K-quants (256 values a block): Q4_K and Q5_K (32-value groups with 6-bit scales and minimums)
@@ -158,6 +188,8 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
     const float *xr[8];
     VF acc[8];
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
+    wstore col; /* EXACT 2: `act` is the slab; this half's columns */
+    if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
         prefetch_ahead(gb, 16 * bytes);
@@ -210,7 +242,8 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
             SFX(consume)(u, 0, 8, dw, mw, 2, 0, EXACT, a, xr, MT, a32, 0, acc);
         }
     }
-    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+    if (EXACT != 2)
+        for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
 }
 
 /* Q2_K and Q3_K (16-value groups, 2- and 3-bit codes) and IQ4_XS (32-value groups of IQ4_NL's
@@ -225,6 +258,8 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
     const float *xr[8];
     VF acc[8];
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
+    wstore col; /* EXACT 2: `act` is the slab; this half's columns */
+    if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
 #define BYTE_OF(v, k) I_AND(I_SRLI32((v), 8 * ((k) % 4)), I_SET1_32(255))
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
@@ -281,7 +316,8 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
         }
     }
 #undef BYTE_OF
-    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+    if (EXACT != 2)
+        for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
 }
 
 /* One group of 16 weight rows against rows m0 .. m1 of x: tiles of 8, 4, 2, 1 rows of x, each
@@ -319,6 +355,40 @@ TILE_TYPE(T_Q3_K, tiles)
 TILE_TYPE(T_IQ4_XS, tiles)
 #undef TILE_TYPE
 #undef TILE_VARIANT
+
+#if TREADLE_Q_EXACT
+/* the dequantizing store of one group of 16 weight rows (the float32 product's library holds it):
+ * its rows as columns n0 .. n0 + 15 of the slab `ws` (a wstore) */
+#define STORE_TYPE(TYPE, TILE)                                                                        \
+    TW static void SFX(w32_##TYPE)(const uint8_t *group, int64_t nb, char *ws, int64_t n0) {        \
+        for (int half = 0; half < 16 / LANES; half++) SFX(TILE)(TYPE, 1, 2, group, nb, ws, 0, 0, 0, NULL, 0, 0, n0, half); \
+    }
+STORE_TYPE(T_Q4_0, tile32)
+STORE_TYPE(T_Q4_1, tile32)
+STORE_TYPE(T_Q5_0, tile32)
+STORE_TYPE(T_Q5_1, tile32)
+STORE_TYPE(T_Q8_0, tile32)
+STORE_TYPE(T_IQ4_NL, tile32)
+STORE_TYPE(T_MXFP4, tile32)
+STORE_TYPE(T_Q4_K, tilek)
+STORE_TYPE(T_Q5_K, tilek)
+STORE_TYPE(T_Q6_K, tilek)
+STORE_TYPE(T_Q2_K, tiles)
+STORE_TYPE(T_Q3_K, tiles)
+STORE_TYPE(T_IQ4_XS, tiles)
+#undef STORE_TYPE
+
+static store_fn SFX(store_kernel)(int type) {
+#define CASE(TYPE) \
+    case TYPE: return SFX(w32_##TYPE);
+    switch (type) {
+        CASE(T_Q4_0) CASE(T_Q4_1) CASE(T_Q5_0) CASE(T_Q5_1) CASE(T_Q8_0) CASE(T_IQ4_NL) CASE(T_MXFP4)
+        CASE(T_Q4_K) CASE(T_Q5_K) CASE(T_Q6_K) CASE(T_Q2_K) CASE(T_Q3_K) CASE(T_IQ4_XS)
+    default: return NULL;
+    }
+#undef CASE
+}
+#endif
 
 /* this width's function for a type: int8 activations, or (exact) float32 x; NULL for the product
  * this library holds no tiles of */

@@ -131,30 +131,15 @@ def write_mmproj(path: str, folder: dict) -> None:
     """The folder's encoder and connector as llama.cpp's converter writes them (`--mmproj`, f32;
     checked against the 0.3.36 sdist's convert_hf_to_gguf.py: the same tensors, bytes and
     metadata apart from general.name and general.size_label)."""
-    import gguf
     import numpy as np
+
+    from tests.support.vision_models import siglip_mmproj_writer
 
     model, image_config = folder["model"], folder["image_config"]
     config = model.config
-    vision = config.vision_config
-    writer = gguf.GGUFWriter(path, "clip")
-    writer.add_string("general.type", "mmproj")
+    mean, std = image_config["image_mean"], image_config["image_std"]
+    writer = siglip_mmproj_writer(path, model, mean, std, "idefics3")
     writer.add_uint32("general.file_type", 0)
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_uint32("clip.vision.projection_dim", config.text_config.hidden_size)
-    for key, value in (
-        ("image_size", vision.image_size),
-        ("patch_size", vision.patch_size),
-        ("embedding_length", vision.hidden_size),
-        ("feed_forward_length", vision.intermediate_size),
-        ("block_count", vision.num_hidden_layers),
-        ("attention.head_count", vision.num_attention_heads),
-    ):
-        writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_array("clip.vision.image_mean", image_config["image_mean"])
-    writer.add_array("clip.vision.image_std", image_config["image_std"])
-    writer.add_string("clip.projector_type", "idefics3")
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
     writer.add_uint32("clip.vision.projector.scale_factor", config.scale_factor)
     writer.add_bool("clip.use_gelu", True)
     writer.add_uint32("clip.vision.preproc_image_size", image_config["size"]["longest_edge"])

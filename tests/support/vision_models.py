@@ -102,3 +102,31 @@ def reference(folder, num_tokens: int, text: str, images: list[Image.Image]) -> 
         inputs["pixel_values"] = torch.tensor(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
     out = model.generate(**inputs, max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, ids.shape[1] :].tolist()
+
+
+def siglip_mmproj_writer(path: str, model, mean: list, std: list, kind: str):
+    """A GGUFWriter of llama.cpp's mmproj for `model`'s SigLIP tower (a transformers VLM), with the
+    keys the converter writes for every such tower: the encoder's shape, the text model's width,
+    the image mean and std, the projector `kind` and the layer norm's epsilon. The caller adds its
+    projector's keys and the tensors, then writes the file."""
+    import gguf
+
+    vision = model.config.vision_config
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_string("general.type", "mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", model.config.text_config.hidden_size)
+    for key, value in (
+        ("image_size", vision.image_size),
+        ("patch_size", vision.patch_size),
+        ("embedding_length", vision.hidden_size),
+        ("feed_forward_length", vision.intermediate_size),
+        ("block_count", vision.num_hidden_layers),
+        ("attention.head_count", vision.num_attention_heads),
+    ):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_array("clip.vision.image_mean", mean)
+    writer.add_array("clip.vision.image_std", std)
+    writer.add_string("clip.projector_type", kind)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    return writer

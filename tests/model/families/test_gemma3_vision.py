@@ -244,26 +244,10 @@ GGUF_GLOBAL = {
 def write_mmproj(path: str, model, image_seq_length: int | None) -> None:
     """The model's encoder and projector as llama.cpp's converter writes them (`image_seq_length`:
     the processor's, from which it derives the pool; None: a file without the scale factor)."""
-    import gguf
+    from tests.support.vision_models import siglip_mmproj_writer
 
     vision = model.config.vision_config
-    writer = gguf.GGUFWriter(path, "clip")
-    writer.add_string("general.type", "mmproj")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_uint32("clip.vision.projection_dim", model.config.text_config.hidden_size)
-    for key, value in (
-        ("image_size", vision.image_size),
-        ("patch_size", vision.patch_size),
-        ("embedding_length", vision.hidden_size),
-        ("feed_forward_length", vision.intermediate_size),
-        ("block_count", vision.num_hidden_layers),
-        ("attention.head_count", vision.num_attention_heads),
-    ):
-        writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer = siglip_mmproj_writer(path, model, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5], "gemma3")
     writer.add_bool("clip.use_gelu", True)
     if image_seq_length is not None:
         scale = (vision.image_size // vision.patch_size) // int(image_seq_length**0.5)

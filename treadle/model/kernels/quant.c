@@ -988,6 +988,28 @@ static inline void store(void *y, int y_bf16, int64_t i, float v) {
         ((float *)y)[i] = v;
 }
 
+/* A thread's buffers for weight rows taken one at a time: the codes, a packed row's bytes, the
+ * scales and minimums per 4 values, the row's exact values. */
+typedef struct {
+    uint8_t *uq, *tmp;
+    float *s4, *m4, *f;
+} row_buffers;
+
+static int row_buffers_alloc(row_buffers *b, int64_t K) {
+    b->uq = malloc((size_t)K), b->tmp = malloc((size_t)K * 2);
+    b->s4 = malloc((size_t)K), b->m4 = malloc((size_t)K), b->f = malloc((size_t)K * 4);
+    return b->uq && b->tmp && b->s4 && b->m4 && b->f;
+}
+
+static void row_buffers_free(row_buffers *b) { free(b->uq), free(b->tmp), free(b->s4), free(b->m4), free(b->f); }
+
+/* row n of a stored [N, K] weight, dequantized exactly (gguf-py's values), into b->f */
+static const float *exact_row(const qtype *t, int type, int packed, const uint8_t *w, int64_t N, int64_t K, int64_t n, row_buffers *b) {
+    unpack_row(t, file_row(type, packed, t, w, N, K, n, b->tmp), K, b->uq, b->s4, b->m4);
+    dequantize_unpacked(t, K, b->uq, b->s4, b->m4, b->f);
+    return b->f;
+}
+
 /* rows ids[i] (or i, ids NULL) of a stored [N, K] weight -> y [n, K] float32 or bf16 */
 int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *y, int y_bf16) {
     const int packed = (type & PACKED) != 0;
@@ -997,20 +1019,18 @@ int treadle_q_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, const
     int err = 0;
 #pragma omp parallel
     {
-        uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
-        float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
-        if (!uq || !tmp || !s4 || !m4 || !f) {
+        row_buffers b;
+        if (!row_buffers_alloc(&b, K)) {
 #pragma omp atomic write
             err = 2;
         } else {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) {
-                unpack_row(&t, file_row(type, packed, &t, w, N, K, ids ? ids[i] : i, tmp), K, uq, s4, m4);
-                dequantize_unpacked(&t, K, uq, s4, m4, f);
+                const float *f = exact_row(&t, type, packed, w, N, K, ids ? ids[i] : i, &b);
                 for (int64_t e = 0; e < K; e++) store(y, y_bf16, i * K + e, f[e]);
             }
         }
-        free(uq), free(tmp), free(s4), free(m4), free(f);
+        row_buffers_free(&b);
     }
     return err;
 }
@@ -1037,21 +1057,19 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
             for (int64_t g = 0; g < groups; g++) x16(w + g * 16 * rb, K / t.elems, (char *)x, M, K, m0, m1, y, ldy, y_bf16, g * 16);
         }
         if (groups * 16 < N) {
-            uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
-            float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
-            if (!uq || !tmp || !s4 || !m4 || !f) {
+            row_buffers b;
+            if (!row_buffers_alloc(&b, K)) {
 #pragma omp atomic write
                 err = 2;
             } else {
 #pragma omp for schedule(static)
                 for (int64_t n = groups * 16; n < N; n++) {
                     prefetch_ahead(w + n * rb, rb);
-                    unpack_row(&t, file_row(type, packed, &t, w, N, K, n, tmp), K, uq, s4, m4);
-                    dequantize_unpacked(&t, K, uq, s4, m4, f);
+                    const float *f = exact_row(&t, type, packed, w, N, K, n, &b);
                     for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * K, f, K));
                 }
             }
-            free(uq), free(tmp), free(s4), free(m4), free(f);
+            row_buffers_free(&b);
         }
     }
     return err;
@@ -1078,20 +1096,18 @@ int treadle_q_dequantize_t(int type, const uint8_t *w, int64_t N, int64_t K, int
 #pragma omp for schedule(static) nowait
         for (int64_t g = n0 / 16; g < g1; g++) x16(w + g * 16 * rb, K / t.elems, (char *)&ws, g * 16 - n0);
         if (g1 * 16 < n1) {
-            uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);
-            float *s4 = malloc((size_t)K), *m4 = malloc((size_t)K), *f = malloc((size_t)K * 4);
-            if (!uq || !tmp || !s4 || !m4 || !f) {
+            row_buffers b;
+            if (!row_buffers_alloc(&b, K)) {
 #pragma omp atomic write
                 err = 2;
             } else {
 #pragma omp for schedule(static)
                 for (int64_t n = g1 * 16; n < n1; n++) {
-                    unpack_row(&t, file_row(type, packed, &t, w, N, K, n, tmp), K, uq, s4, m4);
-                    dequantize_unpacked(&t, K, uq, s4, m4, f);
+                    const float *f = exact_row(&t, type, packed, w, N, K, n, &b);
                     for (int64_t e = 0; e < K; e++) out[e * ldo + n - n0] = f[e];
                 }
             }
-            free(uq), free(tmp), free(s4), free(m4), free(f);
+            row_buffers_free(&b);
         }
     }
     return err;

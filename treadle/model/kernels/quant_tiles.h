@@ -25,15 +25,19 @@
 /* float32 x, the exact weights (the float32 product's rule): for quads q0 .. q0 + nq of 32-value group
  * g, w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2), as gguf-py computes it, and
  * acc = fma(x, w, acc) for each value in order */
+TW static inline __attribute__((always_inline)) VF SFX(exact_weight)(VI quad, int i, VF dw, VF add, const int MODE, int off) {
+    const VI c = I_AND(I_SRLI32(quad, 8 * i), I_SET1_32(255)); /* byte i of each lane's quad */
+    VF w = F_MUL(dw, F_CVT32(I_SUB32(c, I_SET1_32(off))));
+    if (MODE == 1) w = F_ADD(w, add);
+    if (MODE == 2) w = F_SUB(w, add);
+    return w;
+}
+
 TW static inline __attribute__((always_inline)) void SFX(exact_quads)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off,
                                                                      const float *const *xr, const int MT, int64_t e0, VF *acc) {
-    const VI offv = I_SET1_32(off), byte = I_SET1_32(255);
     for (int q = q0; q < q0 + nq; q++)
         for (int i = 0; i < 4; i++) {
-            const VI c = I_AND(I_SRLI32(u[q], 8 * i), byte);
-            VF w = F_MUL(dw, F_CVT32(I_SUB32(c, offv)));
-            if (MODE == 1) w = F_ADD(w, add);
-            if (MODE == 2) w = F_SUB(w, add);
+            const VF w = SFX(exact_weight)(u[q], i, dw, add, MODE, off);
             for (int m = 0; m < MT; m++) acc[m] = F_FMA(F_SET1(xr[m][e0 + 4 * q + i]), w, acc[m]);
         }
 }
@@ -43,15 +47,8 @@ TW static inline __attribute__((always_inline)) void SFX(exact_quads)(const VI *
  * weight's columns: a slab of W^T that a float32 prompt chunk multiplies with one sgemm) */
 TW static inline __attribute__((always_inline)) void SFX(store_quads)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off,
                                                                      const wstore *ws, int64_t e0) {
-    const VI offv = I_SET1_32(off), byte = I_SET1_32(255);
     for (int q = q0; q < q0 + nq; q++)
-        for (int i = 0; i < 4; i++) {
-            const VI c = I_AND(I_SRLI32(u[q], 8 * i), byte);
-            VF w = F_MUL(dw, F_CVT32(I_SUB32(c, offv)));
-            if (MODE == 1) w = F_ADD(w, add);
-            if (MODE == 2) w = F_SUB(w, add);
-            F_STOREU(ws->out + (e0 + 4 * q + i) * ws->ld, w);
-        }
+        for (int i = 0; i < 4; i++) F_STOREU(ws->out + (e0 + 4 * q + i) * ws->ld, SFX(exact_weight)(u[q], i, dw, add, MODE, off));
 }
 
 /* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;

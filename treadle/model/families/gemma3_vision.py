@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_int
-from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, gguf_readers, mmproj_kind
+from treadle.model.layers import mmproj
+from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, tower_reader
 
 WHERE = "config.json"
-GGUF_WHERE = "mmproj GGUF"
 # transformers' Gemma3Config defaults, for keys a config.json leaves out
 DEFAULT_TOKENS_PER_IMAGE = 256
 DEFAULT_TEXT_HIDDEN_SIZE = 2304
@@ -40,7 +40,6 @@ TOWER_PREFIXES = (
     "vision_tower.",
 )
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
-GGUF_SCALE_KEY = "clip.vision.projector.scale_factor"
 
 
 class Gemma3Vision:
@@ -124,21 +123,21 @@ class Gemma3Vision:
         `projector.scale_factor`, 4 unless written)². It carries no token ids: those of every Gemma 3
         vocabulary (transformers' defaults) are assumed."""
         meta = reader.metadata
-        mmproj_kind(meta, "gemma3", "Gemma 3", GGUF_WHERE)
-        vision = SiglipVisionConfig.from_gguf(meta, GGUF_WHERE)
+        mmproj.check_projector(meta, ("gemma3",), "Gemma 3")
+        vision = SiglipVisionConfig.from_gguf(meta)
         per_side = vision.patches_per_side
-        scale = file_int(GGUF_WHERE, GGUF_SCALE_KEY, meta.get(GGUF_SCALE_KEY, 4), 1, per_side)
+        scale = file_int(mmproj.WHERE, mmproj.SCALE_KEY, meta.get(mmproj.SCALE_KEY, 4), 1, per_side)
         if per_side % scale:
             raise ModelLoadError(
-                f"{GGUF_WHERE}: {GGUF_SCALE_KEY} = {scale}: does not divide the {per_side} patches per side"
+                f"{mmproj.WHERE}: {mmproj.SCALE_KEY} = {scale}: does not divide the {per_side} patches per side"
             )
-        read, read_tower = gguf_readers(reader, GGUF_WHERE)
-        tower = SiglipVisionTower(vision, read_tower, dtype, device)
+        read = mmproj.tensor_reader(reader)
+        tower = SiglipVisionTower(vision, tower_reader(read), dtype, device)
         norm = _checked("mm.soft_emb_norm.weight", read, (vision.hidden_size,)) - 1.0
         projection = read("mm.input_projection.weight")
         if projection.dim() != 2 or projection.shape[0] != vision.hidden_size:
             raise ModelLoadError(
-                f"{GGUF_WHERE}: tensor mm.input_projection.weight: shape {tuple(projection.shape)}, "
+                f"{mmproj.WHERE}: tensor mm.input_projection.weight: shape {tuple(projection.shape)}, "
                 f"expected ({vision.hidden_size}, the text model's hidden size)"
             )
         return cls(tower, norm.to(device), projection.to(device), (per_side // scale) ** 2, DEFAULT_TOKEN_IDS)

@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_int
-from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, gguf_readers, mmproj_kind
+from treadle.model.layers import mmproj
+from treadle.model.layers.siglip import SiglipVisionConfig, SiglipVisionTower, tower_reader
 
 WHERE = "config.json"
-GGUF_WHERE = "mmproj GGUF"
-GGUF_SCALE_KEY = "clip.vision.projector.scale_factor"
 TOWER_PREFIX = "vision_model."
 PROJECTION = "connector.modality_projection.proj.weight"
 # transformers' Idefics3VisionConfig / SmolVLMVisionConfig defaults (not SigLIP's), and the model's
@@ -100,20 +99,20 @@ class Idefics3Vision:
         read by `gguf_file.GGUFFile`. It names no image token: the front end's (the tokenizer's
         `<image>`) marks the rows the tiles fill."""
         meta = reader.metadata
-        mmproj_kind(meta, "idefics3", "SmolVLM / Idefics3", GGUF_WHERE)
-        vision = SiglipVisionConfig.from_gguf(meta, GGUF_WHERE)
-        scale = file_int(GGUF_WHERE, GGUF_SCALE_KEY, meta.get(GGUF_SCALE_KEY, DEFAULT_SCALE_FACTOR), 1, 1 << 10)
+        mmproj.check_projector(meta, ("idefics3",), "SmolVLM / Idefics3")
+        vision = SiglipVisionConfig.from_gguf(meta)
+        scale = file_int(mmproj.WHERE, mmproj.SCALE_KEY, meta.get(mmproj.SCALE_KEY, DEFAULT_SCALE_FACTOR), 1, 1 << 10)
         if vision.patches_per_side % scale:
             raise ModelLoadError(
-                f"{GGUF_WHERE}: {GGUF_SCALE_KEY} = {scale}: does not divide the {vision.patches_per_side} "
+                f"{mmproj.WHERE}: {mmproj.SCALE_KEY} = {scale}: does not divide the {vision.patches_per_side} "
                 "patches per side of a tile"
             )
-        read, read_tower = gguf_readers(reader, GGUF_WHERE)
-        tower = SiglipVisionTower(vision, read_tower, dtype, device)
+        read = mmproj.tensor_reader(reader)
+        tower = SiglipVisionTower(vision, tower_reader(read), dtype, device)
         projection = read("mm.model.fc.weight")
         if projection.dim() != 2 or projection.shape[1] != vision.hidden_size * scale**2:
             raise ModelLoadError(
-                f"{GGUF_WHERE}: tensor mm.model.fc.weight: shape {tuple(projection.shape)}, expected "
+                f"{mmproj.WHERE}: tensor mm.model.fc.weight: shape {tuple(projection.shape)}, expected "
                 f"(the text model's hidden size, {vision.hidden_size * scale**2})"
             )
         return cls(tower, projection.to(device=device, dtype=dtype), scale, -1)

@@ -234,13 +234,14 @@ class LlamaModel(CausalLM):
     def vision_from_mmproj(self, path: str):
         """The image encoder of llama.cpp's mmproj file at `path` (config.mmproj, whose projector is
         one of `mmproj_projectors`)."""
-        from treadle.model.families.idefics3_vision import GGUF_WHERE, Idefics3Vision
+        from treadle.model.families.idefics3_vision import Idefics3Vision
+        from treadle.model.layers.mmproj import WHERE
         from treadle.model.loading.gguf_file import open_gguf
 
         vision = Idefics3Vision.from_gguf(open_gguf(path), self.dtype, self.device)
         if vision.text_hidden_size != self.config.hidden_size:
             raise ModelLoadError(
-                f"{GGUF_WHERE} {path}: its projection gives {vision.text_hidden_size}-wide embeddings; "
+                f"{WHERE} {path}: its projection gives {vision.text_hidden_size}-wide embeddings; "
                 f"the model's hidden size is {self.config.hidden_size}"
             )
         return vision

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_float, file_int
+from treadle.model.layers import mmproj
 from treadle.model.layers.norm import RMSNorm
 from treadle.model.layers.rotary import apply_rotary
 
@@ -51,7 +52,6 @@ ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 DEFAULT_IMAGE_TOKEN_ID = 151655  # <|image_pad|> in every Qwen2.5-VL vocabulary (transformers' default)
-GGUF_WHERE = "mmproj GGUF"
 # llama.cpp's names in an mmproj file: a block's modules, the merger's, a DeepStack merger's
 GGUF_BLOCK = {
     "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -67,14 +67,7 @@ def mmproj_reader(reader, deepstack_layers: list[int] = ()) -> Callable[[str], t
     """`read(name)` of an mmproj file's tower by its Hugging Face name under `visual.` (float32):
     the Conv3d from its two frames, q, k and v joined where the file keeps them apart, the k-th
     DeepStack merger from the file's block `deepstack_layers[k]`."""
-    from treadle.model.layers.siglip import gguf_float32
-
-    tensors = {t.name: t for t in reader.tensors}
-
-    def raw(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ModelLoadError(f"{GGUF_WHERE}: no tensor {name}")
-        return gguf_float32(tensors[name])
+    raw = mmproj.tensor_reader(reader)
 
     def read(name: str) -> torch.Tensor:
         if name == "patch_embed.proj.weight":
@@ -89,7 +82,7 @@ def mmproj_reader(reader, deepstack_layers: list[int] = ()) -> Callable[[str], t
             block, _, module = module.partition(".")
             if module == "attn.qkv":
                 fused = f"v.blk.{block}.attn_qkv.{kind}"
-                if fused in tensors:
+                if fused in raw.names:
                     return raw(fused)
                 return torch.cat([raw(f"v.blk.{block}.attn_{x}.{kind}") for x in "qkv"])
             if module in GGUF_BLOCK:
@@ -100,7 +93,7 @@ def mmproj_reader(reader, deepstack_layers: list[int] = ()) -> Callable[[str], t
             k, _, module = module.partition(".")
             if module in GGUF_DEEPSTACK and int(k) < len(deepstack_layers):
                 return raw(f"v.deepstack.{deepstack_layers[int(k)]}.{GGUF_DEEPSTACK[module]}.{kind}")
-        raise ModelLoadError(f"{GGUF_WHERE}: no tensor for the encoder's {name}")
+        raise ModelLoadError(f"{mmproj.WHERE}: no tensor for the encoder's {name}")
 
     return read
 
@@ -111,8 +104,8 @@ def mmproj_tower_section(meta: dict) -> dict:
     def number(key: str, default=None) -> int:
         value = meta.get(f"clip.vision.{key}", default)
         if value is None:
-            raise ModelLoadError(f"{GGUF_WHERE}: no clip.vision.{key}")
-        return file_int(GGUF_WHERE, f"clip.vision.{key}", value, 1, 1 << 24)
+            raise ModelLoadError(f"{mmproj.WHERE}: no clip.vision.{key}")
+        return file_int(mmproj.WHERE, f"clip.vision.{key}", value, 1, 1 << 24)
 
     return {
         "depth": number("block_count"), "hidden_size": number("embedding_length"),
@@ -318,11 +311,7 @@ class QwenVLVision:
         """From llama.cpp's mmproj file of a Qwen2-VL (qwen2vl_merger) or Qwen2.5-VL (qwen2.5vl_merger)
         model. It names no image token: the front end's marks the rows."""
         meta = reader.metadata
-        kind = meta.get("clip.projector_type")
-        if meta.get("general.architecture") != "clip" or kind not in ("qwen2vl_merger", "qwen2.5vl_merger"):
-            raise ModelLoadError(
-                f"{GGUF_WHERE}: clip.projector_type = {kind!r}: not a Qwen2-VL / Qwen2.5-VL mmproj file"
-            )
+        kind = mmproj.check_projector(meta, ("qwen2vl_merger", "qwen2.5vl_merger"), "Qwen2-VL / Qwen2.5-VL")
         section = mmproj_tower_section(meta)
         if kind == "qwen2vl_merger":  # Qwen2-VL's names (embed_dim the tower's width), its MLP as wide as written
             width, ff = section["hidden_size"], section.pop("intermediate_size")
@@ -330,7 +319,7 @@ class QwenVLVision:
             section["mlp_ratio"] = ff / width
             vision = dataclasses.replace(QwenVisionConfig.from_hf(section, qwen2=True), intermediate_size=ff)
         else:
-            every = file_int(GGUF_WHERE, "clip.vision.n_wa_pattern", meta.get("clip.vision.n_wa_pattern"), 1, 1 << 10)
+            every = file_int(mmproj.WHERE, "clip.vision.n_wa_pattern", meta.get("clip.vision.n_wa_pattern"), 1, 1 << 10)
             full = [i for i in range(section["depth"]) if (i + 1) % every == 0]
             vision = QwenVisionConfig.from_hf({**section, "fullatt_block_indexes": full, "hidden_act": "silu"})
         return cls(vision, mmproj_reader(reader), dtype, device, -1)

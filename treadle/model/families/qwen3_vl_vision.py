@@ -32,13 +32,13 @@ import torch.nn.functional as F
 
 from treadle.model.config import ModelLoadError, file_int
 from treadle.model.families.qwen2_vl_vision import (
-    GGUF_WHERE,
     QwenVisionConfig,
     VisionBlock,
     mmproj_reader,
     mmproj_tower_section,
     read_tower,
 )
+from treadle.model.layers import mmproj
 
 WHERE = "config.json"
 PREFIXES = ("model.visual.", "visual.")
@@ -191,14 +191,12 @@ class Qwen3VLVision:
         from `is_deepstack_layers`, the position table's size from its tensor. It names no image
         token: the front end's marks the rows."""
         meta = reader.metadata
-        kind = meta.get("clip.projector_type")
-        if meta.get("general.architecture") != "clip" or kind != "qwen3vl_merger":
-            raise ModelLoadError(f"{GGUF_WHERE}: clip.projector_type = {kind!r}: not a Qwen3-VL mmproj file")
+        mmproj.check_projector(meta, ("qwen3vl_merger",), "Qwen3-VL")
         flags = meta.get("clip.vision.is_deepstack_layers") or []
         deepstack = [i for i, on in enumerate(flags) if on]
         positions = next((t for t in reader.tensors if t.name == "v.position_embd.weight"), None)
         if positions is None:
-            raise ModelLoadError(f"{GGUF_WHERE}: no tensor v.position_embd.weight")
+            raise ModelLoadError(f"{mmproj.WHERE}: no tensor v.position_embd.weight")
         section = {
             **mmproj_tower_section(meta),
             "num_position_embeddings": int(positions.shape[1]),

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.config import LIMITS, ModelLoadError, file_float, file_int
+from treadle.model.layers.mmproj import WHERE as MMPROJ_WHERE
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
@@ -126,58 +127,31 @@ class SiglipVisionConfig:
         return config
 
     @classmethod
-    def from_gguf(cls, meta: dict, where: str) -> "SiglipVisionConfig":
+    def from_gguf(cls, meta: dict) -> "SiglipVisionConfig":
         """From an mmproj file's metadata (llama.cpp's converter writes clip.use_gelu for SigLIP's
         tanh GELU; the layer norm's epsilon may be left out: SigLIP's default)."""
         if meta.get("clip.use_gelu") is not True:
-            raise ModelLoadError(f"{where}: clip.use_gelu is not set: expected SigLIP's GELU")
+            raise ModelLoadError(f"{MMPROJ_WHERE}: clip.use_gelu is not set: expected SigLIP's GELU")
         section = {}
         for hf_key, key in GGUF_VISION_KEYS.items():
             if f"clip.vision.{key}" in meta:
                 section[hf_key] = meta[f"clip.vision.{key}"]
             elif hf_key != "layer_norm_eps":
-                raise ModelLoadError(f"{where}: no clip.vision.{key}")
-        return cls.from_hf(section, where)
+                raise ModelLoadError(f"{MMPROJ_WHERE}: no clip.vision.{key}")
+        return cls.from_hf(section, MMPROJ_WHERE)
 
 
-def gguf_float32(tensor) -> torch.Tensor:
-    """An mmproj tensor's values as float32 in the Hugging Face shape (GGUF lists dims fastest first)."""
-    import numpy as np
-
-    if tensor.tensor_type.name in ("F32", "F16"):
-        data = np.asarray(tensor.data, dtype=np.float32)
-    else:
-        from gguf import quants  # gguf-py's dequantization, for block-quantized types
-
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
-
-
-def gguf_readers(reader, where: str) -> tuple[Callable[[str], torch.Tensor], Callable[[str], torch.Tensor]]:
-    """(read(name) by the file's own name, read_tower(name) by the Hugging Face name under
-    `vision_model.`) of an mmproj file's tensors, float32; a missing one is a ModelLoadError."""
-    tensors = {t.name: t for t in reader.tensors}
-    tower_names = {name_from_gguf(name): name for name in tensors}
-
-    def read(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ModelLoadError(f"{where}: no tensor {name}")
-        return gguf_float32(tensors[name])
+def tower_reader(read: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """`read_tower(name)` by the Hugging Face name under `vision_model.`, from an mmproj file's
+    `read` (layers/mmproj.py's tensor_reader)."""
+    tower_names = {name_from_gguf(name): name for name in read.names}
 
     def read_tower(name: str) -> torch.Tensor:
         if name not in tower_names:
-            raise ModelLoadError(f"{where}: no tensor for the encoder's {name}")
+            raise ModelLoadError(f"{MMPROJ_WHERE}: no tensor for the encoder's {name}")
         return read(tower_names[name])
 
-    return read, read_tower
-
-
-def mmproj_kind(meta: dict, expected: str, family: str, where: str) -> None:
-    """Refuse an mmproj file whose projector is not `expected` (the `family`'s)."""
-    kind = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
-    if meta.get("general.architecture") != "clip" or kind != expected:
-        raise ModelLoadError(f"{where}: clip.projector_type = {kind!r}: not a {family} mmproj file")
+    return read_tower
 
 
 class SiglipEncoderLayer:

@@ -189,6 +189,12 @@ def test_a_gguf_text_model_with_its_idefics3_mmproj_beside_it_sees_as_transforme
     a, b = picture(10, size=WIDE), picture(11, size=SQUARISH)
     assert run(llm, ONE, a) == reference(smolvlm, NUM_TOKENS, ONE, [a])
     assert run(llm, TWO, [a, b]) == reference(smolvlm, NUM_TOKENS, TWO, [a, b])
+    # the bf16 default on the same pair: the picture is read (another changes the tokens), and a
+    # prompt's tokens are the same alone, batched with a text prompt, and again from the prefix cache
+    bf16 = LLM(str(tmp_path / "tiny-smolvlm.gguf"), dtype="bfloat16", max_model_len=512, num_kv_blocks=64)
+    alone = run(bf16, ONE, a)
+    batched = bf16.generate([{"prompt": ONE, "multi_modal_data": {"image": a}}, "Some text alone"], GREEDY)
+    assert batched[0].outputs[0].token_ids == alone == run(bf16, ONE, a) != run(bf16, ONE, b)
 
 
 def test_an_mmproj_of_another_width_or_kind_is_refused(smolvlm, tmp_path):

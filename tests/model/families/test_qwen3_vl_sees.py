@@ -154,6 +154,12 @@ def test_a_qwen3vl_gguf_with_its_mmproj_beside_it_sees_as_transformers(tmp_path)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert run(llm, ONE, a) == reference(pair, NUM_TOKENS, ONE, [a], images)
     assert run(llm, TWO, [a, b]) == reference(pair, NUM_TOKENS, TWO, [a, b], images)
+    # the bf16 default on the same pair (M-RoPE, DeepStack): the picture is read, and a prompt's
+    # tokens are the same alone, batched with a text prompt, and again from the prefix cache
+    bf16 = LLM(str(tmp_path / "tiny-qwen3-vl.gguf"), dtype="bfloat16", max_model_len=512, num_kv_blocks=64)
+    alone = run(bf16, ONE, a)
+    batched = bf16.generate([{"prompt": ONE, "multi_modal_data": {"image": a}}, "Some text alone"], GREEDY)
+    assert batched[0].outputs[0].token_ids == alone == run(bf16, ONE, a) != run(bf16, ONE, b)
 
 
 def test_an_mmproj_whose_deepstack_disagrees_with_the_text_model_is_refused(folder, tmp_path):

@@ -18,8 +18,8 @@
  *   multiply-add per value, in order along K: acc = fma(x[e], w[e], acc). A prompt chunk of
  *   quant.F32_SLAB_MIN_ROWS rows or more on a packed weight goes another way (quant.py): the same
  *   exact weights a slab of rows at a time as the columns of a buffer (`treadle_q_dequantize_t`,
- *   the tiles' unpacking with a store where the product's fma was) and torch's sgemm over them,
- *   1.3-2x the tiles' rate from 64 rows on; float32 promises no batch invariance, so a row's bits
+ *   the tiles' unpacking with a store where the product's fma was) and torch's sgemm over them
+ *   (docs/benchmarks/quantized-weights.md); float32 promises no batch invariance, so a row's bits
  *   there follow sgemm's order, as transformers' own product on the dequantized file does.
  * - int8 activations (`treadle_q_matmul_q8`, for bfloat16 / float16 models, as llama.cpp's CPU
  *   backend does): each row of x is quantized per 32 values to int8 with scale dx = amax / 127

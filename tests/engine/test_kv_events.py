@@ -114,12 +114,19 @@ def test_replay_from_a_sequence_number_and_a_malformed_request_is_ignored(engine
 
 
 def replay_after(llm, endpoint: str, prompt: list[int], kept: int) -> list[tuple[int, object]]:
-    """The replay once the batch of a step that stored `prompt`'s block is kept beside the `kept`
-    earlier ones (the publisher's thread sends it after generate() returns)."""
+    """The replay once the batches of the steps that stored `prompt`'s block are kept beside the
+    `kept` earlier ones: the publisher's thread sends them after generate() returns, maybe one at
+    a time, so the replay is taken once it has grown and then stayed the same for 0.3 s (on a busy
+    machine a step's second batch could otherwise land between two replays of a test)."""
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
     deadline = time.time() + 10
     while len(got := replay(endpoint)) <= kept and time.time() < deadline:
         time.sleep(0.05)
+    while time.time() < deadline:
+        time.sleep(0.3)
+        if len(again := replay(endpoint)) == len(got):
+            break
+        got = again
     return got
 
 

@@ -11,10 +11,10 @@ all the weights, in ms, and the bytes of weight read per second; then, per type 
 mean time of one product at one row. Each path runs in its own process (the layout the weights
 are held in is chosen when a process loads them).
 
-`--dtype float32`: float32 rows, the exact weights (the float32 default's product), and the
-multiply-adds per second beside the bytes; `--f32-slab-rows N` sets the row count from which such a
-product dequantizes slabs of the weight for torch's sgemm (quant.F32_SLAB_MIN_ROWS; a large N keeps
-the tiles' in-order fma at every row count, for a side-by-side run).
+`--dtype float32`: float32 rows (the float32 default's product), and the multiply-adds per second
+beside the bytes; `--f32-slab-rows N` sets the row count from which such a product dequantizes
+slabs of the weight for torch's sgemm (quant.F32_SLAB_MIN_ROWS; a large N keeps the tiles at every
+row count, for a side-by-side run).
 """
 
 import argparse

@@ -14,13 +14,20 @@
  * Two products, chosen by the model's dtype, each the same arithmetic for every row whatever the
  * number of rows M, the thread that runs it or the instruction set:
  *
- * - float32 (`treadle_q_matmul_f32`): y = x . w with w dequantized exactly; one fused
- *   multiply-add per value, in order along K: acc = fma(x[e], w[e], acc). A prompt chunk of
- *   quant.F32_SLAB_MIN_ROWS rows or more on a packed weight goes another way (quant.py): the same
- *   exact weights a slab of rows at a time as the columns of a buffer (`treadle_q_dequantize_t`,
- *   the tiles' unpacking with a store where the product's fma was) and torch's sgemm over them
- *   (docs/benchmarks/quantized-weights.md); float32 promises no batch invariance, so a row's bits
- *   there follow sgemm's order, as transformers' own product on the dequantized file does.
+ * - float32 (`treadle_q_matmul_f32`): y = x . w with the exact weights, summed a weight scale
+ *   group (16 or 32 values) at a time along K: for each group, four in-order fma chains over its
+ *   values e % 4 = 0 .. 3 of x times the integer code, then
+ *       s    = (s0 + s1) + (s2 + s3)                 si = fma(x[e], (float)(uq[e] - off), si)
+ *       acc  = fma(s, s4, acc)
+ *       acc  = fma(-m4, sum(x over the group), acc)  (types with a minimum; the sum in order)
+ *   which is x . w to float32 rounding (the same scale and minimum as the dequantized value) but
+ *   leaves a group's chains independent of the next group's (one in-order fma per value along the
+ *   whole row held a decode step to one fma's latency per value). A prompt
+ *   chunk of quant.F32_SLAB_MIN_ROWS rows or more on a packed weight goes another way (quant.py):
+ *   the exact weights, gguf-py's values bit for bit, a slab of rows at a time as the columns of a
+ *   buffer (`treadle_q_dequantize_t`, the tiles' unpacking with a store) and torch's sgemm over
+ *   them (docs/benchmarks/quantized-weights.md); float32 promises no batch invariance, so a row's
+ *   bits there follow sgemm's order, as transformers' own product on the dequantized file does.
  * - int8 activations (`treadle_q_matmul_q8`, for bfloat16 / float16 models, as llama.cpp's CPU
  *   backend does): each row of x is quantized per 32 values to int8 with scale dx = amax / 127
  *   (round half to even); then for each group of the weight's own scale (16 or 32 values), in
@@ -350,18 +357,46 @@ static void dequantize_unpacked(const qtype *t, int64_t K, const uint8_t *uq, co
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 
-/* ---- float32 activations, exact weights ---- */
+/* ---- float32 activations ---- */
 
-/* one output: acc = fma(x[e], w[e], acc) for e in order (the vector kernel does the same per lane) */
-#define DOT_F32(name, target)                                                \
-    target static float name(const float *x, const float *w, int64_t K) {    \
-        float acc = 0.0f;                                                    \
-        for (int64_t e = 0; e < K; e++) acc = fmaf(x[e], w[e], acc);         \
-        return acc;                                                          \
+/* one output of the float32 rule (the header): per weight scale group of t->gs values, four fma
+ * chains over its values e % 4 = 0 .. 3 of x times the integer code, their sum (s0 + s1) + (s2 + s3)
+ * times the group's scale into acc, then (types with a minimum) the group's sum of x `xs` times
+ * the minimum; the vector tiles compute the same per lane */
+#define DOT_GROUPED(name, target)                                                                                                  \
+    target static float name(const qtype *t, const float *x, const float *xs, const uint8_t *uq, const float *s4, const float *m4, \
+                             int64_t K) {                                                                                          \
+        float acc = 0.0f;                                                                                                          \
+        for (int64_t g = 0; g < K; g += t->gs) {                                                                                   \
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                                                 \
+            for (int e = 0; e < t->gs; e++) s[e & 3] = fmaf(x[g + e], (float)((int)uq[g + e] - t->off), s[e & 3]);                 \
+            acc = fmaf((s[0] + s[1]) + (s[2] + s[3]), s4[g / 4], acc);                                                             \
+            if (t->has_min) acc = fmaf(-m4[g / 4], xs[g / t->gs], acc);                                                            \
+        }                                                                                                                          \
+        return acc;                                                                                                                \
     }
-DOT_F32(dot_f32_portable, )
-DOT_F32(dot_f32_avx2, TARGET_AVX2)
-DOT_F32(dot_f32_avx512, TARGET_VNNI)
+DOT_GROUPED(dot_f32_portable, )
+DOT_GROUPED(dot_f32_avx2, TARGET_AVX2)
+DOT_GROUPED(dot_f32_avx512, TARGET_VNNI)
+
+/* float32 rows x [M, K] and, for the types with a minimum, each row's sums of x over the weight's
+ * scale groups (xs [M, groups], each summed in order): what the float32 tiles read through `act` */
+typedef struct {
+    const float *x, *xs;
+    int64_t groups;
+} fxrows;
+
+static float *group_sums(const float *x, int64_t M, int64_t K, int gs) {
+    float *xs = malloc((size_t)(M * (K / gs)) * sizeof(float));
+    if (xs)
+        for (int64_t i = 0; i < M * (K / gs); i++) {
+            const float *v = x + i * gs; /* group i % (K / gs) of row i / (K / gs): rows are K apart */
+            float sum = 0.0f;
+            for (int e = 0; e < gs; e++) sum += v[e];
+            xs[i] = sum;
+        }
+    return xs;
+}
 
 /* ---- int8 activations ---- */
 
@@ -1043,7 +1078,10 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
     if (qtype_of(type, &t) || K % t.elems) return 1;
     if (!treadle_q_isa_supported(isa)) return 3;
     if (!built_for(isa, 1)) return 4;
-    float (*dot)(const float *, const float *, int64_t) = isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
+    float (*dot)(const qtype *, const float *, const float *, const uint8_t *, const float *, const float *, int64_t) =
+        isa == ISA_AVX512_VNNI ? dot_f32_avx512 : isa == ISA_AVX2 ? dot_f32_avx2 : dot_f32_portable;
+    const fxrows rows = {x, t.has_min ? group_sums(x, M, K, t.gs) : NULL, K / t.gs};
+    if (t.has_min && !rows.xs) return 2;
     const int64_t rb = K / t.elems * t.bytes;
     const group_fn x16 = packed ? group_kernel(isa, type, 1) : NULL;
     const int64_t groups = x16 ? N / 16 : 0;
@@ -1054,7 +1092,7 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
         for (int64_t m0 = 0; m0 < M && groups; m0 += M_TILE) {
             const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
 #pragma omp for schedule(static) nowait
-            for (int64_t g = 0; g < groups; g++) x16(w + g * 16 * rb, K / t.elems, (char *)x, M, K, m0, m1, y, ldy, y_bf16, g * 16);
+            for (int64_t g = 0; g < groups; g++) x16(w + g * 16 * rb, K / t.elems, (char *)&rows, M, K, m0, m1, y, ldy, y_bf16, g * 16);
         }
         if (groups * 16 < N) {
             row_buffers b;
@@ -1065,13 +1103,15 @@ int treadle_q_matmul_f32(int type, const uint8_t *w, int64_t N, int64_t K, const
 #pragma omp for schedule(static)
                 for (int64_t n = groups * 16; n < N; n++) {
                     prefetch_ahead(w + n * rb, rb);
-                    const float *f = exact_row(&t, type, packed, w, N, K, n, &b);
-                    for (int64_t m = 0; m < M; m++) store(y, y_bf16, m * ldy + n, dot(x + m * K, f, K));
+                    unpack_row(&t, file_row(type, packed, &t, w, N, K, n, b.tmp), K, b.uq, b.s4, b.m4);
+                    for (int64_t m = 0; m < M; m++)
+                        store(y, y_bf16, m * ldy + n, dot(&t, x + m * K, rows.xs ? rows.xs + m * rows.groups : NULL, b.uq, b.s4, b.m4, K));
                 }
             }
             row_buffers_free(&b);
         }
     }
+    free((void *)rows.xs);
     return err;
 }
 

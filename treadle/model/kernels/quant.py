@@ -240,7 +240,7 @@ def _row_bytes(type_id: int, cols: int) -> int:
 BF16_IN_F32 = 2  # quant.c's output mode: float32 rows of bf16-rounded values
 # float32 x of at least this many rows (a prompt chunk) on the vector paths: the weight's exact values
 # a slab of SLAB rows at a time (treadle_q_dequantize_t, as its columns) times x in one sgemm, faster
-# there than the tiles' in-order fma per value (docs/benchmarks/quantized-weights.md)
+# there than the tiles (docs/benchmarks/quantized-weights.md)
 F32_SLAB_MIN_ROWS = 48
 SLAB = 256
 

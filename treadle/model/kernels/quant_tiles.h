@@ -22,9 +22,9 @@
 #define H_OFF(half) ((half) * LANES * 2)  /* into a float16 field */
 #define PIECE(base, k, half) LOADV((base) + 64 * (k) + P_OFF(half))
 
-/* float32 x, the exact weights (the float32 product's rule): for quads q0 .. q0 + nq of 32-value group
- * g, w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2), as gguf-py computes it, and
- * acc = fma(x, w, acc) for each value in order */
+/* the float32 rule's weights themselves (EXACT 2's store): for byte i of each lane's quad (value
+ * 4q + i of a 32-value group), w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2),
+ * as gguf-py computes it */
 TW static inline __attribute__((always_inline)) VF SFX(exact_weight)(VI quad, int i, VF dw, VF add, const int MODE, int off) {
     const VI c = I_AND(I_SRLI32(quad, 8 * i), I_SET1_32(255)); /* byte i of each lane's quad */
     VF w = F_MUL(dw, F_CVT32(I_SUB32(c, I_SET1_32(off))));
@@ -33,13 +33,83 @@ TW static inline __attribute__((always_inline)) VF SFX(exact_weight)(VI quad, in
     return w;
 }
 
-TW static inline __attribute__((always_inline)) void SFX(exact_quads)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off,
-                                                                     const float *const *xr, const int MT, int64_t e0, VF *acc) {
-    for (int q = q0; q < q0 + nq; q++)
-        for (int i = 0; i < 4; i++) {
-            const VF w = SFX(exact_weight)(u[q], i, dw, add, MODE, off);
-            for (int m = 0; m < MT; m++) acc[m] = F_FMA(F_SET1(xr[m][e0 + 4 * q + i]), w, acc[m]);
-        }
+/* byte i of each lane's quad, as a 32-bit integer (one shuffle; byte 0 one mask) */
+TW static inline __attribute__((always_inline)) VI SFX(quad_byte)(VI quad, int i) {
+    if (i == 0) return I_AND(quad, I_SET1_32(255));
+    const char z = (char)0x80, b0 = (char)i, b1 = (char)(4 + i), b2 = (char)(8 + i), b3 = (char)(12 + i);
+    return I_SHUF8(quad, I_BCAST128(_mm_setr_epi8(b0, z, z, z, b1, z, z, z, b2, z, z, z, b3, z, z, z)));
+}
+
+/* byte i of each lane's quad less the offset, as a float (exactly) */
+TW static inline __attribute__((always_inline)) VF SFX(code_f32)(VI quad, int i, int off) {
+    const VI b = SFX(quad_byte)(quad, i);
+    return F_CVT32(off ? I_SUB32(b, I_SET1_32(off)) : b);
+}
+
+/* chain i (s[m][i]) of one group for MT = 4 or 8 rows: the group's codes for it converted once and
+ * held in registers while four rows at a time run their chain over them */
+TW static inline __attribute__((always_inline)) void SFX(exact_chain)(const VI *u, const int nq, int off, const float *const *xr, const int MT,
+                                                                     int64_t e0, const int i, VF (*s)[4]) {
+    const int R = MT < 4 ? MT : 4;
+    VF c[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < nq; j++) c[j] = SFX(code_f32)(u[j], i, off);
+    _Pragma("GCC unroll 2") for (int m0 = 0; m0 < MT; m0 += R) {
+        VF t[4];
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) t[r] = F_ZERO;
+        _Pragma("GCC unroll 8") for (int j = 0; j < nq; j++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) t[r] = F_FMA(F_SET1(xr[m0 + r][e0 + 4 * j + i]), c[j], t[r]);
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) s[m0 + r][i] = t[r];
+    }
+}
+
+TW static inline __attribute__((always_inline)) void SFX(exact_chains)(const VI *u, const int nq, int off, const float *const *xr, const int MT,
+                                                                      int64_t e0, VF (*s)[4]) {
+    SFX(exact_chain)(u, nq, off, xr, MT, e0, 0, s);
+    SFX(exact_chain)(u, nq, off, xr, MT, e0, 1, s);
+    SFX(exact_chain)(u, nq, off, xr, MT, e0, 2, s);
+    SFX(exact_chain)(u, nq, off, xr, MT, e0, 3, s);
+}
+
+/* the four chains of MT rows, a function per row count called once per group (inlined into every
+ * tile, as the one- and two-row code is, the compiler's code for them ran at half the speed) */
+#define EXACT_CHAINS(MT)                                                                                                           \
+    TW static __attribute__((noinline)) void SFX(exact_chains_##MT)(const VI *u, int nq, int off, const float *const *xr, int64_t e0, \
+                                                                     VF (*s)[4]) {                                                 \
+        if (nq == 8)                                                                                                               \
+            SFX(exact_chains)(u, 8, off, xr, MT, e0, s);                                                                           \
+        else                                                                                                                       \
+            SFX(exact_chains)(u, 4, off, xr, MT, e0, s);                                                                           \
+    }
+EXACT_CHAINS(4)
+EXACT_CHAINS(8)
+#undef EXACT_CHAINS
+
+/* float32 x (the float32 product's rule, quant.c's header), quads q0 .. q0 + nq of 32-value group
+ * a32 (nq = 4: its 16-value half h16): each row's four chains s_i = fma(x[e], code - off, s_i) over
+ * the group's values e = 4q + i in order, then acc = fma((s0 + s1) + (s2 + s3), dw, acc) and, MODE
+ * 1 / 2, acc = fma(+/- add, the group's sum of x, acc). No chain waits on another group's. */
+TW static inline __attribute__((always_inline)) void SFX(exact_group)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off,
+                                                                     const float *const *xr, const int MT, int64_t a32, int h16, VF *acc) {
+    const int64_t e0 = 32 * a32 + 4 * q0, g = nq == 8 ? a32 : 2 * a32 + h16;
+    VF s[8][4];
+    if (MT <= 2) { /* one or two rows convert each code as they go */
+        for (int m = 0; m < MT; m++)
+            for (int i = 0; i < 4; i++) s[m][i] = F_ZERO;
+        for (int j = 0; j < nq; j++)
+            for (int i = 0; i < 4; i++) {
+                const VF c = SFX(code_f32)(u[q0 + j], i, off);
+                for (int m = 0; m < MT; m++) s[m][i] = F_FMA(F_SET1(xr[m][e0 + 4 * j + i]), c, s[m][i]);
+            }
+    } else if (MT == 4) {
+        SFX(exact_chains_4)(u + q0, nq, off, xr, e0, s);
+    } else {
+        SFX(exact_chains_8)(u + q0, nq, off, xr, e0, s);
+    }
+    for (int m = 0; m < MT; m++) {
+        acc[m] = F_FMA(F_ADD(F_ADD(s[m][0], s[m][1]), F_ADD(s[m][2], s[m][3])), dw, acc[m]);
+        if (MODE == 1) acc[m] = F_FMA(add, F_SET1(xr[8 + m][g]), acc[m]);
+        if (MODE == 2) acc[m] = F_FNMA(add, F_SET1(xr[8 + m][g]), acc[m]);
+    }
 }
 
 /* EXACT 2 (the dequantizing store): the float32 rule's weights of quads q0 .. q0 + nq of 32-value
@@ -64,7 +134,7 @@ TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, i
         return;
     }
     if (EXACT) {
-        SFX(exact_quads)(u, q0, nq, dw, add, MODE, off, xr, MT, 32 * a32, acc);
+        SFX(exact_group)(u, q0, nq, dw, add, MODE, off, xr, MT, a32, h16, acc);
         return;
     }
     const int wide = off >= 128; /* codes up to 255 */
@@ -83,13 +153,16 @@ TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, i
     }
 }
 
-/* a tile's rows of x (quantized rows, or EXACT: x itself, float32 [M, K]) and zeroed outputs */
+/* a tile's rows of x (quantized rows, or EXACT: x itself from `act`, an fxrows, in xr[i] and the
+ * rows' group sums in xr[8 + i]) and zeroed outputs */
 TW static inline __attribute__((always_inline)) void SFX(tile_start)(char *act, int64_t M, int64_t K, int64_t m0, const int MT, const int EXACT,
                                                                     arow *a, const float **xr, VF *acc) {
     for (int i = 0; i < MT; i++) {
-        if (EXACT)
-            xr[i] = (const float *)act + (m0 + i) * K;
-        else
+        if (EXACT) {
+            const fxrows *f = (const fxrows *)act;
+            xr[i] = f->x + (m0 + i) * K;
+            xr[8 + i] = f->xs ? f->xs + (m0 + i) * f->groups : NULL;
+        } else
             a[i] = act_row(act, M, K, m0 + i);
         acc[i] = F_ZERO;
     }
@@ -138,7 +211,7 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
     const VI table = mx ? SFX(mxfp4_table)() : SFX(iq4_table)();
     const VI spread = I_BCAST128(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
     arow a[8];
-    const float *xr[8];
+    const float *xr[16];
     VF acc[8];
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
@@ -182,7 +255,7 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
     const VI m15 = I_SET1_8(15), m3 = I_SET1_8(3), m63 = I_SET1_32(63), m30 = I_SET1_32(0x30);
     const VI x10 = I_SET1_8(16);
     arow a[8];
-    const float *xr[8];
+    const float *xr[16];
     VF acc[8];
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
@@ -252,7 +325,7 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
     const VI m15 = I_SET1_8(15), m3 = I_SET1_8(3), x4 = I_SET1_8(4);
     const VI table = SFX(iq4_table)();
     arow a[8];
-    const float *xr[8];
+    const float *xr[16];
     VF acc[8];
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */

@@ -1,5 +1,5 @@
 """Rotary embeddings (model/layers/rotary.py): the rotation against rotate-half, the tables, RoPE scaling
-against transformers, and the C kernel's bits on bf16 rows."""
+against transformers, and the C kernel's bits on bf16 and float32 rows."""
 
 import pytest
 import torch
@@ -158,24 +158,26 @@ def test_dynamic_ntk_rescales_its_base_once_for_an_engine_past_the_context():
 
 
 @needs_rowops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rot, head_dim", [(64, 64), (256, 256), (32, 80)])
-def test_bf16_rotary_in_c_is_the_torch_formulas_bits_for_every_row_count(rot, head_dim):
-    """The C rotation (bf16 rows) against apply_rotary's torch formula, each product and the sum
-    rounded to float32 apart, for one row and 37 rows, from a strided q/k view; partial rotary
-    passes the rest of the head through. A row's bits are the same alone and among others (torch's
-    addcmul fuses the multiply-add on some shapes and not on others)."""
+def test_rotary_in_c_is_the_torch_formulas_bits_for_every_row_count(rot, head_dim, dtype):
+    """The C rotation (bf16 and float32 rows) against transformers' formula in torch, each product
+    and the sum rounded to float32 apart, for one row and 37 rows, from a strided q/k view; partial
+    rotary passes the rest of the head through. A row's bits are the same alone and among others
+    (torch's addcmul fuses the multiply-add on some shapes and not on others)."""
     g = torch.Generator().manual_seed(1)
     heads, t = 5, 37
-    qkv = (torch.randn(t, heads + 2, head_dim, generator=g) * 3).bfloat16()
+    qkv = (torch.randn(t, heads + 2, head_dim, generator=g) * 3).to(dtype)
     x = qkv[:, :heads]  # the q/k part of a projection's output: rows strided
     positions = torch.randint(0, 4096, (t,), generator=g)
     emb = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=rot if rot < head_dim else None), head_dim, 4096)
     cos, signed_sin = emb.tables(positions)
     x32 = x[..., :rot].float()
-    turned = ((x32 * cos) + (x32.roll(rot // 2, dims=-1) * signed_sin)).bfloat16()  # two products, then the sum
+    turned = ((x32 * cos) + (x32.roll(rot // 2, dims=-1) * signed_sin)).to(dtype)  # two products, then the sum
     expected = torch.cat([turned, x[..., rot:]], dim=-1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     whole = apply_rotary(x, cos, signed_sin)
-    assert torch.equal(whole.view(torch.int16), expected.view(torch.int16))
+    assert whole.dtype == dtype and torch.equal(whole.view(bits), expected.view(bits))
     for row in (0, 17, 36):
         alone = apply_rotary(x[row : row + 1], cos[row : row + 1], signed_sin[row : row + 1])
-        assert torch.equal(alone.view(torch.int16), whole[row : row + 1].view(torch.int16))
+        assert torch.equal(alone.view(bits), whole[row : row + 1].view(bits))

@@ -299,7 +299,7 @@ def _slab_matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, lib, path: i
         code = lib.treadle_q_dequantize_t(type_id, data.data_ptr(), N, K, n0, n1, slab.data_ptr(), slab.shape[1], path)
         if code:
             raise RuntimeError(f"quantized matmul: error {code} (type {type_id}, K {K})")
-        y[:, n0:n1] = torch.mm(x, slab[:, : n1 - n0])
+        y[:, n0:n1] = torch.mm(x, slab[:, : n1 - n0])  # (sgemm straight into y's columns, out=, ran slower)
     return y
 
 

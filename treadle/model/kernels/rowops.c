@@ -1,5 +1,5 @@
 /* Row-wise operations of a decoder layer in one call each, for bfloat16 activations: the rotary
- * embedding and RMSNorm. A decode step runs ~40 small torch operations per layer, each costing
+ * embedding (float32 rows too) and RMSNorm. A decode step runs ~40 small torch operations per layer, each costing
  * its dispatch; these take two of the largest groups (a rotation was 5 operations, a norm 4) down
  * to one call. Every row is computed alone, in a fixed order, so a row's bits do not depend on
  * the rows beside it (the batch-invariant default, docs/architecture.md "Numerics"). Built with
@@ -16,30 +16,37 @@
  * Rotary embedding in HF's rotate-half layout, as layers.apply_rotary computes it, to the bit:
  * x32 = float(x); out = bf16(x32 * cos + roll(x32, rot / 2) * signed_sin), each product rounded
  * to float32, then their sum (torch's mul and addcmul). The first `rot` values of each head turn,
- * the rest are copied. x: [rows, heads, head_dim] bf16, heads contiguous, row stride x_stride
+ * the rest are copied (float32 rows: out = x32 * cos + roll(x32) * signed_sin in float32, as torch's
+ * float32 operations give it). x: [rows, heads, head_dim] bf16, heads contiguous, row stride x_stride
  * (elements); cos, signed_sin: [rows, rot] float32 (each row's position), contiguous; out:
  * [rows, heads, head_dim] contiguous.
  */
-void treadle_rotary_bf16(const uint16_t *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride, const float *cos,
-                         const float *signed_sin, int64_t rot, uint16_t *out) {
-    const int64_t half = rot / 2;
-#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * rot, *s = signed_sin + r * rot;
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t *xh = x + r * x_stride + h * head_dim;
-            uint16_t *oh = out + (r * heads + h) * head_dim;
-            float xf[512];
-            for (int64_t j = 0; j < rot; j++) xf[j] = bf16_to_f32(xh[j]);
-            for (int64_t j = 0; j < rot; j++) {
-                const float a = xf[j] * c[j];
-                const float b = xf[j < half ? j + half : j - half] * s[j];
-                oh[j] = f32_to_bf16(a + b);
-            }
-            if (rot < head_dim) memcpy(oh + rot, xh + rot, sizeof(uint16_t) * (size_t)(head_dim - rot));
-        }
+/* one rotation per element type: T the rows' type, LOAD / STORE their widening and rounding */
+#define ROTARY(NAME, T, LOAD, STORE)                                                                                           \
+    void NAME(const T *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride, const float *cos, const float *signed_sin, \
+              int64_t rot, T *out) {                                                                                           \
+        const int64_t half = rot / 2;                                                                                          \
+        _Pragma("omp parallel for schedule(static) if (rows * heads * head_dim >= 65536)") for (int64_t r = 0; r < rows; r++) { \
+            const float *c = cos + r * rot, *s = signed_sin + r * rot;                                                         \
+            for (int64_t h = 0; h < heads; h++) {                                                                              \
+                const T *xh = x + r * x_stride + h * head_dim;                                                                 \
+                T *oh = out + (r * heads + h) * head_dim;                                                                       \
+                float xf[512];                                                                                                 \
+                for (int64_t j = 0; j < rot; j++) xf[j] = LOAD(xh[j]);                                                         \
+                for (int64_t j = 0; j < rot; j++) {                                                                            \
+                    const float a = xf[j] * c[j];                                                                              \
+                    const float b = xf[j < half ? j + half : j - half] * s[j];                                                 \
+                    oh[j] = STORE(a + b);                                                                                      \
+                }                                                                                                              \
+                if (rot < head_dim) memcpy(oh + rot, xh + rot, sizeof(T) * (size_t)(head_dim - rot));                          \
+            }                                                                                                                  \
+        }                                                                                                                      \
     }
-}
+#define SAME(v) (v)
+ROTARY(treadle_rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ROTARY(treadle_rotary_f32, float, SAME, SAME) /* float32 rows: torch's float32 mul, mul and add exactly */
+#undef SAME
+#undef ROTARY
 
 /*
  * RMSNorm of each row: r = 1 / sqrtf(sum(x²) / d + eps), the sum of squares in 16 lanes (lane l

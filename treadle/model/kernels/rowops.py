@@ -1,5 +1,6 @@
 """A decoder layer's row-wise operations on bfloat16 rows in one C call each (`rowops.c`): the
-rotary embedding (the same bits as layers/rotary.apply_rotary's torch operations) and RMSNorm. Used by
+rotary embedding (the same bits as layers/rotary.apply_rotary's torch operations; float32 rows too)
+and RMSNorm. Used by
 layers/rotary.py and layers/norm.py where the rows are bfloat16 on the CPU and no graph is being compiled; elsewhere the
 torch operations run."""
 
@@ -13,8 +14,9 @@ from treadle.model.kernels.build import Library, build
 def _build() -> ctypes.CDLL:
     lib = build("rowops.c", ["-ffp-contract=off"])
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.treadle_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr]
-    lib.treadle_rotary_bf16.restype = None
+    for rotary in (lib.treadle_rotary_bf16, lib.treadle_rotary_f32):
+        rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr]
+        rotary.restype = None
     lib.treadle_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr]
     lib.treadle_rms_norm_bf16.restype = None
     return lib
@@ -24,9 +26,10 @@ _kernel = Library(_build, "treadle's row kernels are unavailable (%s): torch's o
 available = _kernel.available
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether x's rows can go through these kernels: bfloat16 on the CPU, outside a compiled graph."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling() and available()
+def usable(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
+    """Whether x's rows can go through these kernels: bfloat16 (the rotation: `dtypes` bfloat16 and
+    float32) on the CPU, outside a compiled graph."""
+    return x.dtype in dtypes and x.device.type == "cpu" and not torch.compiler.is_compiling() and available()
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
@@ -39,9 +42,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     if not (cos.is_contiguous() and signed_sin.is_contiguous()):  # the step's tables are: gathered once per step
         return None
     out = torch.empty((t, heads, head_dim), dtype=x.dtype)
-    _kernel.lib.treadle_rotary_bf16(
-        x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr()
-    )
+    kernel = _kernel.lib.treadle_rotary_f32 if x.dtype == torch.float32 else _kernel.lib.treadle_rotary_bf16
+    kernel(x.data_ptr(), t, heads, head_dim, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), rot, out.data_ptr())
     return out
 
 

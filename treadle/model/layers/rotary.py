@@ -145,7 +145,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     narrower than the head (partial rotary embeddings) rotate its first part; the rest passes.
     """
     d = cos.shape[-1]
-    if x.dim() == 3 and rowops.usable(x):  # one C call, the same bits (kernels/rowops.c)
+    # one C call, the same bits (kernels/rowops.c)
+    if x.dim() == 3 and rowops.usable(x, (torch.bfloat16, torch.float32)):
         out = rowops.rotary(x, cos, signed_sin)
         if out is not None:
             return out

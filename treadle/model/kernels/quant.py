@@ -286,9 +286,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, widened: bool = Fa
 def _slab_matmul(x: torch.Tensor, data: torch.Tensor, type_id: int, lib, path: int) -> torch.Tensor:
     """float32 x [M, K] @ W^T for a weight held packed: each slab of SLAB weight rows dequantized
     exactly (the float32 product's weights) into the columns of a [K, SLAB] buffer, then one sgemm
-    (torch's) per slab. The same weights as the tiles, summed in sgemm's order, not one fma per
-    value in order: a row's bits may differ from a decode step's (float32 promises no batch
-    invariance; transformers' own float32 product on the dequantized file is an sgemm too)."""
+    (torch's) per slab. The file's exact weights, summed in sgemm's order, not the tiles' scale
+    groups: a row's bits may differ from a decode step's (float32 promises no batch invariance;
+    transformers' own float32 product on the dequantized file is an sgemm too)."""
     M, K = x.shape
     N = data.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)

@@ -22,8 +22,8 @@
  *       acc  = fma(-m4, sum(x over the group), acc)  (types with a minimum; the sum in order)
  *   which is x . w to float32 rounding (the same scale and minimum as the dequantized value) but
  *   leaves a group's chains independent of the next group's (one in-order fma per value along the
- *   whole row held a decode step to one fma's latency per value). A prompt
- *   chunk of quant.F32_SLAB_MIN_ROWS rows or more on a packed weight goes another way (quant.py):
+ *   whole row held a decode step to one fma's latency per value). A prompt chunk of
+ *   quant.F32_SLAB_MIN_ROWS rows or more on a packed weight goes another way (quant.py):
  *   the exact weights, gguf-py's values bit for bit, a slab of rows at a time as the columns of a
  *   buffer (`treadle_q_dequantize_t`, the tiles' unpacking with a store) and torch's sgemm over
  *   them (docs/benchmarks/quantized-weights.md); float32 promises no batch invariance, so a row's

@@ -22,22 +22,21 @@
 #define H_OFF(half) ((half) * LANES * 2)  /* into a float16 field */
 #define PIECE(base, k, half) LOADV((base) + 64 * (k) + P_OFF(half))
 
-/* the float32 rule's weights themselves (EXACT 2's store): for byte i of each lane's quad (value
- * 4q + i of a 32-value group), w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2),
- * as gguf-py computes it */
-TW static inline __attribute__((always_inline)) VF SFX(exact_weight)(VI quad, int i, VF dw, VF add, const int MODE, int off) {
-    const VI c = I_AND(I_SRLI32(quad, 8 * i), I_SET1_32(255)); /* byte i of each lane's quad */
-    VF w = F_MUL(dw, F_CVT32(I_SUB32(c, I_SET1_32(off))));
-    if (MODE == 1) w = F_ADD(w, add);
-    if (MODE == 2) w = F_SUB(w, add);
-    return w;
-}
-
 /* byte i of each lane's quad, as a 32-bit integer (one shuffle; byte 0 one mask) */
 TW static inline __attribute__((always_inline)) VI SFX(quad_byte)(VI quad, int i) {
     if (i == 0) return I_AND(quad, I_SET1_32(255));
     const char z = (char)0x80, b0 = (char)i, b1 = (char)(4 + i), b2 = (char)(8 + i), b3 = (char)(12 + i);
     return I_SHUF8(quad, I_BCAST128(_mm_setr_epi8(b0, z, z, z, b1, z, z, z, b2, z, z, z, b3, z, z, z)));
+}
+
+/* the float32 rule's weights themselves (EXACT 2's store): for byte i of each lane's quad (value
+ * 4q + i of a 32-value group), w = dw * (float)(code - off), then + add (MODE 1) or - add (MODE 2),
+ * as gguf-py computes it */
+TW static inline __attribute__((always_inline)) VF SFX(exact_weight)(VI quad, int i, VF dw, VF add, const int MODE, int off) {
+    VF w = F_MUL(dw, F_CVT32(I_SUB32(SFX(quad_byte)(quad, i), I_SET1_32(off))));
+    if (MODE == 1) w = F_ADD(w, add);
+    if (MODE == 2) w = F_SUB(w, add);
+    return w;
 }
 
 /* byte i of each lane's quad less the offset, as a float (exactly) */
@@ -71,7 +70,7 @@ TW static inline __attribute__((always_inline)) void SFX(exact_chains)(const VI 
 }
 
 /* the four chains of MT rows, a function per row count called once per group (inlined into every
- * tile, as the one- and two-row code is, the compiler's code for them ran at half the speed) */
+ * tile, as the one- and two-row code is, the compiler made slower code of them) */
 #define EXACT_CHAINS(MT)                                                                                                           \
     TW static __attribute__((noinline)) void SFX(exact_chains_##MT)(const VI *u, int nq, int off, const float *const *xr, int64_t e0, \
                                                                      VF (*s)[4]) {                                                 \

@@ -126,11 +126,14 @@ static inline float f16_to_f32(const uint8_t *p) {
  * prefetcher alone left the products at a third of the machine's bandwidth: a single thread ran
  * a 9 MB Q4_K product at 16 GB/s where a plain pass over the bytes reaches 40, and Q6_K at 13.
  * So each block (each row, on the row-at-a-time paths) asks for the bytes PREFETCH_AHEAD further
- * on; that took both to 45 GB/s. A prefetch past the end of the weight is harmless (it never
- * faults), and a prefetch changes no result. */
+ * on; that took both to 45 GB/s. The request is for the L2 cache, not L1 (locality 1,
+ * prefetcht2): asked into L1, the lines in flight were bounded by L1's few miss buffers, and on an
+ * AMD EPYC a thread's 8B-shaped products ran half as fast as when the same lines go to L2, from
+ * where the kernel's loads still find them (docs/benchmarks/quantized-weights.md). A prefetch past
+ * the end of the weight is harmless (it never faults), and a prefetch changes no result. */
 #define PREFETCH_AHEAD 8192
 static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + PREFETCH_AHEAD + i, 0, 3);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + PREFETCH_AHEAD + i, 0, 1);
 }
 
 /* ---- unpacking: block -> uq (elems bytes), s4 (elems/4 floats), m4 (elems/4 floats, if any) ---- */

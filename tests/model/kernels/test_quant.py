@@ -156,7 +156,8 @@ def test_bfloat16_product_matches_int8_activation_reference(kind, isa, monkeypat
 @pytest.mark.parametrize("kind", list(quant.TYPES))
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind, monkeypatch):
     """Every path on both layouts (a weight held packed, as a VNNI process holds it, and as the file
-    has it, as the others do): the same bits. float32 x of F32_SLAB_MIN_ROWS rows or more on a packed
+    has it, as the others do): the same bits, for a row alone and among 7 to 70 (int8 rows of 64 and
+    more take the prompt chunk's kernels). float32 x of F32_SLAB_MIN_ROWS rows or more on a packed
     weight runs the slabs' sgemm (test_float32_product_matches_dequantize_then_matmul), so its rows
     here stay below that."""
     big = quant.TYPES[kind][1] == 256
@@ -166,7 +167,7 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind,
     for isa in ISAS:
         monkeypatch.setenv("TREADLE_QUANT_ISA", isa)
         weights.append(quant.QuantizedTensor(kind, torch.from_numpy(blocks), cols))
-    x = torch.randn(50, cols, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xs = x.to(dtype)[: quant.F32_SLAB_MIN_ROWS - 1] if dtype == torch.float32 else x.to(dtype)
         results = []
@@ -175,7 +176,8 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_instruction_set(kind,
             for weight in weights:
                 data, type_id = weight.data, weight.type_id
                 whole = quant.matmul(xs, data, type_id)
-                for m in (1, 7, 30 if dtype == torch.float32 else 33):
+                # int8 rows from quant.c's GEMM_MIN_ROWS (64) on: a prompt chunk's kernels
+                for m in (1, 7) + ((30,) if dtype == torch.float32 else (33, 66)):
                     assert torch.equal(quant.matmul(xs[m : m + 1], data, type_id)[0], whole[m])
                     assert torch.equal(quant.matmul(xs[:m], data, type_id), whole[:m])
                 results.append(whole)

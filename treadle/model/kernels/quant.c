@@ -74,6 +74,7 @@
 #include <immintrin.h>
 
 #define M_TILE 32 /* rows of x per pass over an unpacked weight row */
+#define GEMM_MIN_ROWS 64 /* int8 rows from which a product unpacks each weight group once (quant_tiles.h, replay) */
 
 /* Each quantized type's GGUF id, values per block and bytes per block: the one table of them. The
  * library exports it (treadle_q_block_geometry) and quant_lib checks its TYPES against it at load. */
@@ -764,6 +765,19 @@ typedef struct {
     int64_t ld;
 } wstore;
 typedef void (*store_fn)(const uint8_t *, int64_t, char *, int64_t);
+/* a prompt chunk's unpacked weight group (quant_tiles.h, EXACT 3): where the next scale group's codes
+ * and floats go, and what the last one recorded (values per scale, MODE, offset) */
+typedef struct {
+    uint8_t *u;
+    float *f;
+    int gs, mode, off;
+} ucursor;
+/* each thread's buffer for it, grown to the widest K it has seen (chunk_buffer_for) */
+static __thread struct {
+    uint8_t *u;
+    float *f;
+    int64_t K;
+} chunk_buffer;
 
 TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v) {
     if (!y_bf16) {
@@ -780,6 +794,14 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
         return;
     }
     _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(r));
+}
+
+/* acc + the 4-byte dot products of u's lanes with the quad of x at p, the quad broadcast by the
+ * product's own load (an embedded broadcast: of _mm512_set1_epi32 the compiler makes a separate
+ * broadcast per product, and those held the tiles to a quarter of the products' own rate) */
+TARGET_FAST static inline __m512i dpbusd_quad(__m512i acc, __m512i u, const int32_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
+    return acc;
 }
 
 #define TW TARGET_FAST
@@ -817,11 +839,12 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #define I_MAX32 _mm512_max_epi32
 #define F_BITS _mm512_castsi512_ps
 #define ADD_WHERE(u, bits, mask, addend) _mm512_mask_add_epi8((u), _mm512_test_epi8_mask((bits), (mask)), (u), (addend))
-#define DOT4(acc, u, x4, wide) _mm512_dpbusd_epi32((acc), (u), _mm512_set1_epi32(x4))
-#define DOT8(acc, u0, u1, x0, x1, wide) DOT4(DOT4((acc), (u0), (x0), (wide)), (u1), (x1), (wide))
+#define DOT8(acc, u0, u1, xp, wide) dpbusd_quad(dpbusd_quad((acc), (u0), (xp)), (u1), (xp) + 1)
 #define DOT4_SHIFT(wide) 0
 #define STOREV store16
 #define F_STOREU _mm512_storeu_ps
+#define F_LOADU _mm512_loadu_ps
+#define I_STOREU(p, v) _mm512_storeu_si512((void *)(p), (v))
 #if TREADLE_Q_TILES == 512
 #include "quant_tiles.h"
 #endif
@@ -860,11 +883,12 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 #undef I_MAX32
 #undef F_BITS
 #undef ADD_WHERE
-#undef DOT4
 #undef DOT8
 #undef DOT4_SHIFT
 #undef STOREV
 #undef F_STOREU
+#undef F_LOADU
+#undef I_STOREU
 
 /* AVX2 (8 lanes: half a group at a time). No 4-byte dot product instruction: maddubs multiplies
  * unsigned by signed bytes and adds pairs into 16 bits, saturating, then madd adds the pairs into
@@ -946,11 +970,12 @@ TARGET_AVX2F static inline void store8(void *y, int y_bf16, int64_t i, __m256 v)
 #define F_BITS _mm256_castsi256_ps
 #define ADD_WHERE(u, bits, mask, addend) \
     _mm256_add_epi8((u), _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256((bits), (mask)), _mm256_setzero_si256()), (addend)))
-#define DOT4(acc, u, x4, wide) dot4_avx2((acc), (u), (x4), (wide))
-#define DOT8(acc, u0, u1, x0, x1, wide) dot8_avx2((acc), (u0), (u1), (x0), (x1), (wide))
+#define DOT8(acc, u0, u1, xp, wide) dot8_avx2((acc), (u0), (u1), (xp)[0], (xp)[1], (wide))
 #define DOT4_SHIFT(wide) ((wide) ? 128 : 0)
 #define STOREV store8
 #define F_STOREU _mm256_storeu_ps
+#define F_LOADU _mm256_loadu_ps
+#define I_STOREU(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
 #if TREADLE_Q_TILES == 256
 #include "quant_tiles.h"
 #endif
@@ -979,6 +1004,30 @@ static store_fn store_kernel(int isa, int type) {
     (void)isa, (void)type;
     return NULL;
 #endif
+}
+
+/* the packed layout's prompt-chunk kernel for this path and type (int8 activations; NULL: none) */
+static group_fn gemm_kernel(int isa, int type) {
+#if TREADLE_Q_TILES == 512 && !TREADLE_Q_EXACT
+    return isa == ISA_AVX512_VNNI ? gemm_kernel_512(type) : NULL;
+#elif TREADLE_Q_TILES == 256 && !TREADLE_Q_EXACT
+    return isa == ISA_AVX2 ? gemm_kernel_256(type) : NULL;
+#else
+    (void)isa, (void)type;
+    return NULL;
+#endif
+}
+
+/* this thread's chunk buffer made room for weight rows of K values: 0, or 1 where it could not be.
+ * Per 32 values: 8 quads of at most 16 lanes' 4 bytes, and at most two scale groups' scale and
+ * minimum for 16 lanes. */
+static int chunk_buffer_for(int64_t K) {
+    if (chunk_buffer.K >= K) return 0;
+    free(chunk_buffer.u), free(chunk_buffer.f);
+    chunk_buffer.u = malloc((size_t)K * 16);
+    chunk_buffer.f = malloc((size_t)K * 2 * sizeof(float));
+    chunk_buffer.K = chunk_buffer.u && chunk_buffer.f ? K : 0;
+    return chunk_buffer.K ? 0 : 1;
 }
 
 /* whether this library holds the path's kernels for that product (the portable path's are in every one) */
@@ -1169,7 +1218,10 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
     if (!act) return 2;
     const size_t elem = x_bf16 ? 2 : 4;
     const int64_t rb = K / t.elems * t.bytes;
-    const group_fn x16 = packed ? group_kernel(isa, type, 0) : NULL;
+    /* a prompt chunk of GEMM_MIN_ROWS rows or more: each weight group unpacked once for all its rows */
+    const group_fn chunk = packed && M >= GEMM_MIN_ROWS ? gemm_kernel(isa, type) : NULL;
+    const group_fn x16 = chunk ? chunk : packed ? group_kernel(isa, type, 0) : NULL;
+    const int64_t m_tile = chunk ? M : M_TILE;
     const int64_t groups = x16 ? N / 16 : 0; /* groups of 16 rows the vector kernel takes; the rest one row at a time */
     const int fast = (isa == ISA_AVX512_VNNI || isa == ISA_AVX2) && has_fast_unpack(type);
     float (*dot)(const qtype *, const uint8_t *, const float *, const float *, arow, int64_t) =
@@ -1183,10 +1235,16 @@ int treadle_q_matmul_q8(int type, const uint8_t *w, int64_t N, int64_t K, const 
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize(((const char *)x + (size_t)(m * ldx) * elem), x_bf16, K, act_row(act, M, K, m));
         /* the implicit barrier: every row is quantized before any is used */
-        for (int64_t m0 = 0; m0 < M && groups; m0 += M_TILE) {
-            const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
+        const int ready = !chunk || !chunk_buffer_for(K);
+        if (!ready) {
+#pragma omp atomic write
+            err = 2;
+        }
+        for (int64_t m0 = 0; m0 < M && groups; m0 += m_tile) {
+            const int64_t m1 = m0 + m_tile < M ? m0 + m_tile : M;
 #pragma omp for schedule(static) nowait
-            for (int64_t g = 0; g < groups; g++) x16(w + g * 16 * rb, K / t.elems, act, M, K, m0, m1, y, ldy, y_bf16, g * 16);
+            for (int64_t g = 0; g < groups; g++)
+                if (ready) x16(w + g * 16 * rb, K / t.elems, act, M, K, m0, m1, y, ldy, y_bf16, g * 16);
         }
         if (groups * 16 < N) {
             uint8_t *uq = malloc((size_t)K), *tmp = malloc((size_t)K * 2);

@@ -10,7 +10,7 @@
  *   SFX(name)            the names of this width's functions
  *   LANES                16 or 8
  *   VI, VF               the integer and float vector types
- *   and the operations below (I_*, F_*, LOADV, F16V, U16V, U8V, DOT4, DOT8, ADD_WHERE, STOREV);
+ *   and the operations below (I_*, F_*, LOADV, F16V, U16V, U8V, DOT8, ADD_WHERE, STOREV);
  *   TREADLE_Q_EXACT      1: the float32 product's tiles (f32_*), 0: the int8 one's (q8_*).
  *
  * `half` selects a group's rows 8 * half .. 8 * half + 7 on AVX2 and is 0 on AVX-512: a 64-byte
@@ -120,30 +120,39 @@ TW static inline __attribute__((always_inline)) void SFX(store_quads)(const VI *
         for (int i = 0; i < 4; i++) F_STOREU(ws->out + (e0 + 4 * q + i) * ws->ld, SFX(exact_weight)(u[q], i, dw, add, MODE, off));
 }
 
-/* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;
- * nq = 4: its 16-value half h16), scale dw and, MODE 1 / 2, a value added / subtracted (the
- * minimum): the int8 rule's operations for rows of quantized activations, or (EXACT) the float32
- * rule's on x itself. DOT4 adds sum(code * x) over a quad's 4 values to each 32-bit lane, or
+/* The int8 rule's operations for MT rows of quantized activations against one weight scale group
+ * (below, `consume`). DOT8 adds sum(code * x) over two quads' 8 values to each 32-bit lane, or
  * sum((code - 128) * x) where the codes reach 255 (`off` 128, AVX2's signed products): the sum
- * starts from the rule's -off * sum(xq) less what DOT4 already took away. */
-TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off, const int EXACT,
-                                                                 const arow *a, const float *const *xr, const int MT, int64_t a32, int h16, VF *acc) {
-    if (EXACT == 2) {
-        SFX(store_quads)(u, q0, nq, dw, add, MODE, off, (const wstore *)xr[0], 32 * a32);
-        return;
-    }
-    if (EXACT) {
-        SFX(exact_group)(u, q0, nq, dw, add, MODE, off, xr, MT, a32, h16, acc);
-        return;
-    }
+ * starts from the rule's -off * sum(xq) less what DOT8 already took away. */
+TW static inline __attribute__((always_inline)) void SFX(dot_rows)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off, const arow *a,
+                                                                  const int MT, int64_t a32, int h16, VF *acc) {
     const int wide = off >= 128; /* codes up to 255 */
+    if (MT >= 4) {
+        /* the rows side by side, a pair of quads at a time: the instructions next to each other are
+         * independent, where a row after a row left the out-of-order window full of one row's chain
+         * (exact integers: any order gives the same sums) */
+        VI s[8];
+        for (int i = 0; i < MT; i++) s[i] = I_SET1_32((DOT4_SHIFT(wide) - off) * (nq == 8 ? a[i].xs32[a32] : a[i].xs16[2 * a32 + h16]));
+        for (int q = q0; q < q0 + nq; q += 2)
+            for (int i = 0; i < MT; i++) {
+                const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
+                s[i] = DOT8(s[i], u[q], u[q + 1], xq4 + q, wide);
+            }
+        for (int i = 0; i < MT; i++) acc[i] = F_FMA(F_CVT32(s[i]), F_MUL(dw, F_SET1(a[i].dx[a32])), acc[i]);
+        for (int i = 0; i < MT; i++) {
+            const VF sdx = F_SET1(nq == 8 ? a[i].sdx32[a32] : a[i].sdx16[2 * a32 + h16]);
+            if (MODE == 1) acc[i] = F_FMA(add, sdx, acc[i]);
+            if (MODE == 2) acc[i] = F_FNMA(add, sdx, acc[i]);
+        }
+        return;
+    }
     for (int i = 0; i < MT; i++) {
         const int32_t *xq4 = (const int32_t *)(a[i].xq + 32 * a32);
         const int32_t xs = nq == 8 ? a[i].xs32[a32] : a[i].xs16[2 * a32 + h16];
         VI s0 = I_SET1_32((DOT4_SHIFT(wide) - off) * xs), s1 = I_ZERO;
         for (int q = q0; q < q0 + nq; q += 4) { /* two accumulators, each a pair of quads a time (exact integers: any order) */
-            s0 = DOT8(s0, u[q], u[q + 1], xq4[q], xq4[q + 1], wide);
-            s1 = DOT8(s1, u[q + 2], u[q + 3], xq4[q + 2], xq4[q + 3], wide);
+            s0 = DOT8(s0, u[q], u[q + 1], xq4 + q, wide);
+            s1 = DOT8(s1, u[q + 2], u[q + 3], xq4 + q + 2, wide);
         }
         acc[i] = F_FMA(F_CVT32(I_ADD32(s0, s1)), F_MUL(dw, F_SET1(a[i].dx[a32])), acc[i]);
         const VF sdx = F_SET1(nq == 8 ? a[i].sdx32[a32] : a[i].sdx16[2 * a32 + h16]);
@@ -152,16 +161,42 @@ TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, i
     }
 }
 
-/* a tile's rows of x (quantized rows, or EXACT: x itself from `act`, an fxrows, in xr[i] and the
- * rows' group sums in xr[8 + i]) and zeroed outputs */
+/* EXACT 3 (a prompt chunk's unpacking, below): the scale group's codes, its scale and (MODE 1 / 2)
+ * its minimum appended to the thread's buffer (a ucursor), to be multiplied later by every row */
+TW static inline __attribute__((always_inline)) void SFX(record)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off, ucursor *c) {
+    for (int q = q0; q < q0 + nq; q++, c->u += LANES * 4) I_STOREU(c->u, u[q]);
+    F_STOREU(c->f, dw), c->f += LANES;
+    if (MODE) F_STOREU(c->f, add), c->f += LANES;
+    c->gs = 4 * nq, c->mode = MODE, c->off = off;
+}
+
+/* The consumer of one weight scale group's codes `u` (quads q0 .. q0 + nq of 32-value group a32;
+ * nq = 4: its 16-value half h16), scale dw and, MODE 1 / 2, a value added / subtracted (the
+ * minimum): the int8 rule's operations for rows of quantized activations (dot_rows), or (EXACT)
+ * the float32 rule's on x itself, or (EXACT 2) the exact weights stored, or (EXACT 3) the group
+ * recorded for a prompt chunk. */
+TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, int q0, int nq, VF dw, VF add, const int MODE, int off, const int EXACT,
+                                                                 const arow *a, const float *const *xr, const int MT, int64_t a32, int h16, VF *acc) {
+    if (EXACT == 3)
+        SFX(record)(u, q0, nq, dw, add, MODE, off, (ucursor *)xr[0]);
+    else if (EXACT == 2)
+        SFX(store_quads)(u, q0, nq, dw, add, MODE, off, (const wstore *)xr[0], 32 * a32);
+    else if (EXACT)
+        SFX(exact_group)(u, q0, nq, dw, add, MODE, off, xr, MT, a32, h16, acc);
+    else
+        SFX(dot_rows)(u, q0, nq, dw, add, MODE, off, a, MT, a32, h16, acc);
+}
+
+/* a tile's rows of x (quantized rows, or EXACT 1: x itself from `act`, an fxrows, in xr[i] and the
+ * rows' group sums in xr[8 + i]; EXACT 2 and 3 read no rows) and zeroed outputs */
 TW static inline __attribute__((always_inline)) void SFX(tile_start)(char *act, int64_t M, int64_t K, int64_t m0, const int MT, const int EXACT,
                                                                     arow *a, const float **xr, VF *acc) {
     for (int i = 0; i < MT; i++) {
-        if (EXACT) {
+        if (EXACT == 1) {
             const fxrows *f = (const fxrows *)act;
             xr[i] = f->x + (m0 + i) * K;
             xr[8 + i] = f->xs ? f->xs + (m0 + i) * f->groups : NULL;
-        } else
+        } else if (EXACT == 0)
             a[i] = act_row(act, M, K, m0 + i);
         acc[i] = F_ZERO;
     }
@@ -215,6 +250,7 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
     if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
+    if (EXACT == 3) xr[0] = (const float *)act; /* a ucursor */
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
         prefetch_ahead(gb, 16 * bytes);
@@ -241,7 +277,7 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
         }
         SFX(consume)(u, 0, 8, d, mn, with_min ? 1 : 0, off, EXACT, a, xr, MT, b, 0, acc);
     }
-    if (EXACT != 2)
+    if (EXACT < 2)
         for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
 }
 
@@ -259,6 +295,7 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
     if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
+    if (EXACT == 3) xr[0] = (const float *)act; /* a ucursor */
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
         prefetch_ahead(gb, 16 * bytes);
@@ -311,7 +348,7 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
             SFX(consume)(u, 0, 8, dw, mw, 2, 0, EXACT, a, xr, MT, a32, 0, acc);
         }
     }
-    if (EXACT != 2)
+    if (EXACT < 2)
         for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
 }
 
@@ -329,6 +366,7 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
     if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
+    if (EXACT == 3) xr[0] = (const float *)act; /* a ucursor */
 #define BYTE_OF(v, k) I_AND(I_SRLI32((v), 8 * ((k) % 4)), I_SET1_32(255))
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
@@ -385,7 +423,7 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
         }
     }
 #undef BYTE_OF
-    if (EXACT != 2)
+    if (EXACT < 2)
         for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
 }
 
@@ -424,6 +462,69 @@ TILE_TYPE(T_Q3_K, tiles)
 TILE_TYPE(T_IQ4_XS, tiles)
 #undef TILE_TYPE
 #undef TILE_VARIANT
+
+#if !TREADLE_Q_EXACT
+/* A prompt chunk (quant.c's GEMM_MIN_ROWS rows or more of int8 activations, the types below): each group of 16
+ * weight rows unpacked once per half into the thread's buffer (EXACT 3: per weight scale group
+ * its codes, scale and minimum, in the tiles' order), then every row of x taken through it in
+ * tiles of 8, 4, 2, 1 rows by dot_rows: the tiles' operations in the tiles' order, so each row
+ * gets a decode step's bits, but the weights are unpacked once per chunk where the tiles unpack
+ * them once per 8 rows, and read from memory once where the tiles read them once per M_TILE. */
+TW static inline __attribute__((always_inline)) void SFX(replay)(const int GS, const int MODE, const int off, const int MT, const uint8_t *ub,
+                                                                const float *fb, char *act, int64_t M, int64_t K, int64_t m0, void *y, int64_t ldy,
+                                                                int y_bf16, int64_t n0, int half) {
+    arow a[8];
+    VF acc[8];
+    SFX(tile_start)(act, M, K, m0, MT, 0, a, NULL, acc);
+    const int nq = GS / 4;
+    for (int64_t a32 = 0; a32 < K / 32; a32++)
+        for (int h = 0; h < 32 / GS; h++) {
+            VI u[8];
+            for (int q = 0; q < nq; q++, ub += LANES * 4) u[4 * h + q] = LOADV(ub);
+            const VF dw = F_LOADU(fb), add = MODE ? F_LOADU(fb + LANES) : dw;
+            fb += MODE ? 2 * LANES : LANES;
+            SFX(dot_rows)(u, 4 * h, nq, dw, add, MODE, off, a, MT, a32, h, acc);
+        }
+    for (int i = 0; i < MT; i++) STOREV(y, y_bf16, (m0 + i) * ldy + n0 + half * LANES, acc[i]);
+}
+
+/* GS, MODE and OFF: what the type's tile passes `consume` (checked against what it recorded) */
+#define GEMM_TYPE(TYPE, TILE, GS, MODE, OFF)                                                                                               \
+    TW static void SFX(g8_##TYPE)(const uint8_t *group, int64_t nb, char *act, int64_t M, int64_t K, int64_t m0, int64_t m1, void *y,     \
+                                  int64_t ldy, int y_bf16, int64_t n0) {                                                                  \
+        for (int half = 0; half < 16 / LANES; half++) {                                                                                   \
+            ucursor c = {chunk_buffer.u, chunk_buffer.f, 0, 0, 0};                                                                        \
+            SFX(TILE)(TYPE, 1, 3, group, nb, (char *)&c, 0, K, 0, NULL, 0, 0, n0, half);                                                  \
+            if (c.gs != GS || c.mode != MODE || c.off != OFF) __builtin_trap();                                                           \
+            for (int64_t m = m0; m < m1;) {                                                                                               \
+                const int64_t left = m1 - m;                                                                                              \
+                if (left >= 8) SFX(replay)(GS, MODE, OFF, 8, chunk_buffer.u, chunk_buffer.f, act, M, K, m, y, ldy, y_bf16, n0, half), m += 8;      \
+                else if (left >= 4) SFX(replay)(GS, MODE, OFF, 4, chunk_buffer.u, chunk_buffer.f, act, M, K, m, y, ldy, y_bf16, n0, half), m += 4; \
+                else if (left >= 2) SFX(replay)(GS, MODE, OFF, 2, chunk_buffer.u, chunk_buffer.f, act, M, K, m, y, ldy, y_bf16, n0, half), m += 2; \
+                else SFX(replay)(GS, MODE, OFF, 1, chunk_buffer.u, chunk_buffer.f, act, M, K, m, y, ldy, y_bf16, n0, half), m += 1;                \
+            }                                                                                                                             \
+        }                                                                                                                                 \
+    }
+/* The types whose unpacking costs enough that doing it once per chunk wins (measured from 64 rows:
+ * Q6_K 1.15-1.2x, Q5_K 1.1-1.15x, Q3_K 1.3x, Q2_K 1.2x); the others' codes are a mask or a shift
+ * away, and there a chunk through the buffer ran as fast as the tiles or slower. */
+GEMM_TYPE(T_Q5_K, tilek, 32, 2, 0)
+GEMM_TYPE(T_Q6_K, tilek, 16, 0, 32)
+GEMM_TYPE(T_Q2_K, tiles, 16, 2, 0)
+GEMM_TYPE(T_Q3_K, tiles, 16, 0, 4)
+#undef GEMM_TYPE
+
+/* this width's prompt-chunk function for a type (NULL: the tiles take its chunks) */
+static group_fn SFX(gemm_kernel)(int type) {
+#define CASE(TYPE) \
+    case TYPE: return SFX(g8_##TYPE);
+    switch (type) {
+        CASE(T_Q5_K) CASE(T_Q6_K) CASE(T_Q2_K) CASE(T_Q3_K)
+    default: return NULL;
+    }
+#undef CASE
+}
+#endif
 
 #if TREADLE_Q_EXACT
 /* the dequantizing store of one group of 16 weight rows (the float32 product's library holds it):

@@ -44,7 +44,11 @@
  * in is a flag in the type argument (`| PACKED`): a process on the portable path holds the file's
  * rows as they are (unpacking a row out of the packed layout byte by byte cost that path 90% of
  * its time), and every path reads either layout (the tests run each path on each). Rows of the
- * weight are split across torch's OpenMP threads; one thread computes each output whole.
+ * weight are split across torch's OpenMP threads; one thread computes each output whole. A tile
+ * unpacks a group of 16 weight rows for up to 8 rows of x; a prompt chunk of GEMM_MIN_ROWS int8
+ * rows or more on the types whose unpacking is costly (Q2_K, Q3_K, Q5_K, Q6_K) unpacks each group
+ * once into a per-thread buffer and takes every row through it (quant_tiles.h, `replay`): the
+ * same operations per row, so the same bits.
  *
  * Built once per path and product (quant_lib.py): TREADLE_Q_TILES = 512 compiles the AVX-512 VNNI
  * tiles, 256 the AVX2 ones, 0 neither; TREADLE_Q_EXACT = 1 the float32 product's tiles, 0 the int8

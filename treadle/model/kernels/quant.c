@@ -776,7 +776,8 @@ typedef struct {
     float *f;
     int gs, mode, off;
 } ucursor;
-/* each thread's buffer for it, grown to the widest K it has seen (chunk_buffer_for) */
+/* each thread's buffer for it, grown to the widest K it has seen (chunk_buffer_for) and kept for the
+ * thread's life (torch's OpenMP threads live as long as the process) */
 static __thread struct {
     uint8_t *u;
     float *f;

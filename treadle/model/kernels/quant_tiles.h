@@ -188,9 +188,11 @@ TW static inline __attribute__((always_inline)) void SFX(consume)(const VI *u, i
 }
 
 /* a tile's rows of x (quantized rows, or EXACT 1: x itself from `act`, an fxrows, in xr[i] and the
- * rows' group sums in xr[8 + i]; EXACT 2 and 3 read no rows) and zeroed outputs */
+ * rows' group sums in xr[8 + i]; EXACT 2 and 3 read no rows, and EXACT 3's `act` is the ucursor
+ * that `consume` finds in xr[0]) and zeroed outputs */
 TW static inline __attribute__((always_inline)) void SFX(tile_start)(char *act, int64_t M, int64_t K, int64_t m0, const int MT, const int EXACT,
                                                                     arow *a, const float **xr, VF *acc) {
+    if (EXACT == 3) xr[0] = (const float *)act;
     for (int i = 0; i < MT; i++) {
         if (EXACT == 1) {
             const fxrows *f = (const fxrows *)act;
@@ -250,7 +252,6 @@ TW static inline __attribute__((always_inline)) void SFX(tile32)(const int type,
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
     if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
-    if (EXACT == 3) xr[0] = (const float *)act; /* a ucursor */
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes, *qs = gb + 16 * qoff;
         prefetch_ahead(gb, 16 * bytes);
@@ -295,7 +296,6 @@ TW static inline __attribute__((always_inline)) void SFX(tilek)(const int type, 
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
     if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
-    if (EXACT == 3) xr[0] = (const float *)act; /* a ucursor */
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;
         prefetch_ahead(gb, 16 * bytes);
@@ -366,7 +366,6 @@ TW static inline __attribute__((always_inline)) void SFX(tiles)(const int type, 
     SFX(tile_start)(act, M, K, m0, MT, EXACT, a, xr, acc);
     wstore col; /* EXACT 2: `act` is the slab; this half's columns */
     if (EXACT == 2) col = SFX(store_column)(act, n0, half), xr[0] = (const float *)&col;
-    if (EXACT == 3) xr[0] = (const float *)act; /* a ucursor */
 #define BYTE_OF(v, k) I_AND(I_SRLI32((v), 8 * ((k) % 4)), I_SET1_32(255))
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = group + b * 16 * bytes;

@@ -133,9 +133,9 @@ static inline float f16_to_f32(const uint8_t *p) {
  * So each block (each row, on the row-at-a-time paths) asks for the bytes PREFETCH_AHEAD further
  * on; that took both to 45 GB/s. The request is for the L2 cache, not L1 (locality 1,
  * prefetcht2): asked into L1, the lines in flight were bounded by L1's few miss buffers, and on an
- * AMD EPYC a thread's 8B-shaped products ran half as fast as when the same lines go to L2, from
- * where the kernel's loads still find them (docs/benchmarks/quantized-weights.md). A prefetch past
- * the end of the weight is harmless (it never faults), and a prefetch changes no result. */
+ * AMD EPYC a thread's products from memory ran well below the same lines asked into L2, from where
+ * the kernel's loads still find them (docs/benchmarks/quantized-weights.md, "At 8B"). A prefetch
+ * past the end of the weight is harmless (it never faults), and a prefetch changes no result. */
 #define PREFETCH_AHEAD 8192
 static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + PREFETCH_AHEAD + i, 0, 1);
@@ -803,7 +803,7 @@ TARGET_FAST static inline void store16(void *y, int y_bf16, int64_t i, __m512 v)
 
 /* acc + the 4-byte dot products of u's lanes with the quad of x at p, the quad broadcast by the
  * product's own load (an embedded broadcast: of _mm512_set1_epi32 the compiler makes a separate
- * broadcast per product, and those held the tiles to a quarter of the products' own rate) */
+ * broadcast instruction per product, and those competed with the products for the core) */
 TARGET_FAST static inline __m512i dpbusd_quad(__m512i acc, __m512i u, const int32_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
     return acc;

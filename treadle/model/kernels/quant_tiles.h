@@ -504,9 +504,9 @@ TW static inline __attribute__((always_inline)) void SFX(replay)(const int GS, c
             }                                                                                                                             \
         }                                                                                                                                 \
     }
-/* The types whose unpacking costs enough that doing it once per chunk wins (measured from 64 rows:
- * Q6_K 1.15-1.2x, Q5_K 1.1-1.15x, Q3_K 1.3x, Q2_K 1.2x); the others' codes are a mask or a shift
- * away, and there a chunk through the buffer ran as fast as the tiles or slower. */
+/* The types whose unpacking costs enough that doing it once per chunk wins from 64 rows; the
+ * others' codes are a mask or a shift away, and for them the buffer only cost time (the per-type
+ * measurements: docs/benchmarks/quantized-weights.md, "At 8B"). */
 GEMM_TYPE(T_Q5_K, tilek, 32, 2, 0)
 GEMM_TYPE(T_Q6_K, tilek, 16, 0, 32)
 GEMM_TYPE(T_Q2_K, tiles, 16, 2, 0)

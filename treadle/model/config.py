@@ -108,6 +108,16 @@ class ModelConfig:
     # per attention layer, the earlier layer whose K/V it reads instead of its own (Gemma 4's last
     # num_kv_shared_layers), None for a layer with KV of its own; None: no layer shares
     kv_sources: list[int | None] | None = None
+    # per attention layer, True where the cache holds its values alone and its keys are made from
+    # them (Gemma 4's attention_k_eq_v layers: layers.attention.KeysFromValues); None: none does
+    kv_values_only: list[bool] | None = None
+
+    def kv_rows(self) -> list[int]:
+        """Every attention layer's cache rows per token and KV head: 2 (a key and a value), or 1
+        where the keys are made from the values."""
+        if self.kv_values_only is None:
+            return [2] * len(self.windows())
+        return [1 if only else 2 for only in self.kv_values_only]
 
     def kv_shapes(self) -> list[tuple[int, int]]:
         """Every attention layer's (KV heads, head size)."""
@@ -119,16 +129,16 @@ class ModelConfig:
         """How the attention layers share the KV pool (kv_layout.py); the rows' sizes count where
         layers' shapes differ."""
         units = None
-        if self.layer_kv_shapes is not None:
-            units = [2 * heads * dim for heads, dim in self.layer_kv_shapes]
+        if self.layer_kv_shapes is not None or self.kv_values_only is not None:
+            units = [rows * heads * dim for rows, (heads, dim) in zip(self.kv_rows(), self.kv_shapes())]
         return kv_layout(self.windows(), units, self.kv_sources)
 
     def kv_page_elements(self, block_size: int, extra: int = 0) -> int:
         """One page of the pool, in its elements: a block of every layer of the largest cache
         group (`extra`: elements beside each row's values, an int8 row's scale)."""
-        shapes = self.kv_shapes()
+        shapes, rows = self.kv_shapes(), self.kv_rows()
         return max(
-            len(g.layers) * 2 * block_size * shapes[g.layers[0]][0] * (shapes[g.layers[0]][1] + extra)
+            sum(rows[i] * block_size * shapes[i][0] * (shapes[i][1] + extra) for i in g.layers)
             for g in self.kv_layout().groups
         )
 

@@ -73,15 +73,17 @@ def test_folder_matches_transformers_batched_chunked_and_preempted(folder):
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
 
 
-def test_mixed_pages_and_the_published_config_form(wide):
-    """Global rows twice the local ones: one page holds one global layer or two local ones, from a
-    config.json with global_head_dim / num_global_key_value_heads (no per_layer_config)."""
+def test_pages_of_k_eq_v_layers_and_the_published_config_form(wide):
+    """Global layers of two KV heads of 32 holding their values alone (attention_k_eq_v): a row as
+    large as a local layer's keys and values, so every layer takes one unit of a page, in one plane;
+    from a config.json with global_head_dim / num_global_key_value_heads (no per_layer_config)."""
     path, model = wide
     published_form(path)
     assert "per_layer_config" not in json.load(open(os.path.join(path, "config.json")))
-    llm = LLM(path, dtype="float32", block_size=4, max_model_len=96, max_num_batched_tokens=8, num_kv_blocks=40)
+    llm = LLM(path, dtype="float32", block_size=4, max_model_len=96, max_num_batched_tokens=8, num_kv_blocks=44)
     runner = llm.engine.core.worker.runner
-    assert not runner.layout.uniform and len(runner.kv_planes) == 1
+    assert llm.engine.core.model_config.kv_rows() == [2, 2, 1] * 2
+    assert runner.layout.uniform and len(runner.kv_planes) == 1
     check(model, llm, prompts(4, seed=4, **LONG))
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
@@ -124,8 +126,12 @@ def test_shared_layers_hold_no_kv_and_pages_are_not_padded(folder):
     assert 4 not in [i for g in layout.groups for i in g.layers] and 5 not in [
         i for g in layout.groups for i in g.layers
     ]
-    own = [cfg.layer_kv_shapes[i] for i in range(4)]
-    assert per_block * len(layout.groups) == sum(2 * 16 * heads * dim * 2 for heads, dim in own)
+    # layer 2, global with attention_k_eq_v, holds its values alone: one row, not two
+    assert cfg.kv_rows()[:4] == [2, 2, 1, 2]
+    units = [rows * heads * dim for rows, (heads, dim) in zip(cfg.kv_rows()[:4], cfg.layer_kv_shapes[:4])]
+    assert sorted(i for g in layout.groups for i in g.layers) == [0, 1, 2, 3]
+    # the pages hold those rows and leave less than one page unused (here the global layer's half page)
+    assert 0 <= per_block * len(layout.groups) - sum(units) * 16 * 2 < per_block
 
 
 @pytest.mark.parametrize(
@@ -201,6 +207,12 @@ def test_bfloat16_is_batch_invariant_and_its_deviation_is_reported(wide, capsys)
     first = [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r)) for r, t in zip(ref, together)]
     with capsys.disabled():
         print(f"\nGemma 4 tiny, bfloat16 vs float32: tokens equal before the first difference {first} of {len(ref[0])}")
+    # int8 KV rows: the K = V layers' keys made from int8 value rows, the same tokens alone or batched
+    # (the value cache is the only one those layers hold: a wrong store would show as changed tokens)
+    int8 = LLM(path, dtype="bfloat16", max_model_len=96, kv_cache_dtype="int8")
+    together = [o.outputs[0].token_ids for o in int8.generate(batch, GREEDY)]
+    assert [int8.generate([b], GREEDY)[0].outputs[0].token_ids for b in batch] == together
+    assert int8.stats()["kv_blocks_used"] == 0
 
 
 WRONG = [

@@ -255,6 +255,69 @@ def test_wide_heads_in_a_mixed_pool_match_their_own_tensor(kv):
     torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2**-7)
 
 
+def rotation_tables(positions: int, half: int, turning: int):
+    """float32 cos / sin [positions, half]: the first `turning` pairs turn, the rest have frequency 0
+    (Gemma 4's proportional rotation)."""
+    inv = torch.cat([10000.0 ** (-torch.arange(turning) / turning), torch.zeros(half - turning)])
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv)
+    return angles.cos().contiguous(), angles.sin().contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_keys_made_from_values_match_textbook_attention(kv, monkeypatch):
+    """Gemma 4's attention_k_eq_v layers hold their values once; the kernel makes each key as it reads
+    it, value * weight rotated at the key's index. Textbook attention with those keys (float64), the
+    key cache never read (it is garbage here), a row's bits alone and in company, and the portable
+    code's bits; a key past the rotary tables is an error, not a read past them."""
+    g = torch.Generator().manual_seed(11)
+    d, kvh, heads, n = 128, 2, 8, 70
+    v = torch.randn(20, BLOCK, kvh, d, generator=g).bfloat16()
+    if kv == "int8":
+        v = quantize_kv(v)
+    garbage = torch.full_like(v, 99 if kv == "int8" else 1e4)
+    weight = (torch.rand(d, generator=g) + 0.5).contiguous()
+    cos, sin = rotation_tables(96, d // 2, 16)
+    blocks = torch.randperm(20, generator=g)[: -(-n // BLOCK)]
+    q = (torch.randn(n, heads, d, generator=g) * 2).bfloat16()
+    positions = torch.arange(n)
+    zeros = torch.zeros(n, dtype=torch.long)
+
+    def attend(q, rows, key_begin, key_end, tables=blocks[None], cos=cos, sin=sin):
+        return kernels.paged_attention(
+            q, garbage, v, tables, rows, key_begin, key_end, d**-0.5, key_weight=weight, rot_cos=cos, rot_sin=sin
+        )
+
+    out = attend(q, zeros, zeros, positions + 1)
+    values = (dequantize_kv(v, torch.float64) if kv == "int8" else v.double())[blocks].reshape(-1, kvh, d)[:n]
+    x = values * weight.double()
+    c, s = cos[:n].double()[:, None], sin[:n].double()[:, None]
+    h = d // 2
+    keys = torch.cat([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
+    k, vv = keys.repeat_interleave(heads // kvh, 1), values.repeat_interleave(heads // kvh, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * d**-0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), vv)
+    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7)
+    unrotated = torch.einsum("qhd,khd->hqk", q.double(), x.repeat_interleave(heads // kvh, 1)) * d**-0.5
+    assert (unrotated.tril() - scores.tril().nan_to_num(0)).abs().max() > 0.5  # the rotation matters here
+    # a chunk of rows with another request's rows beside them: the same bits
+    other = torch.randperm(20, generator=g)[:3]
+    tables = torch.stack([blocks, torch.cat([other, blocks[3:]])])
+    rows = torch.cat([torch.ones(5, dtype=torch.long), torch.zeros(20, dtype=torch.long)])
+    mixed_q = torch.cat([q[:5].flip(0), q[40:60]])
+    key_end = torch.cat([torch.arange(5) + 1, positions[40:60] + 1])
+    mixed = attend(mixed_q, rows, torch.zeros(25, dtype=torch.long), key_end, tables)
+    assert torch.equal(mixed[5:], out[40:60])
+    portable = kernels._build(("-mno-avx512f",)) if platform.machine() in ("x86_64", "AMD64") else None
+    if portable is not None:
+        monkeypatch.setattr(kernels._kernel, "lib", portable)
+        assert torch.equal(attend(q, zeros, zeros, positions + 1).view(torch.int16), out.view(torch.int16))
+        monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="error -3"):
+        attend(q, zeros, zeros, positions + 1, cos=cos[:50].contiguous(), sin=sin[:50].contiguous())
+
+
 def test_without_a_compiler_the_engine_runs_on_sdpa_and_says_so(tmp_path):
     """No C compiler (CC=false, empty kernel cache): bfloat16 still serves, not batch-invariant, with
     the quantized weights dequantized at load."""

@@ -167,9 +167,9 @@ class ModelRunner:
         values and their float32 scale (attention.quantize_kv)."""
         kv_dtype = torch.int8 if kv_int8 else dtype
         extra = SCALE_BYTES if kv_int8 else 0
-        shapes = config.kv_shapes()
+        shapes, rows = config.kv_shapes(), config.kv_rows()
         layout = self.layout
-        if len({shapes[i] for g in layout.groups for i in g.layers}) == 1:
+        if len({(shapes[i], rows[i]) for g in layout.groups for i in g.layers}) == 1 and min(rows) == 2:
             heads, dim = shapes[layout.groups[0].layers[0]]
             shape = (num_blocks, block_size, heads, dim + extra)
             pairs = [
@@ -181,13 +181,15 @@ class ModelRunner:
         pool = _zeros((num_blocks, config.kv_page_elements(block_size, extra)), kv_dtype, self.device)
         caches = {}
         for g, group in enumerate(layout.groups):
-            heads, dim = shapes[group.layers[0]]
-            part = block_size * heads * (dim + extra)  # one layer's keys (or values) of a block
-            for j in range(len(group.layers)):
-                at = j * 2 * part
-                k = pool[:, at : at + part].view(num_blocks, block_size, heads, dim + extra)
-                v = pool[:, at + part : at + 2 * part].view(num_blocks, block_size, heads, dim + extra)
-                caches[(g, j)] = (k, v)
+            at = 0
+            for j, layer in enumerate(group.layers):
+                heads, dim = shapes[layer]
+                part = block_size * heads * (dim + extra)  # one layer's keys (or values) of a block
+                v = pool[:, at + part * (rows[layer] - 1) : at + part * rows[layer]]
+                k = pool[:, at : at + part]  # its values where the keys are made from them (one row)
+                at += rows[layer] * part
+                view = (num_blocks, block_size, heads, dim + extra)
+                caches[(g, j)] = (k.view(view), v.view(view))
         return [pool], [caches[slot] for slot in layout.layer_slots()]
 
     @staticmethod

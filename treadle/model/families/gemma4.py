@@ -9,8 +9,10 @@ wider global heads and an optional mixture of experts beside every MLP.
   whole head in the rotate-half layout. Each kind has its own head size, so the KV pool holds
   pages of mixed layers (kv_layout.py);
 - attention_k_eq_v: a global layer's values are its key projection before the key's norm and
-  rotation (no v_proj); every layer norms q and k per head (weights that multiply: Gemma 4's
-  RMSNorm is not Gemma 3's 1 + w) and v without a weight; attention is unscaled (the norms set it);
+  rotation (no v_proj), so its keys are its values times k_norm's weight, rotated: its cache holds
+  the values once and attention makes the keys as it reads them (KeysFromValues); every layer
+  norms q and k per head (weights that multiply: Gemma 4's RMSNorm is not Gemma 3's 1 + w) and v
+  without a weight; attention is unscaled (the norms set it);
 - the last `num_kv_shared_layers` layers compute no K/V: each reads the KV of the last earlier
   layer of its own kind, through that layer's cache group and pages (they hold none of their own);
   with `use_double_wide_mlp` their MLP is twice as wide;
@@ -46,7 +48,7 @@ from treadle.model.config import LIMITS, ModelLoadError, MoEConfig, RopeConfig, 
 from treadle.model.families.gemma3 import LOCAL_ROPE_THETA, Gemma3Config, Gemma3Model, layer_windows
 from treadle.model.families.llama import LayerWeights, LlamaModel, in_row_slices, weight_part
 from treadle.model.kernels.quant import quant_rows_op
-from treadle.model.layers.attention import metadata_by_layer, paged_attention
+from treadle.model.layers.attention import KeysFromValues, metadata_by_layer, paged_attention
 from treadle.model.layers.linear import Linear
 from treadle.model.layers.moe import MoE
 from treadle.model.layers.norm import RMSNorm
@@ -130,6 +132,8 @@ def _finish(where: str, config: Gemma4Config) -> Gemma4Config:
     n = config.num_layers
     config.layer_kv_shapes = [config.layer_shape(i) for i in range(n)]
     config.kv_sources = _kv_sources(config)
+    # a k_eq_v layer's keys are its values times k_norm's weight, rotated: its cache holds the values once
+    config.kv_values_only = [config.is_global(i) for i in range(n)] if config.k_eq_v else None
     return config
 
 
@@ -521,7 +525,15 @@ class Gemma4Model(Gemma3Model):
             d: RMSNorm(torch.ones(d, dtype=dtype, device=device), eps)
             for d in {config.head_dim, config.global_head_dim}
         }
-        self.sources = config.kv_sources or list(range(config.num_layers))
+        # each layer's KV source: itself, or the earlier layer whose cache a shared layer reads
+        self.sources = [i if s is None else s for i, s in enumerate(config.kv_sources or [None] * config.num_layers)]
+        # the k_eq_v layers' keys, made from their cached values as they are read (shared layers
+        # reading such a layer's cache make them with its weight)
+        self.keys_from_values = {
+            layer.index: KeysFromValues(layer.k_norm.weight.float().contiguous(), self.global_rotary)
+            for layer in self.layers
+            if layer.k_eq_v and not layer.shared
+        }
 
     def make_norm(self, weight) -> RMSNorm:
         return LlamaModel.make_norm(self, weight)  # Gemma 4's weights multiply (not 1 + w)
@@ -597,12 +609,14 @@ class Gemma4Model(Gemma3Model):
         projected = layer.qkv(x)
         q = layer.q_norm(projected[:, : heads * d].view(t, heads, d))
         k = v = None
+        derived = self.keys_from_values.get(self.sources[layer.index])
         if not layer.shared:
             kvh = layer.kv_heads
             raw_k = projected[:, heads * d : (heads + kvh) * d].view(t, kvh, d)
             raw_v = raw_k if layer.k_eq_v else projected[:, (heads + kvh) * d :].view(t, kvh, d)
-            k = apply_rotary(layer.k_norm(raw_k), *tables)
+            if derived is None:
+                k = apply_rotary(layer.k_norm(raw_k), *tables)
             v = self.v_norms[d](raw_v)
         q = apply_rotary(q, *tables)
-        attn = paged_attention(q, k, v, kv[0], kv[1], layer_meta, 1.0)
+        attn = paged_attention(q, k, v, kv[0], kv[1], layer_meta, 1.0, derived=derived)
         return layer.o_proj(attn.reshape(t, heads * d))

@@ -44,6 +44,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         i64,
     ]
     fn.restype = ctypes.c_int
+    derived = lib.treadle_paged_attention_derived
+    derived.argtypes = fn.argtypes + [ptr, ptr, ptr, i64, i64]
+    derived.restype = ctypes.c_int
     store = lib.treadle_store_int8_rows
     store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64]
     store.restype = None
@@ -73,6 +76,9 @@ def paged_attention(
     span: int | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    key_weight: torch.Tensor | None = None,
+    rot_cos: torch.Tensor | None = None,
+    rot_sin: torch.Tensor | None = None,
 ):
     """Attention of each row q[r] over its keys key_begin[r] .. key_end[r] - 1 (see the C source).
     q: [rows, heads, head_dim] bf16 (heads x head_dim contiguous); caches: [blocks, block_size,
@@ -81,8 +87,10 @@ def paged_attention(
     page apart: a view into a pool of mixed layers, kv_layout.py); tables: [n, width] int64; row_table,
     key_begin, key_end: [rows] int64; span: the largest key_end - key_begin (computed when not
     given); softcap > 0: scores soft-capped, softcap * tanh(s / softcap); sinks: None, or float32
-    [heads], each head's sink logit in the softmax's denominator (gpt-oss). Returns [rows, heads,
-    head_dim] bf16."""
+    [heads], each head's sink logit in the softmax's denominator (gpt-oss); key_weight: None, or
+    float32 [head_dim]: the keys are made from the values (Gemma 4's attention_k_eq_v layers hold
+    their values once: k_cache is not read), value * key_weight rotated by the float32 tables rot_cos
+    / rot_sin [positions, half] at each key's index. Returns [rows, heads, head_dim] bf16."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     rows, heads, head_dim = q.shape
@@ -92,11 +100,19 @@ def paged_attention(
         span = int((key_end - key_begin).max())
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous()):
         raise ValueError(f"attention sinks: expected float32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
-    code = _kernel.lib.treadle_paged_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, k_cache.stride(0), kv_heads,
+    derive = (None, None, None, 0, 0)
+    if key_weight is not None:
+        for name, t in (("key_weight", key_weight), ("rot_cos", rot_cos), ("rot_sin", rot_sin)):
+            if t is None or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"derived keys: {name} must be a contiguous float32 tensor")
+        if key_weight.shape != (head_dim,) or rot_cos.shape != rot_sin.shape or rot_cos.dim() != 2:
+            raise ValueError(f"derived keys: weight {tuple(key_weight.shape)}, tables {tuple(rot_cos.shape)}")
+        derive = (key_weight.data_ptr(), rot_cos.data_ptr(), rot_sin.data_ptr(), rot_cos.shape[1], rot_cos.shape[0])
+    code = _kernel.lib.treadle_paged_attention_derived(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, v_cache.stride(0), kv_heads,
         head_dim, heads // kv_heads, tables.data_ptr(), tables.stride(0), row_table.data_ptr(), key_begin.data_ptr(),
         key_end.data_ptr(), scale, softcap, None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0),
-        rows, span, int(k_cache.dtype == torch.int8),
+        rows, span, int(k_cache.dtype == torch.int8), *derive,
     )  # fmt: skip
     if code:
         raise RuntimeError(f"paged attention kernel: error {code} (head_dim {head_dim}, group {heads // kv_heads})")
@@ -138,18 +154,23 @@ def paged_attention_op(
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    key_weight: torch.Tensor | None = None,
+    rot_cos: torch.Tensor | None = None,
+    rot_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` as a torch operator, for the compiled decode graphs: inductor calls it as
     an opaque kernel (the same C code, so the same bits as the eager path)."""
     if not available():
         raise RuntimeError(f"treadle's attention kernel is unavailable ({_kernel.error})")
     return paged_attention(
-        q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap=softcap, sinks=sinks
-    )
+        q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap=softcap, sinks=sinks,
+        key_weight=key_weight, rot_cos=rot_cos, rot_sin=rot_sin,
+    )  # fmt: skip
 
 
 @paged_attention_op.register_fake
-def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap, sinks=None):
+def _(q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap, sinks=None, key_weight=None,
+      rot_cos=None, rot_sin=None):  # fmt: skip
     return q.new_empty(q.shape)
 
 

@@ -30,6 +30,15 @@
  * softmax's denominator and nothing else, p_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m))
  * with m the maximum over the scores and the sink, as transformers' eager attention computes it.
  * Without sinks the sink is -inf: the same maximum and sum, so the same bits as before.
+ *
+ * Keys derived from values (Gemma 4's attention_k_eq_v layers, whose keys are their values times the
+ * key norm's weight, rotated: the cache holds the values once, `key_derive`): each key is made from its
+ * value row as it is read, x[d] = value[d] * weight[d] (int8: (q[d] * scale) * weight[d]), then rotated
+ * in the rotate-half layout by its position's row of the rotary tables (a key's position is its index:
+ * the tables' row key_begin + j), k[d] = x[d] * cos[d] - x[d + half] * sin[d] and k[d + half] =
+ * x[d + half] * cos[d] + x[d] * sin[d] (each product rounded, then the sum: rowops.c's rotation, so
+ * float32 keys made this way equal the model's own), dimensions past 2 * half as they are. The score
+ * is then the bf16 key's: dot(q, k) * scale.
  */
 
 #include <math.h>
@@ -103,6 +112,31 @@ static inline void prefetch_row(const void *cache, int64_t offset, int64_t head_
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
 }
 
+/* Keys made from values (see the header): the key norm's weight, the rotary tables by position. */
+typedef struct {
+    const float *weight;     /* [head_dim] */
+    const float *cos, *sin;  /* [positions, half] */
+    int64_t half, positions;
+} key_derive;
+
+/* The key of position `pos` from its value row (bf16, or an int8 row), as float32. */
+static void derive_key(const void *row, int64_t head_dim, int kv_int8, const key_derive *kd, int64_t pos, float *k) {
+    float x[512];
+    if (kv_int8) {
+        const float vs = row_scale((const int8_t *)row, head_dim);
+        for (int64_t d = 0; d < head_dim; d++) x[d] = ((float)((const int8_t *)row)[d] * vs) * kd->weight[d];
+    } else {
+        for (int64_t d = 0; d < head_dim; d++) x[d] = bf16_to_f32(((const uint16_t *)row)[d]) * kd->weight[d];
+    }
+    const int64_t half = kd->half;
+    const float *c = kd->cos + pos * half, *s = kd->sin + pos * half;
+    for (int64_t d = 0; d < half; d++) {
+        k[d] = x[d] * c[d] - x[d + half] * s[d];
+        k[d + half] = x[d + half] * c[d] + x[d] * s[d];
+    }
+    for (int64_t d = 2 * half; d < head_dim; d++) k[d] = x[d];
+}
+
 /* One cache row's values, widened exactly. */
 static inline void widen_row(const void *row, int64_t head_dim, int kv_int8, float *out) {
     if (kv_int8)
@@ -134,16 +168,18 @@ static inline float dot(const float *q, const float *k, int64_t head_dim) {
  * keys or 16 dimensions at a time.
  */
 static void scores_portable(const float *qf, const void *k_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
-                            int64_t group, float scale, int kv_int8, float *s) {
+                            int64_t group, float scale, int kv_int8, const key_derive *kd, int64_t begin, float *s) {
     float kf[512];
     for (int64_t j = 0; j < n; j++) {
         const void *k = cache_row(k_cache, offsets[j], kv_int8);
         if (j + 32 < n) prefetch_row(k_cache, offsets[j + 32], head_dim, kv_int8);
-        widen_row(k, head_dim, kv_int8, kf);
-        const float ks = kv_int8 ? row_scale((const int8_t *)k, head_dim) : 1.0f;
+        const int scaled = kv_int8 && kd == NULL; /* a derived key is float32, its scale inside */
+        if (kd) derive_key(k, head_dim, kv_int8, kd, begin + j, kf);
+        else widen_row(k, head_dim, kv_int8, kf);
+        const float ks = scaled ? row_scale((const int8_t *)k, head_dim) : 1.0f;
         for (int64_t g = 0; g < group; g++) {
             const float d = dot(qf + g * head_dim, kf, head_dim);
-            s[g * n + j] = kv_int8 ? d * ks * scale : d * scale;
+            s[g * n + j] = scaled ? d * ks * scale : d * scale;
         }
     }
 }
@@ -188,7 +224,9 @@ static void values_portable(const float *p, const void *v_cache, const int64_t *
 }
 
 #if TREADLE_AVX512
+/* 16 elements of a row: kv_int8 0 bf16, 1 int8, 2 float32 (a derived key) */
 static inline __m512 widen16(const void *row, int64_t d, int kv_int8) {
+    if (kv_int8 == 2) return _mm512_loadu_ps((const float *)row + d);
     return kv_int8 ? load16_i8((const int8_t *)row + d) : load16((const uint16_t *)row + d);
 }
 
@@ -224,8 +262,10 @@ static inline __attribute__((always_inline)) void key_dots(const float *qf, cons
 }
 
 static void scores_avx512(const float *qf, const void *k_cache, const int64_t *offsets, int64_t n, int64_t head_dim,
-                          int64_t group, float scale, int kv_int8, float *s) {
+                          int64_t group, float scale, int kv_int8, const key_derive *kd, int64_t begin, float *s) {
     __m512 lanes[16 * 16];
+    float kf[512];
+    const int mode = kd ? 2 : kv_int8, scaled = kv_int8 && kd == NULL; /* a derived key is float32 */
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int c = n - j0 < 16 ? (int)(n - j0) : 16;
         float ks[16];
@@ -237,19 +277,23 @@ static void scores_avx512(const float *qf, const void *k_cache, const int64_t *o
             }
             const void *k = cache_row(k_cache, offsets[j0 + jj], kv_int8);
             if (j0 + 32 + jj < n) prefetch_row(k_cache, offsets[j0 + 32 + jj], head_dim, kv_int8);
-            ks[jj] = kv_int8 ? row_scale((const int8_t *)k, head_dim) : 1.0f;
+            ks[jj] = scaled ? row_scale((const int8_t *)k, head_dim) : 1.0f;
+            if (kd) {
+                derive_key(k, head_dim, kv_int8, kd, begin + j0 + jj, kf);
+                k = kf;
+            }
             for (int64_t g0 = 0; g0 < group; g0 += 8) {
                 const float *q = qf + g0 * head_dim;
                 __m512 *out = lanes + g0 * 16 + jj;
                 switch (group - g0 < 8 ? group - g0 : 8) {
-                    case 1: key_dots(q, k, head_dim, kv_int8, 1, out); break;
-                    case 2: key_dots(q, k, head_dim, kv_int8, 2, out); break;
-                    case 3: key_dots(q, k, head_dim, kv_int8, 3, out); break;
-                    case 4: key_dots(q, k, head_dim, kv_int8, 4, out); break;
-                    case 5: key_dots(q, k, head_dim, kv_int8, 5, out); break;
-                    case 6: key_dots(q, k, head_dim, kv_int8, 6, out); break;
-                    case 7: key_dots(q, k, head_dim, kv_int8, 7, out); break;
-                    default: key_dots(q, k, head_dim, kv_int8, 8, out); break;
+                    case 1: key_dots(q, k, head_dim, mode, 1, out); break;
+                    case 2: key_dots(q, k, head_dim, mode, 2, out); break;
+                    case 3: key_dots(q, k, head_dim, mode, 3, out); break;
+                    case 4: key_dots(q, k, head_dim, mode, 4, out); break;
+                    case 5: key_dots(q, k, head_dim, mode, 5, out); break;
+                    case 6: key_dots(q, k, head_dim, mode, 6, out); break;
+                    case 7: key_dots(q, k, head_dim, mode, 7, out); break;
+                    default: key_dots(q, k, head_dim, mode, 8, out); break;
                 }
             }
         }
@@ -257,7 +301,7 @@ static void scores_avx512(const float *qf, const void *k_cache, const int64_t *o
         const __m512 kscale = _mm512_loadu_ps(ks), vscale = _mm512_set1_ps(scale);
         for (int64_t g = 0; g < group; g++) {
             __m512 d = lane_sums16(lanes + g * 16);
-            d = kv_int8 ? _mm512_mul_ps(_mm512_mul_ps(d, kscale), vscale) : _mm512_mul_ps(d, vscale);
+            d = scaled ? _mm512_mul_ps(_mm512_mul_ps(d, kscale), vscale) : _mm512_mul_ps(d, vscale);
             _mm512_mask_storeu_ps(s + g * n + j0, valid, d);
         }
     }
@@ -363,7 +407,7 @@ static void attend_item(
     int64_t block_stride, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
     const float *sinks, uint16_t *out, int64_t out_stride, int64_t row, int64_t h, float *scratch, int64_t *offsets,
-    int kv_int8) {
+    int kv_int8, const key_derive *kd) {
     enum { MAX_GROUP = 16, MAX_DIM = 512 };
     const int64_t row_elems = kv_int8 ? head_dim + 4 : head_dim;  /* one cache row, in cache elements */
     const int64_t slot_stride = kv_heads * row_elems;
@@ -381,7 +425,7 @@ static void attend_item(
         pos += stop - first;
     }
     float inv[MAX_GROUP];
-    SCORES(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, scratch);
+    SCORES(qf, k_cache, offsets, n, head_dim, group, scale, kv_int8, kd, begin, scratch);
     if (softcap > 0.0f)
         for (int64_t i = 0; i < group * n; i++) scratch[i] = softcap * tanhf(scratch[i] / softcap);
     for (int64_t g = 0; g < group; g++) inv[g] = SOFTMAX(scratch + g * n, n, sinks ? sinks[h * group + g] : -INFINITY);
@@ -421,14 +465,25 @@ static int64_t first_item(const int64_t *ends, int64_t rows, int64_t kv_heads, i
  * span:         the largest key_end - key_begin
  * softcap:      > 0: scores soft-capped (see the header); 0: not
  * sinks:        NULL, or [kv_heads * group] float32: each query head's sink logit (see the header)
- * Returns 0, -1 for an unsupported shape, -2 when out of memory.
+ * key_weight:   NULL, or [head_dim] float32: the keys are derived from the values (see the header;
+ *               k_cache is then not read), rotated by rot_cos / rot_sin [rot_positions, rot_half] float32
+ * Returns 0, -1 for an unsupported shape, -2 when out of memory, -3 for a key past the rotary tables.
  */
-int treadle_paged_attention(
+int treadle_paged_attention_derived(
     const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
     int64_t block_stride, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
     const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
-    const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
+    const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8,
+    const float *key_weight, const float *rot_cos, const float *rot_sin, int64_t rot_half, int64_t rot_positions) {
     if (head_dim % LANES != 0 || head_dim > 512 || group > 16) return -1;
+    const key_derive derive = {key_weight, rot_cos, rot_sin, rot_half, rot_positions};
+    const key_derive *kd = key_weight ? &derive : NULL;
+    if (kd) {
+        k_cache = v_cache; /* each key is made from its value row */
+        if (2 * rot_half > head_dim) return -1;
+        for (int64_t r = 0; r < rows; r++)
+            if (key_end[r] > rot_positions) return -3; /* a key past the rotary tables */
+    }
     /* each thread takes one contiguous run of items of about equal cost (keys, plus a fixed share) */
     int64_t *ends = malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (ends == NULL) return -2;
@@ -449,13 +504,24 @@ int treadle_paged_attention(
             for (int64_t item = first; item < last; item++)
                 attend_item(q, q_stride, k_cache, v_cache, block_size, block_stride, kv_heads, head_dim, group, tables, table_stride,
                             row_table, key_begin, key_end, scale, softcap, sinks, out, out_stride, item / kv_heads, item % kv_heads,
-                            scratch, offsets, (int)kv_int8);
+                            scratch, offsets, (int)kv_int8, kd);
         }
         free(scratch);
         free(offsets);
     }
     free(ends);
     return failed ? -2 : 0;
+}
+
+/* Every key from the key cache (no derived keys): the C layer path's entry (decoder.c). */
+int treadle_paged_attention(
+    const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t block_size,
+    int64_t block_stride, int64_t kv_heads, int64_t head_dim, int64_t group, const int64_t *tables, int64_t table_stride,
+    const int64_t *row_table, const int64_t *key_begin, const int64_t *key_end, float scale, float softcap,
+    const float *sinks, uint16_t *out, int64_t out_stride, int64_t rows, int64_t span, int64_t kv_int8) {
+    return treadle_paged_attention_derived(q, q_stride, k_cache, v_cache, block_size, block_stride, kv_heads, head_dim, group,
+                                           tables, table_stride, row_table, key_begin, key_end, scale, softcap, sinks, out,
+                                           out_stride, rows, span, kv_int8, NULL, NULL, NULL, 0, 0);
 }
 
 /*

@@ -10,6 +10,11 @@ int8 KV (`--kv-cache-dtype int8`): a cache row (one token, one KV head) is head_
 their float32 scale, [..., head_dim + 4] int8 (`quantize_kv`: symmetric, max |x| / 127, rounded half
 to even), 0.53x a bf16 row at head_dim 64. treadle's kernel reads the rows as they are; torch's SDPA
 path (float32, or without the kernel) dequantizes the rows it gathers (`dequantize_kv`).
+
+Keys made from values (`KeysFromValues`: Gemma 4's attention_k_eq_v layers, whose keys are their
+values times the key norm's weight, rotated): the cache holds the values once (the layer's key and
+value caches are one tensor) and every path makes each key from its value row and its index as it
+reads it (a key's position is its index in the request).
 """
 
 import functools
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.kernels import paged  # (its import registers torch.ops.treadle.paged_attention)
+from treadle.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 SCALE_BYTES = 4  # an int8 KV row's float32 scale, after its values
 
@@ -40,6 +46,24 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _read(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_kv(cache, dtype) if cache.dtype == torch.int8 else cache
+
+
+@dataclass(frozen=True)
+class KeysFromValues:
+    """A layer whose keys are its values times `weight`, rotated by `rotary` at each key's position
+    (Gemma 4's attention_k_eq_v: values = v_norm(x), keys = rope(k_norm(x)) = rope(values * weight)):
+    its cache holds the values alone."""
+
+    weight: torch.Tensor  # float32 [head_dim]: the key norm's
+    rotary: RotaryEmbedding
+
+    def keys(self, values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """values [T, KVH, D] at `positions` [T] -> keys [T, KVH, D] in dtype (float32 arithmetic: in
+        float32 the bits of rope(k_norm(x)), the model's own keys). Positions past the tables (a
+        decode step's gathered blocks run past the request's last key: those keys are masked) take
+        the last row."""
+        cos, signed_sin = self.rotary.tables(positions.clamp(max=self.rotary.cos.shape[0] - 1))
+        return apply_rotary(values.float() * self.weight, cos, signed_sin).to(dtype)
 
 
 @dataclass
@@ -79,33 +103,38 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    derived: KeysFromValues | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. softcap: scores soft-capped before the softmax,
     softcap * tanh(s / softcap) (Gemma 2). sinks: float32 [H], each head's learned logit in the
     softmax's denominator (gpt-oss's attention sinks), or None. k and v None: a layer that shares
-    an earlier layer's KV (kv_layout.py) reads the caches that layer wrote this step and writes nothing."""
-    num_blocks, block_size, kv_heads, row = k_cache.shape
+    an earlier layer's KV (kv_layout.py) reads the caches that layer wrote this step and writes nothing.
+    derived: the keys are made from the values (KeysFromValues; k is None and only v is stored)."""
+    num_blocks, block_size, kv_heads, row = v_cache.shape
     head_dim = q.shape[-1]
-    if k is None:
+    if v is None:
         pass
-    elif k_cache.dtype == torch.int8 and meta.kernel_args is not None and not torch.compiler.is_compiling():
+    elif v_cache.dtype == torch.int8 and meta.kernel_args is not None and not torch.compiler.is_compiling():
         # the kernel's path reads every key from the cache: the rows written in place, in C (the
         # same bits as quantize_kv, without its dozen torch operations per layer)
-        paged.store_int8_rows(k, k_cache, meta.slot_mapping)
+        if derived is None:
+            paged.store_int8_rows(k, k_cache, meta.slot_mapping)
         paged.store_int8_rows(v, v_cache, meta.slot_mapping)
     else:
-        if k_cache.dtype == torch.int8:
-            k, v = quantize_kv(k), quantize_kv(v)  # a fresh chunk's own keys below are these rows too
-        _store(k_cache, meta.slot_mapping, k)
+        if v_cache.dtype == torch.int8:  # a fresh chunk's own keys below are these rows too
+            k, v = (None if derived else quantize_kv(k)), quantize_kv(v)
+        if derived is None:
+            _store(k_cache, meta.slot_mapping, k)
         _store(v_cache, meta.slot_mapping, v)
+    key_args = () if derived is None else (derived.weight, derived.rotary.cos, derived.rotary.sin)
     if meta.kernel_args is not None:
         tables, row_table, key_begin, key_end, span = meta.kernel_args
         if torch.compiler.is_compiling():  # a compiled decode graph: the kernel as an opaque operator
             return torch.ops.treadle.paged_attention(
-                q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0, sinks
+                q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, softcap or 0.0, sinks, *key_args
             )
         return paged.paged_attention(
-            q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0, sinks
+            q, k_cache, v_cache, tables, row_table, key_begin, key_end, scale, span, softcap or 0.0, sinks, *key_args
         )
     if softcap is None and sinks is None:
         attend = F.scaled_dot_product_attention
@@ -120,10 +149,13 @@ def paged_attention(
         tables = meta.decode_block_tables
         length = tables.shape[1] * block_size
         flat_tables = tables.view(-1)
-        keys = _read(k_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
-        values = (
-            _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
-        )
+        values = _read(v_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim)
+        if derived is None:
+            keys = _read(k_cache.index_select(0, flat_tables), q.dtype).view(n, length, kv_heads, head_dim)
+        else:
+            at = torch.arange(length, device=q.device).repeat(n)
+            keys = derived.keys(values.reshape(n * length, kv_heads, head_dim), at, q.dtype).view(values.shape)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         group = q.shape[1] // kv_heads
         extra = {} if sinks is None else {"sinks": sinks.view(1, kv_heads, group, 1)}  # a head's query rows
         decode_out = attend(
@@ -137,14 +169,20 @@ def paged_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)
-        if chunk.mask is None and k is not None:  # nothing cached before this chunk: attend to the fresh keys
-            keys, values = _read(k[rows], q.dtype), _read(v[rows], q.dtype)
+        fresh = chunk.mask is None and v is not None  # nothing cached before this chunk: its fresh keys
+        if fresh:
+            values = _read(v[rows], q.dtype)
+        else:
+            values = _read(
+                v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype
+            )
+        if derived is not None:
+            keys = derived.keys(values, torch.arange(values.shape[0], device=q.device), q.dtype)
+        elif fresh:
+            keys = _read(k[rows], q.dtype)
         else:
             keys = _read(
                 k_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype
-            )
-            values = _read(
-                v_cache.index_select(0, chunk.block_table).view(-1, kv_heads, row)[: chunk.context_len], q.dtype
             )
         o = attend(
             query,

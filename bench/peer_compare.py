@@ -130,9 +130,15 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def kv_bytes_per_token(meta: dict) -> tuple[int, int]:
-    """bf16 K and V of one token in every layer that holds KV, and in every layer as if none shared
-    (Gemma 4: per-layer KV head counts, local and global head sizes, shared_kv_layers)."""
+def kv_bytes_per_token(gguf: str) -> tuple[int, int, int]:
+    """bf16 K and V of one token: in the layers that hold KV, as treadle holds them (a layer whose
+    values are its keys, Gemma 4's attention_k_eq_v: no attn_v tensor, its values once); the same
+    layers with both rows; every layer with both rows, as if none shared (Gemma 4: per-layer KV head
+    counts, local and global head sizes, shared_kv_layers)."""
+    from treadle.model.loading.gguf_file import open_gguf
+
+    f = open_gguf(gguf, tensors=False)
+    meta, names = f.metadata, {info[0] for info in f.infos}
     arch = meta["general.architecture"]
     layers = meta[f"{arch}.block_count"]
     heads = meta[f"{arch}.attention.head_count"]
@@ -144,15 +150,15 @@ def kv_bytes_per_token(meta: dict) -> tuple[int, int]:
     local = pattern if isinstance(pattern, list) else [False] * layers
     each = [2 * kv[i] * (local_dim if local[i] else head_dim) * 2 for i in range(layers)]
     own = layers - meta.get(f"{arch}.attention.shared_kv_layers", 0)
-    return sum(each[:own]), sum(each)
+    rows = [1 if arch == "gemma4" and f"blk.{i}.attn_k.weight" in names and f"blk.{i}.attn_v.weight" not in names
+            else 2 for i in range(layers)]  # fmt: skip
+    return sum(each[i] * rows[i] // 2 for i in range(own)), sum(each[:own]), sum(each)
 
 
 def treadle_serve_command(gguf: str, port: int, extra: list[str]) -> list[str]:
     """`treadle serve` with llama-server's slots and KV memory: 16 sequences, 16,384 tokens of
     every layer in bf16."""
-    from treadle.model.loading.gguf_file import read_metadata
-
-    kv_bytes = 16384 * kv_bytes_per_token(read_metadata(gguf))[0]
+    kv_bytes = 16384 * kv_bytes_per_token(gguf)[1]  # what llama-server's 16,384 cells of these layers take
     return [sys.executable, "-m", "treadle", "serve", "--model", gguf, "--port", str(port), "--max-num-seqs", "16",
             "--kv-cache-memory-bytes", str(kv_bytes), "--block-size", "16", "--threads", "2", *extra]  # fmt: skip
 
@@ -310,10 +316,11 @@ def main() -> int:
     ]
     print("machine:", platform.platform(), f"{os.cpu_count()} cores;", cpu_description())
     print("model:", gguf, f"{os.path.getsize(gguf) / 1e6:.1f} MB")
-    from treadle.model.loading.gguf_file import read_metadata
-
-    held, unshared = kv_bytes_per_token(read_metadata(gguf))
-    print(f"KV per token (bf16): {held} bytes in the layers that hold KV ({unshared} if no layer shared)")
+    held, both, unshared = kv_bytes_per_token(gguf)
+    print(
+        f"KV per token (bf16): treadle {held} bytes in the layers that hold KV ({both} with K = V layers' keys "
+        f"stored too; {unshared} if no layer shared)"
+    )
     print("treadle:", " ".join(treadle_cmd))
     print("llama.cpp:", " ".join(llama_cmd), flush=True)
     logs = {name: open(os.path.join(args.out, f"{name}.log"), "w") for name in ("treadle", "llama")}

@@ -155,6 +155,12 @@ def test_quantized_experts_stay_in_the_files_bits(tmp_path, qwen3_moe, qtype):
         "float32"
     ]
     assert by_type["float32"] <= full - 4 * expert_values, (by_type, full)
+    # each expert's gate and up were read into one buffer: the product's joined weight is that
+    # buffer whole (a view), not a copy made at build while the parts were still held
+    for layer in llm.engine.core.worker.runner.model.layers:
+        for e, joined in enumerate(layer.moe.gate_up):
+            assert joined._base is not None and joined.shape == joined._base.shape, e
+            assert joined.shape[0] == 2 * cfg.moe_intermediate_size
     check_against(reference, llm, prompts(4))
 
 

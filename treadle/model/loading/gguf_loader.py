@@ -257,9 +257,9 @@ def _quantized_weight(path: str, reader, tensor, heads: int | None, out: torch.T
     return weight
 
 
-def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
+def _quantized_experts(path: str, reader, tensor, outs: list[torch.Tensor] | None = None) -> ExpertWeights:
     """A stacked [experts, rows, cols] quantized tensor (llama.cpp's `*_exps`) as one QuantizedTensor
-    per expert, read off the memory map."""
+    per expert, read off the memory map (`outs`: each expert's rows in a buffer it shares, where given)."""
     cols = int(tensor.shape[0])
     try:
         data = tensor.data  # [experts, rows, bytes per row] on the map
@@ -270,12 +270,44 @@ def _quantized_experts(path: str, reader, tensor) -> ExpertWeights:
                 data[e],
                 cols,
                 lambda begin, end, at=e * each: reader.release(tensor, at + begin, at + end),
+                None if outs is None else outs[e],
             )
             for e in range(data.shape[0])
         ]
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name}: {e}") from None
     return ExpertWeights(parts)
+
+
+# a layer's stacked experts the model joins per expert (MoE: gate rows, then up rows)
+JOINED_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+
+
+def expert_join_plan(tensors, kinds) -> dict[str, tuple[str, int, int]]:
+    """Tensor name -> (its layer's gate tensor name, its first row in each expert's buffer, the
+    buffer's rows) for each
+    layer whose stacked gate and up experts are of one quantized type (of `kinds`) and width, the
+    gate's rows whole 16-row groups: each expert's gate and up are then read into one buffer, and
+    the model's join of them (QuantizedTensor.cat) is a view, not a copy of every expert made while
+    the parts are still held (a load peak of a layer's gate and up experts)."""
+    by_name = {t.name: t for t in tensors}
+    plan = {}
+    for t in tensors:
+        if not t.name.endswith("." + JOINED_EXPERTS[0]):
+            continue
+        up = by_name.get(t.name[: -len(JOINED_EXPERTS[0])] + JOINED_EXPERTS[1])
+        if (
+            up is None
+            or t.data.ndim != 3
+            or up.data.ndim != 3
+            or t.tensor_type.name not in kinds
+            or (t.tensor_type, t.data.shape[0], t.data.shape[2]) != (up.tensor_type, up.data.shape[0], up.data.shape[2])
+            or t.data.shape[1] % 16
+        ):
+            continue
+        rows = int(t.data.shape[1] + up.data.shape[1])
+        plan[t.name], plan[up.name] = (t.name, 0, rows), (t.name, int(t.data.shape[1]), rows)
+    return plan
 
 
 def _classifier_labels(path: str, meta: dict, reader) -> list[str] | None:
@@ -318,6 +350,8 @@ def load_gguf(path: str) -> ModelFiles:
     # q/k/v and gate/up read into one buffer each (QuantizedTensor.cat's join is then a view)
     plan = gguf_prefetch.join_plan(reader.tensors, QuantizedTensor.KINDS) if quant.available() else {}
     buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # Joint.key -> (its buffer, filled by the prefetch)
+    expert_plan = expert_join_plan(reader.tensors, QuantizedTensor.KINDS) if quant.available() else {}
+    expert_buffers: dict[str, list[torch.Tensor]] = {}  # a layer's gate name -> each expert's buffer
     for tensor in reader.tensors:
         if tensor.name == "output.weight" and config.head_labels is not None:
             continue  # the classifier is the head a rank-pooled file runs (as llama.cpp does)
@@ -377,9 +411,15 @@ def load_gguf(path: str) -> ModelFiles:
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 2 and quant.available():
             weights[hf] = _quantized_weight(path, reader, tensor, heads)  # held at the file's bits
         elif tensor.tensor_type.name in QuantizedTensor.KINDS and len(shape) == 3 and quant.available():
-            weights[hf] = _quantized_experts(
-                path, reader, tensor
-            )  # [experts, rows, cols], each expert at the file's bits
+            outs = None
+            if tensor.name in expert_plan:  # gate and up rows of each expert in one buffer
+                gate, first, rows = expert_plan[tensor.name]
+                experts, _, row_bytes = tensor.data.shape
+                if gate not in expert_buffers:
+                    expert_buffers[gate] = [torch.empty((rows, row_bytes), dtype=torch.uint8) for _ in range(experts)]
+                outs = [buffer[first : first + shape[1]] for buffer in expert_buffers[gate]]
+            # [experts, rows, cols], each expert at the file's bits
+            weights[hf] = _quantized_experts(path, reader, tensor, outs)
         else:
             shape = tuple(family.gguf_tensor_shape(hf, shape))  # the HF layout's (a mixer's [heads, 1] A is [heads])
             weights[hf] = DeferredWeight(

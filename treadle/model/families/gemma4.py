@@ -525,15 +525,15 @@ class Gemma4Model(Gemma3Model):
             d: RMSNorm(torch.ones(d, dtype=dtype, device=device), eps)
             for d in {config.head_dim, config.global_head_dim}
         }
-        # each layer's KV source: itself, or the earlier layer whose cache a shared layer reads
-        self.sources = [i if s is None else s for i, s in enumerate(config.kv_sources or [None] * config.num_layers)]
-        # the k_eq_v layers' keys, made from their cached values as they are read (shared layers
-        # reading such a layer's cache make them with its weight)
-        self.keys_from_values = {
+        # per layer, how its keys are made from the values its cache holds where its KV source (itself,
+        # or the layer a shared layer reads) is a k_eq_v layer: that layer's k_norm weight; else None
+        made = {
             layer.index: KeysFromValues(layer.k_norm.weight.float().contiguous(), self.global_rotary)
             for layer in self.layers
             if layer.k_eq_v and not layer.shared
         }
+        sources = config.kv_sources or [None] * config.num_layers
+        self.keys_from_values = [made.get(i if src is None else src) for i, src in enumerate(sources)]
 
     def make_norm(self, weight) -> RMSNorm:
         return LlamaModel.make_norm(self, weight)  # Gemma 4's weights multiply (not 1 + w)
@@ -609,7 +609,7 @@ class Gemma4Model(Gemma3Model):
         projected = layer.qkv(x)
         q = layer.q_norm(projected[:, : heads * d].view(t, heads, d))
         k = v = None
-        derived = self.keys_from_values.get(self.sources[layer.index])
+        derived = self.keys_from_values[layer.index]
         if not layer.shared:
             kvh = layer.kv_heads
             raw_k = projected[:, heads * d : (heads + kvh) * d].view(t, kvh, d)

@@ -112,6 +112,14 @@ static inline void prefetch_row(const void *cache, int64_t offset, int64_t head_
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
 }
 
+/* One cache row's values, widened exactly. */
+static inline void widen_row(const void *row, int64_t head_dim, int kv_int8, float *out) {
+    if (kv_int8)
+        for (int64_t d = 0; d < head_dim; d++) out[d] = (float)((const int8_t *)row)[d];
+    else
+        for (int64_t d = 0; d < head_dim; d++) out[d] = bf16_to_f32(((const uint16_t *)row)[d]);
+}
+
 /* Keys made from values (see the header): the key norm's weight, the rotary tables by position. */
 typedef struct {
     const float *weight;     /* [head_dim] */
@@ -122,12 +130,9 @@ typedef struct {
 /* The key of position `pos` from its value row (bf16, or an int8 row), as float32. */
 static void derive_key(const void *row, int64_t head_dim, int kv_int8, const key_derive *kd, int64_t pos, float *k) {
     float x[512];
-    if (kv_int8) {
-        const float vs = row_scale((const int8_t *)row, head_dim);
-        for (int64_t d = 0; d < head_dim; d++) x[d] = ((float)((const int8_t *)row)[d] * vs) * kd->weight[d];
-    } else {
-        for (int64_t d = 0; d < head_dim; d++) x[d] = bf16_to_f32(((const uint16_t *)row)[d]) * kd->weight[d];
-    }
+    widen_row(row, head_dim, kv_int8, x);
+    const float vs = kv_int8 ? row_scale((const int8_t *)row, head_dim) : 1.0f;
+    for (int64_t d = 0; d < head_dim; d++) x[d] = (kv_int8 ? x[d] * vs : x[d]) * kd->weight[d];
     const int64_t half = kd->half;
     const float *c = kd->cos + pos * half, *s = kd->sin + pos * half;
     for (int64_t d = 0; d < half; d++) {
@@ -135,14 +140,6 @@ static void derive_key(const void *row, int64_t head_dim, int kv_int8, const key
         k[d + half] = x[d + half] * c[d] + x[d] * s[d];
     }
     for (int64_t d = 2 * half; d < head_dim; d++) k[d] = x[d];
-}
-
-/* One cache row's values, widened exactly. */
-static inline void widen_row(const void *row, int64_t head_dim, int kv_int8, float *out) {
-    if (kv_int8)
-        for (int64_t d = 0; d < head_dim; d++) out[d] = (float)((const int8_t *)row)[d];
-    else
-        for (int64_t d = 0; d < head_dim; d++) out[d] = bf16_to_f32(((const uint16_t *)row)[d]);
 }
 
 /* q . k over head_dim: lane l sums q[d] * k[d] for d = l, l + 16, ... (a product, then fmas), then

@@ -285,11 +285,10 @@ JOINED_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 
 def expert_join_plan(tensors, kinds) -> dict[str, tuple[str, int, int]]:
     """Tensor name -> (its layer's gate tensor name, its first row in each expert's buffer, the
-    buffer's rows) for each
-    layer whose stacked gate and up experts are of one quantized type (of `kinds`) and width, the
-    gate's rows whole 16-row groups: each expert's gate and up are then read into one buffer, and
-    the model's join of them (QuantizedTensor.cat) is a view, not a copy of every expert made while
-    the parts are still held (a load peak of a layer's gate and up experts)."""
+    buffer's rows) for each layer whose stacked gate and up experts are of one quantized type (of
+    `kinds`) and width, the gate's rows whole 16-row groups: each expert's gate and up are then read
+    into one buffer, and the model's join of them (QuantizedTensor.cat) is a view, not a copy of
+    every expert made while the parts are still held (a load peak of a layer's gate and up experts)."""
     by_name = {t.name: t for t in tensors}
     plan = {}
     for t in tensors:

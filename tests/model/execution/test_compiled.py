@@ -292,6 +292,38 @@ def _state(pid: str) -> str | None:
     return None if fields is None else fields[0]
 
 
+def test_a_layer_whose_keys_are_made_from_its_values_goes_in_as_its_pool(cache_home):
+    """A K = V layer's caches (Gemma 4's attention_k_eq_v: kv_layout's one row) are one view for
+    both, and where that row fills the page the view spans the pool whole and is contiguous: given
+    as inputs, the two views and another layer's pool of the same storage would alias (aot_autograd
+    refuses a graph whose aliased inputs are written). graph_kv passes the pool and offsets for
+    every cache over a shared storage; the graph writes where the eager code writes."""
+    from treadle.model.execution.runner import _zeros
+
+    def pool_and_caches(blocks: int):
+        pool = _zeros((blocks, 32), torch.float32, torch.device("cpu"))
+        whole = pool[:, :].view(blocks, 4, 2, 4)  # values alone, filling the page
+        return pool, [(whole, pool[:, :].view(blocks, 4, 2, 4))]
+
+    def step(kv, slots, x):
+        ((k, v),) = compiled._views(kv)
+        v[slots // 4, slots % 4] = x
+        return k.index_select(0, slots // 4).sum(dim=(1, 2, 3))
+
+    x, slots = torch.randn(2, 2, 4), torch.tensor([1, 6])
+    _, small = pool_and_caches(3)
+    kv = compiled.graph_kv(small)
+    assert len(kv[0]) == 4  # the pool, the key's and value's offsets (the same), the row shape
+    torch._dynamo.mark_dynamic(kv[0][0], 0)
+    fn = torch.compile(step, fullgraph=True).aot_compile(((kv, slots, x), {}))
+    for blocks in (2, 40):
+        pool, caches = pool_and_caches(blocks)
+        want_pool, want_caches = pool_and_caches(blocks)
+        want = step(compiled.graph_kv(want_caches), slots, x)
+        torch.testing.assert_close(fn(compiled.graph_kv(caches), slots, x), want)
+        assert torch.equal(pool, want_pool) and torch.equal(pool[1, 16:24], x[1].reshape(-1))
+
+
 def test_a_graph_over_a_mixed_pools_views_fits_a_pool_of_another_size(cache_home):
     """Caches that are views into one pool of mixed pages (Gemma 4's local and global layers,
     kv_layout.py) go into a graph as the pool and their offsets (graph_kv): a view given as an

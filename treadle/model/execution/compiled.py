@@ -175,10 +175,15 @@ def graph_kv(kv_caches) -> list:
     """The layers' caches as a graph takes them. A cache that is a view into a pool of mixed pages
     (kv_layout.py) goes in as its pool, the key's and value's offsets in a page and the row shape,
     and the view is made in the graph: a view given as an input has its base's storage size, so
-    the pool's block count, baked into the graph's guards."""
-    out, pools = [], {}
+    the pool's block count, baked into the graph's guards, and views of one storage given as
+    inputs alias (a layer whose keys are made from its values has one view for both, which may
+    span its pool whole)."""
+    out, pools, tensors = [], {}, {}
+    for pair in kv_caches:  # the distinct tensors over each storage (a layer that shares KV repeats its source's)
+        for t in pair:
+            tensors.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
     for k, v in kv_caches:
-        if k.is_contiguous():
+        if len(tensors[k.untyped_storage().data_ptr()]) == 1:  # a tensor of its own, not a view into a pool
             out.append((k, v))
             continue
         storage = k.untyped_storage()
